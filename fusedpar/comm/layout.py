@@ -1,0 +1,29 @@
+"""Signal-pad layout shared by every symmetric-memory kernel (Triton and CUDA).
+
+Each rank's symmetric segment is ``[pad: PAD_BYTES][data: nbytes]``. The pad is an int32
+array with fixed word offsets, so kernels need no world-size arithmetic to find a flag:
+
+- ``READY + src``: the epoch whose input ``src`` has staged in its data region. Written by
+  ``src`` into every peer's pad (release); read by the owner (acquire).
+- ``DONE + src``: the epoch up to which ``src`` has finished reading its peers' data. The
+  owner waits for it before overwriting its data region in the next epoch.
+- ``META``: a 31-bit fingerprint of the owner's input (op, dtype, shape) for the staged
+  epoch; a reader compares it with its own to catch inputs that differ across ranks.
+- ``STATUS .. STATUS+3``: local only: ``[code, src, epoch, 0]`` of the first failure.
+
+``csrc/kernels/symm_collectives.cu`` repeats these numbers; a test keeps them equal.
+"""
+
+MAX_WORLD = 256
+READY = 0
+DONE = MAX_WORLD
+META = 2 * MAX_WORLD
+STATUS = 2 * MAX_WORLD + 4
+PAD_WORDS = 1024
+PAD_BYTES = 4 * PAD_WORDS
+
+# STATUS[0] codes
+OK = 0
+TIMEOUT_READY = 1
+TIMEOUT_DONE = 2
+META_MISMATCH = 3

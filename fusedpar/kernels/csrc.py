@@ -1,0 +1,26 @@
+"""Launchers for the CUDA kernels of ``csrc/`` (``torch.ops.fusedpar._cuda_*``), with the
+same signatures as the Triton launchers so a backend can take either set."""
+
+import torch
+
+
+def wait_flags(pad_table, word_base, rank, world_size, epoch, max_spins, code) -> None:
+    torch.ops.fusedpar._cuda_wait_flags(pad_table, word_base, rank, world_size, epoch, max_spins, code)
+
+
+def signal_peers(pad_table, word_base, rank, world_size, epoch, meta) -> None:
+    torch.ops.fusedpar._cuda_signal_peers(pad_table, word_base, rank, world_size, epoch, meta)
+
+
+def all_gather_pull(out, x, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins,
+                    stats) -> None:
+    torch.ops.fusedpar._cuda_all_gather_pull(
+        out, x, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins, stats
+    )
+
+
+def reduce_scatter_pull(out, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins,
+                        stats, scale=1.0) -> None:
+    torch.ops.fusedpar._cuda_reduce_scatter_pull(
+        out, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins, stats, scale
+    )

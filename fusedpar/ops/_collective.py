@@ -1,0 +1,223 @@
+"""What all_gather and reduce_scatter share: the call description, input checks, the
+symmetric-memory protocol their ``triton`` and ``cuda`` backends run, and availability.
+
+Protocol of one call (epoch e) on every rank, kernels in stream order:
+  1. wait DONE[p] >= e-1 for every peer p: nobody still reads our data region;
+  2. copy the input into our data region; publish its fingerprint; raise READY[me] = e
+     in every peer's pad;
+  3. the pull kernel: per source, wait READY[src] >= e, compare fingerprints, read;
+  4. raise DONE[me] = e in every peer's pad; surface any recorded timeout or mismatch.
+Step 1 of the next call, not a barrier at the end of this one, protects the buffer, so a
+rank returns as soon as its own pulls are done.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from .. import _extension
+from ..comm import layout, symmetric
+from .backend import Backend
+from ..kernels import all_gather as all_gather_kernels
+from ..kernels import csrc as csrc_launchers
+from ..kernels import reduce_scatter as reduce_scatter_kernels
+from ..kernels import signal as signal_kernels
+
+GATHER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+TRITON_LAUNCHERS = SimpleNamespace(
+    wait_flags=signal_kernels.wait_flags,
+    signal_peers=signal_kernels.signal_peers,
+    all_gather_pull=all_gather_kernels.all_gather_pull,
+    reduce_scatter_pull=reduce_scatter_kernels.reduce_scatter_pull,
+)
+CUDA_LAUNCHERS = csrc_launchers
+
+# dist.all_gather_single / reduce_scatter_single replace the *_tensor names in torch 2.13+.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveCall:
+    """One rank's call of a collective; ``group`` is None for a loopback call."""
+
+    op: str
+    x: torch.Tensor
+    dim: int
+    world_size: int
+    group: dist.ProcessGroup | None = None
+    reduce_op: str = ""
+
+    def cache_key(self) -> tuple:
+        name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
+        return (name, self.x.device.type, self.x.dtype)
+
+    def describe(self) -> str:
+        return (f"x of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
+                f"dim={self.dim}, world size {self.world_size}")
+
+    @property
+    def outer(self) -> int:
+        return math.prod(self.x.shape[: self.dim])
+
+    def fingerprint(self) -> int:
+        return symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,
+                                     self.reduce_op)
+
+
+def check_dim(op: str, x: torch.Tensor, dim: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fusedpar.{op}: x must be a Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"fusedpar.{op}: x is a 0-d tensor; give it at least one dimension")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"fusedpar.{op}: dim={dim} is out of range for x with {x.dim()} dims")
+    return dim % x.dim()
+
+
+def check_dtype(op: str, x: torch.Tensor, allowed) -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"fusedpar.{op}: x has dtype {x.dtype}; supported: {names}")
+
+
+# ---- availability -----------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
+    return type(signal_kernels.signal_peers_kernel).__name__ == "InterpretedFunction"
+
+
+def triton_reasons(call: CollectiveCall) -> list[str]:
+    device = call.x.device
+    if device.type == "cpu":
+        if not _interpreting():
+            flag = os.environ.get("TRITON_INTERPRET")
+            return ["Triton kernels run on CPU only in the interpreter: set TRITON_INTERPRET=1 "
+                    "before importing fusedpar" + (" (it was set too late)" if flag == "1" else "")]
+        if call.group is not None:
+            reason = symmetric.shm_unsupported_reason(call.group)  # collective, cached
+            return [reason] if reason else []
+        return []
+    if device.type == "cuda":
+        if _interpreting():
+            return ["TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors"]
+        reason = symmetric.torch_symm_unsupported_reason(device)
+        return [reason] if reason else []
+    return [f"no symmetric memory for device type {device.type!r}"]
+
+
+def cuda_reasons(call: CollectiveCall) -> list[str]:
+    if call.x.device.type != "cuda":
+        return ["the CUDA kernels need CUDA tensors"]
+    reasons = []
+    reason = _extension.cuda_ops_unavailable_reason()
+    if reason:
+        reasons.append(reason)
+    reason = symmetric.torch_symm_unsupported_reason(call.x.device)
+    if reason:
+        reasons.append(reason)
+    return reasons
+
+
+# ---- the symmetric-memory protocol --------------------------------------------------------
+
+
+def stats_tensor(device) -> torch.Tensor:
+    """Where a pull kernel adds the bytes it read from peers."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def run_staged(op: str, launchers, bufs, xs, meta: int, pull) -> list[torch.Tensor]:
+    """Run steps 1-4 above for each rank view in ``bufs`` (one, or all W for loopback).
+
+    Each phase runs for every view before the next phase starts, so one process can play
+    all ranks: by the time any view waits, every view has signalled.
+    ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel.
+    """
+    world = bufs[0].world_size
+    epochs = [b.next_epoch() for b in bufs]
+    staged = []
+    for buf, x, epoch in zip(bufs, xs, epochs):
+        if epoch > 1:
+            launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, world, epoch - 1,
+                                 buf.max_spins, layout.TIMEOUT_DONE)
+        view = buf.data(x.dtype, x.numel()).view(x.shape)
+        view.copy_(x)
+        launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, meta)
+        staged.append(view)
+    outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
+    for buf, epoch in zip(bufs, epochs):
+        launchers.signal_peers(buf.pad_table, layout.DONE, buf.rank, world, epoch, -1)
+    for buf in bufs:
+        buf.finish(op)
+    return outs
+
+
+class SymmetricBackend(Backend):
+    """A backend running the protocol above with one launcher set (Triton or CUDA);
+    subclasses implement ``pull``."""
+
+    def __init__(self, name: str, launchers, reasons):
+        self.name, self.launchers, self._reasons = name, launchers, reasons
+
+    def not_supported_reasons(self, call):
+        return self._reasons(call)
+
+    def run(self, call: CollectiveCall) -> torch.Tensor:
+        buf = symmetric.get_buffer(call.group, call.x.numel() * call.x.element_size(), call.x.device)
+        return self.run_views([buf], [call.x], call)[0]
+
+    def run_views(self, bufs, xs, call: CollectiveCall) -> list[torch.Tensor]:
+        meta = call.fingerprint()
+        return run_staged(call.op, self.launchers, bufs, xs, meta,
+                          lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta))
+
+    def pull(self, call, buf, staged, epoch, meta) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def raise_on_mismatch(call: CollectiveCall) -> None:
+    """Reference backends: all-gather the fingerprints (one tiny collective) and compare."""
+    x, world = call.x, call.world_size
+    mine = torch.tensor([call.fingerprint()], dtype=torch.int64, device=x.device)
+    metas = torch.empty(world, dtype=torch.int64, device=x.device)
+    all_gather_single(metas, mine, group=call.group)
+    rank = dist.get_rank(call.group)
+    for r, m in enumerate(metas.tolist()):
+        if m != mine.item():
+            raise ValueError(
+                f"fusedpar.{call.op}: rank {rank} and rank {r} of group {call.group.group_name!r} "
+                "passed different inputs (shape, dtype, dim or op differ); every rank must call "
+                "the op with the same shape and dtype"
+            )
+
+
+def run_loopback(dispatcher, xs, dim: int, backend: str, dtypes, **extra) -> list[torch.Tensor]:
+    """Every rank's part of a collective in this process, over a loopback buffer."""
+    op = dispatcher.op
+    if backend not in ("triton", "cuda"):
+        raise ValueError(f"fusedpar.{op}_loopback: backend must be 'triton' or 'cuda', got {backend!r}")
+    if len(xs) < 1:
+        raise ValueError(f"fusedpar.{op}_loopback: xs must hold one tensor per simulated rank")
+    first = xs[0]
+    for r, x in enumerate(xs):
+        if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"fusedpar.{op}_loopback: xs[{r}] is {tuple(x.shape)} {x.dtype} on {x.device}, "
+                f"xs[0] is {tuple(first.shape)} {first.dtype} on {first.device}; they must match"
+            )
+    call = CollectiveCall(op, first, check_dim(op, first, dim), len(xs), **extra)
+    check_dtype(op, first, dtypes)
+    chosen = dispatcher.select(call, backend)
+    bufs = symmetric.get_loopback_buffers(len(xs), first.numel() * first.element_size(), first.device)
+    return chosen.run_views(bufs, xs, call)

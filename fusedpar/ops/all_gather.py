@@ -1,0 +1,106 @@
+"""``fusedpar.ops.all_gather``: concatenate every rank's tensor along ``dim``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import counters, group_name, resolve_group
+from . import _collective as C
+from .backend import Backend, Dispatcher
+
+OP = "all_gather"
+
+
+def _out_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] *= world
+    return shape
+
+
+class Reference(Backend):
+    """``dist.all_gather_single`` into ``[W, *x.shape]``, then move W next to ``dim``."""
+
+    name = "reference"
+
+    def run(self, call: C.CollectiveCall) -> torch.Tensor:
+        x, world = call.x, call.world_size
+        C.raise_on_mismatch(call)
+        stacked = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+        C.all_gather_single(stacked, x.contiguous().view(-1), group=call.group)
+        stacked = stacked.view(world, *x.shape)
+        # the ring algorithm's nominal volume: torch.distributed reports no traffic
+        counters.record(OP, self.name, (world - 1) * x.numel() * x.element_size())
+        return stacked.movedim(0, call.dim).reshape(_out_shape(x, call.dim, world))
+
+
+class Symmetric(C.SymmetricBackend):
+    """Stage the input in symmetric memory; one kernel pulls every peer's shard."""
+
+    def pull(self, call, buf, staged, epoch, meta):
+        x, world, outer = call.x, call.world_size, call.outer
+        inner = x.numel() // outer
+        out = torch.empty((outer, world, inner), dtype=x.dtype, device=x.device)
+        stats = C.stats_tensor(x.device)
+        self.launchers.all_gather_pull(out, staged, buf.pad_table, buf.rank, world, epoch, meta,
+                                       outer, inner, buf.max_spins, stats)
+        counters.record(OP, self.name, stats)
+        return out.view(_out_shape(x, call.dim, world))
+
+
+BACKENDS = Dispatcher(OP, [
+    Symmetric("triton", C.TRITON_LAUNCHERS, C.triton_reasons),
+    Symmetric("cuda", C.CUDA_LAUNCHERS, C.cuda_reasons),
+    Reference(),
+])
+
+
+@torch.library.custom_op("fusedpar::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, dim: int, group_name: str, backend: str) -> torch.Tensor:
+    dim = C.check_dim(OP, x, dim)
+    C.check_dtype(OP, x, C.GATHER_DTYPES)
+    group = resolve_group(group_name)
+    call = C.CollectiveCall(OP, x, dim, dist.get_world_size(group), group)
+    return BACKENDS.select(call, backend).run(call)
+
+
+@_all_gather_op.register_fake
+def _(x, dim, group_name, backend):
+    dim = C.check_dim(OP, x, dim)
+    return x.new_empty(_out_shape(x, dim, dist.get_world_size(resolve_group(group_name))))
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name, ctx.backend = inputs
+
+
+def _backward(ctx, grad):
+    from .reduce_scatter import reduce_scatter
+
+    return reduce_scatter(grad, "sum", ctx.dim, ctx.group_name, backend=ctx.backend), None, None, None
+
+
+_all_gather_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def all_gather(x: torch.Tensor, dim: int = 0, group=None, *, backend: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; the same as::
+
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        out = torch.cat(parts, dim=dim)
+
+    ``group``: ProcessGroup, 1-D DeviceMesh, ``(mesh, axis_name)``, group name or None
+    (world). ``backend``: ``"reference"``, ``"triton"`` or ``"cuda"``; by default the first
+    that supports the call (``fusedpar info`` lists them). Every rank must pass the same
+    shape and dtype; a difference raises ``ValueError``. Any layout is accepted.
+    Differentiable: the gradient is ``reduce_scatter(grad, "sum", dim, group)``.
+    """
+    return _all_gather_op(x, dim, group_name(group), backend or "")
+
+
+def all_gather_loopback(xs: list[torch.Tensor], dim: int = 0, *, backend: str = "triton") -> list[torch.Tensor]:
+    """Every rank's part of ``all_gather`` in this process (rank r's input is ``xs[r]``)
+    over a loopback symmetric buffer; returns each rank's output, which equals
+    ``torch.cat(xs, dim)``. For single-device benchmarks and tests of the protocol."""
+    return C.run_loopback(BACKENDS, xs, dim, backend, C.GATHER_DTYPES)

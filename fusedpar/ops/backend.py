@@ -1,0 +1,79 @@
+"""Backend selection shared by every op (DESIGN.md §2).
+
+An op lists its backends in priority order; each says why it cannot take a call
+(``not_supported_reasons``). The first with no reasons runs. ``backend=`` forces one (and
+fails loudly if it refuses); ``FUSEDPAR_BACKEND`` forces one for every op that has it.
+Reasons depend only on what is identical on every rank (device type, dtype, shape, group,
+installed extensions; collective checks are agreed and cached per group), so every rank
+picks the same backend; the choice is cached per (op, group, device type, dtype).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import BackendNotSupportedError
+
+
+class Backend:
+    """One way to run an op. Subclasses set ``name`` and implement ``run``."""
+
+    name = ""
+
+    def not_supported_reasons(self, call) -> list[str]:
+        return []
+
+    def run(self, call):
+        raise NotImplementedError
+
+
+class Dispatcher:
+    def __init__(self, op: str, backends: list[Backend]):
+        self.op = op
+        self.backends = {b.name: b for b in backends}
+        self._cache: dict[tuple, Backend] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.backends)
+
+    def forced_name(self, requested: str) -> str:
+        if requested:
+            if requested not in self.backends:
+                raise BackendNotSupportedError(
+                    f"fusedpar.{self.op}: backend={requested!r} does not exist; "
+                    f"choose one of {self.names}"
+                )
+            return requested
+        env = os.environ.get("FUSEDPAR_BACKEND", "")
+        return env if env in self.backends else ""
+
+    def select(self, call, requested: str = "") -> Backend:
+        forced = self.forced_name(requested)
+        key = (call.cache_key(), forced)
+        if key not in self._cache:
+            self._cache[key] = self._choose(call, forced)
+        return self._cache[key]
+
+    def _choose(self, call, forced: str) -> Backend:
+        if forced:
+            reasons = self.backends[forced].not_supported_reasons(call)
+            if reasons:
+                raise BackendNotSupportedError(
+                    f"fusedpar.{self.op}: backend {forced!r} was forced but cannot run "
+                    f"{call.describe()}: " + "; ".join(reasons)
+                )
+            return self.backends[forced]
+        rejected = []
+        for backend in self.backends.values():
+            reasons = backend.not_supported_reasons(call)
+            if not reasons:
+                return backend
+            rejected.append(f"  {backend.name}: " + "; ".join(reasons))
+        raise BackendNotSupportedError(
+            f"fusedpar.{self.op}: no backend can run {call.describe()}:\n" + "\n".join(rejected)
+        )
+
+    def availability(self, call) -> dict[str, list[str]]:
+        """Every backend's reasons for ``call`` (empty list = available); for ``fusedpar info``."""
+        return {name: b.not_supported_reasons(call) for name, b in self.backends.items()}

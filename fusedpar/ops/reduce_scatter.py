@@ -1,0 +1,127 @@
+"""``fusedpar.ops.reduce_scatter``: sum (or average) over ranks, each keeping one slice of ``dim``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import counters, group_name, resolve_group
+from . import _collective as C
+from .backend import Backend, Dispatcher
+
+OP = "reduce_scatter"
+REDUCE_OPS = ("sum", "avg")
+
+
+def _out_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] //= world
+    return shape
+
+
+def _check(x, reduce_op: str, dim: int, world: int) -> int:
+    dim = C.check_dim(OP, x, dim)
+    C.check_dtype(OP, x, C.REDUCE_DTYPES)
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"fusedpar.{OP}: op={reduce_op!r}; supported: {', '.join(REDUCE_OPS)}")
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"fusedpar.{OP}: x.shape[{dim}] = {x.shape[dim]} is not divisible by the world size "
+            f"{world}; pad dim {dim} to a multiple of {world}"
+        )
+    return dim
+
+
+class Reference(Backend):
+    """``dist.reduce_scatter_single`` over ``[W, outer, inner]`` (W moved to the front)."""
+
+    name = "reference"
+
+    def run(self, call: C.CollectiveCall) -> torch.Tensor:
+        x, world = call.x, call.world_size
+        C.raise_on_mismatch(call)
+        chunks = x.reshape(call.outer, world, -1).transpose(0, 1).contiguous()
+        out = torch.empty(chunks[0].numel(), dtype=x.dtype, device=x.device)
+        C.reduce_scatter_single(out, chunks.view(-1), group=call.group)
+        if call.reduce_op == "avg":  # gloo has no AVG
+            out.div_(world)
+        counters.record(OP, self.name, (world - 1) * out.numel() * x.element_size())
+        return out.view(_out_shape(x, call.dim, world))
+
+
+class Symmetric(C.SymmetricBackend):
+    """Stage the input in symmetric memory; one kernel sums every rank's slice in fp32."""
+
+    def pull(self, call, buf, staged, epoch, meta):
+        x, world, outer = call.x, call.world_size, call.outer
+        inner = x.numel() // (outer * world)
+        out = torch.empty((outer, inner), dtype=x.dtype, device=x.device)
+        stats = C.stats_tensor(x.device)
+        scale = 1.0 / world if call.reduce_op == "avg" else 1.0
+        self.launchers.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch, meta, outer,
+                                           inner, buf.max_spins, stats, scale)
+        counters.record(OP, self.name, stats)
+        return out.view(_out_shape(x, call.dim, world))
+
+
+BACKENDS = Dispatcher(OP, [
+    Symmetric("triton", C.TRITON_LAUNCHERS, C.triton_reasons),
+    Symmetric("cuda", C.CUDA_LAUNCHERS, C.cuda_reasons),
+    Reference(),
+])
+
+
+@torch.library.custom_op("fusedpar::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, reduce_op: str, dim: int, group_name: str,
+                       backend: str) -> torch.Tensor:
+    group = resolve_group(group_name)
+    world = dist.get_world_size(group)
+    dim = _check(x, reduce_op, dim, world)
+    call = C.CollectiveCall(OP, x, dim, world, group, reduce_op)
+    return BACKENDS.select(call, backend).run(call)
+
+
+@_reduce_scatter_op.register_fake
+def _(x, reduce_op, dim, group_name, backend):
+    world = dist.get_world_size(resolve_group(group_name))
+    return x.new_empty(_out_shape(x, _check(x, reduce_op, dim, world), world))
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.reduce_op, ctx.dim, ctx.group_name, ctx.backend = inputs
+
+
+def _backward(ctx, grad):
+    from .all_gather import all_gather
+
+    dx = all_gather(grad, ctx.dim, ctx.group_name, backend=ctx.backend)
+    if ctx.reduce_op == "avg":
+        dx = dx / dist.get_world_size(resolve_group(ctx.group_name))
+    return dx, None, None, None, None
+
+
+_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def reduce_scatter(x: torch.Tensor, op: str = "sum", dim: int = 0, group=None, *,
+                   backend: str | None = None) -> torch.Tensor:
+    """Reduce ``x`` over ranks and keep this rank's slice of ``dim``; the same as::
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        total = x.clone(); dist.all_reduce(total, group=group)      # "sum"
+        out = total.chunk(world, dim=dim)[rank]                     # "avg": / world
+
+    ``x.shape[dim]`` must be divisible by the world size. Symmetric-memory backends sum in
+    fp32 in rank order and round once. ``group`` and ``backend`` as in ``all_gather``.
+    Differentiable: the gradient is ``all_gather(grad, dim, group)`` (``/ W`` for "avg").
+    """
+    return _reduce_scatter_op(x, op, dim, group_name(group), backend or "")
+
+
+def reduce_scatter_loopback(xs: list[torch.Tensor], op: str = "sum", dim: int = 0, *,
+                            backend: str = "triton") -> list[torch.Tensor]:
+    """Every rank's part of ``reduce_scatter`` in this process (rank r's input is
+    ``xs[r]``) over a loopback buffer; returns each rank's output. For benchmarks/tests."""
+    if xs:
+        _check(xs[0], op, dim, len(xs))
+    return C.run_loopback(BACKENDS, xs, dim, backend, C.REDUCE_DTYPES, reduce_op=op)

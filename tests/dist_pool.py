@@ -1,0 +1,126 @@
+"""Spawned worker processes that act as the ranks of a gloo world, reused across tests.
+
+``pool.run(fn, *args)`` runs the module-level function ``fn(*args)`` on every rank and
+returns the per-rank results (rank order). If any rank raises, dies or overruns the
+deadline, the pool is torn down (its state can no longer be trusted) and the error,
+with each failing rank's traceback, is raised; the registry starts a new pool next time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+
+
+class WorkerDied:
+    """In ``run(..., tolerate_death=True)`` results: a rank whose process exited."""
+
+    def __init__(self, rank: int, exitcode):
+        self.rank, self.exitcode = rank, exitcode
+
+    def __repr__(self):
+        return f"WorkerDied(rank={self.rank}, exitcode={self.exitcode})"
+
+
+class PoolError(AssertionError):
+    pass
+
+
+def _worker_main(rank, world_size, init_file, tasks, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, rendezvous_dir):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        init_file = os.path.join(str(rendezvous_dir), f"init_{world_size}_{time.time_ns()}")
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker_main, daemon=True,
+                        args=(r, world_size, init_file, self.tasks[r], self.results))
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float = 240, tolerate_death: bool = False, **kwargs):
+        if self.broken:
+            raise PoolError("pool is broken")
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, object] = {}
+        failures: list[str] = []
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
+            try:
+                rank, ok, payload = self.results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in results]
+                for r in dead:
+                    results[r] = WorkerDied(r, self.procs[r].exitcode)
+                    if not tolerate_death:
+                        failures.append(f"rank {r} died with exit code {self.procs[r].exitcode}")
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.world_size) if r not in results]
+                    failures.append(f"ranks {missing} did not finish within {timeout} s")
+                    break
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                results[rank] = None
+                failures.append(f"rank {rank} raised:\n{payload}")
+        if failures or any(isinstance(v, WorkerDied) for v in results.values()):
+            self.close()
+        if failures:
+            raise PoolError(f"{fn.__qualname__} failed on a {self.world_size}-rank pool:\n"
+                            + "\n".join(failures))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self):
+        self.broken = True
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+class PoolRegistry:
+    def __init__(self, rendezvous_dir):
+        self.rendezvous_dir = rendezvous_dir
+        self.pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world_size: int) -> WorkerPool:
+        pool = self.pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self.pools[world_size] = WorkerPool(world_size, self.rendezvous_dir)
+        return pool
+
+    def close(self):
+        for pool in self.pools.values():
+            pool.close()

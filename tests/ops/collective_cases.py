@@ -1,0 +1,84 @@
+"""Rank-side helpers shared by the all_gather and reduce_scatter tests (run inside workers)."""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.comm import get_buffer
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def rank_data(shape, dtype, rank, salt=0):
+    """Small integers (exact in every dtype, sums too) that encode the rank and position."""
+    n = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float64).view(shape)
+    return ((n * 7 + salt) % 13 + 16 * (rank + 1)).to(dtype)
+
+
+def poison_symmetric(group, nbytes, device="cpu"):
+    """Fill this rank's symmetric data region with NaN bytes so stale data cannot pass."""
+    buf = get_buffer(group, nbytes, torch.device(device))
+    buf.data(torch.uint8, buf.capacity).fill_(0xFF)
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """torch.empty returns NaN / INT_MAX-filled memory: outputs a kernel skips cannot pass."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@contextlib.contextmanager
+def env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def chosen_backend(op, x, dim, group, **extra):
+    """The backend op ``op``'s dispatcher picks for this call."""
+    from fusedpar.ops._collective import CollectiveCall
+
+    call = CollectiveCall(op, x, dim % x.dim(), dist.get_world_size(group), group, **extra)
+    return fusedpar.ops.DISPATCHERS[op].select(call).name
+
+
+def subgroup():
+    """A fresh group over all ranks: its symmetric buffer starts clean."""
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+def timeout_case(op, stall_rank, mode, timeout_s):
+    """``stall_rank`` sleeps (``mode="stall"``) or exits (``mode="die"``) instead of calling
+    ``op``; every other rank must fail with FusedparTimeoutError within the timeout."""
+    import time
+
+    with env(FUSEDPAR_TIMEOUT=timeout_s):
+        group = subgroup()
+        x = torch.ones(4 * dist.get_world_size(), 3)
+        op(x, group)  # a healthy call first: the buffer exists on every rank
+        rank = dist.get_rank()
+        if rank == stall_rank:
+            if mode == "die":
+                os._exit(3)
+            time.sleep(timeout_s * 3)
+            return None
+        start = time.monotonic()
+        try:
+            op(x, group)
+        except fusedpar.FusedparTimeoutError as e:
+            return {"elapsed": time.monotonic() - start, "message": str(e)}
+        raise AssertionError("the op returned although a peer never called it")

@@ -1,0 +1,510 @@
+"""ParallelConfig: validation on CPU without process groups, and mesh building on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import queue as queue_mod
+import time
+import traceback
+import warnings
+
+import pytest
+
+from fusedpar.errors import FusedparError, ParallelConfigError
+from fusedpar.parallel import (
+    EP_MESH_AXES,
+    FLATTENED_AXES,
+    MESH_AXES,
+    ParallelConfig,
+    get_submesh,
+)
+from fusedpar.parallel import ParallelConfigError as ReexportedError
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_error_type():
+    assert ReexportedError is ParallelConfigError
+    assert issubclass(ParallelConfigError, ValueError)
+    assert issubclass(ParallelConfigError, FusedparError)
+
+
+def test_defaults_are_pure_fsdp():
+    cfg = ParallelConfig()
+    assert (cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.cp, cfg.ep) == (1, -1, 1, 1, 1)
+    assert not cfg.is_resolved and cfg.world_size is None
+    assert ParallelConfig().validate(8) == ParallelConfig(dp_shard=8)
+
+
+def test_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        ParallelConfig(1, 2)  # type: ignore[misc]
+    cfg = ParallelConfig(tp=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tp = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs, world, expected",
+    [
+        ({}, 1, (1, 1, 1, 1, 1)),
+        ({}, 8, (1, 8, 1, 1, 1)),
+        ({"tp": 2}, 8, (1, 4, 2, 1, 1)),
+        ({"tp": 8}, 8, (1, 1, 8, 1, 1)),
+        ({"cp": 2, "tp": 2}, 8, (1, 2, 2, 2, 1)),
+        ({"dp_replicate": 2}, 8, (2, 4, 1, 1, 1)),
+        ({"dp_replicate": 2, "tp": 2}, 16, (2, 4, 2, 1, 1)),
+        ({"dp_replicate": 4, "dp_shard": 2, "tp": 2}, 16, (4, 2, 2, 1, 1)),  # Axolotl 4x2x2
+        ({"dp_replicate": -1, "dp_shard": 2}, 8, (4, 2, 1, 1, 1)),
+        ({"dp_replicate": -1, "dp_shard": 4, "tp": 2}, 64, (8, 4, 2, 1, 1)),
+        ({"ep": 8}, 8, (1, 8, 1, 1, 8)),
+        ({"tp": 2, "ep": 4}, 8, (1, 4, 2, 1, 4)),  # ep borrows from dp_shard x tp
+        ({"cp": 2, "tp": 2, "ep": 8}, 16, (1, 4, 2, 2, 8)),
+        ({"dp_replicate": 3}, 6, (3, 2, 1, 1, 1)),  # odd sizes
+        ({"tp": 3, "ep": 5}, 15, (1, 5, 3, 1, 5)),
+    ],
+)
+def test_validate_resolves(kwargs, world, expected):
+    cfg = ParallelConfig(**kwargs).validate(world)
+    assert (cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.cp, cfg.ep) == expected
+    assert cfg.is_resolved and cfg.world_size == world
+    assert cfg.mesh_shape == (cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.tp)
+    assert cfg.dp == cfg.dp_replicate * cfg.dp_shard
+    assert cfg.dp_shard_cp == cfg.dp_shard * cfg.cp
+    assert cfg.efsdp * cfg.ep == cfg.dp_shard * cfg.cp * cfg.tp
+    assert cfg.validate(world) == cfg  # idempotent
+    assert ParallelConfig(**kwargs).validate(world) is not ParallelConfig(**kwargs)
+
+
+def test_validate_returns_copy_and_leaves_original():
+    cfg = ParallelConfig(tp=2)
+    resolved = cfg.validate(8)
+    assert cfg.dp_shard == -1 and resolved.dp_shard == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, world, fragments",
+    [
+        # product of explicit degrees differs from the world size
+        (
+            {"dp_shard": 3, "tp": 2},
+            8,
+            [
+                "dp_replicate(1) * dp_shard(3) * cp(1) * tp(2) = 6 but world_size is 8",
+                "make the product equal 8",
+                "dp_shard=-1",
+                "(dp_shard=4)",
+            ],
+        ),
+        (
+            {"dp_shard": 2},
+            8,
+            ["= 2 but world_size is 8", "dp_shard=-1", "(dp_shard=8)", "dp_replicate=-1", "(dp_replicate=4)"],
+        ),
+        (
+            {"dp_replicate": 2, "dp_shard": 2},
+            2,
+            ["dp_replicate(2) * dp_shard(2) * cp(1) * tp(1) = 4 but world_size is 2"],
+        ),
+        (
+            {"dp_shard": 1, "tp": 3},
+            8,
+            ["= 3 but world_size is 8", "tp=3 does not divide world_size=8", "1, 2, 4, 8"],
+        ),
+        # -1 cannot be resolved
+        ({"tp": 3}, 8, ["tp=3 does not divide world_size=8", "dp_shard=-1", "1, 2, 4, 8"]),
+        ({"cp": 16}, 8, ["cp=16 does not divide world_size=8"]),
+        (
+            {"cp": 4, "tp": 4},
+            8,
+            ["dp_replicate(1) * cp(4) * tp(4) = 16 does not divide world_size=8", "dp_shard=-1"],
+        ),
+        ({"dp_replicate": -1, "dp_shard": 3}, 8, ["dp_shard=3 does not divide world_size=8", "dp_replicate=-1"]),
+        # ep must divide dp_shard * cp * tp
+        (
+            {"tp": 2, "ep": 3},
+            8,
+            ["ep=3 does not divide dp_shard(4) * cp(1) * tp(2) = 8", "borrows", "1, 2, 4, 8"],
+        ),
+        ({"dp_replicate": 2, "ep": 4}, 4, ["ep=4 does not divide dp_shard(2) * cp(1) * tp(1) = 2"]),
+        # Axolotl counts ep x dp_shard == world: we say ep borrows
+        (
+            {"dp_shard": 4, "ep": 2},
+            8,
+            ["dp_shard(4)", "= 4 but world_size is 8", "ep=2 is not a factor of the world size", "(dp_shard=8)"],
+        ),
+        # bad world sizes
+        ({}, 0, ["world_size=0"]),
+        ({}, -4, ["world_size=-4"]),
+        ({}, 2.0, ["world_size=2.0"]),
+        ({}, True, ["world_size=True"]),
+    ],
+)
+def test_validate_errors_name_the_numbers(kwargs, world, fragments):
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig(**kwargs).validate(world)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        ({"tp": 0}, ["tp=0", "positive int"]),
+        ({"cp": -3}, ["cp=-3", "positive int"]),
+        ({"ep": 0}, ["ep=0"]),
+        ({"dp_shard": 0}, ["dp_shard=0", "or -1"]),
+        ({"dp_shard": -2}, ["dp_shard=-2", "or -1"]),
+        ({"dp_replicate": 0}, ["dp_replicate=0"]),
+        ({"tp": -1}, ["tp=-1 is not allowed", "only dp_shard and dp_replicate"]),
+        ({"cp": -1}, ["cp=-1 is not allowed"]),
+        ({"ep": -1}, ["ep=-1 is not allowed"]),
+        ({"dp_replicate": -1, "dp_shard": -1}, ["dp_replicate=-1 and dp_shard=-1", "at most one"]),
+        ({"tp": 2.0}, ["tp=2.0", "float"]),
+        ({"tp": "2"}, ["tp='2'", "str"]),
+        ({"tp": True}, ["tp=True", "bool"]),
+        ({"dp_shard": None}, ["dp_shard=None"]),
+    ],
+)
+def test_bad_degrees_fail_at_construction(kwargs, fragments):
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_index_like_degrees_become_int():
+    np = pytest.importorskip("numpy")
+    cfg = ParallelConfig(tp=np.int64(2))
+    assert type(cfg.tp) is int and cfg.validate(4).dp_shard == 2
+
+
+def test_exhaustive_small_worlds_agree_with_the_rules():
+    """Every degree combination up to world 12: validate succeeds exactly when the rules hold."""
+    for world in range(1, 13):
+        for dp_replicate, dp_shard, cp, tp, ep in itertools.product(
+            (-1, 1, 2, 3), (-1, 1, 2, 3, 4), (1, 2, 3), (1, 2, 4), (1, 2, 3, 4)
+        ):
+            if dp_replicate == -1 and dp_shard == -1:
+                continue
+            cfg = ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+            known = math.prod(v for v in (dp_replicate, dp_shard, cp, tp) if v != -1)
+            if -1 in (dp_replicate, dp_shard):
+                ok = world % known == 0
+                filled = world // known if ok else None
+            else:
+                ok = known == world
+                filled = None
+            if ok:
+                shard = filled if dp_shard == -1 else dp_shard
+                ok = (shard * cp * tp) % ep == 0
+            if ok:
+                resolved = cfg.validate(world)
+                assert resolved.world_size == world
+            else:
+                with pytest.raises(ParallelConfigError):
+                    cfg.validate(world)
+
+
+@pytest.mark.parametrize(
+    "cfg, text",
+    [
+        (ParallelConfig(dp_shard=4, tp=2), "dp_replicate=1 dp_shard=4 cp=1 tp=2 ep=1 (world 8)"),
+        (ParallelConfig(tp=2), "dp_replicate=1 dp_shard=-1 cp=1 tp=2 ep=1 (world: not resolved)"),
+        (ParallelConfig(dp_replicate=2, cp=2).validate(16), "dp_replicate=2 dp_shard=4 cp=2 tp=1 ep=1 (world 16)"),
+    ],
+)
+def test_describe(cfg, text):
+    assert cfg.describe() == text
+    assert str(cfg) == text
+    assert "ParallelConfig(" in repr(cfg)
+
+
+def test_derived_sizes_need_resolution():
+    with pytest.raises(ParallelConfigError, match="validate"):
+        ParallelConfig().mesh_shape
+    with pytest.raises(ParallelConfigError, match="validate"):
+        ParallelConfig().efsdp
+
+
+# --------------------------------------------------------------------------- from_dict
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 1, "ep": 2},  # ours
+        {"dp_replicate_size": 2, "dp_shard_size": 2, "tensor_parallel_size": 2, "expert_parallel_size": 2},
+        {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2, "cp_size": 1, "ep_size": 2},  # Accelerate
+        {
+            "data_parallel_replicate_degree": 2,
+            "data_parallel_shard_degree": 2,
+            "tensor_parallel_degree": 2,
+            "context_parallel_degree": 1,
+            "expert_parallel_degree": 2,
+        },
+    ],
+)
+def test_from_dict_key_families(d):
+    assert ParallelConfig.from_dict(d) == ParallelConfig(dp_replicate=2, dp_shard=2, tp=2, ep=2)
+
+
+@pytest.mark.parametrize("key", ["cp", "context_parallel_size", "sequence_parallel_degree", "cp_size", "context_parallel_degree"])
+def test_from_dict_cp_aliases(key):
+    assert ParallelConfig.from_dict({key: 4}).cp == 4
+
+
+def test_from_dict_none_means_unset():
+    cfg = ParallelConfig.from_dict(
+        {"dp_shard_size": None, "dp_replicate_size": None, "tensor_parallel_size": 2, "context_parallel_size": None}
+    )
+    assert cfg == ParallelConfig(tp=2)
+    assert ParallelConfig.from_dict({}) == ParallelConfig()
+
+
+def test_from_dict_minus_one():
+    assert ParallelConfig.from_dict({"data_parallel_shard_degree": -1, "tp": 2}).validate(8).dp_shard == 4
+    cfg = ParallelConfig.from_dict({"dp_shard_size": 2, "dp_replicate_size": -1})
+    assert cfg.validate(8).dp_replicate == 4
+    with pytest.raises(ParallelConfigError, match="tensor_parallel_size=-1 is not allowed"):
+        ParallelConfig.from_dict({"tensor_parallel_size": -1})
+
+
+def test_from_dict_same_field_twice():
+    # the same value under two names is fine
+    assert ParallelConfig.from_dict({"context_parallel_size": 2, "sequence_parallel_degree": 2}).cp == 2
+    assert ParallelConfig.from_dict({"tp": 2, "tensor_parallel_size": None}).tp == 2
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig.from_dict({"context_parallel_size": 2, "sequence_parallel_degree": 4})
+    message = str(info.value)
+    assert "cp is given twice" in message
+    assert "context_parallel_size=2" in message and "sequence_parallel_degree=4" in message
+    with pytest.raises(ParallelConfigError, match="tp=2 and tensor_parallel_degree=4"):
+        ParallelConfig.from_dict({"tp": 2, "tensor_parallel_degree": 4})
+
+
+def test_from_dict_unknown_key_lists_accepted():
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig.from_dict({"tensor_paralel_size": 2, "pipeline_parallel_degree": 2})
+    message = str(info.value)
+    assert "'tensor_paralel_size'" in message and "'pipeline_parallel_degree'" in message
+    assert "did you mean 'tensor_parallel_size'" in message
+    for key in ("dp_shard_size", "sequence_parallel_degree", "data_parallel_shard_degree", "expert_parallel_size", "tp"):
+        assert key in message
+
+
+def test_from_dict_bad_values():
+    with pytest.raises(ParallelConfigError, match="dp_shard_size=0"):
+        ParallelConfig.from_dict({"dp_shard_size": 0})
+    with pytest.raises(ParallelConfigError, match="tensor_parallel_size='2'"):
+        ParallelConfig.from_dict({"tensor_parallel_size": "2"})
+    with pytest.raises(ParallelConfigError, match="mapping"):
+        ParallelConfig.from_dict([("tp", 2)])  # type: ignore[arg-type]
+
+
+def test_build_mesh_without_world_size_says_how_to_fix(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # pragma: no cover
+        pytest.skip("a default process group exists in this process")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ParallelConfigError, match="torchrun"):
+        ParallelConfig().build_mesh("cpu")
+
+
+# --------------------------------------------------------------------------- meshes (4 gloo ranks)
+
+
+def _mesh_worker(rank: int, world_size: int, init_file: str, config_kwargs: dict) -> dict:
+    """Build the dense and expert meshes on this rank and report them as plain data."""
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cfg = ParallelConfig(**config_kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = cfg.build_mesh("cpu")
+            build_warnings = [str(w.message) for w in caught]
+            axes = {}
+            for name in (*MESH_AXES, *FLATTENED_AXES):
+                sub = get_submesh(mesh, name)
+                axes[name] = {
+                    "mesh": sub.mesh.flatten().tolist(),
+                    "group": dist.get_process_group_ranks(sub.get_group()),
+                    "size": sub.size(),
+                    "local_rank": sub.get_local_rank(),
+                }
+            getter_warnings = [str(w.message) for w in caught][len(build_warnings) :]
+        with warnings.catch_warnings():
+            # torch >= 2.10 warns that slicing a flattened axis from the root is deprecated
+            warnings.simplefilter("ignore")
+            getitem = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in FLATTENED_AXES}
+        ep_mesh = cfg.build_ep_mesh("cpu")
+        ep_axes = {name: dist.get_process_group_ranks(ep_mesh[name].get_group()) for name in EP_MESH_AXES}
+        dist.barrier()
+        return {
+            "rank": rank,
+            "mesh_dim_names": list(mesh.mesh_dim_names),
+            "shape": list(mesh.shape),
+            "coordinate": list(mesh.get_coordinate()),
+            "axes": axes,
+            "getitem": getitem,
+            "ep_mesh_dim_names": list(ep_mesh.mesh_dim_names),
+            "ep_shape": list(ep_mesh.shape),
+            "ep_axes": ep_axes,
+            "build_warnings": build_warnings,
+            "getter_warnings": getter_warnings,
+        }
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _spawn_entry(rank, world_size, init_file, configs, results):
+    """One rank: join the gloo group, then run ``_mesh_worker`` for each config in turn."""
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        for key, config_kwargs in configs:
+            results.put((rank, key, "ok", _mesh_worker(rank, world_size, init_file, config_kwargs)))
+    except BaseException:  # report everything to the parent, which fails the test
+        results.put((rank, None, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_on_ranks(world_size: int, init_file: str, configs, timeout: float = 90.0) -> dict:
+    """Spawn ``world_size`` processes (gloo, ``file://`` rendezvous) that run ``_mesh_worker``
+    for each ``(key, config_kwargs)`` of ``configs``; return ``{key: [report of rank 0, ...]}``.
+
+    One spawn for all configs: starting 4 interpreters and importing torch (the first mesh
+    slice imports torch._dynamo) costs seconds per spawn.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_spawn_entry, args=(rank, world_size, init_file, configs, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict = {key: {} for key, _ in configs}
+    expected = world_size * len(configs)
+    received = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while received < expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = {key: sorted(set(range(world_size)) - set(r)) for key, r in out.items() if len(r) < world_size}
+                raise RuntimeError(f"ranks did not answer in {timeout} s (config: missing ranks): {missing}")
+            try:
+                rank, key, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank(s) died without reporting (rank, exitcode): {dead}") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} raised:\n{payload}")
+            out[key][rank] = payload
+            received += 1
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return {key: [reports[rank] for rank in range(world_size)] for key, reports in out.items()}
+
+
+def _expected_group(shape: tuple[int, ...], rank: int, axes: tuple[str, ...], names=MESH_AXES) -> list[int]:
+    """Ranks of ``rank``'s group over ``axes`` in a row-major (last axis innermost) mesh."""
+    coords = dict(zip(names, _unravel(rank, shape)))
+    strides = {name: math.prod(shape[i + 1 :]) for i, name in enumerate(names)}
+    base = sum(coords[n] * strides[n] for n in names if n not in axes)
+    ranges = [range(shape[names.index(a)]) for a in axes]
+    return [base + sum(i * strides[a] for i, a in zip(idx, axes)) for idx in itertools.product(*ranges)]
+
+
+def _unravel(rank: int, shape: tuple[int, ...]) -> list[int]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(rank % size)
+        rank //= size
+    return coords[::-1]
+
+
+MESH_CASES = {
+    # id: (config_kwargs, mesh shape, tp groups, dp_shard_cp groups)
+    "fsdp2-tp2": ({"dp_shard": 2, "tp": 2}, (1, 2, 1, 2), [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    "hsdp2x2": ({"dp_replicate": 2, "dp_shard": -1}, (2, 2, 1, 1), [[0], [1], [2], [3]], [[0, 1], [2, 3]]),
+    "fsdp2-cp2-ep2": ({"cp": 2, "ep": 2}, (1, 2, 2, 1), [[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh_reports(tmp_path_factory):
+    init_file = str(tmp_path_factory.mktemp("rendezvous") / "store")
+    try:
+        return _run_on_ranks(4, init_file, [(key, case[0]) for key, case in MESH_CASES.items()])
+    except RuntimeError as e:  # every mesh test fails with the ranks' traceback
+        return e
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(MESH_CASES))
+def test_build_mesh_on_four_ranks(mesh_reports, case):
+    if isinstance(mesh_reports, Exception):
+        pytest.fail(str(mesh_reports))
+    config_kwargs, shape, tp_groups, dp_shard_cp_groups = MESH_CASES[case]
+    reports = mesh_reports[case]
+    world = len(reports)
+    cfg = ParallelConfig(**config_kwargs).validate(world)
+    assert cfg.mesh_shape == shape
+    for rank, report in enumerate(reports):
+        assert report["rank"] == rank
+        assert report["mesh_dim_names"] == list(MESH_AXES)
+        assert report["shape"] == list(shape)
+        assert report["coordinate"] == _unravel(rank, shape)
+        axes = report["axes"]
+        # tp innermost, then cp, dp_shard, dp_replicate outermost
+        assert axes["tp"]["group"] == next(g for g in tp_groups if rank in g)
+        assert axes["dp_shard_cp"]["group"] == next(g for g in dp_shard_cp_groups if rank in g)
+        for name in MESH_AXES:
+            expected = _expected_group(shape, rank, (name,))
+            assert axes[name]["mesh"] == expected, name
+            assert sorted(axes[name]["group"]) == expected, name
+            assert axes[name]["size"] == shape[MESH_AXES.index(name)]
+            assert axes[name]["local_rank"] == expected.index(rank)
+        for name, parts in FLATTENED_AXES.items():
+            expected = _expected_group(shape, rank, parts)
+            assert axes[name]["mesh"] == expected, name
+            assert sorted(axes[name]["group"]) == expected, name
+            assert axes[name]["size"] == math.prod(shape[MESH_AXES.index(p)] for p in parts)
+            assert axes[name]["local_rank"] == expected.index(rank)
+            assert sorted(report["getitem"][name]) == expected, name  # mesh["dp_shard_cp"] works too
+        # get_submesh is the warning-free way to reach a flattened axis
+        assert not [w for w in report["getter_warnings"] if "flatten" in w.lower()], report["getter_warnings"]
+        assert not [w for w in report["build_warnings"] if "flatten" in w.lower()], report["build_warnings"]
+        # expert mesh: ep innermost, borrowed from dp_shard x cp x tp
+        ep_shape = (cfg.dp_replicate, cfg.efsdp, cfg.ep)
+        assert report["ep_mesh_dim_names"] == list(EP_MESH_AXES)
+        assert report["ep_shape"] == list(ep_shape)
+        for name in EP_MESH_AXES:
+            assert sorted(report["ep_axes"][name]) == _expected_group(ep_shape, rank, (name,), EP_MESH_AXES), name
+    if cfg.ep == 2:
+        assert [sorted(r["ep_axes"]["ep"]) for r in reports] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+        assert [sorted(r["ep_axes"]["efsdp"]) for r in reports] == [[0, 2], [1, 3], [0, 2], [1, 3]]
