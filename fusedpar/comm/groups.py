@@ -6,15 +6,17 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-GroupLike = "dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, str] | str | None"
-
-
 def resolve_group(group) -> dist.ProcessGroup:
     """Return the ProcessGroup that ``group`` names; ``None`` is the default (world) group."""
     if not dist.is_initialized():
         raise RuntimeError(
             "fusedpar: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) (or launch with torchrun) first"
+        )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group gives non-members
+        raise ValueError(
+            f"group: rank {dist.get_rank()} is not a member of this group; "
+            "call the op only on the ranks of the group"
         )
     if group is None:
         pg = dist.group.WORLD

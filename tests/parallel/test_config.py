@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import queue as queue_mod
-import time
-import traceback
 import warnings
 
 import pytest
@@ -318,115 +315,46 @@ def test_build_mesh_without_world_size_says_how_to_fix(monkeypatch):
 # --------------------------------------------------------------------------- meshes (4 gloo ranks)
 
 
-def _mesh_worker(rank: int, world_size: int, init_file: str, config_kwargs: dict) -> dict:
+def _mesh_worker(config_kwargs: dict) -> dict:
     """Build the dense and expert meshes on this rank and report them as plain data."""
     import torch.distributed as dist
 
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        cfg = ParallelConfig(**config_kwargs)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            mesh = cfg.build_mesh("cpu")
-            build_warnings = [str(w.message) for w in caught]
-            axes = {}
-            for name in (*MESH_AXES, *FLATTENED_AXES):
-                sub = get_submesh(mesh, name)
-                axes[name] = {
-                    "mesh": sub.mesh.flatten().tolist(),
-                    "group": dist.get_process_group_ranks(sub.get_group()),
-                    "size": sub.size(),
-                    "local_rank": sub.get_local_rank(),
-                }
-            getter_warnings = [str(w.message) for w in caught][len(build_warnings) :]
-        with warnings.catch_warnings():
-            # torch >= 2.10 warns that slicing a flattened axis from the root is deprecated
-            warnings.simplefilter("ignore")
-            getitem = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in FLATTENED_AXES}
-        ep_mesh = cfg.build_ep_mesh("cpu")
-        ep_axes = {name: dist.get_process_group_ranks(ep_mesh[name].get_group()) for name in EP_MESH_AXES}
-        dist.barrier()
-        return {
-            "rank": rank,
-            "mesh_dim_names": list(mesh.mesh_dim_names),
-            "shape": list(mesh.shape),
-            "coordinate": list(mesh.get_coordinate()),
-            "axes": axes,
-            "getitem": getitem,
-            "ep_mesh_dim_names": list(ep_mesh.mesh_dim_names),
-            "ep_shape": list(ep_mesh.shape),
-            "ep_axes": ep_axes,
-            "build_warnings": build_warnings,
-            "getter_warnings": getter_warnings,
-        }
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
-
-
-def _spawn_entry(rank, world_size, init_file, configs, results):
-    """One rank: join the gloo group, then run ``_mesh_worker`` for each config in turn."""
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        for key, config_kwargs in configs:
-            results.put((rank, key, "ok", _mesh_worker(rank, world_size, init_file, config_kwargs)))
-    except BaseException:  # report everything to the parent, which fails the test
-        results.put((rank, None, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_on_ranks(world_size: int, init_file: str, configs, timeout: float = 90.0) -> dict:
-    """Spawn ``world_size`` processes (gloo, ``file://`` rendezvous) that run ``_mesh_worker``
-    for each ``(key, config_kwargs)`` of ``configs``; return ``{key: [report of rank 0, ...]}``.
-
-    One spawn for all configs: starting 4 interpreters and importing torch (the first mesh
-    slice imports torch._dynamo) costs seconds per spawn.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_spawn_entry, args=(rank, world_size, init_file, configs, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    out: dict = {key: {} for key, _ in configs}
-    expected = world_size * len(configs)
-    received = 0
-    deadline = time.monotonic() + timeout
-    try:
-        while received < expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = {key: sorted(set(range(world_size)) - set(r)) for key, r in out.items() if len(r) < world_size}
-                raise RuntimeError(f"ranks did not answer in {timeout} s (config: missing ranks): {missing}")
-            try:
-                rank, key, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue_mod.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank(s) died without reporting (rank, exitcode): {dead}") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} raised:\n{payload}")
-            out[key][rank] = payload
-            received += 1
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return {key: [reports[rank] for rank in range(world_size)] for key, reports in out.items()}
+    rank = dist.get_rank()
+    cfg = ParallelConfig(**config_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mesh = cfg.build_mesh("cpu")
+        build_warnings = [str(w.message) for w in caught]
+        axes = {}
+        for name in (*MESH_AXES, *FLATTENED_AXES):
+            sub = get_submesh(mesh, name)
+            axes[name] = {
+                "mesh": sub.mesh.flatten().tolist(),
+                "group": dist.get_process_group_ranks(sub.get_group()),
+                "size": sub.size(),
+                "local_rank": sub.get_local_rank(),
+            }
+        getter_warnings = [str(w.message) for w in caught][len(build_warnings) :]
+    with warnings.catch_warnings():
+        # torch >= 2.10 warns that slicing a flattened axis from the root is deprecated
+        warnings.simplefilter("ignore")
+        getitem = {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in FLATTENED_AXES}
+    ep_mesh = cfg.build_ep_mesh("cpu")
+    ep_axes = {name: dist.get_process_group_ranks(ep_mesh[name].get_group()) for name in EP_MESH_AXES}
+    dist.barrier()
+    return {
+        "rank": rank,
+        "mesh_dim_names": list(mesh.mesh_dim_names),
+        "shape": list(mesh.shape),
+        "coordinate": list(mesh.get_coordinate()),
+        "axes": axes,
+        "getitem": getitem,
+        "ep_mesh_dim_names": list(ep_mesh.mesh_dim_names),
+        "ep_shape": list(ep_mesh.shape),
+        "ep_axes": ep_axes,
+        "build_warnings": build_warnings,
+        "getter_warnings": getter_warnings,
+    }
 
 
 def _expected_group(shape: tuple[int, ...], rank: int, axes: tuple[str, ...], names=MESH_AXES) -> list[int]:
@@ -454,23 +382,11 @@ MESH_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def mesh_reports(tmp_path_factory):
-    init_file = str(tmp_path_factory.mktemp("rendezvous") / "store")
-    try:
-        return _run_on_ranks(4, init_file, [(key, case[0]) for key, case in MESH_CASES.items()])
-    except RuntimeError as e:  # every mesh test fails with the ranks' traceback
-        return e
-
-
-@pytest.mark.multirank
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(MESH_CASES))
-def test_build_mesh_on_four_ranks(mesh_reports, case):
-    if isinstance(mesh_reports, Exception):
-        pytest.fail(str(mesh_reports))
+def test_build_mesh_on_four_ranks(pools, case):
     config_kwargs, shape, tp_groups, dp_shard_cp_groups = MESH_CASES[case]
-    reports = mesh_reports[case]
+    reports = pools(4).run(_mesh_worker, config_kwargs)
     world = len(reports)
     cfg = ParallelConfig(**config_kwargs).validate(world)
     assert cfg.mesh_shape == shape

@@ -1,0 +1,226 @@
+"""reduce_scatter (sum): fusedpar backends next to what a user would pick instead (DESIGN.md §6).
+
+* ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 reduce_scatter in one
+  process over a loopback symmetric buffer, against ``torch.stack(xs).sum(0).chunk(W)``
+  (every simulated rank's output at once): the fused protocol's overhead over a plain sum.
+* ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
+  against raw NCCL ``reduce_scatter_tensor`` and torch ``symm_mem`` reduce-scatters.
+* ``test_loopback_volume_is_the_lower_bound``: not a timing; runs on CPU too.
+
+``shape`` is the per-rank output; each rank's input is ``[W * shape[0], *shape[1:]]``,
+scattered along dim 0. Each case checks its result once before it is timed (error against
+an fp32 sum at most 2x that of the same-dtype torch baseline); do_bench quantiles go to
+``results/reduce_scatter.csv``.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.errors import BackendNotSupportedError
+
+OP = "reduce_scatter"
+W_LOOPBACK = 8
+DTYPE = torch.bfloat16
+SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank output
+PEDANTIC = dict(rounds=10, warmup_rounds=2, iterations=1)  # fixed: identical on every rank
+
+# torch 2.13+ names it reduce_scatter_single; older ones reduce_scatter_tensor
+_nccl_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _name(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
+    """Rank ``rank``'s full input ``[world * shape[0], ...]``, reproducible on any rank and
+    scaled by the rank (provenance)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(7919 * seed + rank)
+    full = (world * shape[0], *shape[1:])
+    return (torch.randn(full, generator=g, device=device) * (rank + 1)).to(dtype)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _rel_err(out: torch.Tensor, ref32: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref32).norm() / ref32.norm()).item()
+
+
+# ---- single GPU: loopback --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch.stack.sum"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_name)
+def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
+    world = W_LOOPBACK
+    benchmark.group = f"{OP} {_name(shape)} bf16 loopback W={world}"
+    xs = [_input(shape, world, r, gpu) for r in range(world)]
+
+    def baseline():
+        return torch.stack(xs).sum(0).chunk(world, 0)  # every simulated rank's output
+
+    bytes_moved = None
+    if backend == "torch.stack.sum":
+        fn = baseline
+        outs = fn()
+    else:
+        def fn():
+            return fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=backend)
+        try:
+            with fusedpar.comm.count_bytes() as counter:
+                outs = fn()
+        except BackendNotSupportedError as e:
+            pytest.skip(str(e))
+        bytes_moved = counter.total()
+    ref32 = torch.zeros(xs[0].shape, dtype=torch.float32, device=gpu)
+    for x in xs:
+        ref32 += x.float()
+    ref32 = ref32.chunk(world, 0)
+    torch_outs = baseline()
+    assert len(outs) == world
+    for rank, out in enumerate(outs):
+        assert out.shape == ref32[rank].shape and out.dtype == DTYPE
+        err, torch_err = _rel_err(out, ref32[rank]), _rel_err(torch_outs[rank], ref32[rank])
+        assert err <= max(2 * torch_err, 1e-6), f"rank {rank}: error {err:.3g}, torch {torch_err:.3g}"
+    del ref32, torch_outs, outs
+
+    median, p20, p80 = gpu_times(fn)
+    record_row(OP, backend, shape, DTYPE, world, median, p20, p80,
+               algo_bytes=world * _nbytes(xs[0]), bytes_moved=bytes_moved,
+               lower_bound=world * (world - 1) * _nbytes(xs[0]) // world, mode="loopback")
+    benchmark.extra_info.update(do_bench_median_ms=median, p20_ms=p20, p80_ms=p80)
+    benchmark.pedantic(synced(fn), **PEDANTIC)
+
+
+# ---- several GPUs: torchrun ------------------------------------------------------------------
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _nccl_case(x, group):
+    world = dist.get_world_size(group)
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+    def nccl():
+        _nccl_reduce_scatter(out, x, group=group)
+        return out
+    return nccl
+
+
+def _case(backend, x, group):
+    """``(fn, note)`` for one case; raises ``_Unavailable`` with the reason it cannot run."""
+    world = dist.get_world_size(group)
+    if backend in ("reference", "triton", "cuda"):
+        return (lambda: fusedpar.ops.reduce_scatter(x, "sum", 0, group, backend=backend)), "fusedpar"
+    if backend == "nccl":
+        return _nccl_case(x, group), f"dist.{_nccl_reduce_scatter.__name__}"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as e:
+        raise _Unavailable(f"torch.distributed._symmetric_memory: {e}") from e
+    op_name = backend.removeprefix("symm_mem.")
+    if not hasattr(torch.ops.symm_mem, op_name):
+        raise _Unavailable(f"torch {torch.__version__} has no torch.ops.symm_mem.{op_name}")
+    op = getattr(torch.ops.symm_mem, op_name)
+    if op_name == "reduce_scatter_out":  # two-shot first half; the input must be in symm memory
+        staged = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
+        symm_mem.rendezvous(staged, group.group_name)
+        out = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
+        out_shape = (x.shape[0] // world, *x.shape[1:])
+
+        def two_shot():
+            staged.copy_(x.reshape(-1))  # fusedpar stages its input the same way
+            op(staged, group.group_name, False, out)
+            return out.view(out_shape)
+        return two_shot, "input copied into symm_mem each call"
+    # push to a symm_mem workspace, then sum; the result is ready after wait_tensor
+    return (lambda: torch.ops._c10d_functional.wait_tensor(op(x, "sum", group.group_name))), \
+        "copy-engine push + sum"
+
+
+DIST_BACKENDS = ["reference", "triton", "cuda", "nccl", "symm_mem.reduce_scatter_out",
+                 "symm_mem._low_contention_reduce_scatter"]
+
+
+@pytest.mark.parametrize("backend", DIST_BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_name)
+def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, shape, backend):
+    group, device = dist_gpu
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    benchmark.group = f"{OP} {_name(shape)} bf16 W={world}"
+    x = _input(shape, world, rank, device)
+    ref32 = torch.zeros(shape, dtype=torch.float32, device=device)
+    for r in range(world):
+        ref32 += _input(shape, world, r, device).chunk(world, 0)[rank].float()
+    nccl_err = _rel_err(_nccl_case(x, group)(), ref32)
+    reason, out, bytes_moved = None, None, None
+    try:
+        fn, note = _case(backend, x, group)
+        with fusedpar.comm.count_bytes() as counter:
+            out = fn()
+        torch.cuda.synchronize()
+        if note == "fusedpar":
+            bytes_moved = counter.total()
+    except (_Unavailable, BackendNotSupportedError) as e:
+        reason = f"{backend}: {_first_line(e)}"
+    except RuntimeError as e:  # torch's symm_mem ops refuse what they cannot do
+        if not backend.startswith("symm_mem."):
+            raise
+        reason = f"{backend}: {_first_line(e)}"
+    if not agree(reason is None):
+        pytest.skip(reason or f"{backend} cannot run on another rank")
+    err = _rel_err(out, ref32) if out.shape == ref32.shape else float("inf")
+    # the fused sum must be as good as NCCL's (2x); torch's own baselines just bf16-accurate
+    bound = max(2 * nccl_err, 1e-6) if note == "fusedpar" else max(2 * nccl_err, 1e-2)
+    assert agree(err <= bound), f"{backend}: error {err:.3g} vs NCCL {nccl_err:.3g} on some rank"
+    del ref32
+
+    median, p20, p80 = gpu_times(fn)
+    record_row(OP, backend, shape, DTYPE, world, median, p20, p80,
+               algo_bytes=_nbytes(x), bytes_moved=bytes_moved,
+               lower_bound=(world - 1) * _nbytes(x) // world, mode="torchrun", impl=note)
+    benchmark.extra_info.update(do_bench_median_ms=median, p20_ms=p20, p80_ms=p80)
+    benchmark.pedantic(synced(fn), **PEDANTIC)
+
+
+# ---- communication volume (no timing; CPU too) -----------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("shape,dim,dtype", [((3, 5), 0, torch.bfloat16),
+                                             ((3, 5, 2), 1, torch.float32),
+                                             ((2, 7), -1, torch.float16)],
+                         ids=["3x5-dim0-bf16", "3x5x2-dim1-fp32", "2x7-dim-1-fp16"])
+def test_loopback_volume_is_the_lower_bound(local_device, shape, dim, dtype, backend):
+    """Each of the W simulated ranks receives (W-1)/W of the full input: nothing more.
+    ``shape`` is the per-rank output; inputs are small integers, so the sum is exact."""
+    world = W_LOOPBACK
+    full = list(shape)
+    full[dim] *= world
+    xs = []
+    for r in range(world):
+        g = torch.Generator(device=local_device)
+        g.manual_seed(1000 + r)
+        xs.append(torch.randint(-8, 9, full, generator=g, device=local_device).mul(r + 1).to(dtype))
+    try:
+        with fusedpar.comm.count_bytes() as counter:
+            outs = fusedpar.ops.reduce_scatter_loopback(xs, "sum", dim, backend=backend)
+    except BackendNotSupportedError as e:
+        pytest.skip(str(e))
+    expected = sum(x.double() for x in xs).to(dtype).chunk(world, dim)
+    for rank, out in enumerate(outs):
+        assert torch.equal(out, expected[rank]), f"simulated rank {rank}"
+    assert counter.total() == world * (world - 1) * _nbytes(xs[0]) // world

@@ -1,0 +1,225 @@
+"""Benchmark setup (DESIGN.md §6), shared by ``benchmarks/bench_*.py``.
+
+Without a GPU every timing case skips (no number is ever invented) and Triton kernels run
+in the interpreter for the CPU-only communication-volume checks: TRITON_INTERPRET must be
+set before any kernel module is imported, as in tests/conftest.py.
+
+Modes: a single process runs the single-GPU *loopback* cases (every rank of a W-rank
+collective in one process); ``torchrun --nproc-per-node N -m pytest benchmarks`` (WORLD_SIZE
+> 1) runs the multi-GPU cases over NCCL, initialised here from torchrun's environment.
+Helpers reach the suites as fixtures (``record_row``, ``gpu_times``, ``agree``, ...).
+"""
+
+import csv
+import datetime
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+NO_GPU = "no CUDA GPU: timings of interpreted kernels mean nothing"
+RESULTS_DIR = Path(os.environ.get("FUSEDPAR_BENCH_RESULTS") or Path(__file__).parent / "results")
+COLUMNS = ["op", "backend", "shape", "dtype", "world", "device", "median_ms", "p20_ms", "p80_ms",
+           "gbps", "bytes_moved", "lower_bound", "torch", "triton", "cuda", "date", "notes"]
+
+
+def pytest_collect_file(file_path, parent):
+    """Collect ``bench_*.py`` here (the project's pytest config only names test_*.py)."""
+    if (file_path.suffix == ".py" and file_path.name.startswith("bench_")
+            and not parent.session.isinitpath(file_path)):  # named on the command line: pytest does it
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None
+
+
+def world_size() -> int:
+    """Ranks launched by torchrun (1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _distributed() else 0
+
+
+@pytest.fixture(scope="session")
+def _nccl():
+    """The NCCL world of a torchrun launch, or None; torn down at the end of the session."""
+    if world_size() <= 1 or not torch.cuda.is_available():
+        yield None
+        return
+    import torch.distributed as dist
+
+    import fusedpar
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    yield dist.group.WORLD
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    fusedpar.comm.release_buffers()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def gpu():
+    """The device of a single-GPU (loopback) timing case; skips without a GPU or under torchrun."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    if world_size() > 1:
+        pytest.skip("single-GPU loopback case: run it without torchrun")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def dist_gpu(_nccl):
+    """``(group, device)`` of a multi-GPU timing case; skips unless launched by torchrun on GPUs."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    if _nccl is None:
+        pytest.skip("multi-GPU case: launch with `torchrun --nproc-per-node N -m pytest benchmarks`")
+    return _nccl, torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def local_device(_nccl):
+    """Where untimed checks run: this rank's GPU, else the CPU (Triton interpreter)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (keeps torchrun ranks in step)."""
+    if not _distributed():
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _gpu_times(fn, warmup_ms: float = 25, rep_ms: float = 100) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms of ``fn`` on the current CUDA stream.
+
+    One process: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call).
+    Under torchrun do_bench would pick a different repeat count on each rank and hang the
+    collectives, so the same method runs with counts agreed across ranks, and each quantile
+    is the slowest rank's.
+    """
+    if not _distributed():
+        import triton.testing
+
+        return tuple(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                             quantiles=[0.5, 0.2, 0.8]))
+    import torch.distributed as dist
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = torch.tensor([start.elapsed_time(end) / 5], device="cuda")
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+    n_warmup = max(1, int(warmup_ms / max(estimate.item(), 1e-3)))
+    n_repeat = min(1000, max(5, int(rep_ms / max(estimate.item(), 1e-3))))
+    flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")  # 256 MB, as do_bench
+    for _ in range(n_warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    dist.barrier()
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)], dtype=torch.float64)
+    q = torch.quantile(times, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)).cuda()
+    dist.all_reduce(q, op=dist.ReduceOp.MAX)
+    return tuple(q.tolist())
+
+
+# ---- result rows ---------------------------------------------------------------------------
+
+
+def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, algo_bytes,
+                bytes_moved=None, lower_bound=None, **extra) -> Path | None:
+    """Append one measured row to ``results/<op>.csv`` (rank 0 only; header if the file is new).
+
+    ``algo_bytes``: bytes of the full gathered (all_gather) / full unscattered input
+    (reduce_scatter) tensor times the ranks this process plays, so ``gbps`` is the
+    algorithm bandwidth. ``bytes_moved``: bytes received from peers as counted by
+    fusedpar.comm (same scope), blank where nothing counts them. ``extra`` goes to ``notes``.
+    """
+    if _rank() != 0:
+        return None
+    import triton
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{op}.csv"
+    row = {
+        "op": op, "backend": backend, "shape": "x".join(map(str, shape)),
+        "dtype": str(dtype).replace("torch.", ""), "world": world,
+        "device": torch.cuda.get_device_name(), "median_ms": f"{median_ms:.5f}",
+        "p20_ms": f"{p20_ms:.5f}", "p80_ms": f"{p80_ms:.5f}",
+        "gbps": f"{algo_bytes / (median_ms * 1e-3) / 1e9:.2f}",
+        "bytes_moved": "" if bytes_moved is None else int(bytes_moved),
+        "lower_bound": "" if lower_bound is None else int(lower_bound),
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda or "",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "notes": ";".join(f"{k}={v}" for k, v in extra.items()),
+    }
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+    return path
+
+
+@pytest.fixture
+def record_row():
+    return _record_row
+
+
+@pytest.fixture
+def gpu_times():
+    return _gpu_times
+
+
+@pytest.fixture
+def agree():
+    return _agree
+
+
+@pytest.fixture
+def synced():
+    """``synced(fn)``: fn followed by a device sync, for pytest-benchmark's host timer."""
+    def wrap(fn):
+        def call():
+            fn()
+            torch.cuda.synchronize()
+        return call
+    return wrap

@@ -1,0 +1,8 @@
+"""``python -m fusedpar info | demo | bench`` (see fusedpar.cli)."""
+
+import sys
+
+from fusedpar.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

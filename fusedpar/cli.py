@@ -1,0 +1,751 @@
+"""``fusedpar info | demo | bench`` (also ``python -m fusedpar ...``).
+
+- ``info``: versions, GPU, CUDA extension, Triton mode, which backend of which op can run
+  here and why not, symmetric-memory backends. ``--json`` for machines.
+- ``demo``: every op on every backend available here, checked bit for bit against the
+  ``reference`` backend, with the bytes each moved next to the lower bound. Without a GPU
+  it spawns ``--world-size`` CPU ranks (gloo; Triton kernels in the interpreter); under
+  ``torchrun`` with CUDA each rank runs on its GPU over NCCL.
+- ``bench``: ``pytest benchmarks --benchmark-only -q`` plus whatever arguments follow.
+
+Nothing in fusedpar imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import glob
+import json
+import math
+import os
+import platform
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+import fusedpar
+from fusedpar import _extension
+from fusedpar.ops import DISPATCHERS
+from fusedpar.ops import _collective
+
+DEMO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INFO_WORLD = 4  # world size of the representative call ``info`` evaluates
+
+
+# ======================================================================================
+# info
+
+
+def _run_text(cmd: list[str], timeout: float = 60) -> str | None:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout + res.stderr
+
+
+def _nvcc_info() -> dict:
+    """nvcc on PATH (it may be a wrapper script) and CUDA_HOME as setup.py derives it."""
+    nvcc = shutil.which("nvcc")
+    info: dict = {"path": nvcc, "version": None, "cuda_home": None, "cuda_home_source": None}
+    env_home = os.environ.get("CUDA_HOME", "").strip()
+    if env_home and os.path.isfile(os.path.join(env_home, "bin", "nvcc")):
+        info["cuda_home"], info["cuda_home_source"] = os.path.realpath(env_home), "CUDA_HOME"
+    if nvcc is None:
+        return info
+    out = _run_text([nvcc, "--version"]) or ""
+    m = re.search(r"release (\d+\.\d+), V([\w.\-]+)", out)
+    info["version"] = m.group(2) if m else (re.search(r"release (\d+\.\d+)", out) or [None, None])[1]
+    if info["cuda_home"] is None:
+        dry = _run_text([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull]) or ""
+        for line in dry.splitlines():
+            m = re.match(r"^#\$ TOP=(.*)$", line.strip())
+            if m and m.group(1).strip():
+                info["cuda_home"] = os.path.realpath(m.group(1).strip())
+                info["cuda_home_source"] = "nvcc --dryrun (TOP)"
+                break
+        else:
+            info["cuda_home"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+            info["cuda_home_source"] = "location of nvcc"
+    return info
+
+
+def _gpu_info() -> dict:
+    if not torch.cuda.is_available():  # never touch the GPU past this point without one
+        return {"available": False, "count": 0, "devices": []}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": props.name,
+                        "capability": f"{props.major}.{props.minor}",
+                        "memory_gib": round(props.total_memory / 2**30, 1)})
+    return {"available": True, "count": len(devices), "devices": devices}
+
+
+def _extension_info() -> dict:
+    build = _extension.build_info()
+    module, reason = _extension.load()
+    return {
+        "build_info": build,  # None when fusedpar/_build_info.py is missing
+        "built_with_cuda": None if build is None else build["BUILT_WITH_CUDA"],
+        "loaded": module is not None,
+        "path": getattr(module, "__file__", None),
+        "load_error": reason,
+        "cuda_ops_usable_here": _extension.cuda_ops_unavailable_reason() is None,
+        "cuda_ops_unavailable_reason": _extension.cuda_ops_unavailable_reason(),
+    }
+
+
+def _triton_info() -> dict:
+    import triton
+
+    interpreting = _collective._interpreting()
+    return {"version": triton.__version__,
+            "mode": "interpreter" if interpreting else "compiled",
+            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+
+
+def _ops_info() -> dict:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    ops = {}
+    for op, dispatcher in DISPATCHERS.items():
+        reduce_op = "sum" if op == "reduce_scatter" else ""
+        x = torch.zeros(2 * INFO_WORLD, 8, dtype=torch.float32, device=device)
+        call = _collective.CollectiveCall(op, x, 0, INFO_WORLD, None, reduce_op)
+        avail = dispatcher.availability(call)
+        ops[op] = {
+            "call": call.describe() + (f", op={reduce_op!r}" if reduce_op else ""),
+            "backends": {name: {"available": not reasons, "reasons": list(reasons)}
+                         for name, reasons in avail.items()},
+        }
+    return {
+        "device": device.type,
+        "evaluated_as": "a loopback call (group=None): checks that need a process group "
+                        "(shm: every rank on one host) are not evaluated",
+        "ops": ops,
+    }
+
+
+def _symmetric_info() -> dict:
+    shm_reason = None
+    if not os.path.isdir("/dev/shm"):
+        shm_reason = "/dev/shm does not exist"
+    elif not os.access("/dev/shm", os.W_OK | os.X_OK):
+        shm_reason = "/dev/shm is not writable"
+    if torch.cuda.is_available():
+        torch_reason = fusedpar.comm.torch_symm_unsupported_reason(torch.device("cuda"))
+    else:
+        torch_reason = "no CUDA device"
+    return {
+        "shm": {"available": shm_reason is None, "reasons": [shm_reason] if shm_reason else [],
+                "what": "CPU processes on one host (/dev/shm files)"},
+        "torch": {"available": torch_reason is None,
+                  "reasons": [torch_reason] if torch_reason else [],
+                  "what": "CUDA torch.distributed._symmetric_memory"},
+        "loopback": {"available": True, "reasons": [],
+                     "what": "one process holds every rank's buffer (single-device benchmarks)"},
+    }
+
+
+def gather_info() -> dict:
+    return {
+        "fusedpar": {"version": fusedpar.__version__,
+                     "path": os.path.dirname(os.path.abspath(fusedpar.__file__))},
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "platform": platform.platform(),
+        "torch": {"version": torch.__version__, "cuda_runtime": torch.version.cuda},
+        "triton": _triton_info(),
+        "nvcc": _nvcc_info(),
+        "gpu": _gpu_info(),
+        "extension": _extension_info(),
+        "backends": _ops_info(),
+        "symmetric_memory": _symmetric_info(),
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "available" if flag else "unavailable"
+
+
+def format_info(info: dict) -> str:
+    lines = []
+    add = lines.append
+    add(f"fusedpar  {info['fusedpar']['version']}  ({info['fusedpar']['path']})")
+    add(f"python    {info['python']['version']}  ({info['python']['executable']})")
+    add(f"platform  {info['platform']}")
+    t = info["torch"]
+    add(f"torch     {t['version']}  (CUDA runtime: {t['cuda_runtime'] or 'none, CPU-only build'})")
+    tr = info["triton"]
+    add(f"triton    {tr['version']}  (mode: {tr['mode']}; TRITON_INTERPRET="
+        f"{tr['TRITON_INTERPRET'] if tr['TRITON_INTERPRET'] is not None else 'unset'})")
+    n = info["nvcc"]
+    if n["path"]:
+        add(f"nvcc      {n['path']}  (version {n['version'] or 'unknown'}; CUDA_HOME "
+            f"{n['cuda_home']} from {n['cuda_home_source']})")
+    else:
+        add("nvcc      not on PATH" + (f" (CUDA_HOME {n['cuda_home']})" if n["cuda_home"] else ""))
+    g = info["gpu"]
+    if g["available"]:
+        for d in g["devices"]:
+            add(f"GPU {d['index']}     {d['name']}  (capability {d['capability']}, "
+                f"{d['memory_gib']} GiB)")
+    else:
+        add("GPU       none (torch.cuda.is_available() is False)")
+    e = info["extension"]
+    b = e["build_info"]
+    if b is None:
+        built = "no build record (fusedpar/_build_info.py missing: not built by setup.py)"
+    elif b["BUILT_WITH_CUDA"]:
+        built = f"built with CUDA for {', '.join(b['ARCHS']) or '?'}"
+    else:
+        built = f"built without CUDA ({b['REASON']})"
+    add(f"extension fusedpar._C: {built}")
+    add(f"          loaded: {'yes, ' + e['path'] if e['loaded'] else 'no (' + str(e['load_error']) + ')'}")
+    add("          CUDA ops usable here: " + ("yes" if e["cuda_ops_usable_here"]
+                                              else f"no ({e['cuda_ops_unavailable_reason']})"))
+    be = info["backends"]
+    add("")
+    add(f"backends, for a float32 call on {be['device']} (evaluated as {be['evaluated_as']}):")
+    for op, entry in be["ops"].items():
+        add(f"  {op}: {entry['call']}")
+        for name, st in entry["backends"].items():
+            add(f"    {name:<10} {_yes(st['available'])}"
+                + (": " + "; ".join(st["reasons"]) if st["reasons"] else ""))
+    if be["device"] == "cpu" and info["triton"]["mode"] == "compiled":
+        add("  (`fusedpar demo` runs its CPU ranks with TRITON_INTERPRET=1: triton runs there)")
+    add("")
+    add("symmetric memory:")
+    for name, st in info["symmetric_memory"].items():
+        add(f"  {name:<10} {_yes(st['available'])}"
+            + (": " + "; ".join(st["reasons"]) if st["reasons"] else f"  ({st['what']})"))
+    return "\n".join(lines)
+
+
+def cmd_info(args) -> int:
+    info = gather_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_info(info))
+    return 0
+
+
+# ======================================================================================
+# demo: the rank side
+
+
+def _variants(world: int):
+    """(op, label, input shape, dim, reduce_op): odd sizes, the scattered dim a multiple of W."""
+    return [
+        ("all_gather", "dim=0", (3, 5), 0, ""),
+        ("all_gather", "dim=1", (3, 5), 1, ""),
+        ("reduce_scatter", "sum", (3 * world, 5), 0, "sum"),
+        ("reduce_scatter", "avg", (3 * world, 5), 0, "avg"),
+    ]
+
+
+def demo_input(op: str, shape, dtype, rank: int, world: int, salt: int, device) -> torch.Tensor:
+    """Rank ``rank``'s input: small integers that encode the rank, exact in every dtype.
+
+    all_gather: ``(7n + salt) % 13 + 16 (rank + 1)``. reduce_scatter: small values chosen
+    so that every element's sum over ranks is ``3W`` or ``4W`` (the last rank tops up):
+    partial sums stay exact in bf16 and the average is an integer.
+    """
+    n = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
+    if op == "all_gather":
+        v = (n * 7 + salt) % 13 + 16 * (rank + 1)
+    else:
+        def part(r):
+            return (n * 7 + salt + r) % 3 + 1
+
+        if rank < world - 1:
+            v = part(rank)
+        else:
+            others = sum((part(r) for r in range(world - 1)), torch.zeros_like(n))
+            v = world * (3 + n % 2) - others
+    return v.to(dtype).to(device)
+
+
+def _lower_bound(op: str, x: torch.Tensor, world: int) -> int:
+    if op == "all_gather":
+        return (world - 1) * x.numel() * x.element_size()
+    return (world - 1) * (x.numel() // world) * x.element_size()
+
+
+def _call(op, x, dim, reduce_op, group, backend):
+    if op == "all_gather":
+        return fusedpar.ops.all_gather(x, dim, group, backend=backend)
+    return fusedpar.ops.reduce_scatter(x, reduce_op, dim, group, backend=backend)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _grouped(rows: list[dict]) -> list[dict]:
+    """Rows grouped by op, then backend (dispatcher priority), then dtype (stable)."""
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    backends = list(dict.fromkeys(n for d in DISPATCHERS.values() for n in d.names))
+    return sorted(rows, key=lambda r: (ops.index(r["op"]), backends.index(r["backend"])))
+
+
+def _distributed_rows(group, device, selected: list[str]):
+    """Run every case on this rank. Returns (rows, skipped), identical on every rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cases = []
+    for salt, (op, label, shape, dim, reduce_op) in enumerate(_variants(world)):
+        for dtype in DEMO_DTYPES:
+            x = demo_input(op, shape, dtype, rank, world, salt, device)
+            call = _collective.CollectiveCall(op, x, dim, world, group, reduce_op)
+            cases.append((op, label, shape, dim, reduce_op, dtype, x,
+                          DISPATCHERS[op].availability(call)))
+    # every rank must run the same backends: check that availability agrees
+    mine = [c[-1] for c in cases]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    for r, theirs in enumerate(everyone):
+        if theirs != mine:
+            raise RuntimeError(f"backend availability differs between rank {rank} and rank {r}: "
+                               f"{mine} vs {theirs}")
+
+    local, skipped = [], []
+    for op, label, shape, dim, reduce_op, dtype, x, avail in cases:
+        expected = _call(op, x, dim, reduce_op, group, "reference")
+        for name in DISPATCHERS[op].names:
+            if name not in selected:
+                continue
+            if avail[name]:
+                skipped.append({"section": "distributed", "op": op, "backend": name,
+                                "reasons": avail[name]})
+                continue
+            with fusedpar.comm.count_bytes() as counter:
+                out = _call(op, x, dim, reduce_op, group, name)
+            correct = (out.dtype == expected.dtype and out.shape == expected.shape
+                       and torch.equal(out, expected))
+            local.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
+                          "dtype": _dtype_name(dtype), "correct": bool(correct),
+                          "bytes": counter.total(),
+                          "lower_bound": _lower_bound(op, x, world)})
+    local = _grouped(local)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local, group=group)
+    rows = []
+    for i, row in enumerate(gathered[0]):
+        per_rank = [g[i] for g in gathered]
+        rows.append(dict(row, correct=all(r["correct"] for r in per_rank),
+                         bytes=max(r["bytes"] for r in per_rank),
+                         wrong_ranks=[r for r, p in enumerate(per_rank) if not p["correct"]]))
+    return rows, skipped
+
+
+def _loopback_rows(world: int, device, selected: list[str]):
+    """Every rank in this process over a loopback buffer; oracle: plain torch."""
+    rows, skipped = [], []
+    for salt, (op, label, shape, dim, reduce_op) in enumerate(_variants(world)):
+        dispatcher = DISPATCHERS[op]
+        symmetric = [n for n in dispatcher.names
+                     if isinstance(dispatcher.backends[n], _collective.SymmetricBackend)]
+        for dtype in DEMO_DTYPES:
+            xs = [demo_input(op, shape, dtype, r, world, salt, device) for r in range(world)]
+            call = _collective.CollectiveCall(op, xs[0], dim, world, None, reduce_op)
+            avail = dispatcher.availability(call)
+            if op == "all_gather":
+                expected = [torch.cat(xs, dim)] * world
+            else:
+                total = sum(x.double() for x in xs)
+                if reduce_op == "avg":
+                    total = total / world
+                expected = list(total.to(dtype).chunk(world, dim))
+            for name in symmetric:
+                if name not in selected:
+                    continue
+                if avail[name]:
+                    skipped.append({"section": "loopback", "op": op, "backend": name,
+                                    "reasons": avail[name]})
+                    continue
+                with fusedpar.comm.count_bytes() as counter:
+                    if op == "all_gather":
+                        outs = fusedpar.ops.all_gather_loopback(xs, dim, backend=name)
+                    else:
+                        outs = fusedpar.ops.reduce_scatter_loopback(xs, reduce_op, dim, backend=name)
+                wrong = [r for r, (o, e) in enumerate(zip(outs, expected))
+                         if not (o.dtype == e.dtype and o.shape == e.shape and torch.equal(o, e))]
+                rows.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
+                             "dtype": _dtype_name(dtype), "correct": not wrong,
+                             "wrong_ranks": wrong, "bytes": counter.total(),
+                             "lower_bound": world * _lower_bound(op, xs[0], world)})
+    return _grouped(rows), skipped
+
+
+def _run_demo_rank(group, device, selected: list[str], loopback: bool) -> dict:
+    rows, skipped = _distributed_rows(group, device, selected)
+    result = {"rows": rows, "skipped": skipped, "loopback_rows": [], "loopback_skipped": []}
+    if loopback:
+        import torch.distributed as dist
+
+        lb_rows, lb_skipped = _loopback_rows(dist.get_world_size(group), device, selected)
+        result["loopback_rows"], result["loopback_skipped"] = lb_rows, lb_skipped
+    return result
+
+
+def _spawned_rank(rank: int, world: int, spec: dict) -> None:
+    """Entry point of a spawned rank (torch.multiprocessing.spawn calls it with its index)."""
+    import torch.distributed as dist
+
+    if spec["device"] == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(spec["dist_backend"], init_method=spec["init_method"], rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=spec["timeout"]))
+    try:
+        result = _run_demo_rank(dist.group.WORLD, device, spec["backends"], loopback=rank == 0)
+        if rank == 0:
+            tmp = spec["result_file"] + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, spec["result_file"])
+    finally:
+        fusedpar.comm.release_buffers()
+        dist.destroy_process_group()
+
+
+# ======================================================================================
+# demo: the report
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n:,}"
+
+
+def format_table(rows: list[dict]) -> str:
+    headers = ["op", "backend", "shape", "dtype", "correct", "bytes moved", "lower bound", "ratio"]
+    body = []
+    for r in rows:
+        ratio = f"{r['bytes'] / r['lower_bound']:.2f}" if r["lower_bound"] else "-"
+        correct = "yes" if r["correct"] else "NO" + (
+            f" (ranks {r['wrong_ranks']})" if r.get("wrong_ranks") else "")
+        body.append([r["op"], r["backend"], r["shape"], r["dtype"], correct,
+                     _fmt_bytes(r["bytes"]), _fmt_bytes(r["lower_bound"]), ratio])
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(headers)]
+    right = {5, 6, 7}
+
+    def line(cells):
+        return " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(headers), "-+-".join("-" * w for w in widths)]
+    out += [line(b) for b in body]
+    return "\n".join(out)
+
+
+def _format_skipped(skipped: list[dict]) -> list[str]:
+    seen, lines = set(), []
+    for s in skipped:
+        key = (s["op"], s["backend"], tuple(s["reasons"]))
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"  {s['op']} / {s['backend']}: " + "; ".join(s["reasons"]))
+    return lines
+
+
+def format_report(header: list[str], result: dict) -> tuple[str, bool]:
+    """The printed report and whether every result was correct (and something ran)."""
+    rows, lb_rows = result["rows"], result["loopback_rows"]
+    world = result["world_size"]
+    lines = list(header)
+    lines += ["", f"distributed: {world} ranks; bytes moved = bytes a rank received from its "
+                  "peers (max over ranks; 'reference' reports the ring algorithm's volume)",
+              format_table(rows)]
+    lines += ["", f"loopback: one process plays all {world} ranks on {result['device']}; "
+                  "oracle: plain torch; bytes summed over the simulated ranks",
+              format_table(lb_rows) if lb_rows else "  (nothing ran)"]
+    skipped = _format_skipped(result["skipped"] + result["loopback_skipped"])
+    if skipped:
+        lines += ["", "not run (unavailable here):"] + skipped
+    all_rows = rows + lb_rows
+    wrong = [r for r in all_rows if not r["correct"]]
+    ok = bool(all_rows) and not wrong
+    lines.append("")
+    if not all_rows:
+        lines.append("FAILED: none of the selected backends can run here")
+    elif wrong:
+        lines.append(f"FAILED: {len(wrong)} of {len(all_rows)} results differ from the reference")
+    else:
+        lines.append(f"OK: all {len(all_rows)} results match the reference exactly")
+    return "\n".join(lines), ok
+
+
+def _header(world: int, device: str, how: str, mode: str) -> list[str]:
+    import triton
+
+    return [f"fusedpar demo: world size {world}, device {device} ({how}; Triton {mode})",
+            f"fusedpar {fusedpar.__version__}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, python {platform.python_version()}"]
+
+
+# ======================================================================================
+# demo: launching
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _kill(processes) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join(timeout=10)
+
+
+def _rank_failures(ctx) -> list[str]:
+    """Each failed rank's traceback (or exit status), the earliest failure first."""
+    import pickle
+
+    found = []
+    for rank, (proc, path) in enumerate(zip(ctx.processes, ctx.error_files)):
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    text = pickle.load(f)
+                found.append((os.path.getmtime(path), f"rank {rank} raised:\n{text}"))
+            except (OSError, EOFError, pickle.UnpicklingError) as e:
+                found.append((0.0, f"rank {rank} failed (its traceback is unreadable: {e})"))
+        elif proc.exitcode not in (0, None) and proc.exitcode != -9:
+            found.append((time.time(), f"rank {rank} exited with status {proc.exitcode}"))
+    return [text for _, text in sorted(found, key=lambda t: t[0])]
+
+
+def _wait_for_ranks(ctx, timeout: float) -> str | None:
+    """Wait until every rank exits: None when all succeeded, else what went wrong. A
+    failing rank gets its peers killed at once (they may be blocked on it)."""
+    deadline = time.monotonic() + timeout
+    procs = ctx.processes
+    while True:
+        codes = [p.exitcode for p in procs]
+        if all(c == 0 for c in codes):
+            return None
+        if any(c not in (0, None) for c in codes):
+            time.sleep(0.5)  # let peers that fail on their own record their tracebacks
+            _kill(procs)
+            return "a rank failed:\n\n" + "\n".join(_rank_failures(ctx))
+        if time.monotonic() > deadline:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            _kill(procs)
+            return f"ranks {alive} did not finish within {timeout:g} s; killed them"
+        import multiprocessing.connection
+
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
+
+
+def _spawn_demo(world: int, device: str, selected: list[str], timeout: float) -> int:
+    import torch.multiprocessing as tmp
+
+    job = f"demo{os.getpid()}x{secrets.token_hex(3)}"
+    how = f"{world} spawned processes, {'nccl' if device == 'cuda' else 'gloo'}"
+    with tempfile.TemporaryDirectory(prefix="fusedpar_demo_") as tmpdir:
+        spec = {
+            "device": device,
+            "dist_backend": "nccl" if device == "cuda" else "gloo",
+            "init_method": f"file://{os.path.join(tmpdir, 'rendezvous')}",
+            "result_file": os.path.join(tmpdir, "result.json"),
+            "backends": selected,
+            "timeout": timeout,
+        }
+        env = {
+            # CPU ranks run the Triton kernels in the interpreter, which must be chosen before
+            # the children import fusedpar; CUDA ranks must not use it
+            "TRITON_INTERPRET": "1" if device == "cpu" else None,
+            # shm segments are named fusedpar_<job>_...: this demo's own, for the cleanup below
+            "TORCHELASTIC_RUN_ID": job,
+        }
+        ctx = None
+        try:
+            with _environ(env):
+                ctx = tmp.start_processes(_spawned_rank, args=(world, spec), nprocs=world,
+                                          join=False, daemon=True, start_method="spawn")
+            error = _wait_for_ranks(ctx, timeout)
+            if error is None:
+                with open(spec["result_file"]) as f:
+                    result = json.load(f)
+        except KeyboardInterrupt:
+            error = "interrupted"
+        finally:
+            if ctx is not None:
+                _kill(ctx.processes)
+                for path in ctx.error_files:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+            for path in glob.glob(f"/dev/shm/fusedpar_{job}_*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    if error is not None:
+        print(f"fusedpar demo: {error}", file=sys.stderr, flush=True)
+        return 130 if error == "interrupted" else 1
+    result.update(world_size=world, device=device)
+    mode = "interpreter" if device == "cpu" else "compiled"
+    report, ok = format_report(_header(world, device, how, mode), result)
+    print(report, flush=True)
+    return 0 if ok else 1
+
+
+def _torchrun_demo(selected: list[str], timeout: float, requested_world: int | None) -> int:
+    """One rank of a torchrun job (env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        rank = dist.get_rank()
+        if rank == 0 and requested_world is not None and requested_world != world:
+            print(f"fusedpar demo: --world-size {requested_world} ignored: torchrun started "
+                  f"{world} ranks", file=sys.stderr)
+        result = _run_demo_rank(dist.group.WORLD, device, selected, loopback=rank == 0)
+        result.update(world_size=world, device=device.type)
+        mode = "interpreter" if _collective._interpreting() else "compiled"
+        header = _header(world, device.type, f"torchrun, {backend}", mode)
+        if device.type == "cpu" and not _collective._interpreting():
+            header.append("note: CPU ranks without TRITON_INTERPRET=1: the triton backend is "
+                          "skipped; launch with TRITON_INTERPRET=1 torchrun ... to run it")
+        report, ok = format_report(header, result)
+        if rank == 0:
+            print(report, flush=True)
+        # every rank knows every distributed row; the loopback rows only rank 0
+        return 0 if ok else 1
+    finally:
+        fusedpar.comm.release_buffers()
+        dist.destroy_process_group()
+
+
+def _parse_backends(text: str | None) -> list[str]:
+    known = sorted({n for d in DISPATCHERS.values() for n in d.names})
+    if not text:
+        return known
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend(s) {', '.join(map(repr, unknown)) or repr(text)}; "
+            f"choose from {', '.join(known)} (comma-separated)")
+    return names
+
+
+def cmd_demo(args, parser) -> int:
+    try:
+        selected = _parse_backends(args.backends)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--backends: {e}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _torchrun_demo(selected, args.timeout, args.world_size)
+    world = 4 if args.world_size is None else args.world_size
+    if world < 1:
+        parser.error(f"--world-size must be at least 1, got {world}")
+    device = args.device
+    if device == "auto":
+        # a GPU per rank: NCCL; otherwise CPU ranks (never query a GPU that is not there)
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    elif device == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < world:
+            parser.error(f"--device cuda needs a GPU per rank: {world} ranks, {count} GPUs")
+    return _spawn_demo(world, device, selected, args.timeout)
+
+
+# ======================================================================================
+# bench
+
+
+def cmd_bench(extra: list[str]) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fusedpar.__file__)))
+    bench_dir = next((d for d in (os.path.join(root, "benchmarks"), os.path.abspath("benchmarks"))
+                      if os.path.isdir(d)), None)
+    if bench_dir is None:
+        print("fusedpar bench: no benchmarks/ folder: run it from a fusedpar checkout",
+              file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "pytest", bench_dir, "--benchmark-only", "-q", *extra]
+    print("+ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=os.path.dirname(bench_dir))
+
+
+# ======================================================================================
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusedpar", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
+    sub.required = True
+    p = sub.add_parser("info", help="versions, GPU, extension, which backends run here and why not")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("demo", help="run every op on every available backend and check it")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to spawn (default 4; under torchrun WORLD_SIZE wins)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated backends to run, e.g. reference,triton (default: all); "
+                        "'reference' always runs as the oracle")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="spawned ranks on CPU (gloo, Triton interpreter) or one GPU each (NCCL); "
+                        "auto: cuda when there is a GPU per rank")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds before the ranks are killed (default 180)")
+    sub.add_parser("bench", help="pytest benchmarks --benchmark-only -q [extra pytest args]",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "bench":
+        return cmd_bench(extra[1:] if extra[:1] == ["--"] else extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "info":
+        return cmd_info(args)
+    try:
+        return cmd_demo(args, parser)
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001 - show the traceback, exit non-zero
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

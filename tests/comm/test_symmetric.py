@@ -1,0 +1,109 @@
+import glob
+import os
+import stat
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fusedpar import FusedparError, FusedparTimeoutError
+from fusedpar.comm import get_buffer, get_loopback_buffers, layout, symmetric
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def _shm_lifecycle():
+    """Segments are 0600 files, unlinked as soon as every peer mapped them; peers see writes."""
+    modes = []
+    real_unlink = os.unlink
+
+    def recording_unlink(path):
+        modes.append(stat.S_IMODE(os.stat(path).st_mode))
+        real_unlink(path)
+
+    os.unlink = recording_unlink
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        buf = get_buffer(group, 1000, torch.device("cpu"))
+    finally:
+        os.unlink = real_unlink
+    rank, world = dist.get_rank(), dist.get_world_size()
+    left = glob.glob("/dev/shm/fusedpar_*")
+    buf.data(torch.int64, 4).copy_(torch.arange(4) + 100 * rank)
+    dist.barrier()
+    seen = [buf.data(torch.int64, 4, rank=r).tolist() for r in range(world)]
+    same_addresses = buf.pad_table.tolist() == [s.data_ptr() for s in buf.segments]
+    grown = get_buffer(group, buf.capacity + 1, torch.device("cpu"))
+    return {"modes": modes, "left": left, "seen": seen, "capacity": buf.capacity,
+            "same_addresses": same_addresses, "grown": grown.capacity, "backend": buf.backend}
+
+
+def test_shm_segments_are_private_unlinked_and_shared(pools):
+    results = pools(2).run(_shm_lifecycle)
+    for r in results:
+        assert r["modes"] == [0o600] and r["left"] == [] and r["same_addresses"]
+        assert r["seen"] == [[0, 1, 2, 3], [100, 101, 102, 103]]
+        assert r["backend"] == "shm" and r["capacity"] >= 1000 and r["grown"] > r["capacity"]
+    assert not glob.glob("/dev/shm/fusedpar_*")
+
+
+def _peer_lags():
+    """Rank 0 waits (bounded) for a DONE flag rank 1 never raises."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    buf = get_buffer(group, 64, torch.device("cpu"))
+    dist.barrier()
+    if dist.get_rank() == 1:
+        return None
+    buf.epoch = 1
+    os.environ["FUSEDPAR_TIMEOUT"] = "0.5"
+    try:
+        buf.wait_done_on_host()
+    except FusedparTimeoutError as e:
+        return str(e)
+    finally:
+        os.environ["FUSEDPAR_TIMEOUT"] = "30"
+    return "returned"
+
+
+def test_host_wait_is_bounded_and_names_the_flag(pools):
+    message = pools(2).run(_peer_lags)[0]
+    assert "DONE[1]" in message and "epoch 1" in message
+
+
+def test_loopback_views_share_segments_and_keep_their_own_rank():
+    views = get_loopback_buffers(3, 100, torch.device("cpu"))
+    assert [v.rank for v in views] == [0, 1, 2]
+    assert all(v.pad_table.tolist() == views[0].pad_table.tolist() for v in views)
+    views[2].data(torch.float32, 2).fill_(5.0)
+    assert views[0].data(torch.float32, 2, rank=2).tolist() == [5.0, 5.0]
+    assert get_loopback_buffers(3, 100, torch.device("cpu"))[1] is views[1]  # cached
+
+
+def test_buffer_refuses_out_of_range_views_and_non_loopback_rank_views():
+    view = get_loopback_buffers(2, 16, torch.device("cpu"))[0]
+    with pytest.raises(FusedparError, match="bytes, .* needed"):
+        view.data(torch.float32, view.capacity)
+    shm_like = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)],
+                                         0, "shm", "g")
+    with pytest.raises(FusedparError, match="loopback"):
+        shm_like.as_rank(0)
+
+
+def test_recorded_failures_raise_once_then_the_buffer_refuses_work():
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    buf.next_epoch()
+    buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor(
+        [layout.TIMEOUT_READY, 1, 1], dtype=torch.int32)
+    with pytest.raises(FusedparTimeoutError, match=r"rank 0 .* READY\[1\] \(rank 1\)"):
+        buf.finish("all_gather")
+    with pytest.raises(FusedparError, match="unusable after an earlier failure"):
+        buf.next_epoch()
+
+
+def test_fingerprints_separate_inputs():
+    a = symmetric.fingerprint("all_gather", torch.float32, (4, 6), 0, "")
+    assert a == symmetric.fingerprint("all_gather", torch.float32, (4, 6), 0, "")
+    assert a != symmetric.fingerprint("all_gather", torch.float32, (6, 4), 0, "")
+    assert a != symmetric.fingerprint("all_gather", torch.float16, (4, 6), 0, "")
+    assert 0 <= a < 2**31
