@@ -173,7 +173,7 @@ void cuda_all_gather_pull(const at::Tensor& out, const at::Tensor& x, const at::
 void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table, int64_t rank,
                               int64_t world_size, int64_t epoch, int64_t meta, int64_t outer,
                               int64_t inner, int64_t max_spins, const at::Tensor& stats,
-                              double scale) {
+                              double divisor) {
   const char* op = "_cuda_reduce_scatter_pull";
   check_group(pad_table, rank, world_size, op);
   check_epoch(epoch, op);
@@ -204,7 +204,7 @@ void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table
   C10_CUDA_CHECK(launch_reduce_scatter_pull(
       out.data_ptr(), table_ptr(pad_table), static_cast<int32_t>(rank),
       static_cast<int32_t>(world_size), static_cast<uint32_t>(epoch), meta, outer, inner, kind,
-      max_spins, stats_ptr(stats), static_cast<float>(scale), sm_count(pad_table.device().index()),
+      max_spins, stats_ptr(stats), static_cast<float>(divisor), sm_count(pad_table.device().index()),
       c10::cuda::getCurrentCUDAStream().stream()));
 }
 
@@ -225,7 +225,7 @@ TORCH_LIBRARY_FRAGMENT(fusedpar, m) {
   m.def(
       "_cuda_reduce_scatter_pull(Tensor(a!) out, Tensor pad_table, int rank, int world_size, "
       "int epoch, int meta, int outer, int inner, int max_spins, Tensor(b!) stats, "
-      "float scale=1.0) -> ()");
+      "float divisor=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fusedpar, CUDA, m) {

@@ -64,7 +64,9 @@ def _nvcc_info() -> dict:
         return info
     out = _run_text([nvcc, "--version"]) or ""
     m = re.search(r"release (\d+\.\d+), V([\w.\-]+)", out)
-    info["version"] = m.group(2) if m else (re.search(r"release (\d+\.\d+)", out) or [None, None])[1]
+    if m is None:
+        m = re.search(r"release (\d+\.\d+)()", out)
+    info["version"] = (m.group(2) or m.group(1)) if m else None
     if info["cuda_home"] is None:
         dry = _run_text([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull]) or ""
         for line in dry.splitlines():
@@ -209,7 +211,8 @@ def format_info(info: dict) -> str:
     else:
         built = f"built without CUDA ({b['REASON']})"
     add(f"extension fusedpar._C: {built}")
-    add(f"          loaded: {'yes, ' + e['path'] if e['loaded'] else 'no (' + str(e['load_error']) + ')'}")
+    loaded = f"yes, {e['path']}" if e["loaded"] else f"no ({e['load_error']})"
+    add(f"          loaded: {loaded}")
     add("          CUDA ops usable here: " + ("yes" if e["cuda_ops_usable_here"]
                                               else f"no ({e['cuda_ops_unavailable_reason']})"))
     be = info["backends"]
@@ -378,7 +381,8 @@ def _loopback_rows(world: int, device, selected: list[str]):
                     if op == "all_gather":
                         outs = fusedpar.ops.all_gather_loopback(xs, dim, backend=name)
                     else:
-                        outs = fusedpar.ops.reduce_scatter_loopback(xs, reduce_op, dim, backend=name)
+                        outs = fusedpar.ops.reduce_scatter_loopback(xs, reduce_op, dim,
+                                                                    backend=name)
                 wrong = [r for r, (o, e) in enumerate(zip(outs, expected))
                          if not (o.dtype == e.dtype and o.shape == e.shape and torch.equal(o, e))]
                 rows.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
@@ -408,8 +412,10 @@ def _spawned_rank(rank: int, world: int, spec: dict) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # longer than the parent's deadline: a stalled peer is reported (and killed) by the parent
     dist.init_process_group(spec["dist_backend"], init_method=spec["init_method"], rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=spec["timeout"]))
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=spec["timeout"] + 60))
     try:
         result = _run_demo_rank(dist.group.WORLD, device, spec["backends"], loopback=rank == 0)
         if rank == 0:
@@ -527,7 +533,7 @@ def _kill(processes) -> None:
         p.join(timeout=10)
 
 
-def _rank_failures(ctx) -> list[str]:
+def _rank_failures(ctx, killed: list[int]) -> list[str]:
     """Each failed rank's traceback (or exit status), the earliest failure first."""
     import pickle
 
@@ -540,9 +546,13 @@ def _rank_failures(ctx) -> list[str]:
                 found.append((os.path.getmtime(path), f"rank {rank} raised:\n{text}"))
             except (OSError, EOFError, pickle.UnpicklingError) as e:
                 found.append((0.0, f"rank {rank} failed (its traceback is unreadable: {e})"))
-        elif proc.exitcode not in (0, None) and proc.exitcode != -9:
-            found.append((time.time(), f"rank {rank} exited with status {proc.exitcode}"))
-    return [text for _, text in sorted(found, key=lambda t: t[0])]
+        elif rank not in killed and proc.exitcode not in (0, None):
+            found.append((0.0, f"rank {rank} exited with status {proc.exitcode} (no traceback: "
+                               "killed by a signal or exited from native code)"))
+    lines = [text for _, text in sorted(found, key=lambda t: t[0])]
+    if killed:
+        lines.append(f"ranks {killed} were killed after the failure")
+    return lines
 
 
 def _wait_for_ranks(ctx, timeout: float) -> str | None:
@@ -556,8 +566,9 @@ def _wait_for_ranks(ctx, timeout: float) -> str | None:
             return None
         if any(c not in (0, None) for c in codes):
             time.sleep(0.5)  # let peers that fail on their own record their tracebacks
+            killed = [r for r, p in enumerate(procs) if p.is_alive()]
             _kill(procs)
-            return "a rank failed:\n\n" + "\n".join(_rank_failures(ctx))
+            return "a rank failed:\n\n" + "\n".join(_rank_failures(ctx, killed))
         if time.monotonic() > deadline:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
             _kill(procs)
@@ -679,7 +690,8 @@ def cmd_demo(args, parser) -> int:
     device = args.device
     if device == "auto":
         # a GPU per rank: NCCL; otherwise CPU ranks (never query a GPU that is not there)
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        device = "cuda" if enough else "cpu"
     elif device == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count < world:
@@ -708,7 +720,11 @@ def cmd_bench(extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusedpar", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="fusedpar",
+        description="fusedpar: fused communication+compute kernels for PyTorch. 'info' shows "
+                    "what runs here, 'demo' checks every op on every backend, 'bench' runs "
+                    "the benchmark suite.")
     sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
     sub.required = True
     p = sub.add_parser("info", help="versions, GPU, extension, which backends run here and why not")

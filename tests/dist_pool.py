@@ -9,12 +9,20 @@ with each failing rank's traceback, is raised; the registry starts a new pool ne
 from __future__ import annotations
 
 import datetime
+import glob
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import time
 import traceback
+
+
+def leftover_shm() -> list[str]:
+    """Symmetric-memory files of the ranks this process spawned that still exist."""
+    from fusedpar.comm.symmetric import shm_job_prefix
+
+    return glob.glob(f"/dev/shm/{shm_job_prefix(os.getpid())}*")
 
 
 class WorkerDied:
@@ -32,9 +40,12 @@ class PoolError(AssertionError):
 
 
 def _worker_main(rank, world_size, init_file, tasks, results):
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    # with a GPU, one group serves both: gloo for CPU tensors, NCCL for CUDA tensors
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     while True:
         task = tasks.get()

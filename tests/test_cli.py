@@ -187,16 +187,26 @@ _BREAK = textwrap.dedent("""
                     raise RuntimeError("injected failure on rank 1")
                 return real(*args, **kwargs)
             dist.all_gather_object = all_gather_object
+        elif how in ("die", "hang"):
+            real = dist.all_gather_object
+            def all_gather_object(*args, **kwargs):
+                if rank1():
+                    if how == "die":
+                        os._exit(3)
+                    import time
+                    time.sleep(3600)
+                return real(*args, **kwargs)
+            dist.all_gather_object = all_gather_object
         elif how == "wrong":
             real_equal = torch.equal
             torch.equal = lambda a, b: real_equal(a, b) and not rank1()
 """)
 
 
-def _broken_demo(tmp_path, how):
+def _broken_demo(tmp_path, how, timeout=100):
     (tmp_path / "sitecustomize.py").write_text(_BREAK)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    return _run(["demo", "--world-size", "2", "--timeout", "100"], timeout=150,
+    return _run(["demo", "--world-size", "2", "--timeout", str(timeout)], timeout=150,
                 env={"PYTHONPATH": path, "FUSEDPAR_TEST_BREAK": how})
 
 
@@ -210,6 +220,24 @@ def test_demo_a_failing_rank_exits_nonzero_with_its_traceback(tmp_path):
     assert "injected failure on rank 1" in res.stderr
     assert time.monotonic() - start < 60  # rank 0 was killed, not waited for
     assert not set(glob.glob("/dev/shm/fusedpar_*")) - before
+
+
+@pytest.mark.timeout(180)
+def test_demo_a_dying_rank_exits_nonzero(tmp_path):
+    start = time.monotonic()
+    res = _broken_demo(tmp_path, "die")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "rank 1 exited with status 3" in res.stderr
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(180)
+def test_demo_a_stalled_rank_is_killed_at_the_timeout(tmp_path):
+    start = time.monotonic()
+    res = _broken_demo(tmp_path, "hang", timeout=15)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "did not finish within 15 s; killed them" in res.stderr
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.timeout(180)

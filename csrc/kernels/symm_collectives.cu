@@ -262,11 +262,11 @@ __device__ __forceinline__ P ldcg_pack(const P* p) {
   return out;
 }
 
-// Sums units [begin, end) (VEC elements each) over src = 0..W-1 in order, times `scale`.
+// Sums units [begin, end) (VEC elements each) over src = 0..W-1 in order, divided by `divisor`.
 template <typename K, int VEC>
 __device__ void reduce_units(typename K::storage* out, const int64_t* pad_table, int32_t rank,
                              int32_t world_size, int64_t inner, int64_t begin, int64_t end,
-                             float scale) {
+                             float divisor) {
   using S = typename K::storage;
   using P = Pack<S, VEC>;
   const int64_t inner_units = inner / VEC;
@@ -287,7 +287,7 @@ __device__ void reduce_units(typename K::storage* out, const int64_t* pad_table,
     }
     P r;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) r.v[k] = K::from_float(acc[k] * scale);
+    for (int k = 0; k < VEC; ++k) r.v[k] = K::from_float(acc[k] / divisor);
     *reinterpret_cast<P*>(out + o * inner + j * VEC) = r;
   }
 }
@@ -297,7 +297,7 @@ __global__ void reduce_scatter_pull_kernel(typename K::storage* out, const int64
                                            int32_t rank, int32_t world_size, uint32_t epoch,
                                            int64_t meta, int64_t outer, int64_t inner,
                                            int64_t max_spins, unsigned long long* stats,
-                                           float scale) {
+                                           float divisor) {
   using S = typename K::storage;
   constexpr int VEC = 16 / sizeof(S);
   uint32_t* own = pad_of(pad_table, rank);
@@ -327,9 +327,9 @@ __global__ void reduce_scatter_pull_kernel(typename K::storage* out, const int64
                                                      (world_size - 1)));
   }
   if (aligned) {
-    reduce_units<K, VEC>(out, pad_table, rank, world_size, inner, begin, end, scale);
+    reduce_units<K, VEC>(out, pad_table, rank, world_size, inner, begin, end, divisor);
   } else {
-    reduce_units<K, 1>(out, pad_table, rank, world_size, inner, begin, end, scale);
+    reduce_units<K, 1>(out, pad_table, rank, world_size, inner, begin, end, divisor);
   }
 }
 
@@ -392,24 +392,24 @@ cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int3
                                        int32_t world_size, uint32_t epoch, int64_t meta,
                                        int64_t outer, int64_t inner, ScalarKind kind,
                                        int64_t max_spins, unsigned long long* stats,
-                                       float scale, int32_t sm_count, cudaStream_t stream) {
+                                       float divisor, int32_t sm_count, cudaStream_t stream) {
   const int64_t elem = kind == ScalarKind::kFloat32 ? 4 : 2;
   const int blocks = blocks_for(outer * inner * elem * world_size, sm_count, 1);
   switch (kind) {
     case ScalarKind::kFloat32:
       reduce_scatter_pull_kernel<F32><<<blocks, kThreads, 0, stream>>>(
           static_cast<float*>(out), pad_table, rank, world_size, epoch, meta, outer, inner,
-          max_spins, stats, scale);
+          max_spins, stats, divisor);
       break;
     case ScalarKind::kFloat16:
       reduce_scatter_pull_kernel<F16><<<blocks, kThreads, 0, stream>>>(
           static_cast<unsigned short*>(out), pad_table, rank, world_size, epoch, meta, outer,
-          inner, max_spins, stats, scale);
+          inner, max_spins, stats, divisor);
       break;
     case ScalarKind::kBFloat16:
       reduce_scatter_pull_kernel<BF16><<<blocks, kThreads, 0, stream>>>(
           static_cast<unsigned short*>(out), pad_table, rank, world_size, epoch, meta, outer,
-          inner, max_spins, stats, scale);
+          inner, max_spins, stats, divisor);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -32,8 +32,10 @@ constexpr int32_t READY = 0;
 constexpr int32_t DONE = 256;
 constexpr int32_t META = 512;
 constexpr int32_t STATUS = 516;
-constexpr int32_t PAD_WORDS = 1024;
-constexpr int32_t PAD_BYTES = 4096;
+constexpr int32_t GATHERED = 768;      // local flags of the fused all-gather + matmul
+constexpr int32_t CHUNK_TILES = 1024;  // local tile counters of the fused matmul + reduce-scatter
+constexpr int32_t PAD_WORDS = 2048;
+constexpr int32_t PAD_BYTES = 8192;
 
 // STATUS[0] codes
 constexpr int32_t OK = 0;
@@ -77,13 +79,13 @@ cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_
 
 // Every rank staged [outer, W, inner] elements of `kind` in its data region.
 // out[o, i] = sum over src = 0..W-1 (in that order, fp32 accumulation, one final
-// round-to-nearest-even, after multiplying by `scale`: 1 for a sum, 1/W for an average)
+// round-to-nearest-even, after dividing by `divisor`: 1 for a sum, W for an average)
 // of staged_src[o, rank, i]. Waits READY / checks META for every
 // src != rank first. stats[0] += bytes read from peers.
 cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int32_t rank,
                                        int32_t world_size, uint32_t epoch, int64_t meta,
                                        int64_t outer, int64_t inner, ScalarKind kind,
                                        int64_t max_spins, unsigned long long* stats,
-                                       float scale, int32_t sm_count, cudaStream_t stream);
+                                       float divisor, int32_t sm_count, cudaStream_t stream);
 
 }  // namespace fusedpar

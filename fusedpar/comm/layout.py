@@ -10,6 +10,12 @@ array with fixed word offsets, so kernels need no world-size arithmetic to find 
 - ``META``: a 31-bit fingerprint of the owner's input (op, dtype, shape) for the staged
   epoch; a reader compares it with its own to catch inputs that differ across ranks.
 - ``STATUS .. STATUS+3``: local only: ``[code, src, epoch, 0]`` of the first failure.
+- ``GATHERED + src``: local only: the epoch whose shard of ``src`` a copy engine has copied
+  into this rank's gathered buffer (fused all-gather + matmul, written by
+  ``stream_write_value32`` so the GEMM never gives up an SM to a flag kernel).
+- ``CHUNK_TILES + chunk``: local only: output tiles of ``chunk`` finished in this call
+  (fused matmul + reduce-scatter: the tile that completes a chunk raises its flag). Zeroed
+  before each call.
 
 ``csrc/kernels/symm_collectives.cu`` repeats these numbers; a test keeps them equal.
 """
@@ -19,7 +25,9 @@ READY = 0
 DONE = MAX_WORLD
 META = 2 * MAX_WORLD
 STATUS = 2 * MAX_WORLD + 4
-PAD_WORDS = 1024
+GATHERED = 3 * MAX_WORLD
+CHUNK_TILES = 4 * MAX_WORLD
+PAD_WORDS = 2048
 PAD_BYTES = 4 * PAD_WORDS
 
 # STATUS[0] codes

@@ -181,10 +181,16 @@ class SymmetricBuffer:
 # ---- allocation ---------------------------------------------------------------------
 
 
+def shm_job_prefix(parent_pid: int | None = None) -> str:
+    """``/dev/shm`` name prefix of this job's segments: torchrun's run id, else the pid of
+    the process that spawned the ranks (so a test or launcher can clean up after its own)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{parent_pid or os.getppid()}"
+    return f"{SHM_PREFIX}{job}_"
+
+
 def _shm_segments(group, nbytes: int):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    name = f"{SHM_PREFIX}{job}_{secrets.token_hex(6)}_{rank}"
+    name = f"{shm_job_prefix()}{secrets.token_hex(6)}_{rank}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:

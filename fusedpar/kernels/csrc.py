@@ -4,7 +4,9 @@ same signatures as the Triton launchers so a backend can take either set."""
 import torch
 
 
-def wait_flags(pad_table, word_base, rank, world_size, epoch, max_spins, code) -> None:
+def wait_flags(pad_table, word_base, rank, world_size, epoch, max_spins, code, meta=-1) -> None:
+    if meta >= 0:
+        raise NotImplementedError("the CUDA wait_flags kernel does not check fingerprints")
     torch.ops.fusedpar._cuda_wait_flags(pad_table, word_base, rank, world_size, epoch, max_spins, code)
 
 
@@ -20,7 +22,7 @@ def all_gather_pull(out, x, pad_table, rank, world_size, epoch, meta, outer, inn
 
 
 def reduce_scatter_pull(out, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins,
-                        stats, scale=1.0) -> None:
+                        stats, divisor=1.0) -> None:
     torch.ops.fusedpar._cuda_reduce_scatter_pull(
-        out, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins, stats, scale
+        out, pad_table, rank, world_size, epoch, meta, outer, inner, max_spins, stats, divisor
     )

@@ -2,7 +2,7 @@
 
 Every rank has staged its whole input ``[outer, W, inner]`` and raised its READY flag; rank
 ``r`` sums the ``[:, r, :]`` slices of all W ranks in rank order (the same order on every
-rank), in fp32, scales (1 or 1/W) and rounds once into the ``[outer, inner]`` output.
+rank), in fp32, divides (by 1 or W) and rounds once into the ``[outer, inner]`` output.
 """
 
 import torch
@@ -14,7 +14,7 @@ from .signal import data_ptr, wait_ready_and_match
 
 @triton.jit
 def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta, outer, inner,
-                               max_spins, stats_ptr, scale, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
+                               max_spins, stats_ptr, divisor, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < outer * inner
     row = offs // inner
@@ -29,23 +29,23 @@ def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta
             acc += tl.load(shard + src_offs, mask=mask, other=0).to(tl.float32)
             if src != rank:
                 tl.atomic_add(stats_ptr, tl.sum(mask.to(tl.int64)) * ELEM_BYTES)
-    tl.store(out_ptr + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, (acc / divisor).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def reduce_scatter_pull(out: torch.Tensor, pad_table: torch.Tensor, rank: int, world_size: int,
                         epoch: int, meta: int, outer: int, inner: int, max_spins: int,
-                        stats: torch.Tensor, scale: float = 1.0, block: int = 1024) -> None:
-    """Fill ``out`` (contiguous ``[outer, inner]``) with ``scale`` times the sum of every
-    rank's slice ``rank`` (``scale = 1/W`` gives the average)."""
+                        stats: torch.Tensor, divisor: float = 1.0, block: int = 1024) -> None:
+    """Fill ``out`` (contiguous ``[outer, inner]``) with the sum of every rank's slice
+    ``rank``, divided by ``divisor`` (``W`` gives the average, rounded like torch's)."""
     grid = (triton.cdiv(outer * inner, block),)
     reduce_scatter_pull_kernel[grid](out, pad_table, rank, world_size, epoch, meta, outer, inner,
-                                     max_spins, stats, scale, BLOCK=block, ELEM_BYTES=out.element_size())
+                                     max_spins, stats, divisor, BLOCK=block, ELEM_BYTES=out.element_size())
 
 
 AOT_EXAMPLES = [
     (reduce_scatter_pull_kernel,
      {"out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "meta": "i32", "outer": "i64", "inner": "i64", "max_spins": "i64", "stats_ptr": "*i64", "scale": "fp32"},
+      "meta": "i32", "outer": "i64", "inner": "i64", "max_spins": "i64", "stats_ptr": "*i64", "divisor": "fp32"},
      {"BLOCK": 1024, "ELEM_BYTES": nbytes})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4))
 ]

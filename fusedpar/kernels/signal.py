@@ -49,27 +49,37 @@ def wait_flag(my_pad, word, src, epoch, max_spins, code):
 
 
 @triton.jit
-def wait_ready_and_match(pad_table, rank, src, epoch, meta, max_spins):
-    """Wait for ``src``'s READY flag, then check its input fingerprint equals ours."""
-    my_pad = pad_ptr(pad_table, rank)
-    ok = wait_flag(my_pad, READY + src, src, epoch, max_spins, 1)  # layout.TIMEOUT_READY
-    if ok:
-        theirs = tl.load(pad_ptr(pad_table, src) + META, volatile=True)
-        if theirs != meta:
-            if tl.atomic_cas(my_pad + STATUS, 0, 3, sem="relaxed", scope="sys") == 0:  # META_MISMATCH
-                tl.store(my_pad + STATUS + 1, src)
-                tl.store(my_pad + STATUS + 2, epoch)
-            ok = False
+def check_meta(pad_table, rank, src, epoch, meta):
+    """Whether ``src``'s published input fingerprint equals ours (a mismatch is recorded)."""
+    theirs = tl.load(pad_ptr(pad_table, src) + META, volatile=True)
+    ok = theirs == meta
+    if not ok:
+        my_pad = pad_ptr(pad_table, rank)
+        if tl.atomic_cas(my_pad + STATUS, 0, 3, sem="relaxed", scope="sys") == 0:  # META_MISMATCH
+            tl.store(my_pad + STATUS + 1, src)
+            tl.store(my_pad + STATUS + 2, epoch)
     return ok
 
 
 @triton.jit
-def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, max_spins, code):
-    """One program: wait until ``pad[word_base + src] >= epoch`` for every peer ``src``."""
+def wait_ready_and_match(pad_table, rank, src, epoch, meta, max_spins):
+    """Wait for ``src``'s READY flag, then check its input fingerprint equals ours."""
+    ok = wait_flag(pad_ptr(pad_table, rank), READY + src, src, epoch, max_spins, 1)  # TIMEOUT_READY
+    if ok:
+        ok = check_meta(pad_table, rank, src, epoch, meta)
+    return ok
+
+
+@triton.jit
+def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, max_spins, code, meta):
+    """One program: wait until ``pad[word_base + src] >= epoch`` for every peer ``src``;
+    with ``meta >= 0`` also check each peer's published fingerprint."""
     my_pad = pad_ptr(pad_table, rank)
     for src in range(0, world_size):
         if src != rank:
-            wait_flag(my_pad, word_base + src, src, epoch, max_spins, code)
+            if wait_flag(my_pad, word_base + src, src, epoch, max_spins, code):
+                if meta >= 0:
+                    check_meta(pad_table, rank, src, epoch, meta)
 
 
 @triton.jit
@@ -84,8 +94,8 @@ def signal_peers_kernel(pad_table, word_base, rank, world_size, epoch, meta):
 
 
 def wait_flags(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
-               max_spins: int, code: int) -> None:
-    wait_flags_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, max_spins, code)
+               max_spins: int, code: int, meta: int = -1) -> None:
+    wait_flags_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, max_spins, code, meta)
 
 
 def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
@@ -96,7 +106,7 @@ def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size:
 AOT_EXAMPLES = [
     (wait_flags_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "max_spins": "i64", "code": "i32"}, {}),
+      "max_spins": "i64", "code": "i32", "meta": "i32"}, {}),
     (signal_peers_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32"}, {}),

@@ -57,9 +57,9 @@ class Symmetric(C.SymmetricBackend):
         inner = x.numel() // (outer * world)
         out = torch.empty((outer, inner), dtype=x.dtype, device=x.device)
         stats = C.stats_tensor(x.device)
-        scale = 1.0 / world if call.reduce_op == "avg" else 1.0
+        divisor = float(world) if call.reduce_op == "avg" else 1.0
         self.launchers.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch, meta, outer,
-                                           inner, buf.max_spins, stats, scale)
+                                           inner, buf.max_spins, stats, divisor)
         counters.record(OP, self.name, stats)
         return out.view(_out_shape(x, call.dim, world))
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from fusedpar import FusedparError, FusedparTimeoutError
 from fusedpar.comm import get_buffer, get_loopback_buffers, layout, symmetric
+from tests.dist_pool import leftover_shm
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -28,7 +29,7 @@ def _shm_lifecycle():
     finally:
         os.unlink = real_unlink
     rank, world = dist.get_rank(), dist.get_world_size()
-    left = glob.glob("/dev/shm/fusedpar_*")
+    left = glob.glob(f"/dev/shm/{symmetric.shm_job_prefix()}*")
     buf.data(torch.int64, 4).copy_(torch.arange(4) + 100 * rank)
     dist.barrier()
     seen = [buf.data(torch.int64, 4, rank=r).tolist() for r in range(world)]
@@ -44,7 +45,7 @@ def test_shm_segments_are_private_unlinked_and_shared(pools):
         assert r["modes"] == [0o600] and r["left"] == [] and r["same_addresses"]
         assert r["seen"] == [[0, 1, 2, 3], [100, 101, 102, 103]]
         assert r["backend"] == "shm" and r["capacity"] >= 1000 and r["grown"] > r["capacity"]
-    assert not glob.glob("/dev/shm/fusedpar_*")
+    assert not leftover_shm()
 
 
 def _peer_lags():

@@ -9,7 +9,10 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import get_buffer
 
+import pytest
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def rank_data(shape, dtype, rank, salt=0):

@@ -1,10 +1,9 @@
-import glob
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import fusedpar
+from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     DTYPES,
     chosen_backend,
@@ -12,6 +11,7 @@ from tests.ops.collective_cases import (
     poison_symmetric,
     poisoned_allocations,
     rank_data,
+    requires_cuda,
     subgroup,
     timeout_case,
 )
@@ -166,4 +166,32 @@ def test_a_missing_peer_times_out(pools, mode):
             continue
         assert result["elapsed"] < 2.0 * 3, result
         assert "rank 2" in result["message"] and "READY[2]" in result["message"], result
-    assert not glob.glob("/dev/shm/fusedpar_*")
+    assert not leftover_shm()
+
+
+# ---- GPU: skipped without CUDA ----------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_loopback_matches_cat(backend):
+    for world in (1, 4):
+        for dtype in DTYPES:
+            for i, (shape, dim) in enumerate(SHAPES_DIMS):
+                xs = [rank_data(shape, dtype, r, salt=i).cuda() for r in range(world)]
+                outs = fusedpar.ops.all_gather_loopback(xs, dim, backend=backend)
+                for out in outs:
+                    assert torch.equal(out, torch.cat(xs, dim)), (world, dtype, shape, dim)
+
+
+def _gpu_single_rank(backend):
+    x = rank_data((5, 3, 7), torch.bfloat16, 0).cuda()
+    out = fusedpar.ops.all_gather(x, 1, backend=backend)
+    torch.cuda.synchronize()
+    buf = fusedpar.comm.get_buffer(dist.group.WORLD, 1, x.device)
+    return torch.equal(out, x), buf.backend
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
+    assert pools(1).run(_gpu_single_rank, backend) == [(True, "torch")]

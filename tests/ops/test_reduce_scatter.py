@@ -1,15 +1,15 @@
-import glob
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import fusedpar
+from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     DTYPES,
     poison_symmetric,
     poisoned_allocations,
     rank_data,
+    requires_cuda,
     subgroup,
     timeout_case,
 )
@@ -152,4 +152,34 @@ def test_a_stalled_peer_times_out(pools):
     results = pools(2).run(timeout_case, _scatter, 1, "stall", 2.0)
     assert results[1] is None
     assert results[0]["elapsed"] < 6.0 and "READY[1]" in results[0]["message"]
-    assert not glob.glob("/dev/shm/fusedpar_*")
+    assert not leftover_shm()
+
+
+# ---- GPU: skipped without CUDA ----------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_loopback_matches_sum(backend):
+    for world in (1, 4):
+        for dtype in DTYPES:
+            for i, (shape, dim) in enumerate(_shapes_dims(world)):
+                xs = [rank_data(shape, dtype, r, salt=i).cuda() for r in range(world)]
+                for op in ("sum", "avg"):
+                    outs = fusedpar.ops.reduce_scatter_loopback(xs, op, dim, backend=backend)
+                    total = sum(x.double() for x in xs) / (world if op == "avg" else 1)
+                    for rank, out in enumerate(outs):
+                        expected = total.chunk(world, dim)[rank].to(dtype)
+                        assert torch.equal(out, expected), (world, dtype, shape, dim, op)
+
+
+def _gpu_single_rank(backend):
+    x = rank_data((5, 3, 7), torch.float16, 0).cuda()
+    out = fusedpar.ops.reduce_scatter(x, "avg", 2, backend=backend)
+    torch.cuda.synchronize()
+    return torch.equal(out, x)
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
+    assert pools(1).run(_gpu_single_rank, backend) == [True]
