@@ -1,13 +1,21 @@
 """Public ops. Each is also ``torch.ops.fusedpar.<name>`` (a custom op with a fake impl)."""
 
 from . import all_gather as _all_gather_module
+from . import all_gather_matmul as _all_gather_matmul_module
+from . import matmul_reduce_scatter as _matmul_reduce_scatter_module
 from . import reduce_scatter as _reduce_scatter_module
 
 # every op's backend dispatcher, by op name (for ``fusedpar info``, the demo and tests)
-DISPATCHERS = {m.OP: m.BACKENDS for m in (_all_gather_module, _reduce_scatter_module)}
+DISPATCHERS = {
+    m.OP: m.BACKENDS
+    for m in (_all_gather_module, _reduce_scatter_module, _all_gather_matmul_module,
+              _matmul_reduce_scatter_module)
+}
 
 from .all_gather import all_gather, all_gather_loopback  # noqa: E402
+from .all_gather_matmul import all_gather_matmul  # noqa: E402
+from .matmul_reduce_scatter import matmul_reduce_scatter  # noqa: E402
 from .reduce_scatter import reduce_scatter, reduce_scatter_loopback  # noqa: E402
 
-__all__ = ["DISPATCHERS", "all_gather", "all_gather_loopback", "reduce_scatter",
-           "reduce_scatter_loopback"]
+__all__ = ["DISPATCHERS", "all_gather", "all_gather_loopback", "all_gather_matmul",
+           "matmul_reduce_scatter", "reduce_scatter", "reduce_scatter_loopback"]

@@ -37,6 +37,11 @@ class Dispatcher:
     def names(self) -> list[str]:
         return list(self.backends)
 
+    def carry(self, name: str) -> str:
+        """``name`` if this op has that backend, else "" (auto): how a backward pass passes
+        its forward op's backend on to another op."""
+        return name if name in self.backends else ""
+
     def forced_name(self, requested: str) -> str:
         if requested:
             if requested not in self.backends:

@@ -1,0 +1,188 @@
+"""``fusedpar.ops.all_gather_matmul``: gather A along a leading dim and multiply by each B,
+with the gather hidden behind the GEMM (torch ``symm_mem.fused_all_gather_matmul`` schema)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import counters, group_name, resolve_group
+from . import _collective as C
+from .backend import Backend, Dispatcher
+
+OP = "all_gather_matmul"
+SCHEMA = ("(Tensor A_shard, Tensor[] Bs, int gather_dim, str group_name, bool return_A, "
+          "str backend) -> (Tensor?, Tensor[])")
+
+
+class MatmulCall(C.CollectiveCall):
+    """A call of a fused matmul op: ``x`` is A (or A_shard), ``dim`` the gathered or
+    scattered dim, ``bs`` the B matrices."""
+
+    def __init__(self, op, a, dim, world_size, group, bs, return_a=True, reduce_op=""):
+        super().__init__(op, a, dim, world_size, group, reduce_op)
+        self.bs, self.return_a = list(bs), return_a
+
+    def fingerprint(self) -> int:
+        return C.symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,
+                                       self.reduce_op, [tuple(b.shape) for b in self.bs])
+
+    def describe(self) -> str:
+        return (f"A of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
+                f"B shapes {[tuple(b.shape) for b in self.bs]}, dim={self.dim}, "
+                f"world size {self.world_size}")
+
+    def rows(self) -> torch.Tensor:
+        """A with ``dim`` moved first, as a ``[rows, K]`` matrix (a copy only if needed)."""
+        return self.x.movedim(self.dim, 0).reshape(-1, self.x.shape[-1])
+
+    def unflatten(self, t: torch.Tensor, world: int) -> torch.Tensor:
+        """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank."""
+        lead = self.x.movedim(self.dim, 0).shape[:-1]
+        shape = (world * lead[0], *lead[1:], t.shape[-1])
+        return t.view(shape).movedim(0, self.dim).contiguous()
+
+
+def check_matmul_inputs(op: str, a: torch.Tensor, bs, dim: int, dim_name: str) -> int:
+    """Shapes, dtypes and devices of A and the Bs; returns ``dim`` made non-negative."""
+    if not isinstance(a, torch.Tensor) or a.dim() not in (2, 3):
+        raise ValueError(f"fusedpar.{op}: A must be a 2-D or 3-D tensor, got "
+                         f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
+    if not -a.dim() <= dim < a.dim() - 1:
+        raise ValueError(f"fusedpar.{op}: {dim_name}={dim} must be a leading dim of A "
+                         f"(0..{a.dim() - 2}); A has shape {tuple(a.shape)}")
+    if len(bs) == 0:
+        raise ValueError(f"fusedpar.{op}: Bs is empty; pass at least one [K, N] matrix")
+    C.check_dtype(op, a, C.REDUCE_DTYPES)
+    k = a.shape[-1]
+    for i, b in enumerate(bs):
+        if b.dim() != 2:
+            raise ValueError(f"fusedpar.{op}: B{f'[{i}]' if len(bs) > 1 else ''} must be 2-D "
+                             f"[K, N], got shape {tuple(b.shape)}")
+        if b.shape[0] != k:
+            raise ValueError(f"fusedpar.{op}: K mismatch: A.shape[-1] = {k} but "
+                             f"B{f'[{i}]' if len(bs) > 1 else ''}.shape[0] = {b.shape[0]}")
+        if b.dtype != a.dtype:
+            raise TypeError(f"fusedpar.{op}: A is {a.dtype} but B{f'[{i}]' if len(bs) > 1 else ''} "
+                            f"is {b.dtype}; cast them to one dtype")
+        if b.device != a.device:
+            raise ValueError(f"fusedpar.{op}: A is on {a.device} but B is on {b.device}")
+    return dim % a.dim()
+
+
+class Reference(Backend):
+    """All-gather A (``dist.all_gather_single``), then one matmul per B."""
+
+    name = "reference"
+
+    def run(self, call: MatmulCall):
+        world, a = call.world_size, call.rows()
+        C.raise_on_mismatch(call)
+        gathered = torch.empty(world * a.numel(), dtype=a.dtype, device=a.device)
+        C.all_gather_single(gathered, a.contiguous().view(-1), group=call.group)
+        gathered = gathered.view(world * a.shape[0], a.shape[1])
+        counters.record(OP, self.name, (world - 1) * a.numel() * a.element_size())
+        outs = [call.unflatten(gathered @ b, world) for b in call.bs]
+        return (call.unflatten(gathered, world) if call.return_a else None), outs
+
+
+class Pipelined(Backend):
+    """W steps around a ring: the shard received at step s is sent on at step s+1 while
+    the GEMMs of step s run (async P2P: gloo on CPU, NCCL's stream on GPU); own shard first.
+    Shards land straight in the gathered buffer, so A_gathered costs no extra copy."""
+
+    name = "pipelined"
+
+    def run(self, call: MatmulCall):
+        group, world = call.group, call.world_size
+        rank = dist.get_rank(group)
+        right = dist.get_global_rank(group, (rank + 1) % world)
+        left = dist.get_global_rank(group, (rank - 1) % world)
+        C.raise_on_mismatch(call)
+        a = call.rows()
+        m = a.shape[0]
+        gathered = torch.empty(world * m, a.shape[1], dtype=a.dtype, device=a.device)
+        gathered[rank * m:(rank + 1) * m].copy_(a)
+        outs = [torch.empty(world * m, b.shape[1], dtype=a.dtype, device=a.device) for b in call.bs]
+        for step in range(world):
+            src = (rank - step) % world
+            current = gathered[src * m:(src + 1) * m]
+            if step < world - 1:
+                nxt = (src - 1) % world
+                requests = dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, current, right, group),
+                    dist.P2POp(dist.irecv, gathered[nxt * m:(nxt + 1) * m], left, group),
+                ])
+            for out, b in zip(outs, call.bs):
+                torch.matmul(current, b, out=out[src * m:(src + 1) * m])
+            if step < world - 1:
+                for request in requests:
+                    request.wait()
+        counters.record(OP, self.name, (world - 1) * a.numel() * a.element_size())
+        outs = [call.unflatten(out, world) for out in outs]
+        return (call.unflatten(gathered, world) if call.return_a else None), outs
+
+
+BACKENDS = Dispatcher(OP, [Pipelined(), Reference()])
+
+
+@torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
+def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, return_A, backend):
+    dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
+    group = resolve_group(group_name)
+    call = MatmulCall(OP, A_shard, dim, dist.get_world_size(group), group, Bs, return_A)
+    return BACKENDS.select(call, backend).run(call)
+
+
+@_all_gather_matmul_op.register_fake
+def _(A_shard, Bs, gather_dim, group_name, return_A, backend):
+    dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
+    shape = list(A_shard.shape)
+    shape[dim] *= dist.get_world_size(resolve_group(group_name))
+    gathered = A_shard.new_empty(shape) if return_A else None
+    return gathered, [A_shard.new_empty(shape[:-1] + [b.shape[1]]) for b in Bs]
+
+
+def _setup_context(ctx, inputs, output):
+    _, bs, ctx.dim, ctx.group_name, _, ctx.backend = inputs
+    ctx.save_for_backward(output[0], *bs)
+
+
+def _backward(ctx, grad_gathered, grad_outs):
+    from .matmul_reduce_scatter import matmul_reduce_scatter
+    from .reduce_scatter import BACKENDS as REDUCE_SCATTER, reduce_scatter
+
+    gathered, *bs = ctx.saved_tensors
+    pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
+    # sum_i dY_i @ B_i^T, reduce-scattered back to the shards: one fused op
+    dys = torch.cat([g for g, _ in pairs], dim=-1)
+    bts = torch.cat([b.t() for _, b in pairs], dim=0)
+    grad_a = matmul_reduce_scatter(dys, bts, "sum", ctx.dim, ctx.group_name, backend=ctx.backend)
+    if grad_gathered is not None:
+        grad_a = grad_a + reduce_scatter(grad_gathered, "sum", ctx.dim, ctx.group_name,
+                                         backend=REDUCE_SCATTER.carry(ctx.backend))
+    rows = gathered.reshape(-1, gathered.shape[-1]).t()
+    grad_bs = [None if g is None else rows @ g.reshape(-1, g.shape[-1]) for g in grad_outs]
+    return grad_a, grad_bs, None, None, None, None
+
+
+_all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group=None,
+                      *, return_A: bool = True, backend: str | None = None):
+    """All-gather ``A_shard`` along ``gather_dim`` and multiply it by every B; the same as::
+
+        A = torch.cat(dist_all_gather(A_shard, group), dim=gather_dim)   # every rank's shard
+        return (A if return_A else None), [A @ B for B in Bs]
+
+    ``A_shard``: 2-D or 3-D, gathered along a leading dim; ``Bs``: ``[K, N_i]`` matrices
+    sharing the gather (q/k/v, gate/up). fp32, fp16 or bf16. ``group`` and ``backend``
+    as in ``fusedpar.ops.all_gather`` (backends: ``pipelined``, ``reference``).
+    Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` and ``dB = A_gatheredᵀ dY``
+    (A_gathered is kept from the forward pass).
+    """
+    wants_grad = torch.is_grad_enabled() and any(b.requires_grad for b in Bs)
+    gathered, outs = _all_gather_matmul_op(A_shard, list(Bs), gather_dim, group_name(group),
+                                           return_A or wants_grad, backend or "")
+    return (gathered if return_A else None), outs

@@ -1,0 +1,149 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from tests.ops.collective_cases import env, poisoned_allocations, rank_data, subgroup
+
+pytestmark = [pytest.mark.timeout(300)]
+
+BACKENDS = ["reference", "pipelined"]
+# (A_shard shape, gather_dim, N of each B): 2-D and 3-D, both gather dims, odd sizes
+CASES = [((5, 7), 0, [3]), ((5, 7), 0, [3, 1, 4]), ((2, 3, 6), 0, [5]), ((2, 3, 6), 1, [5, 2]),
+         ((1, 1), 0, [1])]
+
+
+def _gather(x, dim, group=None):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _check_exact(backend):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (shape, dim, ns) in enumerate(CASES):
+        a = rank_data(shape, torch.float32, rank, salt=i) - 20  # small integers, sign-mixed
+        bs = [rank_data((shape[-1], n), torch.float32, 0, salt=i + j) / 8 for j, n in enumerate(ns)]
+        expected_a = _gather(a, dim)
+        for return_a in (True, False):
+            with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
+                gathered, outs = fusedpar.ops.all_gather_matmul(a, bs, dim, return_A=return_a,
+                                                                backend=backend)
+            assert (gathered is None) != return_a
+            if return_a:
+                assert torch.equal(gathered, expected_a), (shape, dim)
+            for out, b in zip(outs, bs):
+                assert torch.equal(out, (expected_a.double() @ b.double()).float()), (shape, dim)
+            assert counter.total() == (world - 1) * a.numel() * 4
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_torch_exactly_on_integer_data(pools, world, backend):
+    assert pools(world).run(_check_exact, backend) == [True] * world
+
+
+def _check_low_precision(backend):
+    rank = dist.get_rank()
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(rank)
+        a = torch.randn(6, 2, 40).to(dtype)
+        torch.manual_seed(100)
+        b = torch.randn(40, 24).to(dtype)
+        exact = _gather(a.double(), 1) @ b.double()
+        torch_err = ((_gather(a, 1) @ b).double() - exact).abs().max()
+        _, (out,) = fusedpar.ops.all_gather_matmul(a, [b], 1, backend=backend)
+        err = (out.double() - exact).abs().max()
+        assert err <= 2 * torch_err, (dtype, err, torch_err)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_low_precision_error_within_twice_torch(pools, backend):
+    assert pools(2).run(_check_low_precision, backend) == [True, True]
+
+
+def _check_gradients(backend):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full_a = torch.randn(3, 4 * world, 6, dtype=torch.float64)
+    bs = [torch.randn(6, n, dtype=torch.float64, requires_grad=True) for n in (5, 3)]
+    weights = [torch.randn(3, 4 * world, n, dtype=torch.float64) for n in (5, 3)]
+    # single process: gathered A, every rank's loss summed
+    ref_a = full_a.clone().requires_grad_()
+    ref_bs = [b.detach().clone().requires_grad_() for b in bs]
+    (sum((ref_a @ b * w).sum() for b, w in zip(ref_bs, weights)) * world).backward()
+    a = full_a.chunk(world, 1)[rank].float().clone().requires_grad_()
+    bs32 = [b.detach().float().requires_grad_() for b in bs]
+    gathered, outs = fusedpar.ops.all_gather_matmul(a, bs32, 1, return_A=True, backend=backend)
+    loss = sum((o * w.float()).sum() for o, w in zip(outs, weights)) + (gathered * 0.5).sum()
+    loss.backward()
+    grad_gathered_term = 0.5 * world  # d/dA_shard of sum_ranks sum(0.5 * gathered)
+    assert torch.allclose(a.grad.double(), ref_a.grad.chunk(world, 1)[rank] + grad_gathered_term,
+                          atol=1e-4)
+    for b, ref in zip(bs32, ref_bs):
+        total = b.grad.clone()
+        dist.all_reduce(total)  # each rank holds its own loss's dB
+        assert torch.allclose(total.double(), ref.grad, atol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_single_process(pools, backend):
+    assert pools(2).run(_check_gradients, backend) == [True, True]
+
+
+def _compiled():
+    name = dist.group.WORLD.group_name
+
+    def block(x, w1, w2):
+        _, (h,) = fusedpar.ops.all_gather_matmul(x, [w1], 0, name, return_A=False)
+        return fusedpar.ops.matmul_reduce_scatter(torch.relu(h), w2, "sum", 0, name)
+
+    x = rank_data((4, 6), torch.float32, dist.get_rank())
+    w1, w2 = rank_data((6, 5), torch.float32, 0) / 16, rank_data((5, 3), torch.float32, 1) / 16
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w1, w2), block(x, w1, w2))
+    return True
+
+
+def test_torch_compile_fullgraph(pools):
+    assert pools(2).run(_compiled) == [True, True]
+
+
+def _bad_inputs():
+    a, b = torch.ones(4, 6), torch.ones(6, 3)
+    errors = {}
+    for name, call in {
+        "k": lambda: fusedpar.ops.all_gather_matmul(a, [torch.ones(5, 3)], 0),
+        "dtype": lambda: fusedpar.ops.all_gather_matmul(a, [b.half()], 0),
+        "last_dim": lambda: fusedpar.ops.all_gather_matmul(a, [b], 1),
+        "one_d": lambda: fusedpar.ops.all_gather_matmul(torch.ones(6), [b], 0),
+        "empty": lambda: fusedpar.ops.all_gather_matmul(a, [], 0),
+        "int": lambda: fusedpar.ops.all_gather_matmul(a.int(), [b.int()], 0),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects type and message
+            errors[name] = (type(e).__name__, str(e))
+    group = subgroup()
+    try:  # shapes differ across ranks: detected, not a hang
+        fusedpar.ops.all_gather_matmul(torch.ones(4 + dist.get_rank(), 6), [b], 0, group,
+                                       backend="pipelined")
+        errors["mismatch"] = None
+    except ValueError as e:
+        errors["mismatch"] = ("ValueError", str(e))
+    return errors
+
+
+def test_bad_inputs_give_clear_errors(pools):
+    errors = pools(2).run(_bad_inputs)[0]
+    assert "K mismatch: A.shape[-1] = 6 but B.shape[0] = 5" in errors["k"][1]
+    assert errors["dtype"][0] == "TypeError" and "float16" in errors["dtype"][1]
+    assert "gather_dim=1 must be a leading dim" in errors["last_dim"][1]
+    assert "2-D or 3-D" in errors["one_d"][1]
+    assert "Bs is empty" in errors["empty"][1]
+    assert errors["int"][0] == "TypeError"
+    assert "passed different inputs" in errors["mismatch"][1]

@@ -1,0 +1,115 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from tests.ops.collective_cases import poisoned_allocations, rank_data
+
+pytestmark = [pytest.mark.timeout(300)]
+
+BACKENDS = ["reference", "pipelined"]
+
+
+def _cases(world):
+    """(A shape, scatter_dim, N): 2-D and 3-D, both scatter dims, odd sizes."""
+    return [((3 * world, 7), 0, 5), ((2 * world, 3, 6), 0, 1), ((2, 3 * world, 5), 1, 4),
+            ((world, 1), 0, 3)]
+
+
+def _reference(a, b, op, dim):
+    """Every rank's A @ B summed in fp64 (B equal on every rank here), chunk of this rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    total = a.double() @ b.double()
+    dist.all_reduce(total)
+    if op == "avg":
+        total /= world
+    return total.chunk(world, dim)[rank]
+
+
+def _check_exact(backend):
+    world = dist.get_world_size()
+    for i, (shape, dim, n) in enumerate(_cases(world)):
+        a = rank_data(shape, torch.float32, dist.get_rank(), salt=i) - 20
+        b = rank_data((shape[-1], n), torch.float32, 0, salt=i) / 8
+        for op in ("sum", "avg"):
+            expected = _reference(a, b, op, dim).float()
+            with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
+                out = fusedpar.ops.matmul_reduce_scatter(a, b, op, dim, backend=backend)
+            assert out.shape == expected.shape and torch.equal(out, expected), (shape, dim, op)
+            assert counter.total() == (world - 1) * out.numel() * 4
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_torch_exactly_on_integer_data(pools, world, backend):
+    assert pools(world).run(_check_exact, backend) == [True] * world
+
+
+def _check_low_precision(backend):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(rank)
+        a = torch.randn(4 * world, 48).to(dtype)
+        b = torch.randn(48, 20).to(dtype)
+        exact = a.double() @ b.double()
+        dist.all_reduce(exact)
+        exact = exact.chunk(world)[rank]
+        torch_out = a @ b
+        dist.all_reduce(torch_out)  # the unfused low-precision path
+        torch_err = (torch_out.chunk(world)[rank].double() - exact).abs().max()
+        err = (fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 0, backend=backend).double()
+               - exact).abs().max()
+        assert err <= 2 * torch_err, (dtype, err, torch_err)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_low_precision_error_within_twice_torch(pools, backend):
+    assert pools(4).run(_check_low_precision, backend) == [True] * 4
+
+
+def _check_gradients(backend, op):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full_a = torch.randn(2, 3 * world, 4 * world, dtype=torch.float64)  # K sharded over ranks
+    full_b = torch.randn(4 * world, 5, dtype=torch.float64)
+    weight = torch.randn(2, 3 * world, 5, dtype=torch.float64)
+    ref_a, ref_b = full_a.clone().requires_grad_(), full_b.clone().requires_grad_()
+    y = ref_a @ ref_b / (world if op == "avg" else 1)
+    (y * weight).sum().backward()
+    a = full_a.chunk(world, -1)[rank].float().requires_grad_()
+    b = full_b.chunk(world, 0)[rank].float().requires_grad_()
+    out = fusedpar.ops.matmul_reduce_scatter(a, b, op, 1, backend=backend)
+    (out * weight.chunk(world, 1)[rank].float()).sum().backward()
+    assert torch.allclose(a.grad.double(), ref_a.grad.chunk(world, -1)[rank], atol=1e-4)
+    assert torch.allclose(b.grad.double(), ref_b.grad.chunk(world, 0)[rank], atol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_gradients_match_single_process(pools, backend, op):
+    assert pools(2).run(_check_gradients, backend, op) == [True, True]
+
+
+def _bad_inputs():
+    errors = {}
+    for name, call in {
+        "divisible": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(3, 4), torch.ones(4, 2)),
+        "op": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(4, 2), "max"),
+        "k": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(3, 2)),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects type and message
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+def test_bad_inputs_give_clear_errors(pools):
+    errors = pools(2).run(_bad_inputs)[0]
+    assert "A.shape[0] = 3 is not divisible by the world size 2" in errors["divisible"][1]
+    assert "'max'" in errors["op"][1]
+    assert "K mismatch" in errors["k"][1]
