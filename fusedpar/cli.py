@@ -35,6 +35,7 @@ import torch
 import fusedpar
 from fusedpar import _extension
 from fusedpar.ops import DISPATCHERS
+from fusedpar.ops.all_gather_matmul import MatmulCall
 from fusedpar.ops import _collective
 
 DEMO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -120,9 +121,13 @@ def _ops_info() -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ops = {}
     for op, dispatcher in DISPATCHERS.items():
-        reduce_op = "sum" if op == "reduce_scatter" else ""
+        reduce_op = "sum" if "reduce_scatter" in op else ""
         x = torch.zeros(2 * INFO_WORLD, 8, dtype=torch.float32, device=device)
-        call = _collective.CollectiveCall(op, x, 0, INFO_WORLD, None, reduce_op)
+        if "matmul" in op:
+            b = torch.zeros(8, 4, dtype=torch.float32, device=device)
+            call = MatmulCall(op, x, 0, INFO_WORLD, None, [b], reduce_op=reduce_op)
+        else:
+            call = _collective.CollectiveCall(op, x, 0, INFO_WORLD, None, reduce_op)
         avail = dispatcher.availability(call)
         ops[op] = {
             "call": call.describe() + (f", op={reduce_op!r}" if reduce_op else ""),
