@@ -1,17 +1,18 @@
 """fusedpar: kernels that fuse inter-GPU communication with the compute around it.
 
-Public names: ``ops`` (``torch.ops.fusedpar.*`` custom ops), ``comm`` (groups, symmetric
-memory, byte counters), ``ParallelConfig``. Importing touches no GPU.
+Public names: ``ops`` (``torch.ops.fusedpar.*`` custom ops), ``nn`` (drop-in TP/SP
+layers), ``comm`` (groups, symmetric memory, byte counters), ``ParallelConfig`` and
+``apply_tp``. Importing touches no GPU.
 """
 
-from . import _extension, comm, ops
+from . import _extension, comm, nn, ops
 from .errors import (
     BackendNotSupportedError,
     FusedparError,
     FusedparTimeoutError,
     ParallelConfigError,
 )
-from .parallel import ParallelConfig
+from .parallel import ParallelConfig, apply_tp
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,8 @@ __all__ = [
     "FusedparTimeoutError",
     "ParallelConfig",
     "ParallelConfigError",
+    "apply_tp",
     "comm",
+    "nn",
     "ops",
 ]

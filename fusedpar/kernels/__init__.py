@@ -7,7 +7,7 @@ Every module lists its ``@triton.jit`` entry kernels in ``AOT_EXAMPLES`` as
 
 import importlib
 
-FAMILIES = ["signal", "all_gather", "reduce_scatter"]
+FAMILIES = ["signal", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs"]
 
 
 def aot_examples():

@@ -13,9 +13,10 @@ DISPATCHERS = {
 }
 
 from .all_gather import all_gather, all_gather_loopback  # noqa: E402
-from .all_gather_matmul import all_gather_matmul  # noqa: E402
-from .matmul_reduce_scatter import matmul_reduce_scatter  # noqa: E402
+from .all_gather_matmul import all_gather_matmul, all_gather_matmul_loopback  # noqa: E402
+from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_loopback  # noqa: E402
 from .reduce_scatter import reduce_scatter, reduce_scatter_loopback  # noqa: E402
 
 __all__ = ["DISPATCHERS", "all_gather", "all_gather_loopback", "all_gather_matmul",
-           "matmul_reduce_scatter", "reduce_scatter", "reduce_scatter_loopback"]
+           "all_gather_matmul_loopback", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
+           "reduce_scatter", "reduce_scatter_loopback"]

@@ -137,6 +137,26 @@ def stats_tensor(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
+def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int) -> torch.Tensor:
+    """Steps 1-2: wait until peers are done with our data region, copy ``x`` in, raise READY."""
+    world = buf.world_size
+    if epoch > 1:
+        launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, world, epoch - 1,
+                             buf.max_spins, layout.TIMEOUT_DONE)
+    view = buf.data(x.dtype, x.numel()).view(x.shape)
+    view.copy_(x)
+    launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, meta)
+    return view
+
+
+def release(launchers, bufs, epochs, op: str) -> None:
+    """Step 4: tell every peer we are done reading, then surface recorded failures."""
+    for buf, epoch in zip(bufs, epochs):
+        launchers.signal_peers(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch, -1)
+    for buf in bufs:
+        buf.finish(op)
+
+
 def run_staged(op: str, launchers, bufs, xs, meta: int, pull) -> list[torch.Tensor]:
     """Run steps 1-4 above for each rank view in ``bufs`` (one, or all W for loopback).
 
@@ -144,22 +164,10 @@ def run_staged(op: str, launchers, bufs, xs, meta: int, pull) -> list[torch.Tens
     all ranks: by the time any view waits, every view has signalled.
     ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel.
     """
-    world = bufs[0].world_size
     epochs = [b.next_epoch() for b in bufs]
-    staged = []
-    for buf, x, epoch in zip(bufs, xs, epochs):
-        if epoch > 1:
-            launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, world, epoch - 1,
-                                 buf.max_spins, layout.TIMEOUT_DONE)
-        view = buf.data(x.dtype, x.numel()).view(x.shape)
-        view.copy_(x)
-        launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, meta)
-        staged.append(view)
+    staged = [stage(launchers, buf, x, epoch, meta) for buf, x, epoch in zip(bufs, xs, epochs)]
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
-    for buf, epoch in zip(bufs, epochs):
-        launchers.signal_peers(buf.pad_table, layout.DONE, buf.rank, world, epoch, -1)
-    for buf in bufs:
-        buf.finish(op)
+    release(launchers, bufs, epochs, op)
     return outs
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, group_name, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
+from ..kernels import ag_gemm as ag_gemm_kernels
+from ..kernels import signal as signal_kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
 
@@ -123,7 +125,99 @@ class Pipelined(Backend):
         return (call.unflatten(gathered, world) if call.return_a else None), outs
 
 
-BACKENDS = Dispatcher(OP, [Pipelined(), Reference()])
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device, priority=-1)
+    return _side_streams[device]
+
+
+def _write_flag(pad: torch.Tensor, word: int, value: int) -> None:
+    """A stream-ordered flag write that needs no SM (cuStreamWriteValue32), so it lands
+    while the persistent GEMM holds every SM; a plain memset under CUDA-graph capture."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    flags = pad.view(torch.uint32)
+    if torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(flags, offset=word, val=value, count=1)
+    else:
+        _SymmetricMemory.stream_write_value32(flags, word, value)
+
+
+class Triton(Backend):
+    """One persistent Triton GEMM over the gathered rows in rank-rotated shard order (own
+    shard first), each tile waiting on its shard's flag.
+
+    On GPU the producer is the copy engine: a side stream copies each peer's staged shard
+    from its symmetric buffer into the local gathered buffer and then writes the shard's
+    GATHERED flag with ``stream_write_value32``; the GEMM keeps every SM. Without a copy
+    engine (CPU interpreter, loopback) the GEMM pulls A tiles straight from the peers'
+    buffers once their READY flags flip (it re-reads a shard once per N tile band, which
+    the byte count reports). Further Bs reuse the gathered A with a plain matmul.
+    """
+
+    name = "triton"
+
+    def not_supported_reasons(self, call):
+        return C.triton_reasons(call)
+
+    def run(self, call: MatmulCall):
+        a = call.rows()
+        buf = get_buffer(call.group, a.numel() * a.element_size(), a.device)
+        gathered, outs = self.run_views([buf], [a], call, copy_engine=a.is_cuda)[0]
+        outs = [call.unflatten(out, call.world_size) for out in outs]
+        return (call.unflatten(gathered, call.world_size) if call.return_a else None), outs
+
+    def run_views(self, bufs, a_rows, call: MatmulCall, copy_engine: bool):
+        """``[(gathered, [outs])]`` per rank view, rows in gathered order (not unflattened)."""
+        world, bs = call.world_size, call.bs
+        meta = call.fingerprint()
+
+        def gemm(buf, staged, epoch):
+            m, k = staged.shape
+            new = dict(dtype=staged.dtype, device=staged.device)
+            gathered = torch.empty(world * m, k, **new)
+            outs = [torch.empty(world * m, b.shape[1], **new) for b in bs]
+            if copy_engine:
+                self._copy_engine_gemm(buf, staged, bs[0], epoch, meta, gathered, outs[0])
+                moved = (world - 1) * staged.numel() * staged.element_size()
+            else:
+                ag_gemm_kernels.ag_gemm(staged, bs[0], outs[0], gathered, buf.pad_table, buf.rank,
+                                        world, epoch, meta, buf.max_spins, pull=True, store_a=True)
+                n_bands = -(-bs[0].shape[1] // ag_gemm_kernels.gemm_config(
+                    staged.dtype, staged.device)["BLOCK_N"])
+                moved = (world - 1) * staged.numel() * staged.element_size() * n_bands
+            counters.record(OP, self.name, moved)
+            for b, out in zip(bs[1:], outs[1:]):
+                torch.matmul(gathered, b, out=out)
+            return gathered, outs
+
+        return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, gemm)
+
+    def _copy_engine_gemm(self, buf, staged, b, epoch, meta, gathered, out):
+        rank, world = buf.rank, buf.world_size
+        m = staged.shape[0]
+        main, side = torch.cuda.current_stream(), _side_stream(staged.device)
+        gathered[rank * m:(rank + 1) * m].copy_(staged)
+        _write_flag(buf.pad(), layout.GATHERED + rank, epoch)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            # one small kernel, queued before the GEMM takes the SMs: every peer staged
+            signal_kernels.wait_flags(buf.pad_table, layout.READY, rank, world, epoch,
+                                      buf.max_spins, layout.TIMEOUT_READY, meta)
+            for step in range(1, world):
+                src = (rank + step) % world
+                gathered[src * m:(src + 1) * m].copy_(
+                    buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
+                _write_flag(buf.pad(), layout.GATHERED + src, epoch)
+        ag_gemm_kernels.ag_gemm(staged, b, out, gathered, buf.pad_table, rank, world, epoch, meta,
+                                buf.max_spins, pull=False, store_a=False)
+        main.wait_stream(side)
+
+
+BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
@@ -169,6 +263,29 @@ def _backward(ctx, grad_gathered, grad_outs):
 _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tensor],
+                               gather_dim: int = 0, *, return_A: bool = True):
+    """Every rank's part of ``all_gather_matmul`` in this process (rank r's shard is
+    ``a_shards[r]``; every rank multiplies by the same ``Bs``) over a loopback buffer, with
+    the ``triton`` backend pulling tiles from the peers' buffers. Returns each rank's
+    ``(A_gathered or None, outs)``. For single-device benchmarks and tests of the protocol."""
+    if not a_shards:
+        raise ValueError(f"fusedpar.{OP}_loopback: a_shards must hold one tensor per simulated rank")
+    first = a_shards[0]
+    for r, a in enumerate(a_shards):
+        if a.shape != first.shape or a.dtype != first.dtype or a.device != first.device:
+            raise ValueError(f"fusedpar.{OP}_loopback: a_shards[{r}] differs from a_shards[0]")
+    world = len(a_shards)
+    call = MatmulCall(OP, first, check_matmul_inputs(OP, first, Bs, gather_dim, "gather_dim"),
+                      world, None, Bs, return_A)
+    backend = BACKENDS.select(call, "triton")
+    rows = [MatmulCall(OP, a, call.dim, world, None, Bs).rows().contiguous() for a in a_shards]
+    bufs = get_loopback_buffers(world, rows[0].numel() * rows[0].element_size(), first.device)
+    results = backend.run_views(bufs, rows, call, copy_engine=False)
+    return [((call.unflatten(g, world) if return_A else None), [call.unflatten(o, world) for o in outs])
+            for g, outs in results]
+
+
 def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group=None,
                       *, return_A: bool = True, backend: str | None = None):
     """All-gather ``A_shard`` along ``gather_dim`` and multiply it by every B; the same as::
@@ -178,7 +295,7 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
 
     ``A_shard``: 2-D or 3-D, gathered along a leading dim; ``Bs``: ``[K, N_i]`` matrices
     sharing the gather (q/k/v, gate/up). fp32, fp16 or bf16. ``group`` and ``backend``
-    as in ``fusedpar.ops.all_gather`` (backends: ``pipelined``, ``reference``).
+    as in ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``).
     Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` and ``dB = A_gatheredᵀ dY``
     (A_gathered is kept from the forward pass).
     """

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, group_name, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
+from ..kernels import gemm_rs as gemm_rs_kernels
+from ..kernels import reduce_scatter as reduce_scatter_kernels
 from . import _collective as C
 from .all_gather_matmul import BACKENDS as ALL_GATHER_MATMUL
 from .all_gather_matmul import MatmulCall, all_gather_matmul, check_matmul_inputs
@@ -95,7 +97,54 @@ class Pipelined(Backend):
         return _chunk_out(call, acc)
 
 
-BACKENDS = Dispatcher(OP, [Pipelined(), Reference()])
+class Triton(Backend):
+    """One persistent Triton GEMM writes A @ B into this rank's symmetric buffer, chunks in
+    rank-rotated order (own chunk last); the tile that completes a chunk raises READY in
+    that chunk owner's pad. Then a reduction kernel sums chunk ``rank`` of all W partials
+    in fp32, in rank order, rounding once, as each peer's flag flips. The partials are kept
+    in the output dtype (the W-1 chunks a rank reads are the lower bound of the traffic).
+    The reduction runs after the local GEMM on the same stream: overlapping it with the
+    GEMM on a side stream needs a persistent reduction kernel (not written yet)."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, call):
+        return C.triton_reasons(call)
+
+    def run(self, call: MatmulCall):
+        a = call.rows()
+        nbytes = a.shape[0] * call.bs[0].shape[1] * a.element_size()
+        buf = get_buffer(call.group, nbytes, a.device)
+        return _chunk_out(call, self.run_views([buf], [a], call.bs, call)[0])
+
+    def run_views(self, bufs, a_rows, bs, call: MatmulCall) -> list[torch.Tensor]:
+        """Each rank view's ``[rows / W, N]`` chunk of the reduced product."""
+        world, meta = call.world_size, call.fingerprint()
+        m, n = a_rows[0].shape[0], bs[0].shape[1]
+        m_chunk = m // world
+        divisor = float(world) if call.reduce_op == "avg" else 1.0
+        epochs = [buf.next_epoch() for buf in bufs]
+        for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
+            if epoch > 1:  # peers no longer read our partials of the last call
+                C.TRITON_LAUNCHERS.wait_flags(buf.pad_table, layout.DONE, buf.rank, world,
+                                              epoch - 1, buf.max_spins, layout.TIMEOUT_DONE)
+            gemm_rs_kernels.reset_chunk_counters(buf.pad(), world, meta)
+            partials = buf.data(a.dtype, m * n).view(m, n)
+            gemm_rs_kernels.gemm_rs(a, b, partials, buf.pad_table, buf.rank, world, epoch)
+        outs = []
+        for buf, a, epoch in zip(bufs, a_rows, epochs):
+            out = torch.empty(m_chunk, n, dtype=a.dtype, device=a.device)
+            stats = C.stats_tensor(a.device)
+            reduce_scatter_kernels.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch,
+                                                       meta, 1, m_chunk * n, buf.max_spins, stats,
+                                                       divisor)
+            counters.record(OP, self.name, stats)
+            outs.append(out)
+        C.release(C.TRITON_LAUNCHERS, bufs, epochs, OP)
+        return outs
+
+
+BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
@@ -134,6 +183,26 @@ def _backward(ctx, grad):
 _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor],
+                                   reduce_op: str = "sum", scatter_dim: int = 0) -> list[torch.Tensor]:
+    """Every rank's part of ``matmul_reduce_scatter`` in this process (rank r multiplies
+    ``As[r]`` by ``Bs[r]``) over a loopback buffer with the ``triton`` backend; returns each
+    rank's output. For single-device benchmarks and tests of the protocol."""
+    if not As or len(As) != len(Bs):
+        raise ValueError(f"fusedpar.{OP}_loopback: As and Bs must hold one tensor per simulated rank")
+    world = len(As)
+    for r, (a, b) in enumerate(zip(As, Bs)):
+        if (a.shape, b.shape, a.dtype, a.device) != (As[0].shape, Bs[0].shape, As[0].dtype, As[0].device):
+            raise ValueError(f"fusedpar.{OP}_loopback: As[{r}] / Bs[{r}] differ from As[0] / Bs[0]")
+    dim = _check(As[0], Bs[0], reduce_op, scatter_dim, world)
+    call = MatmulCall(OP, As[0], dim, world, None, [Bs[0]], reduce_op=reduce_op)
+    backend = BACKENDS.select(call, "triton")
+    rows = [MatmulCall(OP, a, dim, world, None, [b]).rows() for a, b in zip(As, Bs)]
+    nbytes = rows[0].shape[0] * Bs[0].shape[1] * rows[0].element_size()
+    bufs = get_loopback_buffers(world, nbytes, As[0].device)
+    return [_chunk_out(call, out) for out in backend.run_views(bufs, rows, Bs, call)]
+
+
 def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "sum",
                           scatter_dim: int = 0, group=None, *, backend: str | None = None):
     """Multiply ``A`` by ``B`` and reduce-scatter the product along ``scatter_dim``; the
@@ -144,7 +213,7 @@ def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "su
 
     ``A``: 2-D or 3-D ``[..., K]`` (K is this rank's shard of the contraction),
     ``A.shape[scatter_dim]`` divisible by the world size; ``B``: ``[K, N]``. fp32, fp16 or
-    bf16. Backends: ``pipelined``, ``reference``. Differentiable:
+    bf16. Backends: ``triton``, ``pipelined``, ``reference``. Differentiable:
     ``dA = all_gather_matmul(dY, Bᵀ)`` and ``dB = Aᵀ all_gather(dY)``.
     """
     return _matmul_reduce_scatter_op(A, B, reduce_op, scatter_dim, group_name(group), backend or "")

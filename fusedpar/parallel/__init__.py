@@ -8,6 +8,7 @@ from fusedpar.parallel.config import (
     ParallelConfig,
     get_submesh,
 )
+from fusedpar.parallel.tp import apply_tp
 
 __all__ = [
     "EP_MESH_AXES",
@@ -15,5 +16,6 @@ __all__ = [
     "MESH_AXES",
     "ParallelConfig",
     "ParallelConfigError",
+    "apply_tp",
     "get_submesh",
 ]

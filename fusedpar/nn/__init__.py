@@ -1,0 +1,12 @@
+"""Drop-in ``nn.Module``s built on fusedpar's fused ops.
+
+- :class:`ColumnParallelLinear`, :class:`RowParallelLinear`: tensor-parallel (optionally
+  sequence-parallel) ``nn.Linear`` replacements, with ``.from_linear(linear, group)``.
+- :class:`SharedGather`: one input gather for several column layers (q/k/v, gate/up).
+- :func:`sync_replicated_grads`: sum a replicated module's gradients over the TP group
+  (norms under sequence parallelism).
+"""
+
+from .linear import ColumnParallelLinear, RowParallelLinear, SharedGather, sync_replicated_grads
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SharedGather", "sync_replicated_grads"]

@@ -1,0 +1,168 @@
+"""The fused matmul + reduce-scatter kernels, one process playing every rank over loopback
+buffers: each rank's GEMM writes ``P_r = A_r @ B_r`` into its data region and raises the
+chunks' READY flags; then each rank's ``reduce_scatter_pull`` sums its chunk over ranks.
+
+Rank r's inputs encode r, so a misrouted chunk cannot pass; the data regions start as NaN,
+so a skipped tile cannot pass either.
+"""
+
+import pytest
+import torch
+
+from fusedpar.comm import get_loopback_buffers, layout, release_buffers
+from fusedpar.kernels.gemm_rs import gemm_rs, reset_chunk_counters
+from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
+
+CPU = torch.device("cpu")
+META = 4242
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3)
+
+
+@pytest.fixture
+def loopback():
+    """Fresh, zeroed loopback buffers (none shared with other tests' cached ones)."""
+    release_buffers()
+    yield lambda world: get_loopback_buffers(world, 1 << 16, CPU)
+    release_buffers()
+
+
+def int_activation(rank, m, k, dtype, strided):
+    """Small integers offset by 8*(rank+1); ``strided``: a [M, K] view of a [K, M] tensor."""
+    i = torch.arange(m * k)
+    vals = (i * 7) % 13 - 6 + 8 * (rank + 1)
+    if strided:
+        return vals.reshape(k, m).to(dtype).t()
+    return vals.reshape(m, k).to(dtype)
+
+
+def int_weight(rank, k, n, dtype, transposed):
+    """Values in {-1, 0, 1}, a different pattern per rank."""
+    j = torch.arange(k * n) + rank
+    vals = (j * 5) % 3 - 1
+    if transposed:
+        return vals.reshape(n, k).to(dtype).t()
+    return vals.reshape(k, n).to(dtype)
+
+
+def status(buf):
+    return buf.pad()[layout.STATUS : layout.STATUS + 3].tolist()
+
+
+def run_gemm(buf, a, b, epoch, config=None):
+    """One rank's producer: poison its data region, reset its counters, launch. Returns P."""
+    world = buf.world_size
+    m, n = a.shape[0], b.shape[1]
+    p = buf.data(a.dtype, m * n).view(m, n)
+    p.fill_(float("nan"))
+    reset_chunk_counters(buf.pad(), world, META)
+    gemm_rs(a, b, p, buf.pad_table, buf.rank, world, epoch, config=config)
+    return p
+
+
+def run_reduce(buf, m_chunk, n, dtype, epoch, *, wait_self=False, max_spins=None):
+    out = torch.full((m_chunk, n), float("nan"), dtype=dtype)
+    stats = torch.zeros(1, dtype=torch.int64)
+    reduce_scatter_pull(out, buf.pad_table, buf.rank, buf.world_size, epoch, META, 1, m_chunk * n,
+                        buf.max_spins if max_spins is None else max_spins, stats, wait_self=wait_self)
+    return out
+
+
+def ready_words(bufs, src):
+    """READY[src] as seen in every rank's pad."""
+    return [buf.pad()[layout.READY + src].item() for buf in bufs]
+
+
+CASES = [  # world, m_chunk, N, K, dtype, strided A, transposed B, config
+    (1, 5, 7, 33, torch.float32, False, False, None),
+    (2, 5, 7, 33, torch.float16, True, True, None),
+    (2, 7, 33, 5, torch.float32, False, True, SMALL),
+    (4, 17, 20, 40, torch.float32, True, False, SMALL),
+    (4, 5, 7, 33, torch.float16, False, True, None),
+]
+
+
+@pytest.mark.parametrize("wait_self", [False, True])
+@pytest.mark.parametrize("world,m,n,k,dtype,strided,transposed,config", CASES)
+def test_gemm_then_reduce_scatter_exact(loopback, world, m, n, k, dtype, strided, transposed, config,
+                                        wait_self):
+    bufs = loopback(world)
+    epoch = 1
+    a = [int_activation(r, world * m, k, dtype, strided) for r in range(world)]
+    b = [int_weight(r, k, n, dtype, transposed) for r in range(world)]
+    partial = [(a[r].double() @ b[r].double()) for r in range(world)]
+    for buf in bufs:
+        r = buf.rank
+        assert ready_words(bufs, r) == [0] * world
+        p = run_gemm(buf, a[r], b[r], epoch, config)
+        assert torch.equal(p, partial[r].to(dtype)), r
+        # every chunk's owner (this rank included) now sees READY[r] = epoch
+        assert ready_words(bufs, r) == [epoch] * world
+        tiles = -(-m // (config or {}).get("BLOCK_M", 32)) * -(-n // (config or {}).get("BLOCK_N", 32))
+        assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [tiles] * world
+        assert buf.pad()[layout.META].item() == META
+    for buf in bufs:
+        r = buf.rank
+        out = run_reduce(buf, m, n, dtype, epoch, wait_self=wait_self)
+        assert status(buf) == [0, 0, 0]
+        expected = sum(partial[s].to(dtype).double() for s in range(world))[r * m : (r + 1) * m]
+        assert torch.equal(out, expected.to(dtype)), (r, (out.double() - expected).abs().max())
+
+
+def test_second_epoch_recounts_chunks(loopback):
+    world, m, n, k = 2, 5, 7, 33
+    bufs = loopback(world)
+    a = [int_activation(r, world * m, k, torch.float32, False) for r in range(world)]
+    b = [int_weight(r, k, n, torch.float32, False) for r in range(world)]
+    for epoch in (1, 2):
+        for buf in bufs:
+            run_gemm(buf, a[buf.rank], b[buf.rank], epoch)
+            assert ready_words(bufs, buf.rank) == [epoch] * world
+            assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [1] * world
+        for buf in bufs:
+            out = run_reduce(buf, m, n, torch.float32, epoch, wait_self=True)
+            expected = sum(a[s].double() @ b[s].double() for s in range(world))[buf.rank * m : (buf.rank + 1) * m]
+            assert torch.equal(out, expected.float())
+
+
+def test_random_bf16_within_twice_torch_error(loopback):
+    world, m, n, k = 2, 9, 17, 40
+    torch.manual_seed(0)
+    bufs = loopback(world)
+    a = [torch.randn(world * m, k).to(torch.bfloat16) * (r + 1) for r in range(world)]
+    b = [torch.randn(n, k).to(torch.bfloat16).t() for r in range(world)]
+    partial = [a[r] @ b[r] for r in range(world)]  # torch: bf16 GEMMs, then a bf16 sum
+    torch_sum = partial[0].clone()
+    for p in partial[1:]:
+        torch_sum += p
+    exact = sum(a[r].double() @ b[r].double() for r in range(world))
+    torch_err = (torch_sum.double() - exact).abs().max()
+    # the interpreter rounds fp32->bf16 by truncation (1 ulp more), once per partial (the GEMM
+    # stores P in bf16) and once for the sum: a 1/128 slack on each
+    slack = (sum(p.double().abs().max() for p in partial) + exact.abs().max()) / 128
+    for buf in bufs:
+        run_gemm(buf, a[buf.rank], b[buf.rank], 1)
+    for buf in bufs:
+        r = buf.rank
+        out = run_reduce(buf, m, n, torch.bfloat16, 1)
+        ours_err = (out.double() - exact[r * m : (r + 1) * m]).abs().max()
+        assert ours_err <= 2 * torch_err + slack, (ours_err, torch_err)
+
+
+def test_reducer_times_out_on_a_missing_chunk(loopback):
+    """Rank 2's GEMM never runs: every reducer records a timeout naming it and returns; with
+    ``wait_self`` a reducer also waits for its own GEMM."""
+    world, m, n, k, late = 4, 5, 7, 33, 2
+    bufs = loopback(world)
+    a = [int_activation(r, world * m, k, torch.float32, False) for r in range(world)]
+    b = [int_weight(r, k, n, torch.float32, False) for r in range(world)]
+    for buf in bufs:
+        if buf.rank != late:
+            run_gemm(buf, a[buf.rank], b[buf.rank], 1)
+    assert ready_words(bufs, late) == [0] * world
+    out = run_reduce(bufs[0], m, n, torch.float32, 1, max_spins=20)
+    assert status(bufs[0]) == [layout.TIMEOUT_READY, late, 1]
+    assert out.isfinite().all()  # the late partial is left out, never read as garbage
+    # own READY not raised yet: the default reducer does not wait for it, wait_self does
+    reset_chunk_counters(bufs[late].pad(), world, META)
+    run_reduce(bufs[late], m, n, torch.float32, 1, max_spins=20, wait_self=True)
+    assert status(bufs[late]) == [layout.TIMEOUT_READY, late, 1]

@@ -1,0 +1,302 @@
+"""ColumnParallelLinear / RowParallelLinear / SharedGather against one process's nn.Linear and
+against torch DTensor's ColwiseParallel / RowwiseParallel on the same weights.
+
+Every rank builds the same seeded full layer, input and output-gradient weights, then feeds
+its own shard; the checks cover the forward output, the input gradient, the full weight /
+bias gradients reassembled from the shards, and the parameters after one SGD step.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fusedpar
+from fusedpar.nn import ColumnParallelLinear, RowParallelLinear, SharedGather
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+LR = 0.1
+BACKEND = "reference"  # the fused ops' backend for the shared-gather checks
+
+# (input shape, sequence_dim passed to the layer, the sequence dim it resolves to)
+LAYOUTS = [((2, 8, 16), None, 1), ((8, 16), None, 0), ((8, 2, 16), 0, 0)]
+
+
+def _rank_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _gather_cat(t: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    global _MESH
+    if "_MESH" not in globals():
+        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
+    return _MESH
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _full(t):
+    """A DTensor's full value; a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _step(module, loss):
+    loss.backward()
+    torch.optim.SGD(module.parameters(), lr=LR).step()
+
+
+# ---- the per-rank checks ---------------------------------------------------------------------
+
+
+def _check_column(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    rank, world = _rank_world()
+    torch.manual_seed(0)
+    full = nn.Linear(shape[-1], 24, bias=bias)
+    x_full = torch.randn(shape)
+    g_full = torch.randn(*shape[:-1], 24)
+    ours = ColumnParallelLinear.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
+                                            sequence_dim=sequence_dim, backend=backend)
+    dt = parallelize_module(copy.deepcopy(full), _mesh(), ColwiseParallel(
+        input_layouts=Shard(seq) if sp else Replicate(), use_local_output=True))
+
+    # single process
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = full(x_ref)
+    _step(full, (y_ref * g_full).sum())
+
+    x_local = x_full.chunk(world, seq)[rank] if sp else x_full
+    g_local = g_full.chunk(world, -1)[rank]
+    results = {}
+    for name, module in (("fusedpar", ours), ("dtensor", dt)):
+        x = x_local.clone().requires_grad_()
+        y = module(x)
+        _step(module, (y * g_local).sum())
+        grads = {n: _full(p.grad) for n, p in module.named_parameters()}
+        params = {n: _full(p.detach()) for n, p in module.named_parameters()}
+        results[name] = (y.detach(), x.grad, grads, params)
+
+    y, x_grad, grads, params = results["fusedpar"]
+    assert y.shape == (*x_full.shape[:-1], 24 // world)
+    _close(y, y_ref.detach().chunk(world, -1)[rank], "column output")
+    _close(x_grad, x_ref.grad.chunk(world, seq)[rank] if sp else x_ref.grad, "column input grad")
+    _close(_gather_cat(grads["weight"], 0), full.weight.grad, "column weight grad")
+    _close(_gather_cat(params["weight"], 0), full.weight.detach(), "column weight after SGD")
+    if bias:
+        _close(_gather_cat(grads["bias"], 0), full.bias.grad, "column bias grad")
+        _close(_gather_cat(params["bias"], 0), full.bias.detach(), "column bias after SGD")
+    # DTensor: same outputs and input grads; its parameter grads/params are full tensors
+    y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
+    _close(y, y_dt, "column output vs DTensor")
+    _close(x_grad, x_grad_dt, "column input grad vs DTensor")
+    for n in grads_dt:
+        _close(_gather_cat(grads[n], 0), grads_dt[n], f"column {n} grad vs DTensor")
+        _close(_gather_cat(params[n], 0), params_dt[n], f"column {n} after SGD vs DTensor")
+
+
+def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    rank, world = _rank_world()
+    torch.manual_seed(1)
+    full = nn.Linear(shape[-1], 12, bias=bias)
+    x_full = torch.randn(shape)
+    g_full = torch.randn(*shape[:-1], 12)
+    ours = RowParallelLinear.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
+                                         sequence_dim=sequence_dim, backend=backend)
+    dt = parallelize_module(copy.deepcopy(full), _mesh(), RowwiseParallel(
+        output_layouts=Shard(seq) if sp else Replicate(), use_local_output=True))
+
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = full(x_ref)
+    _step(full, (y_ref * g_full).sum())
+
+    x_local = x_full.chunk(world, -1)[rank]
+    g_local = g_full.chunk(world, seq)[rank] if sp else g_full
+    results = {}
+    for name, module in (("fusedpar", ours), ("dtensor", dt)):
+        x = x_local.clone().requires_grad_()
+        y = module(x)
+        _step(module, (y * g_local).sum())
+        grads = {n: _full(p.grad) for n, p in module.named_parameters()}
+        params = {n: _full(p.detach()) for n, p in module.named_parameters()}
+        results[name] = (y.detach(), x.grad, grads, params)
+
+    y, x_grad, grads, params = results["fusedpar"]
+    _close(y, y_ref.detach().chunk(world, seq)[rank] if sp else y_ref.detach(), "row output")
+    _close(x_grad, x_ref.grad.chunk(world, -1)[rank], "row input grad")
+    _close(_gather_cat(grads["weight"], 1), full.weight.grad, "row weight grad")
+    _close(_gather_cat(params["weight"], 1), full.weight.detach(), "row weight after SGD")
+    if bias:  # replicated: every rank holds the complete gradient
+        _close(grads["bias"], full.bias.grad, "row bias grad")
+        _close(params["bias"], full.bias.detach(), "row bias after SGD")
+    y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
+    _close(y, y_dt, "row output vs DTensor")
+    _close(x_grad, x_grad_dt, "row input grad vs DTensor")
+    _close(_gather_cat(grads["weight"], 1), grads_dt["weight"], "row weight grad vs DTensor")
+    _close(_gather_cat(params["weight"], 1), params_dt["weight"], "row weight after SGD vs DTensor")
+    if bias:
+        _close(grads["bias"], grads_dt["bias"], "row bias grad vs DTensor")
+        _close(params["bias"], params_dt["bias"], "row bias after SGD vs DTensor")
+
+
+def _check_layers(sp: bool, backend: str) -> bool:
+    for i, (shape, sequence_dim, seq) in enumerate(LAYOUTS):
+        for bias in (True, False) if i == 0 else (True,):
+            _check_column(sp, bias, shape, sequence_dim, seq, backend)
+            _check_row(sp, bias, shape, sequence_dim, seq, backend)
+    return True
+
+
+def _check_column_row_pair(sp: bool) -> bool:
+    """Column -> row (an MLP) reproduces the single-process two-layer MLP."""
+    rank, world = _rank_world()
+    torch.manual_seed(2)
+    up, down = nn.Linear(16, 32), nn.Linear(32, 16)
+    x_full, g_full = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    col = ColumnParallelLinear.from_linear(up, None, sequence_parallel=sp, backend=BACKEND)
+    row = RowParallelLinear.from_linear(down, None, sequence_parallel=sp, backend=BACKEND)
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = down(torch.relu(up(x_ref)))
+    (y_ref * g_full).sum().backward()
+    x = (x_full.chunk(world, 1)[rank] if sp else x_full).clone().requires_grad_()
+    y = row(torch.relu(col(x)))
+    (y * (g_full.chunk(world, 1)[rank] if sp else g_full)).sum().backward()
+    _close(y, y_ref.detach().chunk(world, 1)[rank] if sp else y_ref.detach(), "mlp output")
+    _close(x.grad, x_ref.grad.chunk(world, 1)[rank] if sp else x_ref.grad, "mlp input grad")
+    _close(_gather_cat(col.weight.grad, 0), up.weight.grad, "mlp up weight grad")
+    _close(_gather_cat(row.weight.grad, 1), down.weight.grad, "mlp down weight grad")
+    _close(row.bias.grad, down.bias.grad, "mlp down bias grad")
+    return True
+
+
+def _check_shared_gather(sp: bool) -> bool:
+    """One gather for three layers, explicit and through prepare_input, same numbers as
+    three separate layers."""
+    rank, world = _rank_world()
+    torch.manual_seed(3)
+    fulls = [nn.Linear(16, 8), nn.Linear(16, 4 * world, bias=False), nn.Linear(16, 4)]
+    x_full, gs = torch.randn(2, 8, 16), [torch.randn(2, 8, f.out_features) for f in fulls]
+
+    def layers():
+        return [ColumnParallelLinear.from_linear(f, None, sequence_parallel=sp, backend=BACKEND)
+                for f in fulls]
+
+    x_local = x_full.chunk(world, 1)[rank] if sp else x_full
+    x_bytes = x_local.numel() * x_local.element_size()
+    reference = None
+    for mode in ("separate", "call", "prepare"):
+        group = layers()
+        x = x_local.clone().requires_grad_()
+        with fusedpar.comm.count_bytes() as counter:
+            if mode == "separate":
+                outs = [layer(x) for layer in group]
+            elif mode == "call":
+                outs = SharedGather(*group)(x)
+            else:
+                shared = ColumnParallelLinear.share_gather(*group)
+                prepared = shared.prepare_input(x)
+                assert prepared.shape == x_full.shape  # gathered (SP) or replicated
+                outs = [layer(prepared) for layer in reversed(group)][::-1]  # any order
+                assert shared._stash == {}
+                again = group[1](prepared)  # a second call: computed locally, same numbers
+                _close(again, outs[1], "second call of a shared layer")
+        gathers = counter.by_op().get(("all_gather_matmul", BACKEND), 0)
+        expected = (len(group) if mode == "separate" else 1) * (world - 1) * x_bytes if sp else 0
+        assert gathers == expected, (mode, gathers, expected)
+        sum((o * g.chunk(world, -1)[rank]).sum() for o, g in zip(outs, gs)).backward()
+        result = ([o.detach() for o in outs], x.grad, [layer.weight.grad for layer in group],
+                  [layer.bias.grad if layer.bias is not None else None for layer in group])
+        if reference is None:
+            reference = result
+            continue
+        for a, b in zip(result[0], reference[0]):
+            _close(a, b, f"{mode}: output")
+        _close(result[1], reference[1], f"{mode}: input grad")
+        for a, b in zip(result[2] + result[3], reference[2] + reference[3]):
+            if b is not None:
+                _close(a, b, f"{mode}: parameter grad")
+    return True
+
+
+def _check_init_and_errors() -> bool:
+    rank, world = _rank_world()
+    torch.manual_seed(5)
+    full = nn.Linear(16, 24)
+    torch.manual_seed(5)
+    col = ColumnParallelLinear(16, 24)
+    torch.manual_seed(5)
+    row = RowParallelLinear(16, 24)
+    # a seeded layer holds exactly the seeded nn.Linear's shard
+    assert torch.equal(col.weight, full.weight.chunk(world, 0)[rank])
+    assert torch.equal(col.bias, full.bias.chunk(world, 0)[rank])
+    assert torch.equal(row.weight, full.weight.chunk(world, 1)[rank])
+    assert torch.equal(row.bias, full.bias)
+    assert col.weight.shape == (24 // world, 16) and row.weight.shape == (24, 16 // world)
+    meta = ColumnParallelLinear(16, 24, device="meta")
+    assert meta.weight.is_meta
+    assert "sequence_parallel=False" in repr(col)
+    assert set(col.state_dict()) == {"weight", "bias"}
+    messages = []
+    for bad in (lambda: ColumnParallelLinear(16, 6 * world + 1),
+                lambda: RowParallelLinear(4 * world + 1, 8),
+                lambda: row(torch.randn(3, 16)),  # the full input instead of this rank's shard
+                lambda: ColumnParallelLinear(16, 8, sequence_parallel=True)(torch.randn(3, 8)),
+                lambda: SharedGather(col, ColumnParallelLinear(16, 8, sequence_parallel=True)),
+                lambda: SharedGather(col, RowParallelLinear(16, 24))):
+        try:
+            bad()
+        except (ValueError, TypeError) as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError("no error raised")
+    assert "not divisible by the tensor-parallel size" in messages[0]
+    assert "in_features" in messages[1]
+    assert "this rank's shard" in messages[2]
+    assert "sequence_parallel" in messages[4]
+    return True
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sp,backend", [(False, None), (True, "reference"), (True, "pipelined")],
+                         ids=["replicated", "sp-reference", "sp-pipelined"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_match_single_process_and_dtensor(pools, world, sp, backend):
+    """Without SP the layers call no fused op (a local matmul and an all-reduce)."""
+    assert pools(world).run(_check_layers, sp, backend) == [True] * world
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence_parallel"])
+def test_column_then_row_is_the_mlp(pools, sp):
+    assert pools(2).run(_check_column_row_pair, sp) == [True] * 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sequence_parallel"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_gather_does_one_gather(pools, world, sp):
+    assert pools(world).run(_check_shared_gather, sp) == [True] * world
+
+
+@pytest.mark.timeout(300)
+def test_seeded_init_and_errors(pools):
+    assert pools(2).run(_check_init_and_errors) == [True] * 2
