@@ -31,9 +31,10 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "fusedpar_"
 _MIN_BYTES = 1 << 20
 
-# Seconds one bounded spin iteration takes, to turn a timeout into an iteration cap. The
-# interpreter polls through Python (~290 us a poll, measured on 2 cores); a GPU ~1 us.
-_SPIN_SECONDS = {"cpu": 290e-6, "cuda": 1e-6}
+# Seconds one poll of a flag takes, to turn a timeout into an iteration cap. The Triton
+# interpreter polls through Python (~290 us on 2 idle cores; the op layer measures it on
+# first use, see ops._collective.calibrate_polls); a GPU's system-scope atomic ~1 us.
+POLL_SECONDS = {"cpu": 290e-6, "cuda": 1e-6}
 
 
 def timeout_seconds() -> float:
@@ -69,8 +70,12 @@ class SymmetricBuffer:
         self.failure: str | None = None
         self._keepalive = keepalive  # torch symm_mem handle: owns the mappings
         self._pending_status = None  # (event, pinned host copy) on CUDA
-        spins = timeout_seconds() / _SPIN_SECONDS["cpu" if self.device.type == "cpu" else "cuda"]
-        self.max_spins = max(1, int(spins))
+
+    @property
+    def max_spins(self) -> int:
+        """The iteration cap of every kernel-side wait: about ``timeout_seconds()``."""
+        poll = POLL_SECONDS["cpu" if self.device.type == "cpu" else "cuda"]
+        return max(1, int(timeout_seconds() / poll))
 
     # ---- views ----------------------------------------------------------------------
     def pad(self, rank: int | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -137,6 +138,24 @@ def stats_tensor(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
+_polls_measured = False
+
+
+def calibrate_polls(device: torch.device) -> None:
+    """Measure once per process how long the interpreter takes to poll a flag, so a wait's
+    iteration cap matches FUSEDPAR_TIMEOUT on this machine (under its current load)."""
+    global _polls_measured
+    if device.type != "cpu" or _polls_measured:
+        return
+    scratch = torch.zeros(layout.PAD_BYTES, dtype=torch.uint8)
+    table = torch.tensor([scratch.data_ptr()] * 2, dtype=torch.int64)
+    polls = 64
+    start = time.perf_counter()  # rank 0 of 2 waits for a flag nobody raises
+    TRITON_LAUNCHERS.wait_flags(table, layout.READY, 0, 2, 1, polls, layout.TIMEOUT_READY)
+    symmetric.POLL_SECONDS["cpu"] = (time.perf_counter() - start) / polls
+    _polls_measured = True
+
+
 def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int) -> torch.Tensor:
     """Steps 1-2: wait until peers are done with our data region, copy ``x`` in, raise READY."""
     world = buf.world_size
@@ -164,6 +183,7 @@ def run_staged(op: str, launchers, bufs, xs, meta: int, pull) -> list[torch.Tens
     all ranks: by the time any view waits, every view has signalled.
     ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel.
     """
+    calibrate_polls(xs[0].device)
     epochs = [b.next_epoch() for b in bufs]
     staged = [stage(launchers, buf, x, epoch, meta) for buf, x, epoch in zip(bufs, xs, epochs)]
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
