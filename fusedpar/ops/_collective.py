@@ -74,6 +74,20 @@ class CollectiveCall:
                                      self.reduce_op)
 
 
+def ring_neighbours(group) -> tuple[int, int, int]:
+    """``(rank, left, right)``: this rank in ``group`` and its ring neighbours' global ranks
+    (what ``dist.P2POp`` takes)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return (rank, dist.get_global_rank(group, (rank - 1) % world),
+            dist.get_global_rank(group, (rank + 1) % world))
+
+
+def exchange(send: torch.Tensor, recv: torch.Tensor, left: int, right: int, group):
+    """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
+                                   dist.P2POp(dist.irecv, recv, left, group)])
+
+
 def check_dim(op: str, x: torch.Tensor, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fusedpar.{op}: x must be a Tensor, got {type(x).__name__}")

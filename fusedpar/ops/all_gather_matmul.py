@@ -97,9 +97,7 @@ class Pipelined(Backend):
 
     def run(self, call: MatmulCall):
         group, world = call.group, call.world_size
-        rank = dist.get_rank(group)
-        right = dist.get_global_rank(group, (rank + 1) % world)
-        left = dist.get_global_rank(group, (rank - 1) % world)
+        rank, left, right = C.ring_neighbours(group)
         C.raise_on_mismatch(call)
         a = call.rows()
         m = a.shape[0]
@@ -111,10 +109,7 @@ class Pipelined(Backend):
             current = gathered[src * m:(src + 1) * m]
             if step < world - 1:
                 nxt = (src - 1) % world
-                requests = dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend, current, right, group),
-                    dist.P2POp(dist.irecv, gathered[nxt * m:(nxt + 1) * m], left, group),
-                ])
+                requests = C.exchange(current, gathered[nxt * m:(nxt + 1) * m], left, right, group)
             for out, b in zip(outs, call.bs):
                 torch.matmul(current, b, out=out[src * m:(src + 1) * m])
             if step < world - 1:

@@ -70,9 +70,7 @@ class Pipelined(Backend):
 
     def run(self, call: MatmulCall):
         group, world = call.group, call.world_size
-        rank = dist.get_rank(group)
-        right = dist.get_global_rank(group, (rank + 1) % world)
-        left = dist.get_global_rank(group, (rank - 1) % world)
+        rank, left, right = C.ring_neighbours(group)
         C.raise_on_mismatch(call)
         chunks = call.rows().reshape(world, -1, call.x.shape[-1])
         b = call.bs[0]
@@ -82,10 +80,7 @@ class Pipelined(Backend):
             acc = acc / divisor
         incoming = torch.empty_like(acc)
         for step in range(1, world):
-            requests = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, acc, right, group),
-                dist.P2POp(dist.irecv, incoming, left, group),
-            ])
+            requests = C.exchange(acc, incoming, left, right, group)
             partial = chunks[(rank - step - 1) % world] @ b
             for request in requests:
                 request.wait()

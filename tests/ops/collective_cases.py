@@ -21,6 +21,18 @@ def rank_data(shape, dtype, rank, salt=0):
     return ((n * 7 + salt) % 13 + 16 * (rank + 1)).to(dtype)
 
 
+def capture_errors(calls: dict) -> dict:
+    """``{name: (exception type name, message) or None}`` for each zero-argument call."""
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the tests inspect type and message
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
 def interpreter_cast_slack(exact: torch.Tensor, dtype: torch.dtype, backend: str) -> float:
     """The Triton interpreter rounds fp32 -> bf16 by truncation (up to 1 ulp = 2^-7 of the
     value, where a GPU rounds to nearest): the extra error a triton result may carry here."""

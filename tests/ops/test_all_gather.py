@@ -5,6 +5,7 @@ import torch.distributed as dist
 import fusedpar
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
+    capture_errors,
     DTYPES,
     chosen_backend,
     env,
@@ -84,21 +85,14 @@ def test_shapes_differing_across_ranks_raise(pools, backend):
 
 def _bad_inputs():
     x = torch.ones(4, 3)
-    errors = {}
-    for name, call in {
+    return capture_errors({
         "dim": lambda: fusedpar.ops.all_gather(x, 2),
         "dtype": lambda: fusedpar.ops.all_gather(x.to(torch.complex64), 0),
         "group_name": lambda: fusedpar.ops.all_gather(x, 0, "no-such-group"),
         "group_type": lambda: fusedpar.ops.all_gather(x, 0, 3),
         "backend_name": lambda: fusedpar.ops.all_gather(x, 0, backend="nccl"),
         "backend_forced": lambda: fusedpar.ops.all_gather(x, 0, backend="cuda"),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects type and message
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    })
 
 
 def test_bad_inputs_give_clear_errors(pools):

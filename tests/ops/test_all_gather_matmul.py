@@ -4,6 +4,7 @@ import torch.distributed as dist
 
 import fusedpar
 from tests.ops.collective_cases import (
+    capture_errors,
     interpreter_cast_slack,
     poisoned_allocations,
     rank_data,
@@ -119,27 +120,19 @@ def test_torch_compile_fullgraph(pools):
 
 def _bad_inputs():
     a, b = torch.ones(4, 6), torch.ones(6, 3)
-    errors = {}
-    for name, call in {
+    errors = capture_errors({
         "k": lambda: fusedpar.ops.all_gather_matmul(a, [torch.ones(5, 3)], 0),
         "dtype": lambda: fusedpar.ops.all_gather_matmul(a, [b.half()], 0),
         "last_dim": lambda: fusedpar.ops.all_gather_matmul(a, [b], 1),
         "one_d": lambda: fusedpar.ops.all_gather_matmul(torch.ones(6), [b], 0),
         "empty": lambda: fusedpar.ops.all_gather_matmul(a, [], 0),
         "int": lambda: fusedpar.ops.all_gather_matmul(a.int(), [b.int()], 0),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects type and message
-            errors[name] = (type(e).__name__, str(e))
-    group = subgroup()
-    try:  # shapes differ across ranks: detected, not a hang
-        fusedpar.ops.all_gather_matmul(torch.ones(4 + dist.get_rank(), 6), [b], 0, group,
-                                       backend="pipelined")
-        errors["mismatch"] = None
-    except ValueError as e:
-        errors["mismatch"] = ("ValueError", str(e))
+    })
+    for backend in ("pipelined", "triton"):  # shapes differ across ranks: detected, no hang
+        group = subgroup()
+        a_rank = torch.ones(4 + dist.get_rank(), 6)
+        errors.update(capture_errors({f"mismatch_{backend}": lambda: fusedpar.ops.all_gather_matmul(
+            a_rank, [b], 0, group, backend=backend)}))
     return errors
 
 
@@ -151,4 +144,6 @@ def test_bad_inputs_give_clear_errors(pools):
     assert "2-D or 3-D" in errors["one_d"][1]
     assert "Bs is empty" in errors["empty"][1]
     assert errors["int"][0] == "TypeError"
-    assert "passed different inputs" in errors["mismatch"][1]
+    for backend in ("pipelined", "triton"):
+        assert errors[f"mismatch_{backend}"][0] == "ValueError"
+        assert "passed different inputs" in errors[f"mismatch_{backend}"][1]

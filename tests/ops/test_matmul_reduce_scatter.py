@@ -3,7 +3,13 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from tests.ops.collective_cases import interpreter_cast_slack, poisoned_allocations, rank_data
+from tests.ops.collective_cases import (
+    capture_errors,
+    interpreter_cast_slack,
+    poisoned_allocations,
+    rank_data,
+    subgroup,
+)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -95,17 +101,17 @@ def test_gradients_match_single_process(pools, backend, op):
 
 def _bad_inputs():
     errors = {}
-    for name, call in {
+    for backend in ("pipelined", "triton"):  # shapes differ across ranks: detected, no hang
+        group = subgroup()
+        a_rank = torch.ones(4, 4 + dist.get_rank())
+        b_rank = torch.ones(4 + dist.get_rank(), 2)
+        errors.update(capture_errors({f"mismatch_{backend}": lambda: fusedpar.ops.matmul_reduce_scatter(
+            a_rank, b_rank, "sum", 0, group, backend=backend)}))
+    return errors | capture_errors({
         "divisible": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(3, 4), torch.ones(4, 2)),
         "op": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(4, 2), "max"),
         "k": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(3, 2)),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects type and message
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    })
 
 
 def test_bad_inputs_give_clear_errors(pools):
@@ -113,3 +119,6 @@ def test_bad_inputs_give_clear_errors(pools):
     assert "A.shape[0] = 3 is not divisible by the world size 2" in errors["divisible"][1]
     assert "'max'" in errors["op"][1]
     assert "K mismatch" in errors["k"][1]
+    for backend in ("pipelined", "triton"):
+        assert errors[f"mismatch_{backend}"][0] == "ValueError"
+        assert "passed different inputs" in errors[f"mismatch_{backend}"][1]

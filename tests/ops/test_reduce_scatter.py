@@ -5,6 +5,7 @@ import torch.distributed as dist
 import fusedpar
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
+    capture_errors,
     DTYPES,
     poison_symmetric,
     poisoned_allocations,
@@ -77,18 +78,11 @@ def test_random_bf16_within_twice_torch_error(pools):
 
 
 def _bad_inputs():
-    errors = {}
-    for name, call in {
+    return capture_errors({
         "divisible": lambda: fusedpar.ops.reduce_scatter(torch.ones(5, 3), "sum", 0),
         "op": lambda: fusedpar.ops.reduce_scatter(torch.ones(4, 3), "max", 0),
         "dtype": lambda: fusedpar.ops.reduce_scatter(torch.ones(4, 3, dtype=torch.int32), "sum", 0),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects type and message
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    })
 
 
 def test_bad_inputs_give_clear_errors(pools):
