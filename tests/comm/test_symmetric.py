@@ -29,6 +29,7 @@ def _shm_lifecycle():
     finally:
         os.unlink = real_unlink
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has unlinked its own segment
     left = glob.glob(f"/dev/shm/{symmetric.shm_job_prefix()}*")
     buf.data(torch.int64, 4).copy_(torch.arange(4) + 100 * rank)
     dist.barrier()
