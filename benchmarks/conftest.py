@@ -7,7 +7,8 @@ set before any kernel module is imported, as in tests/conftest.py.
 Modes: a single process runs the single-GPU *loopback* cases (every rank of a W-rank
 collective in one process); ``torchrun --nproc-per-node N -m pytest benchmarks`` (WORLD_SIZE
 > 1) runs the multi-GPU cases over NCCL, initialised here from torchrun's environment.
-Helpers reach the suites as fixtures (``record_row``, ``gpu_times``, ``agree``, ...).
+Helpers reach the suites as fixtures (``record_row``, ``gpu_times``, ``agree``, ...;
+``matmul_roofline`` and ``report_target`` for the fused matmul ops).
 """
 
 import csv
@@ -212,6 +213,54 @@ def gpu_times():
 @pytest.fixture
 def agree():
     return _agree
+
+
+# ---- fused matmul ops: the roofline and the targets ------------------------------------------
+
+ROOFLINE_SHAPE = (8192, 8192, 8192)  # M, K, N of the plain bf16 matmul timed as the roofline
+_TARGET_LINES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def matmul_roofline(_nccl) -> float:
+    """TFLOP/s of a plain bf16 ``torch.matmul`` of ROOFLINE_SHAPE (cuBLAS) on this GPU, timed
+    once per session as the suites time everything else and recorded as its own row in
+    ``results/matmul_roofline.csv``: the ceiling the matmul ops' ``pct_roofline`` is taken
+    against. Under torchrun every rank times it at once (the slowest rank's quantiles)."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    m, k, n = ROOFLINE_SHAPE
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    a = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)  # never zeros
+    b = torch.randn(k, n, generator=g, device="cuda").to(torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    median, p20, p80 = _gpu_times(lambda: torch.matmul(a, b, out=c))
+    assert _agree(bool(torch.isfinite(c).all())), "roofline matmul: non-finite output"
+    tflops = 2 * m * k * n / (median * 1e-3) / 1e12
+    _record_row("matmul_roofline", "torch.matmul", ROOFLINE_SHAPE, torch.bfloat16, world_size(),
+                median, p20, p80, algo_bytes=(m * k + k * n + m * n) * 2,
+                mode="torchrun" if _distributed() else "single", tflops=f"{tflops:.1f}")
+    del a, b, c
+    return tflops
+
+
+@pytest.fixture
+def report_target():
+    """``report_target(line)``: print a target's outcome now (seen with ``-s``) and again in
+    the terminal summary (rank 0 only); targets are recorded, never asserted."""
+    def report(line: str) -> None:
+        if _rank() == 0:
+            _TARGET_LINES.append(line)
+            print(line)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TARGET_LINES:
+        terminalreporter.section("fusedpar targets (recorded in the CSV notes, not asserted)")
+        for line in _TARGET_LINES:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture
