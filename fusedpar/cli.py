@@ -2,9 +2,14 @@
 
 - ``info``: versions, GPU, CUDA extension, Triton mode, which backend of which op can run
   here and why not, symmetric-memory backends. ``--json`` for machines.
-- ``demo``: every op on every backend available here, checked bit for bit against the
-  ``reference`` backend, with the bytes each moved next to the lower bound. Without a GPU
-  it spawns ``--world-size`` CPU ranks (gloo; Triton kernels in the interpreter); under
+- ``demo``: every op (all_gather, reduce_scatter, all_gather_matmul,
+  matmul_reduce_scatter) on every backend available here, checked bit for bit (the
+  collectives against the ``reference`` backend, the fused matmul ops against a float64
+  plain-torch oracle on exact small-integer data), with the bytes each moved next to the
+  lower bound; the same through the loopback variants; and a Llama-style block under
+  ``apply_tp`` (TP=2, sequence parallel) on the first two ranks, per fused-matmul backend,
+  against the block in one process (forward, backward, one SGD step). Without a GPU it
+  spawns ``--world-size`` CPU ranks (gloo; Triton kernels in the interpreter); under
   ``torchrun`` with CUDA each rank runs on its GPU over NCCL.
 - ``bench``: ``pytest benchmarks --benchmark-only -q`` plus whatever arguments follow.
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import glob
 import json
@@ -31,6 +37,8 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import fusedpar
 from fusedpar import _extension
@@ -261,6 +269,20 @@ def _variants(world: int):
     ]
 
 
+def _matmul_variants(world: int):
+    """(op, label, A shape, dim, N of each B, reduce_op) of the fused matmul ops.
+
+    The 3-D all_gather_matmul gathers the sequence dim of ``[batch, seq, hidden]`` for two
+    Bs at once (q/k projections sharing one gather). Every N stays at or below the
+    interpreter's BLOCK_N (32), so the triton pull kernel reads each peer shard once."""
+    return [
+        ("all_gather_matmul", "dim=1", (2, 3, 40), 1, (24, 8), ""),
+        ("all_gather_matmul", "dim=0", (5, 40), 0, (24,), ""),
+        ("matmul_reduce_scatter", "sum", (3 * world, 40), 0, (24,), "sum"),
+        ("matmul_reduce_scatter", "avg", (3 * world, 40), 0, (24,), "avg"),
+    ]
+
+
 def demo_input(op: str, shape, dtype, rank: int, world: int, salt: int, device) -> torch.Tensor:
     """Rank ``rank``'s input: small integers that encode the rank, exact in every dtype.
 
@@ -283,10 +305,46 @@ def demo_input(op: str, shape, dtype, rank: int, world: int, salt: int, device) 
     return v.to(dtype).to(device)
 
 
+def demo_matmul_inputs(op: str, shape, ns, dtype, rank: int, world: int, salt: int, device):
+    """Rank ``rank``'s ``(A, [B, ...])`` for a fused matmul op: small integers, exact in
+    every dtype whatever the summation order.
+
+    A: ``(7n + salt + rank) % 9 - 4`` in [-4, 4] (shifted by the rank: shards of ranks
+    < 9 apart differ). Each B: entries in {-1, 0, 1} with ``c = max(1, 64 // W)`` nonzeros
+    per column, the same on every rank for all_gather_matmul (the Bs are replicated) and
+    rank-dependent for matmul_reduce_scatter (each rank owns a slice of K). Every partial
+    sum is then an integer of magnitude at most ``4c`` (one rank) or ``4cW`` ≤ 256 (the
+    reduction over ranks), so it is exact in bf16 (8 significant bits), fp16 and fp32, and
+    an ``avg`` (sum / W) rounds once, the same way everywhere.
+    """
+    n = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
+    a = (n * 7 + salt + rank) % 9 - 4
+    k = shape[-1]
+    per_column = max(1, min(k, 64 // max(world, 1)))
+    owner = rank if op == "matmul_reduce_scatter" else 0
+    kk = torch.arange(k, dtype=torch.float64)[:, None]
+    bs = []
+    for j, cols in enumerate(ns):
+        nn_ = torch.arange(cols, dtype=torch.float64)[None, :]
+        nonzero = (kk + 5 * nn_ + 3 * owner + 7 * j + salt) % k < per_column
+        sign = torch.where((kk + 2 * nn_ + owner + j) % 3 == 0, -1.0, 1.0)
+        bs.append((nonzero * sign).to(dtype).to(device))
+    return a.to(dtype).to(device), bs
+
+
 def _lower_bound(op: str, x: torch.Tensor, world: int) -> int:
     if op == "all_gather":
         return (world - 1) * x.numel() * x.element_size()
     return (world - 1) * (x.numel() // world) * x.element_size()
+
+
+def _matmul_lower_bound(op: str, a: torch.Tensor, bs, world: int) -> int:
+    """all_gather_matmul: the W-1 peer shards of A (however many Bs share the gather);
+    matmul_reduce_scatter: the W-1 peer partials of this rank's output chunk."""
+    if op == "all_gather_matmul":
+        return (world - 1) * a.numel() * a.element_size()
+    out_numel = a.numel() // a.shape[-1] * bs[0].shape[1] // world
+    return (world - 1) * out_numel * a.element_size()
 
 
 def _call(op, x, dim, reduce_op, group, backend):
@@ -295,19 +353,90 @@ def _call(op, x, dim, reduce_op, group, backend):
     return fusedpar.ops.reduce_scatter(x, reduce_op, dim, group, backend=backend)
 
 
+def _matmul_call(op, a, bs, dim, reduce_op, group, backend):
+    """all_gather_matmul: ``(A_gathered, [outs])``; matmul_reduce_scatter: the output."""
+    if op == "all_gather_matmul":
+        return fusedpar.ops.all_gather_matmul(a, bs, dim, group, return_A=True, backend=backend)
+    return fusedpar.ops.matmul_reduce_scatter(a, bs[0], reduce_op, dim, group, backend=backend)
+
+
+def _matmul_oracle(op, dim, reduce_op, inputs, dtype) -> list:
+    """Each rank's expected result from every rank's ``(A, Bs)``, in float64 plain torch
+    rounded once to ``dtype`` (exact: see :func:`demo_matmul_inputs`)."""
+    world = len(inputs)
+    if op == "all_gather_matmul":
+        gathered = torch.cat([a.double() for a, _ in inputs], dim)
+        outs = [(gathered @ b.double()).to(dtype) for b in inputs[0][1]]
+        return [(gathered.to(dtype), outs)] * world
+    total = sum(a.double() @ bs[0].double() for a, bs in inputs)
+    if reduce_op == "avg":
+        total = total / world
+    return list(total.to(dtype).chunk(world, dim))
+
+
+def _same(actual, expected) -> bool:
+    """Bit for bit: tensors, or (gathered, [outs]) pairs of all_gather_matmul."""
+    if isinstance(expected, torch.Tensor):
+        return (isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
+                and actual.shape == expected.shape and torch.equal(actual, expected))
+    (gathered, outs), (exp_gathered, exp_outs) = actual, expected
+    return (_same(gathered, exp_gathered) and len(outs) == len(exp_outs)
+            and all(_same(o, e) for o, e in zip(outs, exp_outs)))
+
+
+def _matmul_shape(shape, ns) -> str:
+    """``(2, 3, 40) @ 40x24, 40x8``: A (or A_shard) and every B."""
+    return f"{tuple(shape)} @ " + ", ".join(f"{shape[-1]}x{n}" for n in ns)
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
 def _grouped(rows: list[dict]) -> list[dict]:
-    """Rows grouped by op, then backend (dispatcher priority), then dtype (stable)."""
+    """Rows grouped by op, then backend (the op's dispatcher priority), then dtype (stable)."""
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    backends = list(dict.fromkeys(n for d in DISPATCHERS.values() for n in d.names))
-    return sorted(rows, key=lambda r: (ops.index(r["op"]), backends.index(r["backend"])))
+    everyone = list(dict.fromkeys(n for d in DISPATCHERS.values() for n in d.names))
+
+    def backend_rank(row):
+        dispatcher = DISPATCHERS.get(row["op"].split(" ")[0])
+        names = dispatcher.names if dispatcher is not None else everyone
+        return names.index(row["backend"]) if row["backend"] in names else len(names)
+
+    return sorted(rows, key=lambda r: (ops.index(r["op"]), backend_rank(r)))
+
+
+def _merge(per_rank_rows: list[list[dict]], members: list[int]) -> list[dict]:
+    """The ``members``' rows (same cases, same order) as one list: correct where correct
+    on every member, bytes the maximum over them, the worst error of tolerance rows."""
+    rows = []
+    for i, row in enumerate(per_rank_rows[members[0]]):
+        per_rank = {r: per_rank_rows[r][i] for r in members}
+        merged = dict(row, correct=all(p["correct"] for p in per_rank.values()),
+                      bytes=max(p["bytes"] for p in per_rank.values()),
+                      wrong_ranks=[r for r, p in per_rank.items() if not p["correct"]])
+        if "max_err" in row:
+            worst = max(per_rank.values(), key=lambda p: p["max_err"])
+            merged.update(max_err=worst["max_err"], worst=worst["worst"])
+        rows.append(merged)
+    return rows
+
+
+def _merge_ranks(local: list[dict], group) -> list[dict]:
+    """Every rank's rows merged (see :func:`_merge`); all ranks of ``group`` call this."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local, group=group)
+    return _merge(gathered, list(range(world)))
 
 
 def _distributed_rows(group, device, selected: list[str]):
-    """Run every case on this rank. Returns (rows, skipped), identical on every rank."""
+    """Run every case on this rank. Returns (rows, skipped), identical on every rank.
+
+    all_gather / reduce_scatter are checked against the ``reference`` backend; the fused
+    matmul ops against a float64 plain-torch oracle built from every rank's input."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -318,8 +447,17 @@ def _distributed_rows(group, device, selected: list[str]):
             call = _collective.CollectiveCall(op, x, dim, world, group, reduce_op)
             cases.append((op, label, shape, dim, reduce_op, dtype, x,
                           DISPATCHERS[op].availability(call)))
+    matmul_cases = []
+    for salt, (op, label, shape, dim, ns, reduce_op) in enumerate(_matmul_variants(world)):
+        for dtype in DEMO_DTYPES:
+            inputs = [demo_matmul_inputs(op, shape, ns, dtype, r, world, salt, device)
+                      for r in range(world)]
+            a, bs = inputs[rank]
+            call = MatmulCall(op, a, dim, world, group, bs, return_a=True, reduce_op=reduce_op)
+            matmul_cases.append((op, label, shape, ns, dim, reduce_op, dtype, inputs,
+                                 DISPATCHERS[op].availability(call)))
     # every rank must run the same backends: check that availability agrees
-    mine = [c[-1] for c in cases]
+    mine = [c[-1] for c in cases + matmul_cases]
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     for r, theirs in enumerate(everyone):
@@ -328,33 +466,40 @@ def _distributed_rows(group, device, selected: list[str]):
                                f"{mine} vs {theirs}")
 
     local, skipped = [], []
+
+    def runnable(section_op, name, avail) -> bool:
+        if name not in selected:
+            return False
+        if avail[name]:
+            skipped.append({"section": "distributed", "op": section_op, "backend": name,
+                            "reasons": avail[name]})
+            return False
+        return True
+
     for op, label, shape, dim, reduce_op, dtype, x, avail in cases:
         expected = _call(op, x, dim, reduce_op, group, "reference")
         for name in DISPATCHERS[op].names:
-            if name not in selected:
-                continue
-            if avail[name]:
-                skipped.append({"section": "distributed", "op": op, "backend": name,
-                                "reasons": avail[name]})
+            if not runnable(op, name, avail):
                 continue
             with fusedpar.comm.count_bytes() as counter:
                 out = _call(op, x, dim, reduce_op, group, name)
-            correct = (out.dtype == expected.dtype and out.shape == expected.shape
-                       and torch.equal(out, expected))
             local.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
-                          "dtype": _dtype_name(dtype), "correct": bool(correct),
+                          "dtype": _dtype_name(dtype), "correct": _same(out, expected),
                           "bytes": counter.total(),
                           "lower_bound": _lower_bound(op, x, world)})
-    local = _grouped(local)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, local, group=group)
-    rows = []
-    for i, row in enumerate(gathered[0]):
-        per_rank = [g[i] for g in gathered]
-        rows.append(dict(row, correct=all(r["correct"] for r in per_rank),
-                         bytes=max(r["bytes"] for r in per_rank),
-                         wrong_ranks=[r for r, p in enumerate(per_rank) if not p["correct"]]))
-    return rows, skipped
+    for op, label, shape, ns, dim, reduce_op, dtype, inputs, avail in matmul_cases:
+        a, bs = inputs[rank]
+        expected = _matmul_oracle(op, dim, reduce_op, inputs, dtype)[rank]
+        for name in DISPATCHERS[op].names:
+            if not runnable(op, name, avail):
+                continue
+            with fusedpar.comm.count_bytes() as counter:
+                out = _matmul_call(op, a, bs, dim, reduce_op, group, name)
+            local.append({"op": f"{op} {label}", "backend": name, "shape": _matmul_shape(shape, ns),
+                          "dtype": _dtype_name(dtype), "correct": _same(out, expected),
+                          "bytes": counter.total(),
+                          "lower_bound": _matmul_lower_bound(op, a, bs, world)})
+    return _merge_ranks(_grouped(local), group), skipped
 
 
 def _loopback_rows(world: int, device, selected: list[str]):
@@ -388,18 +533,259 @@ def _loopback_rows(world: int, device, selected: list[str]):
                     else:
                         outs = fusedpar.ops.reduce_scatter_loopback(xs, reduce_op, dim,
                                                                     backend=name)
-                wrong = [r for r, (o, e) in enumerate(zip(outs, expected))
-                         if not (o.dtype == e.dtype and o.shape == e.shape and torch.equal(o, e))]
+                wrong = [r for r, (o, e) in enumerate(zip(outs, expected)) if not _same(o, e)]
                 rows.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
                              "dtype": _dtype_name(dtype), "correct": not wrong,
                              "wrong_ranks": wrong, "bytes": counter.total(),
                              "lower_bound": world * _lower_bound(op, xs[0], world)})
+    # the fused matmul ops' loopback variants run their triton kernels only
+    for salt, (op, label, shape, dim, ns, reduce_op) in enumerate(_matmul_variants(world)):
+        if "triton" not in selected:
+            break
+        for dtype in DEMO_DTYPES:
+            inputs = [demo_matmul_inputs(op, shape, ns, dtype, r, world, salt, device)
+                      for r in range(world)]
+            a0, bs0 = inputs[0]
+            call = MatmulCall(op, a0, dim, world, None, bs0, return_a=True, reduce_op=reduce_op)
+            reasons = DISPATCHERS[op].availability(call)["triton"]
+            if reasons:
+                skipped.append({"section": "loopback", "op": op, "backend": "triton",
+                                "reasons": reasons})
+                continue
+            expected = _matmul_oracle(op, dim, reduce_op, inputs, dtype)
+            with fusedpar.comm.count_bytes() as counter:
+                if op == "all_gather_matmul":
+                    outs = fusedpar.ops.all_gather_matmul_loopback([a for a, _ in inputs], bs0, dim,
+                                                                   return_A=True)
+                else:
+                    outs = fusedpar.ops.matmul_reduce_scatter_loopback(
+                        [a for a, _ in inputs], [bs[0] for _, bs in inputs], reduce_op, dim)
+            wrong = [r for r, (o, e) in enumerate(zip(outs, expected)) if not _same(o, e)]
+            rows.append({"op": f"{op} {label}", "backend": "triton",
+                         "shape": _matmul_shape(shape, ns), "dtype": _dtype_name(dtype),
+                         "correct": not wrong, "wrong_ranks": wrong, "bytes": counter.total(),
+                         "lower_bound": world * _matmul_lower_bound(op, a0, bs0, world)})
     return _grouped(rows), skipped
+
+
+# ---- a tensor-parallel block ------------------------------------------------------------
+
+TP_SIZE = 2
+TP_BATCH, TP_SEQ, TP_HIDDEN = 2, 8, 32
+TP_HEADS, TP_KV_HEADS, TP_HEAD_DIM, TP_INTERMEDIATE = 8, 4, 4, 48
+TP_ATOL = 1e-5
+TP_LR = 0.1
+TP_OP = f"tp={TP_SIZE} block (SP)"
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class _Attention(nn.Module):
+    """Causal grouped-query self-attention with Hugging Face ``LlamaAttention`` names
+    (``attention_bias=True``); head counts come from the projections' outputs, so it
+    runs unchanged on a rank's heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = TP_HEADS, TP_KV_HEADS
+        self.head_dim = TP_HEAD_DIM
+        self.q_proj = nn.Linear(TP_HIDDEN, TP_HEADS * TP_HEAD_DIM, bias=True)
+        self.k_proj = nn.Linear(TP_HIDDEN, TP_KV_HEADS * TP_HEAD_DIM, bias=True)
+        self.v_proj = nn.Linear(TP_HIDDEN, TP_KV_HEADS * TP_HEAD_DIM, bias=True)
+        self.o_proj = nn.Linear(TP_HEADS * TP_HEAD_DIM, TP_HIDDEN, bias=True)
+
+    def forward(self, hidden_states):
+        lead = hidden_states.shape[:-1]
+        q, k, v = (proj(hidden_states).view(*lead, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o_proj(out.reshape(*lead, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(TP_HIDDEN, TP_INTERMEDIATE, bias=False)
+        self.up_proj = nn.Linear(TP_HIDDEN, TP_INTERMEDIATE, bias=False)
+        self.down_proj = nn.Linear(TP_INTERMEDIATE, TP_HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DemoBlock(nn.Module):
+    """A tiny Llama decoder layer (``LlamaDecoderLayer`` names): RMSNorm → attention →
+    residual → RMSNorm → SwiGLU MLP → residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(TP_HIDDEN)
+        self.self_attn = _Attention()
+        self.post_attention_layernorm = _RMSNorm(TP_HIDDEN)
+        self.mlp = _MLP()
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = residual + self.self_attn(hidden_states=self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _tp_data(device):
+    """The seeded block (identical on every rank), the input and the loss weights."""
+    torch.manual_seed(0)
+    block = _DemoBlock()
+    with torch.no_grad():  # norms away from 1 so that their gradients matter
+        for module in block.modules():
+            if isinstance(module, _RMSNorm):
+                module.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape))
+    x = torch.randn(TP_BATCH, TP_SEQ, TP_HIDDEN)
+    g = torch.randn(TP_BATCH, TP_SEQ, TP_HIDDEN)
+    return block.to(device), x.to(device), g.to(device)
+
+
+def _tp_step(block, x, g):
+    """Forward, backward of ``sum(y * g)``, one SGD step: (y, dx, grads, params after)."""
+    x = x.detach().clone().requires_grad_()
+    y = block(x)
+    (y * g).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in block.named_parameters()}
+    torch.optim.SGD(block.parameters(), lr=TP_LR).step()
+    params = {n: p.detach().clone() for n, p in block.named_parameters()}
+    return y.detach(), x.grad.detach(), grads, params
+
+
+def _tp_full(block, tensors: dict, group) -> dict:
+    """Shards of the TP layers' parameters (or gradients) reassembled into full tensors."""
+    import torch.distributed as dist
+
+    owners = dict(block.named_modules())
+    out = {}
+    for name, t in tensors.items():
+        owner = owners[name.rpartition(".")[0]]
+        cat_dim = None
+        if isinstance(owner, fusedpar.nn.ColumnParallelLinear):
+            cat_dim = 0
+        elif isinstance(owner, fusedpar.nn.RowParallelLinear) and name.endswith("weight"):
+            cat_dim = 1
+        if cat_dim is not None:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, cat_dim)
+        out[name] = t
+    return out
+
+
+def _max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected|; inf for a shape mismatch or a NaN."""
+    if actual.shape != expected.shape:
+        return math.inf
+    diff = (actual.double() - expected.double()).abs()
+    return float(torch.nan_to_num(diff, nan=math.inf).max()) if diff.numel() else 0.0
+
+
+def _tp_lower_bound(world: int, dtype=torch.float32) -> int:
+    """Bytes a rank must receive for one forward + backward of the SP block: forward, the
+    q/k/v and gate/up gathers of the ``[B, S/W, H]`` input shard and the o/down
+    reduce-scatters of the ``[B, S/W, H]`` output shard; backward, the transposes (two
+    reduce-scatters of the gathered inputs' gradients, two gathers of the outputs')."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    input_shard = TP_BATCH * (TP_SEQ // world) * TP_HIDDEN * elem
+    output_shard = TP_BATCH * (TP_SEQ // world) * TP_HIDDEN * elem
+    forward = 2 * (world - 1) * input_shard + 2 * (world - 1) * output_shard
+    backward = 2 * (world - 1) * output_shard + 2 * (world - 1) * input_shard
+    return forward + backward
+
+
+def _tp_rows(group, device, selected: list[str]):
+    """The SP block on the first TP_SIZE ranks of ``group`` against the same block in one
+    process, once per fused-matmul backend. Every rank of ``group`` calls this (the
+    subgroup is created collectively); the others only join the final gather."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < TP_SIZE:
+        return [], [{"section": "tp", "op": TP_OP, "backend": "all",
+                     "reasons": [f"needs at least {TP_SIZE} ranks, the demo has {world}"]}]
+    members = list(range(TP_SIZE))
+    tp_group = dist.new_group([dist.get_global_rank(group, r) for r in members])
+    local, skipped = [], []
+    if rank in members:
+        tp_rank = dist.get_rank(tp_group)
+        reference, x_full, g_full = _tp_data(device)
+        initial = copy.deepcopy(reference)
+        y_ref, dx_ref, grads_ref, params_ref = _tp_step(reference, x_full, g_full)
+
+        def local_part(t):
+            return t.chunk(TP_SIZE, 1)[tp_rank]
+
+        x, g = local_part(x_full), local_part(g_full)
+        # representative calls of both fused ops for availability (shapes of the q/k/v gather)
+        shard = x.detach()
+        weight = torch.zeros(TP_HIDDEN, TP_HIDDEN, device=device)
+        calls = {"all_gather_matmul": MatmulCall("all_gather_matmul", shard, 1, TP_SIZE, tp_group,
+                                                 [weight]),
+                 "matmul_reduce_scatter": MatmulCall("matmul_reduce_scatter", x_full, 1, TP_SIZE,
+                                                     tp_group, [weight], reduce_op="sum")}
+        names = DISPATCHERS["all_gather_matmul"].names
+        for name in names:
+            if name not in selected:
+                continue
+            reasons = [r for op, call in calls.items()
+                       for r in DISPATCHERS[op].availability(call).get(name, ["no such backend"])]
+            if reasons:
+                skipped.append({"section": "tp", "op": TP_OP, "backend": name,
+                                "reasons": sorted(set(reasons))})
+                continue
+            block = fusedpar.apply_tp(copy.deepcopy(initial), tp_group, sequence_parallel=True,
+                                      backend=name)
+            with fusedpar.comm.count_bytes() as counter:
+                y, dx, grads, params = _tp_step(block, x, g)
+            grads, params = _tp_full(block, grads, tp_group), _tp_full(block, params, tp_group)
+            checks = [("output", y, local_part(y_ref)), ("input grad", dx, local_part(dx_ref))]
+            if set(grads) != set(grads_ref):
+                raise RuntimeError(f"apply_tp changed the parameter names: {sorted(grads)} vs "
+                                   f"{sorted(grads_ref)}")
+            checks += [(f"grad of {n}", grads[n], grads_ref[n]) for n in grads_ref]
+            checks += [(f"{n} after SGD", params[n], params_ref[n]) for n in params_ref]
+            errors = [(_max_abs_diff(a, e), what) for what, a, e in checks]
+            max_err, worst = max(errors)
+            local.append({"op": TP_OP, "backend": name,
+                          "shape": str((TP_BATCH, TP_SEQ, TP_HIDDEN)), "dtype": "float32",
+                          "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
+                          "bytes": counter.total(), "lower_bound": _tp_lower_bound(TP_SIZE)})
+    gathered = [None] * world  # the other ranks contribute nothing but take part
+    dist.all_gather_object(gathered, (local, skipped), group=group)
+    return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
+
+
+def _pull_block_n(device) -> int | None:
+    """BLOCK_N of the triton AG-GEMM where it pulls A tiles from peers (no copy engine:
+    CPU interpreter, loopback); None where the triton kernels cannot run here."""
+    from fusedpar.kernels import ag_gemm
+
+    if device.type == "cpu" and not _collective._interpreting():
+        return None
+    try:
+        return min(ag_gemm.gemm_config(dtype, device)["BLOCK_N"] for dtype in DEMO_DTYPES)
+    except Exception:  # noqa: BLE001 - only a legend line depends on it
+        return None
 
 
 def _run_demo_rank(group, device, selected: list[str], loopback: bool) -> dict:
     rows, skipped = _distributed_rows(group, device, selected)
-    result = {"rows": rows, "skipped": skipped, "loopback_rows": [], "loopback_skipped": []}
+    tp_rows, tp_skipped = _tp_rows(group, device, selected)
+    result = {"rows": rows, "skipped": skipped, "tp_rows": tp_rows, "tp_skipped": tp_skipped,
+              "loopback_rows": [], "loopback_skipped": [], "pull_block_n": _pull_block_n(device)}
     if loopback:
         import torch.distributed as dist
 
@@ -441,14 +827,22 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:,}"
 
 
+def _correct_cell(r: dict) -> str:
+    """``yes`` / ``NO (ranks [..])``; rows checked within a tolerance show their error."""
+    notes = []
+    if not r["correct"] and r.get("wrong_ranks"):
+        notes.append(f"ranks {r['wrong_ranks']}")
+    if "max_err" in r:
+        notes.append(f"max err {r['max_err']:.1e}" + ("" if r["correct"] else f": {r['worst']}"))
+    return ("yes" if r["correct"] else "NO") + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def format_table(rows: list[dict]) -> str:
     headers = ["op", "backend", "shape", "dtype", "correct", "bytes moved", "lower bound", "ratio"]
     body = []
     for r in rows:
         ratio = f"{r['bytes'] / r['lower_bound']:.2f}" if r["lower_bound"] else "-"
-        correct = "yes" if r["correct"] else "NO" + (
-            f" (ranks {r['wrong_ranks']})" if r.get("wrong_ranks") else "")
-        body.append([r["op"], r["backend"], r["shape"], r["dtype"], correct,
+        body.append([r["op"], r["backend"], r["shape"], r["dtype"], _correct_cell(r),
                      _fmt_bytes(r["bytes"]), _fmt_bytes(r["lower_bound"]), ratio])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
               for i, h in enumerate(headers)]
@@ -473,21 +867,69 @@ def _format_skipped(skipped: list[dict]) -> list[str]:
     return lines
 
 
+def _legend(result: dict) -> list[str]:
+    """How each row is checked and what its lower bound is."""
+    shard = f"[{TP_BATCH}, {TP_SEQ // TP_SIZE}, {TP_HIDDEN}]"
+    lines = [
+        "how to read it:",
+        "  correct: all_gather / reduce_scatter bit for bit against the 'reference' backend;",
+        "    all_gather_matmul (A_gathered and every A@B) / matmul_reduce_scatter bit for bit "
+        "against a float64",
+        "    plain-torch oracle rounded once to the dtype: their inputs are small integers "
+        "(|A| <= 4, B in {-1, 0, 1},",
+        "    at most 4*W*nonzeros-per-column <= 256), so every partial sum is exact in fp32, "
+        "fp16 and bf16 in any order;",
+        f"    {TP_OP}: max |error| <= {TP_ATOL:g} against the block in one process over the "
+        "output, the input grad, every",
+        "    parameter's full gradient and every parameter after one SGD step (shards "
+        "reassembled), fp32.",
+        "  lower bound (bytes a rank must receive): all_gather (W-1)*|x|; reduce_scatter "
+        "(W-1)*|x|/W;",
+        "    all_gather_matmul (W-1)*|A_shard| (one gather however many Bs share it); "
+        "matmul_reduce_scatter (W-1)*|output|;",
+        f"    {TP_OP}: forward 2 gathers of the {shard} input shard (q/k/v, gate/up) + 2 "
+        f"reduce-scatters of the {shard}",
+        "    output shard (o, down), backward the same again; the gradient all-reduces of the "
+        "replicated norm weights",
+        "    and o_proj bias are plain torch collectives, not counted.",
+    ]
+    block_n = result.get("pull_block_n")
+    if block_n:
+        lines += [
+            "  triton all_gather_matmul without a copy engine (CPU ranks, loopback) pulls A "
+            "tiles straight from the peers'",
+            f"    buffers and re-reads a peer shard once per BLOCK_N-wide band of the first B's "
+            f"columns: bytes = lower bound",
+            f"    * ceil(N / BLOCK_N), BLOCK_N = {block_n} here; every N above is <= {block_n}, "
+            "so its ratio is 1.00.",
+        ]
+    return lines
+
+
 def format_report(header: list[str], result: dict) -> tuple[str, bool]:
     """The printed report and whether every result was correct (and something ran)."""
     rows, lb_rows = result["rows"], result["loopback_rows"]
+    tp_rows = result.get("tp_rows", [])
     world = result["world_size"]
     lines = list(header)
     lines += ["", f"distributed: {world} ranks; bytes moved = bytes a rank received from its "
                   "peers (max over ranks; 'reference' reports the ring algorithm's volume)",
               format_table(rows)]
+    lines += ["", f"tensor parallel: a Llama-style block (RMSNorm, {TP_HEADS} q / {TP_KV_HEADS} "
+                  f"kv heads of {TP_HEAD_DIM}, SwiGLU {TP_INTERMEDIATE}) under fusedpar.apply_tp "
+                  f"on ranks 0-{TP_SIZE - 1}, sequence parallel;",
+              f"  forward + backward + one SGD step on input {(TP_BATCH, TP_SEQ, TP_HIDDEN)} "
+              "(each rank its sequence shard); bytes: fused ops over the step (max over ranks)",
+              format_table(tp_rows) if tp_rows else "  (nothing ran)"]
     lines += ["", f"loopback: one process plays all {world} ranks on {result['device']}; "
                   "oracle: plain torch; bytes summed over the simulated ranks",
               format_table(lb_rows) if lb_rows else "  (nothing ran)"]
-    skipped = _format_skipped(result["skipped"] + result["loopback_skipped"])
+    lines += [""] + _legend(result)
+    skipped = _format_skipped(result["skipped"] + result.get("tp_skipped", [])
+                              + result["loopback_skipped"])
     if skipped:
         lines += ["", "not run (unavailable here):"] + skipped
-    all_rows = rows + lb_rows
+    all_rows = rows + tp_rows + lb_rows
     wrong = [r for r in all_rows if not r["correct"]]
     ok = bool(all_rows) and not wrong
     lines.append("")
@@ -496,7 +938,9 @@ def format_report(header: list[str], result: dict) -> tuple[str, bool]:
     elif wrong:
         lines.append(f"FAILED: {len(wrong)} of {len(all_rows)} results differ from the reference")
     else:
-        lines.append(f"OK: all {len(all_rows)} results match the reference exactly")
+        exact = len(all_rows) - len(tp_rows)
+        lines.append(f"OK: all {len(all_rows)} results match the reference ({exact} bit for bit"
+                     + (f", {len(tp_rows)} within atol {TP_ATOL:g}" if tp_rows else "") + ")")
     return "\n".join(lines), ok
 
 

@@ -103,20 +103,30 @@ def test_info_text_under_the_interpreter():
 
 # ---- demo -------------------------------------------------------------------------------
 
-ROW = re.compile(r"^(\w+ \S+)\s+\|\s+(\w+)\s+\|\s+(\([\d, ]+\))\s+\|\s+(\w+)\s+\|\s+(.+?)\s+\|"
-                 r"\s+([\d,]+)\s+\|\s+([\d,]+)\s+\|\s+(\S+)$")
+SECTIONS = ("distributed:", "tensor parallel:", "loopback:")
+COLLECTIVES = ("all_gather dim=0", "all_gather dim=1", "reduce_scatter sum", "reduce_scatter avg")
+MATMULS = ("all_gather_matmul dim=1", "all_gather_matmul dim=0", "matmul_reduce_scatter sum",
+           "matmul_reduce_scatter avg")
+DTYPES = ("float32", "float16", "bfloat16")
+TP_OP = "tp=2 block (SP)"
 
 
 def _sections(stdout):
-    """{'distributed': rows, 'loopback': rows}, each row a tuple of cells."""
+    """{'distributed': rows, 'tensor parallel': rows, 'loopback': rows}, each row a tuple
+    of its 8 cells (op, backend, shape, dtype, correct, bytes moved, lower bound, ratio)."""
     out, current = {}, None
     for line in stdout.splitlines():
-        if line.startswith(("distributed:", "loopback:")):
+        if line.startswith(SECTIONS):
             current = out.setdefault(line.split(":")[0], [])
-        m = ROW.match(line)
-        if m and current is not None:
-            current.append(m.groups())
+            continue
+        cells = tuple(c.strip() for c in line.split(" | "))
+        if current is not None and len(cells) == 8 and cells[0] != "op":
+            current.append(cells)
     return out
+
+
+def _bytes(cell):
+    return int(cell.replace(",", ""))
 
 
 @pytest.mark.timeout(180)
@@ -128,18 +138,39 @@ def test_demo_two_ranks_all_correct():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "world size 2" in res.stdout and "device cpu" in res.stdout
     sections = _sections(res.stdout)
-    dist_rows, lb_rows = sections["distributed"], sections["loopback"]
-    for op in ("all_gather dim=0", "all_gather dim=1", "reduce_scatter sum", "reduce_scatter avg"):
-        for backend in ("reference", "triton"):
-            for dtype in ("float32", "float16", "bfloat16"):
-                assert any(r[:2] == (op, backend) and r[3] == dtype for r in dist_rows), \
-                    (op, backend, dtype, res.stdout)
-        assert any(r[:2] == (op, "triton") for r in lb_rows), (op, res.stdout)
+    dist_rows, tp_rows, lb_rows = (sections[k] for k in ("distributed", "tensor parallel",
+                                                         "loopback"))
+    for ops, backends in ((COLLECTIVES, ("reference", "triton")),
+                          (MATMULS, ("triton", "pipelined", "reference"))):
+        for op in ops:
+            for backend in backends:
+                for dtype in DTYPES:
+                    assert any(r[:2] == (op, backend) and r[3] == dtype for r in dist_rows), \
+                        (op, backend, dtype, res.stdout)
+            for dtype in DTYPES:  # loopback: the triton kernels, every rank in one process
+                assert any(r[:2] == (op, "triton") and r[3] == dtype for r in lb_rows), \
+                    (op, dtype, res.stdout)
+    # the 3-D gather feeds two Bs (q/k-style); the fused ops' shapes name A and every B
+    assert any(r[0] == "all_gather_matmul dim=1" and r[2] == "(2, 3, 40) @ 40x24, 40x8"
+               for r in dist_rows), res.stdout
+    assert any(r[0] == "matmul_reduce_scatter avg" and r[2] == "(6, 40) @ 40x24"
+               for r in dist_rows), res.stdout
     for r in dist_rows + lb_rows:
-        assert r[4] == "yes", r
+        assert r[4] == "yes", r  # bit for bit
         assert r[5] == r[6] and r[7] == "1.00", r  # bytes moved == the lower bound here
-    assert len(dist_rows) == 24 and len(lb_rows) == 12
-    assert "OK: all 36 results match" in res.stdout
+    # the TP=2 block: every fused-matmul backend, within atol 1e-5 of the single process
+    assert sorted(r[1] for r in tp_rows) == ["pipelined", "reference", "triton"], res.stdout
+    lower_bound = 8 * 1 * 2 * 4 * 32 * 4  # (2 gathers + 2 reduce-scatters) x 2 of [2, 4, 32] fp32
+    for r in tp_rows:
+        assert r[0] == TP_OP and r[2] == "(2, 8, 32)" and r[3] == "float32", r
+        m = re.fullmatch(r"yes \(max err (\S+)\)", r[4])
+        assert m and float(m.group(1)) <= 1e-5, r
+        assert _bytes(r[6]) == lower_bound, r
+        assert _bytes(r[5]) == lower_bound and r[7] == "1.00", r
+    assert len(dist_rows) == 60 and len(tp_rows) == 3 and len(lb_rows) == 24
+    assert "OK: all 87 results match the reference (84 bit for bit, 3 within atol 1e-05)" \
+        in res.stdout
+    assert "BLOCK_N = 32 here" in res.stdout  # the pull-mode re-read rule is explained
     assert not set(glob.glob("/dev/shm/fusedpar_*")) - before
     assert elapsed < 120, elapsed
 
@@ -150,6 +181,8 @@ def test_demo_backend_filter():
     assert res.returncode == 0, res.stdout + res.stderr
     sections = _sections(res.stdout)
     assert sections["distributed"] and {r[1] for r in sections["distributed"]} == {"reference"}
+    assert {r[0] for r in sections["distributed"]} == set(COLLECTIVES + MATMULS)
+    assert [r[:2] for r in sections["tensor parallel"]] == [(TP_OP, "reference")]
     assert not sections["loopback"]
 
 
@@ -245,9 +278,12 @@ def test_demo_a_stalled_rank_is_killed_at_the_timeout(tmp_path):
 def test_demo_a_wrong_result_exits_nonzero(tmp_path):
     res = _broken_demo(tmp_path, "wrong")
     assert res.returncode == 1, res.stdout + res.stderr
-    rows = _sections(res.stdout)["distributed"]
+    sections = _sections(res.stdout)
+    rows = sections["distributed"]  # compared with torch.equal, which rank 1 now fails
     assert rows and all(r[4] == "NO (ranks [1])" for r in rows), res.stdout
-    assert "FAILED: 24 of 36 results differ from the reference" in res.stdout
+    assert {r[0] for r in rows} == set(COLLECTIVES + MATMULS)
+    assert all(r[4].startswith("yes") for r in sections["tensor parallel"] + sections["loopback"])
+    assert "FAILED: 60 of 87 results differ from the reference" in res.stdout
 
 
 # ---- bench ------------------------------------------------------------------------------

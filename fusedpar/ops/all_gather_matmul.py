@@ -235,6 +235,8 @@ def _(A_shard, Bs, gather_dim, group_name, return_A, backend):
 def _setup_context(ctx, inputs, output):
     _, bs, ctx.dim, ctx.group_name, _, ctx.backend = inputs
     ctx.save_for_backward(output[0], *bs)
+    # an unused output (often A_gathered) gets None, not zeros: no reduce-scatter of zeros
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_gathered, grad_outs):

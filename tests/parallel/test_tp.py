@@ -232,6 +232,7 @@ def _check_block(sp: bool, legacy: bool, backend: str) -> bool:
         forward_and_backward = 2 * (world - 1) * shard_bytes  # 2 gathers fwd, 2 in the row layers' bwd
         assert traffic[("all_gather_matmul", backend)] == 2 * forward_and_backward, traffic
         assert traffic[("matmul_reduce_scatter", backend)] == 2 * forward_and_backward, traffic
+        assert counter.total() == 4 * forward_and_backward, traffic  # nothing else moved
 
     _close(y, local(y_ref.detach()), "block output")
     _close(x_grad, local(x_ref.grad), "block input grad")
