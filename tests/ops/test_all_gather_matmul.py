@@ -8,6 +8,7 @@ from tests.ops.collective_cases import (
     interpreter_cast_slack,
     poisoned_allocations,
     rank_data,
+    requires_cuda,
     subgroup,
 )
 
@@ -147,3 +148,41 @@ def test_bad_inputs_give_clear_errors(pools):
     for backend in ("pipelined", "triton"):
         assert errors[f"mismatch_{backend}"][0] == "ValueError"
         assert "passed different inputs" in errors[f"mismatch_{backend}"][1]
+
+
+# ---- GPU: skipped without CUDA ----------------------------------------------------------
+
+
+@requires_cuda
+def test_gpu_loopback_matches_torch():
+    for world in (1, 4):
+        for i, (shape, dim, ns) in enumerate(CASES):
+            shards = [(rank_data(shape, torch.float32, r, salt=i) - 20).cuda() for r in range(world)]
+            bs = [(rank_data((shape[-1], n), torch.float32, 0, salt=i) / 8).cuda() for n in ns]
+            expected_a = torch.cat(shards, dim)
+            for gathered, outs in fusedpar.ops.all_gather_matmul_loopback(shards, bs, dim):
+                assert torch.equal(gathered, expected_a)
+                for out, b in zip(outs, bs):
+                    assert torch.equal(out, (expected_a.double() @ b.double()).float())
+
+
+def _gpu_one_rank_copy_engine():
+    """W=1 on the GPU: the copy-engine producer (stream_write_value32 flags) and the
+    persistent GEMM waiting on them, in bf16 against torch."""
+    torch.manual_seed(0)
+    a = torch.randn(2, 300, 512, device="cuda").bfloat16()
+    bs = [torch.randn(512, n, device="cuda").bfloat16() for n in (384, 130)]
+    gathered, outs = fusedpar.ops.all_gather_matmul(a, bs, 1, backend="triton")
+    torch.cuda.synchronize()
+    ratios = []  # fused error / (2 x torch's bf16 error), against fp64
+    for out, b in zip(outs, bs):
+        exact = a.double() @ b.double()
+        torch_err = ((a @ b).double() - exact).abs().max()
+        ratios.append(float((out.double() - exact).abs().max() / (2 * torch_err)))
+    return torch.equal(gathered, a), max(ratios)
+
+
+@requires_cuda
+def test_gpu_one_rank_copy_engine_producer(pools):
+    ((same_a, worst),) = pools(1).run(_gpu_one_rank_copy_engine)
+    assert same_a and worst <= 1.0, worst

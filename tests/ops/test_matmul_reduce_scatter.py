@@ -8,6 +8,7 @@ from tests.ops.collective_cases import (
     interpreter_cast_slack,
     poisoned_allocations,
     rank_data,
+    requires_cuda,
     subgroup,
 )
 
@@ -122,3 +123,35 @@ def test_bad_inputs_give_clear_errors(pools):
     for backend in ("pipelined", "triton"):
         assert errors[f"mismatch_{backend}"][0] == "ValueError"
         assert "passed different inputs" in errors[f"mismatch_{backend}"][1]
+
+
+# ---- GPU: skipped without CUDA ----------------------------------------------------------
+
+
+@requires_cuda
+def test_gpu_loopback_matches_torch():
+    for world in (1, 4):
+        for i, (shape, dim, n) in enumerate(_cases(world)):
+            As = [(rank_data(shape, torch.float32, r, salt=i) - 20).cuda() for r in range(world)]
+            Bs = [(rank_data((shape[-1], n), torch.float32, r, salt=i) / 8).cuda() for r in range(world)]
+            total = sum(a.double() @ b.double() for a, b in zip(As, Bs))
+            for op in ("sum", "avg"):
+                outs = fusedpar.ops.matmul_reduce_scatter_loopback(As, Bs, op, dim)
+                expected = (total / (world if op == "avg" else 1)).float().chunk(world, dim)
+                for out, want in zip(outs, expected):
+                    assert torch.equal(out, want), (world, shape, dim, op)
+
+
+def _gpu_one_rank():
+    torch.manual_seed(0)
+    a = torch.randn(2, 300, 512, device="cuda").bfloat16()
+    b = torch.randn(512, 384, device="cuda").bfloat16()
+    out = fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 1, backend="triton")
+    exact = a.double() @ b.double()
+    torch_err = ((a @ b).double() - exact).abs().max()
+    return float((out.double() - exact).abs().max() / (2 * torch_err))  # <= 1: within 2x torch
+
+
+@requires_cuda
+def test_gpu_one_rank_symmetric_memory(pools):
+    assert pools(1).run(_gpu_one_rank)[0] <= 1.0
