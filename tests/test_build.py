@@ -35,7 +35,8 @@ EXPECTED_SCHEMAS = {
     "int world_size, int epoch, int meta, int outer, int inner, int max_spins, "
     "Tensor(b!) stats) -> ()",
     "_cuda_reduce_scatter_pull": "(Tensor(a!) out, Tensor pad_table, int rank, int world_size, "
-    "int epoch, int meta, int outer, int inner, int max_spins, Tensor(b!) stats) -> ()",
+    "int epoch, int meta, int outer, int inner, int max_spins, Tensor(b!) stats, "
+    "float divisor=1.) -> ()",
 }
 
 
