@@ -32,6 +32,7 @@ from ..kernels import signal as signal_kernels
 
 GATHER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REDUCE_OPS = ("sum", "avg")
 
 TRITON_LAUNCHERS = SimpleNamespace(
     wait_flags=signal_kernels.wait_flags,
@@ -96,6 +97,18 @@ def check_dim(op: str, x: torch.Tensor, dim: int) -> int:
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"fusedpar.{op}: dim={dim} is out of range for x with {x.dim()} dims")
     return dim % x.dim()
+
+
+def check_scatter(op: str, reduce_op: str, op_arg: str, tensor: str, size: int, dim: int,
+                  dim_arg: str, world: int) -> None:
+    """A reduce-scatter's ``reduce_op`` is known and ``tensor.shape[dim]`` splits into W."""
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"fusedpar.{op}: {op_arg}={reduce_op!r}; supported: {', '.join(REDUCE_OPS)}")
+    if size % world:
+        raise ValueError(
+            f"fusedpar.{op}: {tensor}.shape[{dim}] = {size} is not divisible by the world size "
+            f"{world}; pad {dim_arg} {dim} to a multiple of {world}"
+        )
 
 
 def check_dtype(op: str, x: torch.Tensor, allowed) -> None:

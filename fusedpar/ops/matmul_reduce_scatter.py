@@ -15,18 +15,11 @@ from .all_gather_matmul import MatmulCall, all_gather_matmul, check_matmul_input
 from .backend import Backend, Dispatcher
 
 OP = "matmul_reduce_scatter"
-REDUCE_OPS = ("sum", "avg")
 
 
 def _check(a, b, reduce_op, dim, world) -> int:
     dim = check_matmul_inputs(OP, a, [b], dim, "scatter_dim")
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"fusedpar.{OP}: reduce_op={reduce_op!r}; supported: {', '.join(REDUCE_OPS)}")
-    if a.shape[dim] % world:
-        raise ValueError(
-            f"fusedpar.{OP}: A.shape[{dim}] = {a.shape[dim]} is not divisible by the world size "
-            f"{world}; pad scatter_dim {dim} of A to a multiple of {world}"
-        )
+    C.check_scatter(OP, reduce_op, "reduce_op", "A", a.shape[dim], dim, "scatter_dim", world)
     return dim
 
 

@@ -10,7 +10,6 @@ from . import _collective as C
 from .backend import Backend, Dispatcher
 
 OP = "reduce_scatter"
-REDUCE_OPS = ("sum", "avg")
 
 
 def _out_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
@@ -22,13 +21,7 @@ def _out_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
 def _check(x, reduce_op: str, dim: int, world: int) -> int:
     dim = C.check_dim(OP, x, dim)
     C.check_dtype(OP, x, C.REDUCE_DTYPES)
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"fusedpar.{OP}: op={reduce_op!r}; supported: {', '.join(REDUCE_OPS)}")
-    if x.shape[dim] % world:
-        raise ValueError(
-            f"fusedpar.{OP}: x.shape[{dim}] = {x.shape[dim]} is not divisible by the world size "
-            f"{world}; pad dim {dim} to a multiple of {world}"
-        )
+    C.check_scatter(OP, reduce_op, "op", "x", x.shape[dim], dim, "dim", world)
     return dim
 
 
