@@ -18,20 +18,12 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.errors import BackendNotSupportedError
+
+from common import (DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, bench, counted, name, nbytes,
+                    or_skip, rel_err, run_case, symm_mem_op)
 
 OP = "reduce_scatter"
-W_LOOPBACK = 8
-DTYPE = torch.bfloat16
 SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank output
-PEDANTIC = dict(rounds=10, warmup_rounds=2, iterations=1)  # fixed: identical on every rank
-
-# torch 2.13+ names it reduce_scatter_single; older ones reduce_scatter_tensor
-_nccl_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _name(shape) -> str:
-    return "x".join(map(str, shape))
 
 
 def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
@@ -43,46 +35,26 @@ def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
     return (torch.randn(full, generator=g, device=device) * (rank + 1)).to(dtype)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0]
-
-
-def _rel_err(out: torch.Tensor, ref32: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref32).norm() / ref32.norm()).item()
-
-
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda", "torch.stack.sum"])
-@pytest.mark.parametrize("shape", SHAPES, ids=_name)
+@pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
-    benchmark.group = f"{OP} {_name(shape)} bf16 loopback W={world}"
+    benchmark.group = f"{OP} {name(shape)} bf16 loopback W={world}"
     xs = [_input(shape, world, r, gpu) for r in range(world)]
 
     def baseline():
         return torch.stack(xs).sum(0).chunk(world, 0)  # every simulated rank's output
 
-    bytes_moved = None
     if backend == "torch.stack.sum":
         fn = baseline
-        outs = fn()
+        outs, bytes_moved = fn(), None
     else:
         def fn():
             return fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=backend)
-        try:
-            with fusedpar.comm.count_bytes() as counter:
-                outs = fn()
-        except BackendNotSupportedError as e:
-            pytest.skip(str(e))
-        bytes_moved = counter.total()
+        outs, bytes_moved = or_skip(counted, fn)
     ref32 = torch.zeros(xs[0].shape, dtype=torch.float32, device=gpu)
     for x in xs:
         ref32 += x.float()
@@ -91,23 +63,18 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
     assert len(outs) == world
     for rank, out in enumerate(outs):
         assert out.shape == ref32[rank].shape and out.dtype == DTYPE
-        err, torch_err = _rel_err(out, ref32[rank]), _rel_err(torch_outs[rank], ref32[rank])
+        err, torch_err = rel_err(out, ref32[rank]), rel_err(torch_outs[rank], ref32[rank])
         assert err <= max(2 * torch_err, 1e-6), f"rank {rank}: error {err:.3g}, torch {torch_err:.3g}"
     del ref32, torch_outs, outs
 
-    median, p20, p80 = gpu_times(fn)
-    record_row(OP, backend, shape, DTYPE, world, median, p20, p80,
-               algo_bytes=world * _nbytes(xs[0]), bytes_moved=bytes_moved,
-               lower_bound=world * (world - 1) * _nbytes(xs[0]) // world, mode="loopback")
-    benchmark.extra_info.update(do_bench_median_ms=median, p20_ms=p20, p80_ms=p80)
-    benchmark.pedantic(synced(fn), **PEDANTIC)
+    times = gpu_times(fn)
+    record_row(OP, backend, shape, DTYPE, world, *times,
+               algo_bytes=world * nbytes(xs[0]), bytes_moved=bytes_moved,
+               lower_bound=world * (world - 1) * nbytes(xs[0]) // world, mode="loopback")
+    bench(benchmark, synced, fn, times)
 
 
 # ---- several GPUs: torchrun ------------------------------------------------------------------
-
-
-class _Unavailable(Exception):
-    pass
 
 
 def _nccl_case(x, group):
@@ -115,27 +82,20 @@ def _nccl_case(x, group):
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
 
     def nccl():
-        _nccl_reduce_scatter(out, x, group=group)
+        NCCL_REDUCE_SCATTER(out, x, group=group)
         return out
     return nccl
 
 
 def _case(backend, x, group):
-    """``(fn, note)`` for one case; raises ``_Unavailable`` with the reason it cannot run."""
+    """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
     world = dist.get_world_size(group)
     if backend in ("reference", "triton", "cuda"):
         return (lambda: fusedpar.ops.reduce_scatter(x, "sum", 0, group, backend=backend)), "fusedpar"
     if backend == "nccl":
-        return _nccl_case(x, group), f"dist.{_nccl_reduce_scatter.__name__}"
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-    except ImportError as e:
-        raise _Unavailable(f"torch.distributed._symmetric_memory: {e}") from e
-    op_name = backend.removeprefix("symm_mem.")
-    if not hasattr(torch.ops.symm_mem, op_name):
-        raise _Unavailable(f"torch {torch.__version__} has no torch.ops.symm_mem.{op_name}")
-    op = getattr(torch.ops.symm_mem, op_name)
-    if op_name == "reduce_scatter_out":  # two-shot first half; the input must be in symm memory
+        return _nccl_case(x, group), f"dist.{NCCL_REDUCE_SCATTER.__name__}"
+    symm_mem, op = symm_mem_op(backend)
+    if backend == "symm_mem.reduce_scatter_out":  # two-shot first half; the input in symm memory
         staged = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
         symm_mem.rendezvous(staged, group.group_name)
         out = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
@@ -156,44 +116,28 @@ DIST_BACKENDS = ["reference", "triton", "cuda", "nccl", "symm_mem.reduce_scatter
 
 
 @pytest.mark.parametrize("backend", DIST_BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=_name)
+@pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, shape, backend):
     group, device = dist_gpu
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    benchmark.group = f"{OP} {_name(shape)} bf16 W={world}"
+    benchmark.group = f"{OP} {name(shape)} bf16 W={world}"
     x = _input(shape, world, rank, device)
     ref32 = torch.zeros(shape, dtype=torch.float32, device=device)
     for r in range(world):
         ref32 += _input(shape, world, r, device).chunk(world, 0)[rank].float()
-    nccl_err = _rel_err(_nccl_case(x, group)(), ref32)
-    reason, out, bytes_moved = None, None, None
-    try:
-        fn, note = _case(backend, x, group)
-        with fusedpar.comm.count_bytes() as counter:
-            out = fn()
-        torch.cuda.synchronize()
-        if note == "fusedpar":
-            bytes_moved = counter.total()
-    except (_Unavailable, BackendNotSupportedError) as e:
-        reason = f"{backend}: {_first_line(e)}"
-    except RuntimeError as e:  # torch's symm_mem ops refuse what they cannot do
-        if not backend.startswith("symm_mem."):
-            raise
-        reason = f"{backend}: {_first_line(e)}"
-    if not agree(reason is None):
-        pytest.skip(reason or f"{backend} cannot run on another rank")
-    err = _rel_err(out, ref32) if out.shape == ref32.shape else float("inf")
+    nccl_err = rel_err(_nccl_case(x, group)(), ref32)
+    fn, note, out, bytes_moved = or_skip(run_case, backend, lambda: _case(backend, x, group), agree)
+    err = rel_err(out, ref32) if out.shape == ref32.shape else float("inf")
     # the fused sum must be as good as NCCL's (2x); torch's own baselines just bf16-accurate
     bound = max(2 * nccl_err, 1e-6) if note == "fusedpar" else max(2 * nccl_err, 1e-2)
     assert agree(err <= bound), f"{backend}: error {err:.3g} vs NCCL {nccl_err:.3g} on some rank"
     del ref32
 
-    median, p20, p80 = gpu_times(fn)
-    record_row(OP, backend, shape, DTYPE, world, median, p20, p80,
-               algo_bytes=_nbytes(x), bytes_moved=bytes_moved,
-               lower_bound=(world - 1) * _nbytes(x) // world, mode="torchrun", impl=note)
-    benchmark.extra_info.update(do_bench_median_ms=median, p20_ms=p20, p80_ms=p80)
-    benchmark.pedantic(synced(fn), **PEDANTIC)
+    times = gpu_times(fn)
+    record_row(OP, backend, shape, DTYPE, world, *times,
+               algo_bytes=nbytes(x), bytes_moved=bytes_moved,
+               lower_bound=(world - 1) * nbytes(x) // world, mode="torchrun", impl=note)
+    bench(benchmark, synced, fn, times)
 
 
 # ---- communication volume (no timing; CPU too) -----------------------------------------------
@@ -215,12 +159,9 @@ def test_loopback_volume_is_the_lower_bound(local_device, shape, dim, dtype, bac
         g = torch.Generator(device=local_device)
         g.manual_seed(1000 + r)
         xs.append(torch.randint(-8, 9, full, generator=g, device=local_device).mul(r + 1).to(dtype))
-    try:
-        with fusedpar.comm.count_bytes() as counter:
-            outs = fusedpar.ops.reduce_scatter_loopback(xs, "sum", dim, backend=backend)
-    except BackendNotSupportedError as e:
-        pytest.skip(str(e))
+    outs, moved = or_skip(counted, lambda: fusedpar.ops.reduce_scatter_loopback(
+        xs, "sum", dim, backend=backend))
     expected = sum(x.double() for x in xs).to(dtype).chunk(world, dim)
     for rank, out in enumerate(outs):
         assert torch.equal(out, expected[rank]), f"simulated rank {rank}"
-    assert counter.total() == world * (world - 1) * _nbytes(xs[0]) // world
+    assert moved == world * (world - 1) * nbytes(xs[0]) // world

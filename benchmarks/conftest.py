@@ -8,7 +8,8 @@ Modes: a single process runs the single-GPU *loopback* cases (every rank of a W-
 collective in one process); ``torchrun --nproc-per-node N -m pytest benchmarks`` (WORLD_SIZE
 > 1) runs the multi-GPU cases over NCCL, initialised here from torchrun's environment.
 Helpers reach the suites as fixtures (``record_row``, ``gpu_times``, ``agree``, ...;
-``matmul_roofline`` and ``report_target`` for the fused matmul ops).
+``matmul_roofline`` and ``report_target`` for the fused matmul ops); the plain code they
+share (constants, checks, the torchrun case runner, the fused matmul rows) is in common.py.
 """
 
 import csv

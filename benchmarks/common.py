@@ -1,0 +1,218 @@
+"""What the ``benchmarks/bench_*.py`` suites share (DESIGN.md §6), besides conftest.py's fixtures.
+
+Not a suite: pytest collects only ``bench_*.py`` here (the hook in conftest.py), and this
+module defines no tests. It imports fusedpar, so it is imported after conftest.py has set
+TRITON_INTERPRET (the suites import it, never conftest.py).
+"""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.errors import BackendNotSupportedError
+
+W_LOOPBACK = 8  # simulated ranks of a single-GPU loopback case
+DTYPE = torch.bfloat16  # of every timed case ("bf16" in the benchmark groups)
+PEDANTIC = dict(rounds=10, warmup_rounds=2, iterations=1)  # fixed: identical on every rank
+
+# torch 2.13+ names them all_gather_single / reduce_scatter_single; older ones *_tensor
+NCCL_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+NCCL_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Unavailable(Exception):
+    """A case cannot run here (this torch, this machine, this backend); the message says why."""
+
+
+def name(shape) -> str:
+    """``4096x8192``: a shape in test ids, benchmark groups and target lines."""
+    return "x".join(map(str, shape))
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error of ``out`` against the higher-precision ``ref``, computed in ref's dtype
+    (fp32 or fp64); inf where ``out`` is not finite."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.to(ref.dtype) - ref).norm() / ref.norm()).item()
+
+
+def or_skip(f, *args, **kwargs):
+    """``f(*args, **kwargs)``, skipping the test with the reason where it raises ``Unavailable``.
+    The skip is reported at the caller's line (``__tracebackhide__``), as if it called
+    ``pytest.skip`` itself."""
+    __tracebackhide__ = True
+    try:
+        return f(*args, **kwargs)
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def counted(fn):
+    """Run a fusedpar op once: ``(fn(), the bytes fusedpar.comm counted)``; ``Unavailable``
+    where its backend cannot run these inputs here."""
+    try:
+        with fusedpar.comm.count_bytes() as counter:
+            result = fn()
+    except BackendNotSupportedError as e:
+        raise Unavailable(str(e)) from e
+    return result, counter.total()
+
+
+def bench(benchmark, synced, fn, times, **extra_info):
+    """Put do_bench's ``times`` (median, p20, p80 ms) and ``extra_info`` in pytest-benchmark's
+    report, then let it time ``fn`` itself (fixed rounds, identical on every rank)."""
+    median, p20, p80 = times
+    benchmark.extra_info.update(do_bench_median_ms=median, p20_ms=p20, p80_ms=p80, **extra_info)
+    benchmark.pedantic(synced(fn), **PEDANTIC)
+
+
+# ---- several GPUs: torchrun ------------------------------------------------------------------
+
+
+def symm_mem_op(backend, *, enable_for=None):
+    """``(torch.distributed._symmetric_memory, torch.ops.symm_mem.<op>)`` of the backend
+    ``symm_mem.<op>``; ``Unavailable`` where this torch lacks either. ``enable_for``: a group
+    to enable symmetric memory for first (the fused matmul ops needed it before torch 2.9;
+    a no-op after)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as e:
+        raise Unavailable(f"torch.distributed._symmetric_memory: {e}") from e
+    op_name = backend.removeprefix("symm_mem.")
+    if not hasattr(torch.ops.symm_mem, op_name):
+        raise Unavailable(f"torch {torch.__version__} has no torch.ops.symm_mem.{op_name}")
+    if enable_for is not None and hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(enable_for.group_name)
+    return symm_mem, getattr(torch.ops.symm_mem, op_name)
+
+
+def run_case(backend, make_case, agree):
+    """Build a torchrun case (``make_case() -> (fn, note)``, note ``"fusedpar"`` for fusedpar's
+    backends) and run it once: ``(fn, note, fn(), bytes_moved)``, the bytes counted for
+    fusedpar's backends only (None for the others). ``Unavailable``, on every rank alike,
+    where it cannot run on some rank: make_case raised ``Unavailable``, fusedpar refused the
+    backend, or a torch symm_mem op refused the machine."""
+    fn = note = result = bytes_moved = reason = None
+    try:
+        fn, note = make_case()
+        with fusedpar.comm.count_bytes() as counter:
+            result = fn()
+        torch.cuda.synchronize()
+        if note == "fusedpar":
+            bytes_moved = counter.total()
+    except (Unavailable, BackendNotSupportedError) as e:
+        reason = f"{backend}: {first_line(e)}"
+    except RuntimeError as e:  # torch's symm_mem ops refuse what the machine lacks (multicast)
+        if not backend.startswith("symm_mem."):
+            raise
+        reason = f"{backend}: {first_line(e)}"
+    if not agree(reason is None):
+        raise Unavailable(reason or f"{backend} cannot run on another rank")
+    return fn, note, result, bytes_moved
+
+
+# ---- the fused matmul suites -----------------------------------------------------------------
+
+
+class MatmulSuite:
+    """The timed cases of a fused matmul suite (bench_all_gather_matmul.py,
+    bench_matmul_reduce_scatter.py), with the backends and targets they share: fusedpar's
+    backends against ``torch.matmul`` in loopback (>= 0.9x), against torch's async-TP op
+    ``symm_mem`` (>= 1.0x) and the ``unfused`` collective + cuBLAS (>= 1.2x) under torchrun.
+    A row per case carries its TFLOP/s, % of the session's ``matmul_roofline`` and, for
+    fusedpar's backends, the speedups over the baselines in ``notes``.
+
+    ``moved_cols(m, k, n)``: the columns of the ``[M, cols]`` tensor that crosses ranks (the
+    gathered A, the product that is reduce-scattered): a row's ``algo_bytes`` is all of it,
+    its ``lower_bound`` the W-1 peers' ``[M / W, cols]`` parts, both times the ranks this
+    process plays (W in loopback, 1 under torchrun). ``medians``: the median ms of each case
+    run so far per ``(mode, shape, world, backend)``, None where it could not run; the
+    speedups are taken from them.
+    """
+
+    FUSEDPAR = ("reference", "pipelined", "triton")
+    LOOPBACK_BACKENDS = ["torch.matmul", "triton"]  # the baseline first
+
+    def __init__(self, op, *, symm_mem, unfused, moved_cols):
+        self.op = op
+        self.moved_cols = moved_cols
+        self.targets = {  # per mode: {baseline: the least speedup over it (TFLOP/s ratio)}
+            "loopback": {"torch.matmul": 0.9},
+            "torchrun": {symm_mem: 1.0, unfused: 1.2},
+        }
+        self.dist_backends = [unfused, symm_mem, *self.FUSEDPAR]  # the baselines first
+        self.medians: dict[tuple, float | None] = {}
+
+    def run(self, benchmark, record_row, synced, roofline, report_target, mode, shape, world,
+            backend, measure):
+        """Check and time one case (``mode``: "loopback" or "torchrun"), then record it.
+        ``measure(backend)`` checks a case once, then times it: ``(fn, (median, p20, p80),
+        bytes_moved, note)`` (note: what a torchrun case runs; None in loopback) or
+        ``Unavailable``, which this raises too. A fusedpar backend is compared with each
+        baseline of the mode, measured here where a -k selection left it out."""
+        loopback = mode == "loopback"
+        where = " loopback" if loopback else ""
+        benchmark.group = f"{self.op} {name(shape)} bf16{where} W={world}"
+        key = (mode, shape, world)
+        fn, times, bytes_moved, note = self._measure(key, backend, measure)
+        median = times[0]
+        plays = world if loopback else 1  # the ranks this process plays
+        m, k, n = shape
+        tflops = 2 * m * k * n * plays / (median * 1e-3) / 1e12  # each rank multiplies all M rows
+        notes = dict(mode=mode) if loopback else dict(mode=mode, impl=note)
+        notes.update(tflops=f"{tflops:.1f}", roofline_tflops=f"{roofline:.1f}",
+                     pct_roofline=f"{100 * tflops / roofline:.1f}")
+        targets = self.targets[mode]
+        if backend in self.FUSEDPAR:
+            for baseline in targets:  # a -k selection may have left a baseline out
+                if (*key, baseline) not in self.medians:
+                    with contextlib.suppress(Unavailable):
+                        self._measure(key, baseline, measure)
+            notes.update(self._speedups(key, median, targets, report_target,
+                                        f"{self.op} {name(shape)}{where} W={world} {backend}"))
+        cols = self.moved_cols(m, k, n)
+        record_row(self.op, backend, shape, DTYPE, world, *times,
+                   algo_bytes=plays * m * cols * DTYPE.itemsize, bytes_moved=bytes_moved,
+                   lower_bound=plays * (world - 1) * (m // world) * cols * DTYPE.itemsize, **notes)
+        bench(benchmark, synced, fn, times, **notes)
+
+    def _measure(self, key, backend, measure):
+        """``measure(backend)``, its median noted under ``(*key, backend)`` (None where it
+        raises ``Unavailable``)."""
+        try:
+            result = measure(backend)
+        except Unavailable:
+            self.medians[(*key, backend)] = None
+            raise
+        self.medians[(*key, backend)] = result[1][0]
+        return result
+
+    def _speedups(self, key, median, targets, report_target, label) -> dict:
+        """``notes`` entries comparing ``median`` with each measured baseline of ``key``."""
+        notes = {}
+        for baseline, target in targets.items():
+            base = self.medians.get((*key, baseline))
+            if base is None:
+                notes[f"vs_{baseline}"] = "n/a"
+                report_target(f"{label}: vs {baseline}: n/a (the baseline did not run)")
+                continue
+            ratio = base / median
+            verdict = "met" if ratio >= target else "MISSED"
+            notes[f"vs_{baseline}"] = f"{ratio:.3f}x (target >= {target}x: {verdict})"
+            report_target(f"{label}: {ratio:.3f}x {baseline} (target >= {target}x: {verdict})")
+        return notes
