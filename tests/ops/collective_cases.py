@@ -91,10 +91,11 @@ def timeout_case(op, stall_rank, mode, timeout_s):
     ``op``; every other rank must fail with FusedparTimeoutError within the timeout."""
     import time
 
+    group = subgroup()
+    x = torch.ones(4 * dist.get_world_size(), 3)
+    op(x, group)  # a healthy call first (default timeout): the buffer exists on every rank
+    dist.barrier()  # ... and every rank has finished it
     with env(FUSEDPAR_TIMEOUT=timeout_s):
-        group = subgroup()
-        x = torch.ones(4 * dist.get_world_size(), 3)
-        op(x, group)  # a healthy call first: the buffer exists on every rank
         rank = dist.get_rank()
         if rank == stall_rank:
             if mode == "die":
