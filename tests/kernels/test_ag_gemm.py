@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from fusedpar.comm import get_loopback_buffers, layout, release_buffers
+from fusedpar.comm import layout
 from fusedpar.kernels.ag_gemm import ag_gemm
 from fusedpar.kernels.signal import signal_peers
 
@@ -20,14 +20,6 @@ CPU = torch.device("cpu")
 META = 12345
 # Small blocks: several m- and n-tiles per shard, several K steps, 3 persistent programs.
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3)
-
-
-@pytest.fixture
-def loopback():
-    """Fresh, zeroed loopback buffers (none shared with other tests' cached ones)."""
-    release_buffers()
-    yield lambda world: get_loopback_buffers(world, 1 << 16, CPU)
-    release_buffers()
 
 
 def int_shard(rank, m, k, dtype):

@@ -9,21 +9,13 @@ so a skipped tile cannot pass either.
 import pytest
 import torch
 
-from fusedpar.comm import get_loopback_buffers, layout, release_buffers
+from fusedpar.comm import layout
 from fusedpar.kernels.gemm_rs import gemm_rs, reset_chunk_counters
 from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
 
 CPU = torch.device("cpu")
 META = 4242
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3)
-
-
-@pytest.fixture
-def loopback():
-    """Fresh, zeroed loopback buffers (none shared with other tests' cached ones)."""
-    release_buffers()
-    yield lambda world: get_loopback_buffers(world, 1 << 16, CPU)
-    release_buffers()
 
 
 def int_activation(rank, m, k, dtype, strided):
