@@ -16,7 +16,6 @@ from fusedpar.comm import layout
 from fusedpar.kernels.ag_gemm import ag_gemm
 from fusedpar.kernels.signal import signal_peers
 
-CPU = torch.device("cpu")
 META = 12345
 # Small blocks: several m- and n-tiles per shard, several K steps, 3 persistent programs.
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3)

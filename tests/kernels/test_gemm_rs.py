@@ -13,7 +13,6 @@ from fusedpar.comm import layout
 from fusedpar.kernels.gemm_rs import gemm_rs, reset_chunk_counters
 from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
 
-CPU = torch.device("cpu")
 META = 4242
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3)
 
