@@ -15,8 +15,8 @@ from torch import nn
 
 import fusedpar
 from fusedpar.nn import ColumnParallelLinear, RowParallelLinear, SharedGather
+from tests.nn.tp_cases import close, tp_mesh
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 LR = 0.1
 BACKEND = "reference"  # the fused ops' backend for the shared-gather checks
 
@@ -33,18 +33,6 @@ def _gather_cat(t: torch.Tensor, dim: int) -> torch.Tensor:
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts, dim=dim)
 
-
-def _mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    global _MESH
-    if "_MESH" not in globals():
-        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
-    return _MESH
-
-
-def _close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
 
 
 def _full(t):
@@ -71,7 +59,7 @@ def _check_column(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> No
     g_full = torch.randn(*shape[:-1], 24)
     ours = ColumnParallelLinear.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
                                             sequence_dim=sequence_dim, backend=backend)
-    dt = parallelize_module(copy.deepcopy(full), _mesh(), ColwiseParallel(
+    dt = parallelize_module(copy.deepcopy(full), tp_mesh(), ColwiseParallel(
         input_layouts=Shard(seq) if sp else Replicate(), use_local_output=True))
 
     # single process
@@ -92,20 +80,20 @@ def _check_column(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> No
 
     y, x_grad, grads, params = results["fusedpar"]
     assert y.shape == (*x_full.shape[:-1], 24 // world)
-    _close(y, y_ref.detach().chunk(world, -1)[rank], "column output")
-    _close(x_grad, x_ref.grad.chunk(world, seq)[rank] if sp else x_ref.grad, "column input grad")
-    _close(_gather_cat(grads["weight"], 0), full.weight.grad, "column weight grad")
-    _close(_gather_cat(params["weight"], 0), full.weight.detach(), "column weight after SGD")
+    close(y, y_ref.detach().chunk(world, -1)[rank], "column output")
+    close(x_grad, x_ref.grad.chunk(world, seq)[rank] if sp else x_ref.grad, "column input grad")
+    close(_gather_cat(grads["weight"], 0), full.weight.grad, "column weight grad")
+    close(_gather_cat(params["weight"], 0), full.weight.detach(), "column weight after SGD")
     if bias:
-        _close(_gather_cat(grads["bias"], 0), full.bias.grad, "column bias grad")
-        _close(_gather_cat(params["bias"], 0), full.bias.detach(), "column bias after SGD")
+        close(_gather_cat(grads["bias"], 0), full.bias.grad, "column bias grad")
+        close(_gather_cat(params["bias"], 0), full.bias.detach(), "column bias after SGD")
     # DTensor: same outputs and input grads; its parameter grads/params are full tensors
     y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
-    _close(y, y_dt, "column output vs DTensor")
-    _close(x_grad, x_grad_dt, "column input grad vs DTensor")
+    close(y, y_dt, "column output vs DTensor")
+    close(x_grad, x_grad_dt, "column input grad vs DTensor")
     for n in grads_dt:
-        _close(_gather_cat(grads[n], 0), grads_dt[n], f"column {n} grad vs DTensor")
-        _close(_gather_cat(params[n], 0), params_dt[n], f"column {n} after SGD vs DTensor")
+        close(_gather_cat(grads[n], 0), grads_dt[n], f"column {n} grad vs DTensor")
+        close(_gather_cat(params[n], 0), params_dt[n], f"column {n} after SGD vs DTensor")
 
 
 def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
@@ -119,7 +107,7 @@ def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
     g_full = torch.randn(*shape[:-1], 12)
     ours = RowParallelLinear.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
                                          sequence_dim=sequence_dim, backend=backend)
-    dt = parallelize_module(copy.deepcopy(full), _mesh(), RowwiseParallel(
+    dt = parallelize_module(copy.deepcopy(full), tp_mesh(), RowwiseParallel(
         output_layouts=Shard(seq) if sp else Replicate(), use_local_output=True))
 
     x_ref = x_full.clone().requires_grad_()
@@ -138,21 +126,21 @@ def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
         results[name] = (y.detach(), x.grad, grads, params)
 
     y, x_grad, grads, params = results["fusedpar"]
-    _close(y, y_ref.detach().chunk(world, seq)[rank] if sp else y_ref.detach(), "row output")
-    _close(x_grad, x_ref.grad.chunk(world, -1)[rank], "row input grad")
-    _close(_gather_cat(grads["weight"], 1), full.weight.grad, "row weight grad")
-    _close(_gather_cat(params["weight"], 1), full.weight.detach(), "row weight after SGD")
+    close(y, y_ref.detach().chunk(world, seq)[rank] if sp else y_ref.detach(), "row output")
+    close(x_grad, x_ref.grad.chunk(world, -1)[rank], "row input grad")
+    close(_gather_cat(grads["weight"], 1), full.weight.grad, "row weight grad")
+    close(_gather_cat(params["weight"], 1), full.weight.detach(), "row weight after SGD")
     if bias:  # replicated: every rank holds the complete gradient
-        _close(grads["bias"], full.bias.grad, "row bias grad")
-        _close(params["bias"], full.bias.detach(), "row bias after SGD")
+        close(grads["bias"], full.bias.grad, "row bias grad")
+        close(params["bias"], full.bias.detach(), "row bias after SGD")
     y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
-    _close(y, y_dt, "row output vs DTensor")
-    _close(x_grad, x_grad_dt, "row input grad vs DTensor")
-    _close(_gather_cat(grads["weight"], 1), grads_dt["weight"], "row weight grad vs DTensor")
-    _close(_gather_cat(params["weight"], 1), params_dt["weight"], "row weight after SGD vs DTensor")
+    close(y, y_dt, "row output vs DTensor")
+    close(x_grad, x_grad_dt, "row input grad vs DTensor")
+    close(_gather_cat(grads["weight"], 1), grads_dt["weight"], "row weight grad vs DTensor")
+    close(_gather_cat(params["weight"], 1), params_dt["weight"], "row weight after SGD vs DTensor")
     if bias:
-        _close(grads["bias"], grads_dt["bias"], "row bias grad vs DTensor")
-        _close(params["bias"], params_dt["bias"], "row bias after SGD vs DTensor")
+        close(grads["bias"], grads_dt["bias"], "row bias grad vs DTensor")
+        close(params["bias"], params_dt["bias"], "row bias after SGD vs DTensor")
 
 
 def _check_layers(sp: bool, backend: str) -> bool:
@@ -177,11 +165,11 @@ def _check_column_row_pair(sp: bool) -> bool:
     x = (x_full.chunk(world, 1)[rank] if sp else x_full).clone().requires_grad_()
     y = row(torch.relu(col(x)))
     (y * (g_full.chunk(world, 1)[rank] if sp else g_full)).sum().backward()
-    _close(y, y_ref.detach().chunk(world, 1)[rank] if sp else y_ref.detach(), "mlp output")
-    _close(x.grad, x_ref.grad.chunk(world, 1)[rank] if sp else x_ref.grad, "mlp input grad")
-    _close(_gather_cat(col.weight.grad, 0), up.weight.grad, "mlp up weight grad")
-    _close(_gather_cat(row.weight.grad, 1), down.weight.grad, "mlp down weight grad")
-    _close(row.bias.grad, down.bias.grad, "mlp down bias grad")
+    close(y, y_ref.detach().chunk(world, 1)[rank] if sp else y_ref.detach(), "mlp output")
+    close(x.grad, x_ref.grad.chunk(world, 1)[rank] if sp else x_ref.grad, "mlp input grad")
+    close(_gather_cat(col.weight.grad, 0), up.weight.grad, "mlp up weight grad")
+    close(_gather_cat(row.weight.grad, 1), down.weight.grad, "mlp down weight grad")
+    close(row.bias.grad, down.bias.grad, "mlp down bias grad")
     return True
 
 
@@ -215,7 +203,7 @@ def _check_shared_gather(sp: bool) -> bool:
                 outs = [layer(prepared) for layer in reversed(group)][::-1]  # any order
                 assert shared._stash == {}
                 again = group[1](prepared)  # a second call: computed locally, same numbers
-                _close(again, outs[1], "second call of a shared layer")
+                close(again, outs[1], "second call of a shared layer")
         gathers = counter.by_op().get(("all_gather_matmul", BACKEND), 0)
         expected = (len(group) if mode == "separate" else 1) * (world - 1) * x_bytes if sp else 0
         assert gathers == expected, (mode, gathers, expected)
@@ -226,11 +214,11 @@ def _check_shared_gather(sp: bool) -> bool:
             reference = result
             continue
         for a, b in zip(result[0], reference[0]):
-            _close(a, b, f"{mode}: output")
-        _close(result[1], reference[1], f"{mode}: input grad")
+            close(a, b, f"{mode}: output")
+        close(result[1], reference[1], f"{mode}: input grad")
         for a, b in zip(result[2] + result[3], reference[2] + reference[3]):
             if b is not None:
-                _close(a, b, f"{mode}: parameter grad")
+                close(a, b, f"{mode}: parameter grad")
     return True
 
 

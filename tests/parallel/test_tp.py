@@ -19,8 +19,8 @@ from torch import nn
 import fusedpar
 from fusedpar.nn import ColumnParallelLinear, RowParallelLinear
 from fusedpar.parallel import apply_tp
+from tests.nn.tp_cases import close, tp_mesh
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 LR = 0.1
 B, S, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2, 8, 32, 8, 4, 4, 48
 
@@ -115,18 +115,6 @@ def _seeded_block(legacy: bool) -> Block:
 # ---- helpers (rank side) --------------------------------------------------------------------
 
 
-def _mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    global _MESH
-    if "_MESH" not in globals():
-        _MESH = init_device_mesh("cpu", (dist.get_world_size(),))
-    return _MESH
-
-
-def _close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
-
 
 def _gather_cat(t: torch.Tensor, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -179,7 +167,7 @@ def _dtensor_block(block: Block, sp: bool) -> Block:
     if not block.self_attn.legacy:  # per-head norms on this rank's heads (dim 2 of [B, S, H, D])
         for name in ("q_norm", "k_norm"):
             plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    block = parallelize_module(block, _mesh(), plan)
+    block = parallelize_module(block, tp_mesh(), plan)
     attn = block.self_attn
     attn.num_heads //= world
     attn.num_key_value_heads //= world
@@ -203,7 +191,7 @@ def _run(block, x_local, g_local):
 def _check_block(sp: bool, legacy: bool, backend: str) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = _seeded_block(legacy)
-    ours = apply_tp(copy.deepcopy(reference), _mesh(), sequence_parallel=sp, backend=backend)
+    ours = apply_tp(copy.deepcopy(reference), tp_mesh(), sequence_parallel=sp, backend=backend)
     theirs = _dtensor_block(copy.deepcopy(reference), sp)
     assert ours.self_attn.num_heads == HEADS // world
     assert ours.self_attn.num_key_value_heads == KV_HEADS // world
@@ -234,27 +222,27 @@ def _check_block(sp: bool, legacy: bool, backend: str) -> bool:
         assert traffic[("matmul_reduce_scatter", backend)] == 2 * forward_and_backward, traffic
         assert counter.total() == 4 * forward_and_backward, traffic  # nothing else moved
 
-    _close(y, local(y_ref.detach()), "block output")
-    _close(x_grad, local(x_ref.grad), "block input grad")
+    close(y, local(y_ref.detach()), "block output")
+    close(x_grad, local(x_ref.grad), "block input grad")
     assert set(grads) == set(grads_ref)
     for name in grads_ref:
-        _close(grads[name], grads_ref[name], f"grad of {name}")
-        _close(params[name], params_ref[name], f"{name} after SGD")
+        close(grads[name], grads_ref[name], f"grad of {name}")
+        close(params[name], params_ref[name], f"{name} after SGD")
 
     # DTensor's plan on the same weights
     y_dt, x_grad_dt, grads_dt, params_dt = _run(theirs, local(x_full), local(g_full))
-    _close(y, y_dt, "block output vs DTensor")
-    _close(x_grad, x_grad_dt, "block input grad vs DTensor")
+    close(y, y_dt, "block output vs DTensor")
+    close(x_grad, x_grad_dt, "block input grad vs DTensor")
     for name in grads_dt:
-        _close(grads[name], grads_dt[name], f"grad of {name} vs DTensor")
-        _close(params[name], params_dt[name], f"{name} after SGD vs DTensor")
+        close(grads[name], grads_dt[name], f"grad of {name} vs DTensor")
+        close(params[name], params_dt[name], f"{name} after SGD vs DTensor")
 
     # after the step: a second forward (hooks and shared gathers hold no stale state), also
     # without grad, and on a deep copy (its hooks must serve the copy's layers)
     expected = local(reference(x2_full).detach())
-    _close(ours(local(x2_full)), expected, "second forward")
+    close(ours(local(x2_full)), expected, "second forward")
     with torch.no_grad():
-        _close(ours(local(x2_full)), expected, "no-grad forward")
+        close(ours(local(x2_full)), expected, "no-grad forward")
     clone = copy.deepcopy(ours)
     with torch.no_grad():
         for p in clone.parameters():
@@ -263,7 +251,7 @@ def _check_block(sp: bool, legacy: bool, backend: str) -> bool:
         reference_half = copy.deepcopy(reference)
         for p in reference_half.parameters():
             p.mul_(0.5)
-    _close(clone(local(x2_full)), local(reference_half(x2_full).detach()), "forward of a deep copy")
+    close(clone(local(x2_full)), local(reference_half(x2_full).detach()), "forward of a deep copy")
     for layer in (ours.self_attn.q_proj, ours.mlp.gate_proj):  # every precomputed output taken
         assert layer._shared_gather._stash == {}
     return True
