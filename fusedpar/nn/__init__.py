@@ -8,5 +8,6 @@
 """
 
 from .linear import ColumnParallelLinear, RowParallelLinear, SharedGather, sync_replicated_grads
+from .moe import MoEBlock  # noqa: E402
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SharedGather", "sync_replicated_grads"]
+__all__ = ["MoEBlock", "ColumnParallelLinear", "RowParallelLinear", "SharedGather", "sync_replicated_grads"]
