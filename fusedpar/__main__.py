@@ -1,4 +1,4 @@
-"""``python -m fusedpar info | demo | bench`` (see fusedpar.cli)."""
+"""``python -m fusedpar info | check | train | bench`` (see fusedpar.cli)."""
 
 import sys
 

@@ -1,262 +1,40 @@
-"""``fusedpar info | demo | bench`` (also ``python -m fusedpar ...``).
-
-- ``info``: versions, GPU, CUDA extension, Triton mode, which backend of which op can run
-  here and why not, symmetric-memory backends. ``--json`` for machines.
-- ``demo``: every op (all_gather, reduce_scatter, all_gather_matmul,
-  matmul_reduce_scatter) on every backend available here, checked bit for bit (the
-  collectives against the ``reference`` backend, the fused matmul ops against a float64
-  plain-torch oracle on exact small-integer data), with the bytes each moved next to the
-  lower bound; the same through the loopback variants; and a Llama-style block under
-  ``apply_tp`` (TP=2, sequence parallel) on the first two ranks, per fused-matmul backend,
-  against the block in one process (forward, backward, one SGD step). Without a GPU it
-  spawns ``--world-size`` CPU ranks (gloo; Triton kernels in the interpreter); under
-  ``torchrun`` with CUDA each rank runs on its GPU over NCCL.
-- ``bench``: ``pytest benchmarks --benchmark-only -q`` plus whatever arguments follow.
-
-Nothing in fusedpar imports this module.
+"""``fusedpar check``: every op (all_gather, reduce_scatter, all_gather_matmul,
+matmul_reduce_scatter) on every backend available here, checked bit for bit (the
+collectives against the ``reference`` backend, the fused matmul ops against a float64
+plain-torch oracle on exact small-integer data), with the bytes each moved next to the
+lower bound; the same through the loopback variants; and a Llama-style block under
+``apply_tp`` (TP=2, sequence parallel) on the first two ranks, per fused-matmul backend,
+against the block in one process (forward, backward, one SGD step). Without a GPU it
+spawns ``--world-size`` CPU ranks (gloo; Triton kernels in the interpreter); under
+``torchrun`` with CUDA each rank runs on its GPU over NCCL.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import datetime
-import glob
-import json
 import math
-import os
 import platform
-import re
-import secrets
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
-import traceback
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fusedpar
-from fusedpar import _extension
-from fusedpar.ops import DISPATCHERS
+from fusedpar.cli import launch
+from fusedpar.ops import DISPATCHERS, _collective
 from fusedpar.ops.all_gather_matmul import MatmulCall
-from fusedpar.ops import _collective
 
 DEMO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INFO_WORLD = 4  # world size of the representative call ``info`` evaluates
 
 
-# ======================================================================================
-# info
-
-
-def _run_text(cmd: list[str], timeout: float = 60) -> str | None:
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return res.stdout + res.stderr
-
-
-def _nvcc_info() -> dict:
-    """nvcc on PATH (it may be a wrapper script) and CUDA_HOME as setup.py derives it."""
-    nvcc = shutil.which("nvcc")
-    info: dict = {"path": nvcc, "version": None, "cuda_home": None, "cuda_home_source": None}
-    env_home = os.environ.get("CUDA_HOME", "").strip()
-    if env_home and os.path.isfile(os.path.join(env_home, "bin", "nvcc")):
-        info["cuda_home"], info["cuda_home_source"] = os.path.realpath(env_home), "CUDA_HOME"
-    if nvcc is None:
-        return info
-    out = _run_text([nvcc, "--version"]) or ""
-    m = re.search(r"release (\d+\.\d+), V([\w.\-]+)", out)
-    if m is None:
-        m = re.search(r"release (\d+\.\d+)()", out)
-    info["version"] = (m.group(2) or m.group(1)) if m else None
-    if info["cuda_home"] is None:
-        dry = _run_text([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull]) or ""
-        for line in dry.splitlines():
-            m = re.match(r"^#\$ TOP=(.*)$", line.strip())
-            if m and m.group(1).strip():
-                info["cuda_home"] = os.path.realpath(m.group(1).strip())
-                info["cuda_home_source"] = "nvcc --dryrun (TOP)"
-                break
-        else:
-            info["cuda_home"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-            info["cuda_home_source"] = "location of nvcc"
-    return info
-
-
-def _gpu_info() -> dict:
-    if not torch.cuda.is_available():  # never touch the GPU past this point without one
-        return {"available": False, "count": 0, "devices": []}
-    devices = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        devices.append({"index": i, "name": props.name,
-                        "capability": f"{props.major}.{props.minor}",
-                        "memory_gib": round(props.total_memory / 2**30, 1)})
-    return {"available": True, "count": len(devices), "devices": devices}
-
-
-def _extension_info() -> dict:
-    build = _extension.build_info()
-    module, reason = _extension.load()
-    return {
-        "build_info": build,  # None when fusedpar/_build_info.py is missing
-        "built_with_cuda": None if build is None else build["BUILT_WITH_CUDA"],
-        "loaded": module is not None,
-        "path": getattr(module, "__file__", None),
-        "load_error": reason,
-        "cuda_ops_usable_here": _extension.cuda_ops_unavailable_reason() is None,
-        "cuda_ops_unavailable_reason": _extension.cuda_ops_unavailable_reason(),
-    }
-
-
-def _triton_info() -> dict:
-    import triton
-
-    interpreting = _collective._interpreting()
-    return {"version": triton.__version__,
-            "mode": "interpreter" if interpreting else "compiled",
-            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
-
-
-def _ops_info() -> dict:
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    ops = {}
-    for op, dispatcher in DISPATCHERS.items():
-        reduce_op = "sum" if "reduce_scatter" in op else ""
-        x = torch.zeros(2 * INFO_WORLD, 8, dtype=torch.float32, device=device)
-        if "matmul" in op:
-            b = torch.zeros(8, 4, dtype=torch.float32, device=device)
-            call = MatmulCall(op, x, 0, INFO_WORLD, None, [b], reduce_op=reduce_op)
-        else:
-            call = _collective.CollectiveCall(op, x, 0, INFO_WORLD, None, reduce_op)
-        avail = dispatcher.availability(call)
-        ops[op] = {
-            "call": call.describe() + (f", op={reduce_op!r}" if reduce_op else ""),
-            "backends": {name: {"available": not reasons, "reasons": list(reasons)}
-                         for name, reasons in avail.items()},
-        }
-    return {
-        "device": device.type,
-        "evaluated_as": "a loopback call (group=None): checks that need a process group "
-                        "(shm: every rank on one host) are not evaluated",
-        "ops": ops,
-    }
-
-
-def _symmetric_info() -> dict:
-    shm_reason = None
-    if not os.path.isdir("/dev/shm"):
-        shm_reason = "/dev/shm does not exist"
-    elif not os.access("/dev/shm", os.W_OK | os.X_OK):
-        shm_reason = "/dev/shm is not writable"
-    if torch.cuda.is_available():
-        torch_reason = fusedpar.comm.torch_symm_unsupported_reason(torch.device("cuda"))
-    else:
-        torch_reason = "no CUDA device"
-    return {
-        "shm": {"available": shm_reason is None, "reasons": [shm_reason] if shm_reason else [],
-                "what": "CPU processes on one host (/dev/shm files)"},
-        "torch": {"available": torch_reason is None,
-                  "reasons": [torch_reason] if torch_reason else [],
-                  "what": "CUDA torch.distributed._symmetric_memory"},
-        "loopback": {"available": True, "reasons": [],
-                     "what": "one process holds every rank's buffer (single-device benchmarks)"},
-    }
-
-
-def gather_info() -> dict:
-    return {
-        "fusedpar": {"version": fusedpar.__version__,
-                     "path": os.path.dirname(os.path.abspath(fusedpar.__file__))},
-        "python": {"version": platform.python_version(), "executable": sys.executable},
-        "platform": platform.platform(),
-        "torch": {"version": torch.__version__, "cuda_runtime": torch.version.cuda},
-        "triton": _triton_info(),
-        "nvcc": _nvcc_info(),
-        "gpu": _gpu_info(),
-        "extension": _extension_info(),
-        "backends": _ops_info(),
-        "symmetric_memory": _symmetric_info(),
-    }
-
-
-def _yes(flag: bool) -> str:
-    return "available" if flag else "unavailable"
-
-
-def format_info(info: dict) -> str:
-    lines = []
-    add = lines.append
-    add(f"fusedpar  {info['fusedpar']['version']}  ({info['fusedpar']['path']})")
-    add(f"python    {info['python']['version']}  ({info['python']['executable']})")
-    add(f"platform  {info['platform']}")
-    t = info["torch"]
-    add(f"torch     {t['version']}  (CUDA runtime: {t['cuda_runtime'] or 'none, CPU-only build'})")
-    tr = info["triton"]
-    add(f"triton    {tr['version']}  (mode: {tr['mode']}; TRITON_INTERPRET="
-        f"{tr['TRITON_INTERPRET'] if tr['TRITON_INTERPRET'] is not None else 'unset'})")
-    n = info["nvcc"]
-    if n["path"]:
-        add(f"nvcc      {n['path']}  (version {n['version'] or 'unknown'}; CUDA_HOME "
-            f"{n['cuda_home']} from {n['cuda_home_source']})")
-    else:
-        add("nvcc      not on PATH" + (f" (CUDA_HOME {n['cuda_home']})" if n["cuda_home"] else ""))
-    g = info["gpu"]
-    if g["available"]:
-        for d in g["devices"]:
-            add(f"GPU {d['index']}     {d['name']}  (capability {d['capability']}, "
-                f"{d['memory_gib']} GiB)")
-    else:
-        add("GPU       none (torch.cuda.is_available() is False)")
-    e = info["extension"]
-    b = e["build_info"]
-    if b is None:
-        built = "no build record (fusedpar/_build_info.py missing: not built by setup.py)"
-    elif b["BUILT_WITH_CUDA"]:
-        built = f"built with CUDA for {', '.join(b['ARCHS']) or '?'}"
-    else:
-        built = f"built without CUDA ({b['REASON']})"
-    add(f"extension fusedpar._C: {built}")
-    loaded = f"yes, {e['path']}" if e["loaded"] else f"no ({e['load_error']})"
-    add(f"          loaded: {loaded}")
-    add("          CUDA ops usable here: " + ("yes" if e["cuda_ops_usable_here"]
-                                              else f"no ({e['cuda_ops_unavailable_reason']})"))
-    be = info["backends"]
-    add("")
-    add(f"backends, for a float32 call on {be['device']} (evaluated as {be['evaluated_as']}):")
-    for op, entry in be["ops"].items():
-        add(f"  {op}: {entry['call']}")
-        for name, st in entry["backends"].items():
-            add(f"    {name:<10} {_yes(st['available'])}"
-                + (": " + "; ".join(st["reasons"]) if st["reasons"] else ""))
-    if be["device"] == "cpu" and info["triton"]["mode"] == "compiled":
-        add("  (`fusedpar demo` runs its CPU ranks with TRITON_INTERPRET=1: triton runs there)")
-    add("")
-    add("symmetric memory:")
-    for name, st in info["symmetric_memory"].items():
-        add(f"  {name:<10} {_yes(st['available'])}"
-            + (": " + "; ".join(st["reasons"]) if st["reasons"] else f"  ({st['what']})"))
-    return "\n".join(lines)
-
-
-def cmd_info(args) -> int:
-    info = gather_info()
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        print(format_info(info))
-    return 0
-
-
-# ======================================================================================
-# demo: the rank side
+def add_parser(sub) -> None:
+    p = sub.add_parser("check", help="run every op on every available backend and check it")
+    launch.add_launch_arguments(p, default_world=4, default_timeout=180.0)
+    p.add_argument("--backends", default=None,
+                   help="comma-separated backends to run, e.g. reference,triton (default: all); "
+                        "'reference' always runs as the oracle")
 
 
 def _variants(world: int):
@@ -781,46 +559,23 @@ def _pull_block_n(device) -> int | None:
         return None
 
 
-def _run_demo_rank(group, device, selected: list[str], loopback: bool) -> dict:
+def check_rank(group, device, spec: dict) -> dict:
+    """One rank's part (run by :mod:`fusedpar.cli.launch`): the distributed rows, the TP
+    block, and on rank 0 the loopback rows."""
+    import torch.distributed as dist
+
+    selected = spec["backends"]
     rows, skipped = _distributed_rows(group, device, selected)
     tp_rows, tp_skipped = _tp_rows(group, device, selected)
     result = {"rows": rows, "skipped": skipped, "tp_rows": tp_rows, "tp_skipped": tp_skipped,
               "loopback_rows": [], "loopback_skipped": [], "pull_block_n": _pull_block_n(device)}
-    if loopback:
-        import torch.distributed as dist
-
+    if dist.get_rank(group) == 0:
         lb_rows, lb_skipped = _loopback_rows(dist.get_world_size(group), device, selected)
         result["loopback_rows"], result["loopback_skipped"] = lb_rows, lb_skipped
     return result
 
 
-def _spawned_rank(rank: int, world: int, spec: dict) -> None:
-    """Entry point of a spawned rank (torch.multiprocessing.spawn calls it with its index)."""
-    import torch.distributed as dist
-
-    if spec["device"] == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    # longer than the parent's deadline: a stalled peer is reported (and killed) by the parent
-    dist.init_process_group(spec["dist_backend"], init_method=spec["init_method"], rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=spec["timeout"] + 60))
-    try:
-        result = _run_demo_rank(dist.group.WORLD, device, spec["backends"], loopback=rank == 0)
-        if rank == 0:
-            tmp = spec["result_file"] + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f)
-            os.replace(tmp, spec["result_file"])
-    finally:
-        fusedpar.comm.release_buffers()
-        dist.destroy_process_group()
-
-
-# ======================================================================================
-# demo: the report
+# ---- the report ------------------------------------------------------------------------
 
 
 def _fmt_bytes(n: int) -> str:
@@ -947,170 +702,12 @@ def format_report(header: list[str], result: dict) -> tuple[str, bool]:
 def _header(world: int, device: str, how: str, mode: str) -> list[str]:
     import triton
 
-    return [f"fusedpar demo: world size {world}, device {device} ({how}; Triton {mode})",
+    return [f"fusedpar check: world size {world}, device {device} ({how}; Triton {mode})",
             f"fusedpar {fusedpar.__version__}, torch {torch.__version__}, "
             f"triton {triton.__version__}, python {platform.python_version()}"]
 
 
-# ======================================================================================
-# demo: launching
-
-
-@contextlib.contextmanager
-def _environ(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _kill(processes) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-    for p in processes:
-        p.join(timeout=10)
-
-
-def _rank_failures(ctx, killed: list[int]) -> list[str]:
-    """Each failed rank's traceback (or exit status), the earliest failure first."""
-    import pickle
-
-    found = []
-    for rank, (proc, path) in enumerate(zip(ctx.processes, ctx.error_files)):
-        if os.path.exists(path):
-            try:
-                with open(path, "rb") as f:
-                    text = pickle.load(f)
-                found.append((os.path.getmtime(path), f"rank {rank} raised:\n{text}"))
-            except (OSError, EOFError, pickle.UnpicklingError) as e:
-                found.append((0.0, f"rank {rank} failed (its traceback is unreadable: {e})"))
-        elif rank not in killed and proc.exitcode not in (0, None):
-            found.append((0.0, f"rank {rank} exited with status {proc.exitcode} (no traceback: "
-                               "killed by a signal or exited from native code)"))
-    lines = [text for _, text in sorted(found, key=lambda t: t[0])]
-    if killed:
-        lines.append(f"ranks {killed} were killed after the failure")
-    return lines
-
-
-def _wait_for_ranks(ctx, timeout: float) -> str | None:
-    """Wait until every rank exits: None when all succeeded, else what went wrong. A
-    failing rank gets its peers killed at once (they may be blocked on it)."""
-    deadline = time.monotonic() + timeout
-    procs = ctx.processes
-    while True:
-        codes = [p.exitcode for p in procs]
-        if all(c == 0 for c in codes):
-            return None
-        if any(c not in (0, None) for c in codes):
-            time.sleep(0.5)  # let peers that fail on their own record their tracebacks
-            killed = [r for r, p in enumerate(procs) if p.is_alive()]
-            _kill(procs)
-            return "a rank failed:\n\n" + "\n".join(_rank_failures(ctx, killed))
-        if time.monotonic() > deadline:
-            alive = [r for r, p in enumerate(procs) if p.is_alive()]
-            _kill(procs)
-            return f"ranks {alive} did not finish within {timeout:g} s; killed them"
-        import multiprocessing.connection
-
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
-
-
-def _spawn_demo(world: int, device: str, selected: list[str], timeout: float) -> int:
-    import torch.multiprocessing as tmp
-
-    job = f"demo{os.getpid()}x{secrets.token_hex(3)}"
-    how = f"{world} spawned processes, {'nccl' if device == 'cuda' else 'gloo'}"
-    with tempfile.TemporaryDirectory(prefix="fusedpar_demo_") as tmpdir:
-        spec = {
-            "device": device,
-            "dist_backend": "nccl" if device == "cuda" else "gloo",
-            "init_method": f"file://{os.path.join(tmpdir, 'rendezvous')}",
-            "result_file": os.path.join(tmpdir, "result.json"),
-            "backends": selected,
-            "timeout": timeout,
-        }
-        env = {
-            # CPU ranks run the Triton kernels in the interpreter, which must be chosen before
-            # the children import fusedpar; CUDA ranks must not use it
-            "TRITON_INTERPRET": "1" if device == "cpu" else None,
-            # shm segments are named fusedpar_<job>_...: this demo's own, for the cleanup below
-            "TORCHELASTIC_RUN_ID": job,
-        }
-        ctx = None
-        try:
-            with _environ(env):
-                ctx = tmp.start_processes(_spawned_rank, args=(world, spec), nprocs=world,
-                                          join=False, daemon=True, start_method="spawn")
-            error = _wait_for_ranks(ctx, timeout)
-            if error is None:
-                with open(spec["result_file"]) as f:
-                    result = json.load(f)
-        except KeyboardInterrupt:
-            error = "interrupted"
-        finally:
-            if ctx is not None:
-                _kill(ctx.processes)
-                for path in ctx.error_files:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-            for path in glob.glob(f"/dev/shm/fusedpar_{job}_*"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-    if error is not None:
-        print(f"fusedpar demo: {error}", file=sys.stderr, flush=True)
-        return 130 if error == "interrupted" else 1
-    result.update(world_size=world, device=device)
-    mode = "interpreter" if device == "cpu" else "compiled"
-    report, ok = format_report(_header(world, device, how, mode), result)
-    print(report, flush=True)
-    return 0 if ok else 1
-
-
-def _torchrun_demo(selected: list[str], timeout: float, requested_world: int | None) -> int:
-    """One rank of a torchrun job (env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
-    import torch.distributed as dist
-
-    world = int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    try:
-        rank = dist.get_rank()
-        if rank == 0 and requested_world is not None and requested_world != world:
-            print(f"fusedpar demo: --world-size {requested_world} ignored: torchrun started "
-                  f"{world} ranks", file=sys.stderr)
-        result = _run_demo_rank(dist.group.WORLD, device, selected, loopback=rank == 0)
-        result.update(world_size=world, device=device.type)
-        mode = "interpreter" if _collective._interpreting() else "compiled"
-        header = _header(world, device.type, f"torchrun, {backend}", mode)
-        if device.type == "cpu" and not _collective._interpreting():
-            header.append("note: CPU ranks without TRITON_INTERPRET=1: the triton backend is "
-                          "skipped; launch with TRITON_INTERPRET=1 torchrun ... to run it")
-        report, ok = format_report(header, result)
-        if rank == 0:
-            print(report, flush=True)
-        # every rank knows every distributed row; the loopback rows only rank 0
-        return 0 if ok else 1
-    finally:
-        fusedpar.comm.release_buffers()
-        dist.destroy_process_group()
+# ---- the command ------------------------------------------------------------------------
 
 
 def _parse_backends(text: str | None) -> list[str]:
@@ -1126,91 +723,47 @@ def _parse_backends(text: str | None) -> list[str]:
     return names
 
 
-def cmd_demo(args, parser) -> int:
+def _torchrun_check(spec: dict, timeout: float, requested_world: int | None) -> int:
+    """One rank of a torchrun job (env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
+    import torch.distributed as dist
+
+    with launch.torchrun_rank(timeout) as (device, backend):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank == 0 and requested_world is not None and requested_world != world:
+            print(f"fusedpar check: --world-size {requested_world} ignored: torchrun started "
+                  f"{world} ranks", file=sys.stderr)
+        result = check_rank(dist.group.WORLD, device, spec)
+        result.update(world_size=world, device=device.type)
+        mode = "interpreter" if _collective._interpreting() else "compiled"
+        header = _header(world, device.type, f"torchrun, {backend}", mode)
+        if device.type == "cpu" and not _collective._interpreting():
+            header.append("note: CPU ranks without TRITON_INTERPRET=1: the triton backend is "
+                          "skipped; launch with TRITON_INTERPRET=1 torchrun ... to run it")
+        report, ok = format_report(header, result)
+        if rank == 0:
+            print(report, flush=True)
+        # every rank knows every distributed row; the loopback rows only rank 0
+        return 0 if ok else 1
+
+
+def run(args, parser) -> int:
     try:
-        selected = _parse_backends(args.backends)
+        spec = {"backends": _parse_backends(args.backends)}
     except argparse.ArgumentTypeError as e:
         parser.error(f"--backends: {e}")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _torchrun_demo(selected, args.timeout, args.world_size)
+    if launch.under_torchrun():
+        return _torchrun_check(spec, args.timeout, args.world_size)
     world = 4 if args.world_size is None else args.world_size
     if world < 1:
         parser.error(f"--world-size must be at least 1, got {world}")
-    device = args.device
-    if device == "auto":
-        # a GPU per rank: NCCL; otherwise CPU ranks (never query a GPU that is not there)
-        enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
-        device = "cuda" if enough else "cpu"
-    elif device == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count < world:
-            parser.error(f"--device cuda needs a GPU per rank: {world} ranks, {count} GPUs")
-    return _spawn_demo(world, device, selected, args.timeout)
-
-
-# ======================================================================================
-# bench
-
-
-def cmd_bench(extra: list[str]) -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fusedpar.__file__)))
-    bench_dir = next((d for d in (os.path.join(root, "benchmarks"), os.path.abspath("benchmarks"))
-                      if os.path.isdir(d)), None)
-    if bench_dir is None:
-        print("fusedpar bench: no benchmarks/ folder: run it from a fusedpar checkout",
-              file=sys.stderr)
-        return 2
-    cmd = [sys.executable, "-m", "pytest", bench_dir, "--benchmark-only", "-q", *extra]
-    print("+ " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=os.path.dirname(bench_dir))
-
-
-# ======================================================================================
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fusedpar",
-        description="fusedpar: fused communication+compute kernels for PyTorch. 'info' shows "
-                    "what runs here, 'demo' checks every op on every backend, 'bench' runs "
-                    "the benchmark suite.")
-    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
-    sub.required = True
-    p = sub.add_parser("info", help="versions, GPU, extension, which backends run here and why not")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("demo", help="run every op on every available backend and check it")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to spawn (default 4; under torchrun WORLD_SIZE wins)")
-    p.add_argument("--backends", default=None,
-                   help="comma-separated backends to run, e.g. reference,triton (default: all); "
-                        "'reference' always runs as the oracle")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="spawned ranks on CPU (gloo, Triton interpreter) or one GPU each (NCCL); "
-                        "auto: cuda when there is a GPU per rank")
-    p.add_argument("--timeout", type=float, default=180.0,
-                   help="seconds before the ranks are killed (default 180)")
-    sub.add_parser("bench", help="pytest benchmarks --benchmark-only -q [extra pytest args]",
-                   add_help=False)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "bench":
-        return cmd_bench(extra[1:] if extra[:1] == ["--"] else extra)
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "info":
-        return cmd_info(args)
-    try:
-        return cmd_demo(args, parser)
-    except KeyboardInterrupt:
-        return 130
-    except Exception:  # noqa: BLE001 - show the traceback, exit non-zero
-        traceback.print_exc()
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    device = launch.pick_device(args.device, world, parser)
+    result, error = launch.spawn(check_rank, spec, world, device, args.timeout, "check")
+    if error is not None:
+        print(f"fusedpar check: {error}", file=sys.stderr, flush=True)
+        return 130 if error == "interrupted" else 1
+    result.update(world_size=world, device=device)
+    how = f"{world} spawned processes, {'nccl' if device == 'cuda' else 'gloo'}"
+    mode = "interpreter" if device == "cpu" else "compiled"
+    report, ok = format_report(_header(world, device, how, mode), result)
+    print(report, flush=True)
+    return 0 if ok else 1

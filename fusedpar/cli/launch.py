@@ -1,0 +1,214 @@
+"""Process launching shared by the commands that run on several ranks (``check``, ``train``).
+
+A command writes one module-level function ``target(group, device, spec) -> result``
+that every rank runs inside an initialized process group; rank 0's result (JSON) comes
+back. Two ways in:
+
+- :func:`spawn`: W local processes (``torch.multiprocessing``, ``spawn`` start method),
+  gloo on CPU (Triton kernels in the interpreter) or NCCL with one GPU each. A failing
+  rank gets its peers killed at once and its traceback reported; ranks that overrun the
+  timeout are killed; this job's ``/dev/shm`` segments are removed whatever happens.
+- :func:`torchrun_rank`: this process is one rank of a ``torchrun`` job (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK`` set); NCCL on its GPU, or gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import glob
+import json
+import os
+import pickle
+import secrets
+import tempfile
+import time
+
+import torch
+
+import fusedpar
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def pick_device(requested: str, world: int, parser) -> str:
+    """``auto``: CUDA when there is a GPU per rank, else CPU (never queries a GPU that is
+    not there); ``cuda`` without enough GPUs is a usage error."""
+    if requested == "auto":
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        return "cuda" if enough else "cpu"
+    if requested == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < world:
+            parser.error(f"--device cuda needs a GPU per rank: {world} ranks, {count} GPUs")
+    return requested
+
+
+def add_launch_arguments(p, default_world: int, default_timeout: float) -> None:
+    p.add_argument("--world-size", type=int, default=None,
+                   help=f"ranks to spawn (default {default_world}; under torchrun WORLD_SIZE wins)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="spawned ranks on CPU (gloo, Triton interpreter) or one GPU each (NCCL); "
+                        "auto: cuda when there is a GPU per rank")
+    p.add_argument("--timeout", type=float, default=default_timeout,
+                   help=f"seconds before the ranks are killed (default {default_timeout:g})")
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _kill(processes) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join(timeout=10)
+
+
+def _rank_failures(ctx, killed: list[int]) -> list[str]:
+    """Each failed rank's traceback (or exit status), the earliest failure first."""
+    found = []
+    for rank, (proc, path) in enumerate(zip(ctx.processes, ctx.error_files)):
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    text = pickle.load(f)
+                found.append((os.path.getmtime(path), f"rank {rank} raised:\n{text}"))
+            except (OSError, EOFError, pickle.UnpicklingError) as e:
+                found.append((0.0, f"rank {rank} failed (its traceback is unreadable: {e})"))
+        elif rank not in killed and proc.exitcode not in (0, None):
+            found.append((0.0, f"rank {rank} exited with status {proc.exitcode} (no traceback: "
+                               "killed by a signal or exited from native code)"))
+    lines = [text for _, text in sorted(found, key=lambda t: t[0])]
+    if killed:
+        lines.append(f"ranks {killed} were killed after the failure")
+    return lines
+
+
+def _wait_for_ranks(ctx, timeout: float) -> str | None:
+    """Wait until every rank exits: None when all succeeded, else what went wrong. A
+    failing rank gets its peers killed at once (they may be blocked on it)."""
+    import multiprocessing.connection
+
+    deadline = time.monotonic() + timeout
+    procs = ctx.processes
+    while True:
+        codes = [p.exitcode for p in procs]
+        if all(c == 0 for c in codes):
+            return None
+        if any(c not in (0, None) for c in codes):
+            time.sleep(0.5)  # let peers that fail on their own record their tracebacks
+            killed = [r for r, p in enumerate(procs) if p.is_alive()]
+            _kill(procs)
+            return "a rank failed:\n\n" + "\n".join(_rank_failures(ctx, killed))
+        if time.monotonic() > deadline:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            _kill(procs)
+            return f"ranks {alive} did not finish within {timeout:g} s; killed them"
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.5)
+
+
+def _spawned_rank(rank: int, world: int, target, spec: dict, how: dict) -> None:
+    """Entry point of a spawned rank (torch.multiprocessing calls it with its index)."""
+    import torch.distributed as dist
+
+    if how["device"] == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # longer than the parent's deadline: a stalled peer is reported (and killed) by the parent
+    dist.init_process_group("nccl" if how["device"] == "cuda" else "gloo",
+                            init_method=how["init_method"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=how["timeout"] + 60))
+    try:
+        result = target(dist.group.WORLD, device, spec)
+        if rank == 0:
+            tmp = how["result_file"] + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, how["result_file"])
+    finally:
+        fusedpar.comm.release_buffers()
+        dist.destroy_process_group()
+
+
+def spawn(target, spec: dict, world: int, device: str, timeout: float, name: str):
+    """Run ``target(group, device, spec)`` on ``world`` spawned ranks.
+
+    Returns ``(rank 0's result, None)``, or ``(None, what went wrong)``; ``"interrupted"``
+    after Ctrl-C. ``name`` prefixes the job's temporary names.
+    """
+    import torch.multiprocessing as tmp
+
+    job = f"{name}{os.getpid()}x{secrets.token_hex(3)}"
+    result, error = None, None
+    with tempfile.TemporaryDirectory(prefix=f"fusedpar_{name}_") as tmpdir:
+        how = {"device": device, "timeout": timeout,
+               "init_method": f"file://{os.path.join(tmpdir, 'rendezvous')}",
+               "result_file": os.path.join(tmpdir, "result.json")}
+        env = {
+            # CPU ranks run the Triton kernels in the interpreter, which must be chosen before
+            # the children import fusedpar; CUDA ranks must not use it
+            "TRITON_INTERPRET": "1" if device == "cpu" else None,
+            # shm segments are named fusedpar_<job>_...: this job's own, for the cleanup below
+            "TORCHELASTIC_RUN_ID": job,
+        }
+        ctx = None
+        try:
+            with _environ(env):
+                ctx = tmp.start_processes(_spawned_rank, args=(world, target, spec, how),
+                                          nprocs=world, join=False, daemon=True,
+                                          start_method="spawn")
+            error = _wait_for_ranks(ctx, timeout)
+            if error is None:
+                with open(how["result_file"]) as f:
+                    result = json.load(f)
+        except KeyboardInterrupt:
+            error = "interrupted"
+        finally:
+            if ctx is not None:
+                _kill(ctx.processes)
+                for path in ctx.error_files:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+            for path in glob.glob(f"/dev/shm/fusedpar_{job}_*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    return result, error
+
+
+@contextlib.contextmanager
+def torchrun_rank(timeout: float):
+    """Join the torchrun job's default process group; yields ``(device, backend)``."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        yield device, backend
+    finally:
+        fusedpar.comm.release_buffers()
+        dist.destroy_process_group()
