@@ -2,6 +2,7 @@
 
 from . import all_gather as _all_gather_module
 from . import all_gather_matmul as _all_gather_matmul_module
+from . import flash_attention as _flash_attention_module
 from . import matmul_reduce_scatter as _matmul_reduce_scatter_module
 from . import reduce_scatter as _reduce_scatter_module
 
@@ -9,14 +10,15 @@ from . import reduce_scatter as _reduce_scatter_module
 DISPATCHERS = {
     m.OP: m.BACKENDS
     for m in (_all_gather_module, _reduce_scatter_module, _all_gather_matmul_module,
-              _matmul_reduce_scatter_module)
+              _matmul_reduce_scatter_module, _flash_attention_module)
 }
 
 from .all_gather import all_gather, all_gather_loopback  # noqa: E402
 from .all_gather_matmul import all_gather_matmul, all_gather_matmul_loopback  # noqa: E402
+from .flash_attention import flash_attention  # noqa: E402
 from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_loopback  # noqa: E402
 from .reduce_scatter import reduce_scatter, reduce_scatter_loopback  # noqa: E402
 
 __all__ = ["DISPATCHERS", "all_gather", "all_gather_loopback", "all_gather_matmul",
-           "all_gather_matmul_loopback", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
+           "all_gather_matmul_loopback", "flash_attention", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
            "reduce_scatter", "reduce_scatter_loopback"]

@@ -1,0 +1,375 @@
+"""Flash attention (forward and backward) on ``[B, S, H, D]`` or packed ``[T, H, D]`` tensors.
+
+Forward: one program per (query block, batch, head); it streams K/V blocks with the online
+softmax (base-2 exponent, fp32 statistics) and writes the output and the natural-log
+log-sum-exp ``lse`` (fp32, ``[B, H, S]``; packed: ``[H, T]``). GQA/MQA: query head ``h``
+reads K/V head ``h // (H // H_kv)`` in place (no repeat in memory). Causal masking is
+top-left aligned (key ``j`` is visible to query ``i`` iff ``j <= i``, like SDPA's
+``is_causal``); fully masked K/V blocks are never loaded. Any head dim ``D <= 256``
+runs in a ``BLOCK_D = next_pow2(D)`` register tile with the tail masked; any sequence
+length runs with masked tails.
+
+Backward (from the saved ``lse`` and ``delta = rowsum(dO * O) - dlse``): one kernel per
+K/V block for dK/dV that loops over the query heads of its KV group (so GQA needs no
+atomics), and one kernel per query block for dQ. ``delta`` and ``lse`` may come from a
+larger computation (ring attention's merged output), which is what makes a block's
+backward exact there: ``P = exp(S * scale - lse)`` is then that block's share of the
+global softmax.
+
+Packed sequences (``cu_seqlens``, int32 cumulative ends, flash-attn's convention): program
+``b`` of the batch axis handles document ``b``; query and key lengths are equal per
+document and masking never crosses documents.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .ag_gemm import mma
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 256
+
+# GPU configs per (arch, BLOCK_D); chosen to compile without register spills (see
+# AOT_EXAMPLES; tests/kernels/test_aot.py compiles each). Forward tiles are BLOCK_M x
+# BLOCK_N; the backward's dK/dV program owns BLOCK_N keys and walks BLOCK_M query rows,
+# the dQ program owns BLOCK_M rows and walks BLOCK_N keys.
+_FWD_SM90 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+             128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+             256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}
+_FWD_SM80 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+             128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+             256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
+_BWD_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+             128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2),
+             256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
+_BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
+             128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
+             256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
+# The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.
+INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """``(first row, query length, key length)`` of batch entry / document ``b``."""
+    if VARLEN:
+        start = tl.load(cu_seqlens_ptr + b)
+        length = tl.load(cu_seqlens_ptr + b + 1) - start
+        return start, length, length
+    else:
+        return tl.full([], 0, tl.int32), seqlen_q, seqlen_k
+
+
+@triton.jit
+def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr, sm_scale,
+                     n_heads, kv_group, seqlen_q, seqlen_k, head_dim, m_blocks,
+                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                     stride_lb, stride_lh,
+                     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)  # (query block, batch, head) flattened on the long axis
+    m_block = pid % m_blocks
+    b = (pid // m_blocks) // n_heads
+    h = (pid // m_blocks) % n_heads
+    hk = h // kv_group
+    start, len_q, len_k = _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    if m_block * BLOCK_M < len_q:
+        row0 = start.to(tl.int64)
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + row0 * stride_qs + h * stride_qh
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + row0 * stride_ks + hk * stride_kh
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + row0 * stride_vs + hk * stride_vh
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < head_dim
+        m_ok = offs_m < len_q
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        qk_scale = sm_scale * 1.4426950408889634  # exponents in base 2
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = len_k
+        if CAUSAL:
+            hi = tl.minimum(len_k, (m_block + 1) * BLOCK_M)
+        for start_n in range(0, hi, BLOCK_N):
+            cols = start_n + offs_n
+            n_ok = cols < len_k
+            kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
+                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST) * qk_scale
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: key 0 is visible to every row
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        o_base = o_ptr + b.to(tl.int64) * stride_ob + row0 * stride_os + h * stride_oh
+        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :],
+                 acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
+        tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + start + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                          cu_seqlens_ptr, sm_scale, n_kv_heads, kv_group, seqlen_q, seqlen_k,
+                          head_dim, n_blocks,
+                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                          stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                          stride_lb, stride_lh,
+                          CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)  # (key block, batch, KV head)
+    n_block = pid % n_blocks
+    b = (pid // n_blocks) // n_kv_heads
+    hk = (pid // n_blocks) % n_kv_heads
+    start, len_q, len_k = _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    if n_block * BLOCK_N < len_k:
+        row0 = start.to(tl.int64)
+        b64 = b.to(tl.int64)
+        offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < head_dim
+        n_ok = offs_n < len_k
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + b64 * stride_kb + row0 * stride_ks + hk * stride_kh
+                    + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + b64 * stride_vb + row0 * stride_vs + hk * stride_vh
+                    + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634
+        lo = 0
+        if CAUSAL:
+            lo = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier rows see none of these keys
+        for j in range(0, kv_group):
+            h = hk * kv_group + j
+            q_base = q_ptr + b64 * stride_qb + row0 * stride_qs + h * stride_qh
+            do_base = do_ptr + b64 * stride_dob + row0 * stride_dos + h * stride_doh
+            stat_base = b64 * stride_lb + h * stride_lh + start
+            for start_m in range(lo, len_q, BLOCK_M):
+                rows = start_m + offs_m
+                m_ok = rows < len_q
+                qt = tl.load(q_base + rows[None, :] * stride_qs + offs_d[:, None],
+                             mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+                lse = tl.load(lse_ptr + stat_base + rows, mask=m_ok, other=0.0)
+                delta = tl.load(delta_ptr + stat_base + rows, mask=m_ok, other=0.0)
+                qkt = mma(k, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+                pt = tl.exp2(qkt * qk_scale - lse[None, :] * 1.4426950408889634)
+                visible = n_ok[:, None] & m_ok[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_n[:, None] <= rows[None, :])
+                pt = tl.where(visible, pt, 0.0)
+                do = tl.load(do_base + rows[:, None] * stride_dos + offs_d[None, :],
+                             mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                dv = mma(pt.to(do.dtype), do, dv, UPCAST)
+                dpt = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+                dst = pt * (dpt - delta[None, :])
+                dk = mma(dst.to(qt.dtype), tl.trans(qt), dk, UPCAST)
+        dk = dk * sm_scale
+        tl.store(dk_ptr + b64 * stride_dkb + row0 * stride_dks + hk * stride_dkh
+                 + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
+                 mask=kv_mask)
+        tl.store(dv_ptr + b64 * stride_dvb + row0 * stride_dvs + hk * stride_dvh
+                 + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
+                 mask=kv_mask)
+
+
+@triton.jit
+def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+                        sm_scale, n_heads, kv_group, seqlen_q, seqlen_k, head_dim, m_blocks,
+                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                        stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+                        CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)  # (query block, batch, head)
+    m_block = pid % m_blocks
+    b = (pid // m_blocks) // n_heads
+    h = (pid // m_blocks) % n_heads
+    hk = h // kv_group
+    start, len_q, len_k = _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    if m_block * BLOCK_M < len_q:
+        row0 = start.to(tl.int64)
+        b64 = b.to(tl.int64)
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < head_dim
+        m_ok = offs_m < len_q
+        row_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + b64 * stride_qb + row0 * stride_qs + h * stride_qh
+                    + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
+        do = tl.load(do_ptr + b64 * stride_dob + row0 * stride_dos + h * stride_doh
+                     + offs_m[:, None] * stride_dos + offs_d[None, :], mask=row_mask, other=0.0)
+        stat_base = b64 * stride_lb + h * stride_lh + start
+        lse = tl.load(lse_ptr + stat_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + stat_base + offs_m, mask=m_ok, other=0.0)
+        k_base = k_ptr + b64 * stride_kb + row0 * stride_ks + hk * stride_kh
+        v_base = v_ptr + b64 * stride_vb + row0 * stride_vs + hk * stride_vh
+        qk_scale = sm_scale * 1.4426950408889634
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = len_k
+        if CAUSAL:
+            hi = tl.minimum(len_k, (m_block + 1) * BLOCK_M)
+        for start_n in range(0, hi, BLOCK_N):
+            cols = start_n + offs_n
+            n_ok = cols < len_k
+            kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
+                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            vt = tl.load(v_base + cols[None, :] * stride_vs + offs_d[:, None],
+                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
+            p = tl.exp2(qk * qk_scale - lse[:, None])
+            visible = m_ok[:, None] & n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(visible, p, 0.0)
+            dp = mma(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
+            ds = p * (dp - delta[:, None])
+            dq = mma(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST)
+        dq = dq * sm_scale
+        tl.store(dq_ptr + b64 * stride_dqb + row0 * stride_dqs + h * stride_dqh
+                 + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+                 mask=row_mask)
+
+
+def interpreting() -> bool:
+    """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
+    return type(flash_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attn_config(head_dim: int, device: torch.device, backward: bool, config: dict | None = None) -> dict:
+    """Block sizes and launch options for this head dim and GPU generation (queried at
+    launch, never at import); ``config`` entries override them."""
+    if interpreting():
+        cfg = dict(INTERPRETER_CONFIG)
+    else:
+        sm90 = torch.cuda.get_device_capability(device)[0] >= 9
+        table = (_BWD_SM90 if sm90 else _BWD_SM80) if backward else (_FWD_SM90 if sm90 else _FWD_SM80)
+        cfg = dict(table[max(64, block_d(head_dim))])
+    cfg.update(config or {})
+    return cfg
+
+
+def _layout(x: torch.Tensor):
+    """``(stride_b, stride_s, stride_h)`` of a ``[B, S, H, D]`` or packed ``[S, H, D]`` tensor
+    (last dim contiguous)."""
+    if x.dim() == 3:
+        return 0, x.stride(0), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _stat_strides(lse: torch.Tensor):
+    """``(stride_b, stride_h)`` of an lse/delta tensor ``[B, H, S]`` or packed ``[H, T]``."""
+    if lse.dim() == 2:
+        return 0, lse.stride(0)
+    return lse.stride(0), lse.stride(1)
+
+
+def _geometry(q, k, cu_seqlens, max_seqlen):
+    """``(batch, seqlen_q, seqlen_k, cu_seqlens or a dummy pointer, varlen)``."""
+    if cu_seqlens is not None:
+        return cu_seqlens.numel() - 1, max_seqlen, max_seqlen, cu_seqlens, True
+    return q.shape[0], q.shape[1], k.shape[1], q, False  # q: any pointer; never read
+
+
+def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seqlens=None,
+                       max_seqlen: int = 0, config: dict | None = None) -> None:
+    """Fill ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_q]``, packed ``[H, T]``).
+
+    q: ``[B, S_q, H, D]``, k/v: ``[B, S_k, H_kv, D]`` (``H % H_kv == 0``), or packed
+    ``[T, H, D]`` with ``cu_seqlens`` (int32, ``[docs + 1]``) and ``max_seqlen``; the last dim
+    of every tensor contiguous. Checks are the op's job."""
+    batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
+    n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    cfg = attn_config(head_dim, q.device, False, config)
+    m_blocks = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
+    grid = (m_blocks * batch * n_heads,)
+    if grid[0] == 0:
+        return
+    flash_fwd_kernel[grid](
+        q, k, v, out, lse, cu, sm_scale, n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k,
+        head_dim, m_blocks, *_layout(q), *_layout(k), *_layout(v), *_layout(out), *_stat_strides(lse),
+        CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_D=block_d(head_dim), UPCAST=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_scale: float,
+                        cu_seqlens=None, max_seqlen: int = 0, config: dict | None = None) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (shaped like q, k, v) for upstream ``do``.
+
+    ``lse``: the forward's log-sum-exp; ``delta``: ``rowsum(do * out) - dlse``, fp32, laid out
+    like ``lse``. Both may come from a larger attention that this call is a block of."""
+    batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
+    n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    cfg = attn_config(head_dim, q.device, True, config)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    common = dict(CAUSAL=causal, VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(head_dim),
+                  UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    strides = (*_layout(q), *_layout(k), *_layout(v), *_layout(do))
+    n_blocks = triton.cdiv(seqlen_k, bn)
+    if n_blocks * batch * n_kv_heads:
+        flash_bwd_dkdv_kernel[(n_blocks * batch * n_kv_heads,)](
+            q, k, v, do, lse, delta, dk, dv, cu, sm_scale, n_kv_heads, n_heads // n_kv_heads,
+            seqlen_q, seqlen_k, head_dim, n_blocks, *strides, *_layout(dk), *_layout(dv),
+            *_stat_strides(lse), **common)
+    m_blocks = triton.cdiv(seqlen_q, bm)
+    if m_blocks * batch * n_heads:
+        flash_bwd_dq_kernel[(m_blocks * batch * n_heads,)](
+            q, k, v, do, lse, delta, dq, cu, sm_scale, n_heads, n_heads // n_kv_heads,
+            seqlen_q, seqlen_k, head_dim, m_blocks, *strides, *_layout(dq), *_stat_strides(lse),
+            **common)
+
+
+def _aot_examples():
+    i32 = "i32"
+    strides4 = {f"stride_{t}{a}": i32 for t in ("q", "k", "v", "o") for a in "bsh"}
+    fwd_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
+               "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "sm_scale": "fp32", "n_heads": i32,
+               "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32, "head_dim": i32, "m_blocks": i32,
+               **strides4, "stride_lb": i32, "stride_lh": i32}
+    grad_strides = {f"stride_{t}{a}": i32 for t in ("q", "k", "v", "do") for a in "bsh"}
+    dkdv_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "do_ptr": "*bf16",
+                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": "*bf16", "dv_ptr": "*bf16",
+                "cu_seqlens_ptr": "*i32", "sm_scale": "fp32", "n_kv_heads": i32, "kv_group": i32,
+                "seqlen_q": i32, "seqlen_k": i32, "head_dim": i32, "n_blocks": i32, **grad_strides,
+                **{f"stride_{t}{a}": i32 for t in ("dk", "dv") for a in "bsh"},
+                "stride_lb": i32, "stride_lh": i32}
+    dq_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "do_ptr": "*bf16",
+              "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*bf16", "cu_seqlens_ptr": "*i32",
+              "sm_scale": "fp32", "n_heads": i32, "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32,
+              "head_dim": i32, "m_blocks": i32, **grad_strides,
+              **{f"stride_dq{a}": i32 for a in "bsh"}, "stride_lb": i32, "stride_lh": i32}
+    out = []
+    for arch, fwd, bwd in ((90, _FWD_SM90, _BWD_SM90), (80, _FWD_SM80, _BWD_SM80)):
+        for d in (64, 128, 256):
+            for kernel, sig, cfg in ((flash_fwd_kernel, fwd_sig, fwd[d]),
+                                     (flash_bwd_dkdv_kernel, dkdv_sig, bwd[d]),
+                                     (flash_bwd_dq_kernel, dq_sig, bwd[d])):
+                consts = dict(CAUSAL=True, VARLEN=False, BLOCK_M=cfg["BLOCK_M"],
+                              BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d, UPCAST=False)
+                out.append((kernel, sig, consts, dict(num_warps=cfg["num_warps"],
+                                                      num_stages=cfg["num_stages"], arch=arch)))
+    return out
+
+
+AOT_EXAMPLES = _aot_examples()

@@ -1,0 +1,105 @@
+"""The flash-attention kernels (``kernels/flash_attn.py``) against fp64 attention, through
+their launchers: block sizes smaller than the sequence (several blocks, masked tails),
+head dims that are not powers of two, GQA, causal with S_q != S_k, and an external lse/delta
+(a block of a larger attention, as ring attention uses it)."""
+
+import pytest
+import torch
+
+from fusedpar.kernels import flash_attn as kernels
+
+SMALL_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16)
+
+
+def attention64(q, k, v, causal, scale):
+    """fp64 ``(out, lse)`` of ``[B, S, H, D]`` inputs, K/V heads repeated for GQA."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bshd,bthd->bhst", q, k) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhst,bthd->bshd", torch.exp(s - lse[..., None]), v), lse
+
+
+def _inputs(b, sq, sk, h, hk, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+            for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))]
+
+
+# (B, S_q, S_k, H, H_kv, D, causal)
+CASES = [(2, 37, 37, 4, 2, 24, True), (1, 35, 21, 2, 1, 16, False), (1, 20, 33, 2, 2, 32, True),
+         (1, 33, 33, 1, 1, 40, False)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_backward_match_fp64(case):
+    b, sq, sk, h, hk, d, causal = case
+    q, k, v = _inputs(b, sq, sk, h, hk, d)
+    scale = 0.3
+    ref_out, ref_lse = attention64(q, k, v, causal, scale)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(ref_out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(ref_lse.shape, generator=g, dtype=torch.float64)
+    torch.autograd.backward((ref_out, ref_lse), (dout, dlse))
+
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    out = torch.full_like(q32, float("nan"))
+    lse = torch.full((b, h, sq), float("nan"))
+    kernels.flash_attn_forward(q32, k32, v32, out, lse, causal, scale, config=SMALL_BLOCKS)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0)
+
+    delta = ((dout * out.double()).sum(-1).transpose(1, 2) - dlse).float().contiguous()
+    grads = [torch.full_like(t, float("nan")) for t in (q32, k32, v32)]
+    kernels.flash_attn_backward(q32, k32, v32, dout.float(), lse, delta, *grads, causal, scale,
+                                config=SMALL_BLOCKS)
+    for grad, ref in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(grad.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_packed_documents_match_a_loop_over_documents():
+    ends = [0, 5, 22, 23, 40]
+    h, hk, d = 2, 1, 24
+    q, k, v = (t.detach().float()[0] for t in _inputs(1, 40, 40, h, hk, d, seed=3))
+    cu = torch.tensor(ends, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((h, 40), float("nan"))
+    kernels.flash_attn_forward(q, k, v, out, lse, True, d ** -0.5, cu, 17, config=SMALL_BLOCKS)
+    dout = torch.randn_like(q)
+    delta = (dout * out).sum(-1).t().contiguous()
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernels.flash_attn_backward(q, k, v, dout, lse, delta, *grads, True, d ** -0.5, cu, 17,
+                                config=SMALL_BLOCKS)
+    for a, z in zip(ends, ends[1:]):
+        piece = [t[a:z][None].double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = attention64(*piece, True, d ** -0.5)
+        torch.testing.assert_close(out[a:z].double(), ref_out[0], atol=2e-6, rtol=0)
+        torch.testing.assert_close(lse[:, a:z].double(), ref_lse[0], atol=2e-6, rtol=0)
+        ref_out.backward(dout[a:z][None].double())
+        for grad, ref in zip(grads, piece):
+            torch.testing.assert_close(grad[a:z].double(), ref.grad[0], atol=1e-5, rtol=0)
+
+
+def test_strided_inputs():
+    """q/k/v as views of a fused qkv projection (non-contiguous heads and rows)."""
+    qkv = torch.randn(2, 19, 3, 2, 16)
+    q, k, v = qkv.unbind(2)
+    out = torch.empty(2, 19, 2, 16)
+    lse = torch.empty(2, 2, 19)
+    kernels.flash_attn_forward(q, k, v, out, lse, False, 0.25)
+    ref_out, _ = attention64(q, k, v, False, 0.25)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+
+
+def test_gpu_configs_cover_every_head_dim():
+    """Every head dim up to 256 maps to a registered (AOT-compiled) GPU config."""
+    for d in range(1, kernels.MAX_HEAD_DIM + 1):
+        assert max(64, kernels.block_d(d)) in (64, 128, 256)
+    compiled = {(c["BLOCK_D"], opts["arch"], k.fn.__name__) for k, _, c, opts in kernels.AOT_EXAMPLES}
+    for arch in (90, 80):
+        for bd in (64, 128, 256):
+            for name in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"):
+                assert (bd, arch, name) in compiled

@@ -1,0 +1,121 @@
+"""``fusedpar.ops.flash_attention`` (custom op, autograd, backends) against fp64 SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedpar
+from fusedpar.ops.flash_attention import BACKENDS
+
+pytestmark = [pytest.mark.timeout(300)]
+
+# (B, S, H, H_kv, D, causal): the issue's head dims (64, 96, 128) small; odd S; GQA; MQA
+CASES = [(2, 21, 4, 2, 32, True), (1, 17, 2, 1, 64, False), (1, 23, 2, 2, 96, True),
+         (1, 16, 2, 1, 128, True), (1, 9, 3, 3, 24, False)]
+# (dtype, atol of out / lse, atol of the gradients)
+TOLERANCES = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 2e-2), torch.bfloat16: (3e-2, 1.5e-1)}
+
+
+def sdpa64(q, k, v, causal, scale=None):
+    """``(out, lse)`` in fp64: SDPA's math backend and the logsumexp of its scores."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return out.transpose(1, 2), torch.logsumexp(s, -1)
+
+
+def _leaves(b, s, h, hk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+            for shape in ((b, s, h, d), (b, s, hk, d), (b, s, hk, d))]
+
+
+def _check(backend, case, dtype):
+    b, s, h, hk, d, causal = case
+    q, k, v = _leaves(b, s, h, hk, d, dtype)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = sdpa64(*ref, causal)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(ref_out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(ref_lse.shape, generator=g, dtype=torch.float64)
+    torch.autograd.backward((ref_out, ref_lse), (dout, dlse))
+    out, lse = fusedpar.ops.flash_attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, s)
+    torch.autograd.backward((out, lse), (dout.to(dtype), dlse.float()))
+    atol, grad_atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=atol, rtol=0)
+    for name, t, r in zip("qkv", (q, k, v), ref):
+        torch.testing.assert_close(t.grad.double(), r.grad, atol=grad_atol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_matches_fp64_sdpa_fp32(backend, case):
+    _check(backend, case, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_matches_fp64_sdpa_low_precision(dtype):
+    _check("triton", (2, 19, 2, 1, 32, True), dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_documents(backend):
+    ends = [0, 7, 8, 30]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(30, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor(ends, dtype=torch.int32)
+    out, lse = fusedpar.ops.flash_attention(q, k, v, causal=True, cu_seqlens=cu, return_lse=True,
+                                            backend=backend)
+    assert lse.shape == (4, 30)
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    for a, z in zip(ends, ends[1:]):
+        piece = [t.detach()[a:z][None].double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = sdpa64(*piece, True)
+        torch.testing.assert_close(out[a:z].double(), ref_out[0], atol=2e-5, rtol=0)
+        torch.testing.assert_close(lse[:, a:z].double(), ref_lse[0], atol=2e-5, rtol=0)
+        ref_out.backward(dout[a:z][None].double())
+        for t, r in zip((q, k, v), piece):
+            torch.testing.assert_close(t.grad[a:z].double(), r.grad[0], atol=1e-4, rtol=0)
+
+
+def test_default_backend_and_compile():
+    q, k, v = (t.detach() for t in _leaves(1, 8, 2, 1, 16, torch.float32))
+    from fusedpar.ops.flash_attention import AttentionCall
+
+    assert BACKENDS.select(AttentionCall(q, k, v, True, 0.25)).name == "triton"
+    eager = fusedpar.ops.flash_attention(q, k, v, causal=True, backend="reference")
+    fn = torch.compile(lambda a, b, c: fusedpar.ops.flash_attention(a, b, c, causal=True,
+                                                                    backend="reference"),
+                       backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(q, k, v), eager)
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    fa = fusedpar.ops.flash_attention
+    cases = [
+        (lambda: fa(q, torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16)), ValueError, "multiple of H_kv"),
+        (lambda: fa(q, k.half(), v), TypeError, "cast them to one dtype"),
+        (lambda: fa(q, torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)), ValueError, "head dim mismatch"),
+        (lambda: fa(*(torch.randn(1, 4, 1, 300) for _ in range(3))), ValueError, "D=300"),
+        (lambda: fa(q[0], k[0], v[0]), ValueError, "[B, S, H, D]"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens=torch.tensor([0, 8])), TypeError, "int32"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32)),
+         ValueError, "strictly increasing"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens=torch.tensor([0, 5, 7], dtype=torch.int32)),
+         ValueError, "total length"),
+        (lambda: fa(q, k, v, backend="nope"), Exception, "does not exist"),
+        (lambda: fa(q.long(), k.long(), v.long()), TypeError, "floating-point"),
+    ]
+    for call, kind, words in cases:
+        with pytest.raises(kind, match=None) as info:
+            call()
+        assert words in str(info.value), (words, str(info.value))
