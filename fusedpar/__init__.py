@@ -12,7 +12,7 @@ from .errors import (
     FusedparTimeoutError,
     ParallelConfigError,
 )
-from .parallel import ParallelConfig, apply_tp
+from .parallel import ParallelConfig, apply_tp, parallelize
 
 __version__ = "0.1.0"
 
@@ -28,4 +28,5 @@ __all__ = [
     "comm",
     "nn",
     "ops",
+    "parallelize",
 ]

@@ -20,6 +20,13 @@ dim (``[B, S/W, H]``); the column layer's gather is fused with its matmul
 (``fusedpar.ops.all_gather_matmul``) and the row layer's reduce-scatter with its matmul
 (``fusedpar.ops.matmul_reduce_scatter``).
 
+Parameters are DTensors on the tensor-parallel axis (a 1-D ``DeviceMesh``: the one passed
+as ``group``, ``mesh["tp"]`` of a named mesh, or one made from the process group): the
+column layer's weight and bias ``Shard(0)``, the row layer's weight ``Shard(1)`` and bias
+``Replicate()``, as torch's ``ColwiseParallel`` / ``RowwiseParallel`` leave them. So
+``state_dict()``, ``torch.distributed.checkpoint`` and FSDP2's 2-D sharding see the global
+parameter and its placement; the forward computes on ``.to_local()`` with the fused ops.
+
 Gradients: a replicated tensor that feeds rank-local work (the input of a non-SP column
 layer, a row layer's bias under SP, a norm's weight under SP) gets the sum of every rank's
 gradient (an all-reduce in backward), so every rank ends the backward pass with the same,
@@ -35,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..comm import resolve_group
 from ..ops import all_gather_matmul, matmul_reduce_scatter
@@ -44,7 +53,32 @@ __all__ = [
     "RowParallelLinear",
     "SharedGather",
     "sync_replicated_grads",
+    "tp_device_mesh",
 ]
+
+
+_MESHES: dict[tuple[str, str], DeviceMesh] = {}
+
+
+def tp_device_mesh(group, device_type: str) -> DeviceMesh:
+    """The 1-D ``DeviceMesh`` that TP parameters live on: ``group`` itself when it is a
+    1-D mesh, ``mesh[axis]`` for ``(mesh, axis)`` (so FSDP2 sees a submesh of its own root
+    mesh and composes 2-D), else one made once per group from the process group."""
+    if isinstance(group, DeviceMesh) and group.ndim == 1:
+        return group
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        resolve_group(group)  # checks the axis
+        return group[0][group[1]]
+    pg = resolve_group(group)
+    key = (pg.group_name, device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(pg, device_type)
+    return _MESHES[key]
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a DTensor (differentiable); a plain tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ---- the two conjugate collectives of the tensor-parallel region -------------------------
@@ -103,6 +137,8 @@ class _TPLinear(nn.Module):
                  sequence_dim: int | None, backend: str | None):
         super().__init__()
         pg = resolve_group(group)
+        # what the parameters' mesh is made from (a name, not the unpicklable group)
+        self._group_arg = group if isinstance(group, (DeviceMesh, tuple)) else pg.group_name
         self.group_name: str = pg.group_name
         self.tp_size: int = dist.get_world_size(pg)
         self.tp_rank: int = dist.get_rank(pg)
@@ -115,6 +151,17 @@ class _TPLinear(nn.Module):
     def process_group(self) -> dist.ProcessGroup:
         """The tensor-parallel group (the layer keeps only its name)."""
         return resolve_group(self.group_name)
+
+    def _param(self, local_tensor: torch.Tensor, placement: Placement, requires_grad: bool = True):
+        """A Parameter holding the DTensor with this local part on the TP mesh (made for the
+        tensor's device type on first use)."""
+        mesh = getattr(self, "device_mesh", None)
+        device_type = "cuda" if local_tensor.is_meta and torch.cuda.is_available() else \
+            ("cpu" if local_tensor.is_meta else local_tensor.device.type)
+        if mesh is None or mesh.device_type != device_type:
+            mesh = self.device_mesh = tp_device_mesh(self._group_arg, device_type)
+        dt = DTensor.from_local(local_tensor, mesh, [placement], run_check=False)
+        return nn.Parameter(dt, requires_grad=requires_grad)
 
     def _check_divisible(self, size: int, what: str) -> None:
         if size % self.tp_size:
@@ -154,9 +201,9 @@ class _TPLinear(nn.Module):
             return
         weight, bias = self._init_full(self.weight.device, self.weight.dtype)
         with torch.no_grad():
-            self.weight.copy_(self.shard_weight(weight))
+            local(self.weight).copy_(self.shard_weight(weight))
             if self.bias is not None:
-                self.bias.copy_(self.shard_bias(bias))
+                local(self.bias).copy_(self.shard_bias(bias))
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group=None, *, sequence_parallel: bool = False,
@@ -175,18 +222,18 @@ class _TPLinear(nn.Module):
                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                     backend=backend, device="meta", dtype=weight.dtype)
         with torch.no_grad():
-            layer.weight = nn.Parameter(layer.shard_weight(weight.detach()).clone(),
-                                        requires_grad=weight.requires_grad)
+            layer.weight = layer._param(layer.shard_weight(weight.detach()).clone(),
+                                        layer.WEIGHT_PLACEMENT, weight.requires_grad)
             if bias is not None:
-                layer.bias = nn.Parameter(layer.shard_bias(bias.detach()).clone(),
-                                          requires_grad=bias.requires_grad)
+                layer.bias = layer._param(layer.shard_bias(bias.detach()).clone(),
+                                          layer.BIAS_PLACEMENT, bias.requires_grad)
         layer.train(linear.training)
         return layer
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}, local_weight={tuple(self.weight.shape)}"
+                f"sequence_parallel={self.sequence_parallel}, local_weight={tuple(local(self.weight).shape)}"
                 + (f", backend={self.backend!r}" if self.backend else ""))
 
 
@@ -218,10 +265,14 @@ class ColumnParallelLinear(_TPLinear):
         self._check_divisible(out_features, "out_features")
         self.out_features_per_rank = out_features // self.tp_size
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(self.out_features_per_rank, **factory)) if bias else None
+        self.weight = self._param(torch.empty(self.out_features_per_rank, in_features, **factory),
+                                  self.WEIGHT_PLACEMENT)
+        self.bias = self._param(torch.empty(self.out_features_per_rank, **factory),
+                                self.BIAS_PLACEMENT) if bias else None
         self._shared_gather: SharedGather | None = None
         self.reset_parameters()
+
+    WEIGHT_PLACEMENT, BIAS_PLACEMENT = Shard(0), Shard(0)
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full ``[out, in]`` weight (a view)."""
@@ -269,9 +320,12 @@ class RowParallelLinear(_TPLinear):
         self._check_divisible(in_features, "in_features")
         self.in_features_per_rank = in_features // self.tp_size
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.weight = self._param(torch.empty(out_features, self.in_features_per_rank, **factory),
+                                  self.WEIGHT_PLACEMENT)
+        self.bias = self._param(torch.empty(out_features, **factory), self.BIAS_PLACEMENT) if bias else None
         self.reset_parameters()
+
+    WEIGHT_PLACEMENT, BIAS_PLACEMENT = Shard(1), Replicate()
 
     def shard_weight(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full ``[out, in]`` weight (a view)."""
@@ -287,14 +341,15 @@ class RowParallelLinear(_TPLinear):
                 f"[..., {self.in_features_per_rank}] (in_features={self.in_features} / tp "
                 f"{self.tp_size}), got shape {tuple(x.shape)}"
             )
+        weight, bias = local(self.weight), local(self.bias)
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x, self.weight.t(), "sum", self._seq_dim(x),
+            y = matmul_reduce_scatter(x, weight.t(), "sum", self._seq_dim(x),
                                       self.group_name, backend=self.backend)
-            if self.bias is not None:
-                y = y + copy_to_tp(self.bias, self.group_name)
+            if bias is not None:
+                y = y + copy_to_tp(bias, self.group_name)
             return y
-        y = reduce_from_tp(F.linear(x, self.weight), self.group_name)
-        return y if self.bias is None else y + self.bias
+        y = reduce_from_tp(F.linear(x, weight), self.group_name)
+        return y if bias is None else y + bias
 
 
 def _column_outputs(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -306,10 +361,10 @@ def _column_outputs(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list
                          f"got shape {tuple(x.shape)}")
     if not head.sequence_parallel:
         x = copy_to_tp(x, head.group_name)
-        return [F.linear(x, layer.weight, layer.bias) for layer in layers]
-    _, outs = all_gather_matmul(x, [layer.weight.t() for layer in layers], head._seq_dim(x),
+        return [F.linear(x, local(layer.weight), local(layer.bias)) for layer in layers]
+    _, outs = all_gather_matmul(x, [local(layer.weight).t() for layer in layers], head._seq_dim(x),
                                 head.group_name, return_A=False, backend=head.backend)
-    return [out if layer.bias is None else out + layer.bias for out, layer in zip(outs, layers)]
+    return [out if layer.bias is None else out + local(layer.bias) for out, layer in zip(outs, layers)]
 
 
 class SharedGather:
@@ -353,7 +408,9 @@ class SharedGather:
         if len(set(map(id, layers))) != len(layers):
             raise ValueError("SharedGather: a layer is listed twice")
         self.layers = list(layers)
-        self._key: torch.Tensor | None = None  # the prepared input the stash belongs to
+        # the last prepared input: layers called on it skip their own collective (kept on
+        # this object, not set on the tensor, so a compiled block has no graph break)
+        self._prepared: torch.Tensor | None = None
         self._stash: dict[int, torch.Tensor] = {}
         for layer in layers:
             layer._shared_gather = self
@@ -363,6 +420,7 @@ class SharedGather:
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """The tensor to pass, instead of ``x``, to a forward that calls the layers on it."""
+        self._prepared = None
         self.clear()
         head = self.layers[0]
         if head.sequence_parallel:
@@ -370,15 +428,14 @@ class SharedGather:
                 raise ValueError(f"SharedGather: expected an input [..., {head.in_features}], "
                                  f"got shape {tuple(x.shape)}")
             gathered, outs = all_gather_matmul(
-                x, [layer.weight.t() for layer in self.layers], head._seq_dim(x),
+                x, [local(layer.weight).t() for layer in self.layers], head._seq_dim(x),
                 head.group_name, return_A=True, backend=head.backend)
-            self._key = gathered
-            self._stash = {i: out if layer.bias is None else out + layer.bias
+            self._stash = {i: out if layer.bias is None else out + local(layer.bias)
                            for i, (out, layer) in enumerate(zip(outs, self.layers))}
             prepared = gathered
         else:
             prepared = copy_to_tp(x, head.group_name)
-        prepared._fusedpar_prepared_by = self  # layers called on it skip their own collective
+        self._prepared = prepared
         return prepared
 
     def register_input_hook(self, module: nn.Module, arg_name: str = "hidden_states"):
@@ -389,19 +446,22 @@ class SharedGather:
 
     def clear(self) -> None:
         """Drop the outputs that no layer has taken yet."""
-        self._key, self._stash = None, {}
+        self._stash = {}
+
+    def __getstate__(self):  # copies (deepcopy, pickle) start with nothing prepared
+        return {**self.__dict__, "_prepared": None, "_stash": {}}
 
     def _take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's output for a prepared input, or None if ``x`` was not prepared here."""
-        if getattr(x, "_fusedpar_prepared_by", None) is not self:
+        if x is not self._prepared:
             return None
         index = self.layers.index(layer)
-        if x is self._key and index in self._stash:
+        if index in self._stash:
             out = self._stash.pop(index)
             if not self._stash:
                 self.clear()
             return out
-        return F.linear(x, layer.weight, layer.bias)  # x is already gathered / replicated
+        return F.linear(x, local(layer.weight), local(layer.bias))  # x is already gathered / replicated
 
 
 class _InputHook:

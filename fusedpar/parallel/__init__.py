@@ -1,4 +1,4 @@
-"""Parallel configuration, device meshes and (later) ``parallelize`` plans."""
+"""Parallel configuration, device meshes, ``parallelize`` and ``shard_batch``."""
 
 from fusedpar.errors import ParallelConfigError
 from fusedpar.parallel.config import (
@@ -9,6 +9,7 @@ from fusedpar.parallel.config import (
     get_submesh,
 )
 from fusedpar.parallel.tp import apply_tp
+from fusedpar.parallel.parallelize import parallelize, shard_batch  # noqa: E402
 
 __all__ = [
     "EP_MESH_AXES",
@@ -18,4 +19,6 @@ __all__ = [
     "ParallelConfigError",
     "apply_tp",
     "get_submesh",
+    "parallelize",
+    "shard_batch",
 ]

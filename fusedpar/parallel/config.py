@@ -60,6 +60,14 @@ _FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
 # Degrees that may be -1 ("the remaining ranks"). tp/cp/ep change how the model is cut, so
 # they are never guessed.
 _AUTO_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard")
+# Training options next to the degrees (FSDP2's mixed precision and collectives).
+_OPTION_FIELDS: tuple[str, ...] = ("param_dtype", "reduce_dtype", "fsdp_comm")
+_DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+FSDP_COMMS: tuple[str, ...] = ("fusedpar", "torch")
 
 # Every key from_dict accepts -> our field. Ours, Axolotl's (and Accelerate's
 # ParallelismConfig), torchtitan's.
@@ -86,7 +94,22 @@ _KEY_ALIASES: dict[str, str] = {
     "tensor_parallel_degree": "tp",
     "context_parallel_degree": "cp",
     "expert_parallel_degree": "ep",
+    # options
+    "param_dtype": "param_dtype",
+    "reduce_dtype": "reduce_dtype",
+    "fsdp_comm": "fsdp_comm",
 }
+
+
+def _dtype_name(name: str, value: Any, allow_none: bool) -> str | None:
+    """A dtype option as its torch name (``"bf16"`` / ``torch.bfloat16`` → ``"bfloat16"``)."""
+    if value is None and allow_none:
+        return None
+    text = str(value).removeprefix("torch.")
+    if text not in _DTYPE_NAMES:
+        raise ParallelConfigError(f"{name}={value!r}: choose one of float32, bfloat16, float16"
+                                  + (" or None (keep the parameters' dtype)" if allow_none else ""))
+    return _DTYPE_NAMES[text]
 
 
 def _divisors(n: int) -> str:
@@ -158,9 +181,26 @@ class ParallelConfig:
     that product) instead of multiplying the world size; experts are FSDP-sharded over
     ``efsdp = dp_shard * cp * tp // ep``."""
 
+    param_dtype: str | None = None
+    """FSDP2's ``MixedPrecisionPolicy.param_dtype`` (the dtype of the all-gathered
+    parameters the forward computes with): ``"bfloat16"``, ``"float16"``, ``"float32"`` or
+    None (the parameters' own dtype)."""
+
+    reduce_dtype: str = "float32"
+    """FSDP2's ``MixedPrecisionPolicy.reduce_dtype`` (gradient reduce-scatter / all-reduce)."""
+
+    fsdp_comm: str = "fusedpar"
+    """``"fusedpar"``: FSDP2's all-gather / reduce-scatter run on ``fusedpar.ops``
+    (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); ``"torch"``: FSDP2's
+    own NCCL/gloo collectives."""
+
     def __post_init__(self) -> None:
         for name in _FIELDS:
             object.__setattr__(self, name, _as_degree(name, getattr(self, name)))
+        object.__setattr__(self, "param_dtype", _dtype_name("param_dtype", self.param_dtype, True))
+        object.__setattr__(self, "reduce_dtype", _dtype_name("reduce_dtype", self.reduce_dtype, False))
+        if self.fsdp_comm not in FSDP_COMMS:
+            raise ParallelConfigError(f"fsdp_comm={self.fsdp_comm!r}: choose one of {FSDP_COMMS}")
         if self.dp_replicate == -1 and self.dp_shard == -1:
             raise ParallelConfigError(
                 "dp_replicate=-1 and dp_shard=-1: at most one of them may be -1 (the "
@@ -312,6 +352,7 @@ class ParallelConfig:
         - ``cp``: ``context_parallel_size``, ``sequence_parallel_degree`` (old Axolotl
           alias), ``cp_size``, ``context_parallel_degree``
         - ``ep``: ``expert_parallel_size``, ``ep_size``, ``expert_parallel_degree``
+        - options: ``param_dtype``, ``reduce_dtype``, ``fsdp_comm``
 
         Unknown keys, and one field given under two names with different values, raise
         :class:`ParallelConfigError`. Unlike Axolotl, an unset ``dp_replicate`` is 1 (not
@@ -327,7 +368,7 @@ class ParallelConfig:
                 hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             accepted = "; ".join(
                 f"{field}: " + ", ".join(k for k, f in _KEY_ALIASES.items() if f == field)
-                for field in _FIELDS
+                for field in _FIELDS + _OPTION_FIELDS
             )
             raise ParallelConfigError(
                 f"unknown parallel config key(s) {', '.join(hints)}; accepted keys are {accepted}"
@@ -338,7 +379,8 @@ class ParallelConfig:
             if value is None:
                 continue
             field = _KEY_ALIASES[key]
-            value = _as_degree(key, value, field)
+            if field not in _OPTION_FIELDS:
+                value = _as_degree(key, value, field)
             if field in values and values[field] != value:
                 raise ParallelConfigError(
                     f"{field} is given twice with different values: {source[field]}={values[field]} "

@@ -19,7 +19,8 @@ Plain-PyTorch (DTensor) equivalent of ``apply_tp(block, tp_mesh, sequence_parall
 
 and with ``sequence_parallel=False``: ColwiseParallel / RowwiseParallel on the projections
 only (input and output replicated). Unlike DTensor, every tensor stays a plain tensor
-(parameters included) and each gather runs fused with its matmuls.
+except the projections' parameters (DTensors on the TP axis, as there) and each gather
+runs fused with its matmuls.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ NORMS = ("input_layernorm", "post_attention_layernorm")
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads")
 
 
-def _tp_process_group(tp_mesh):
-    """A DeviceMesh with a "tp" axis means that axis; anything else as ``resolve_group``."""
+def _tp_axis(tp_mesh):
+    """A DeviceMesh with a "tp" axis means that axis (the layers' DTensors then live on
+    ``mesh["tp"]``, which FSDP2 composes with); anything else as ``resolve_group``."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(tp_mesh, DeviceMesh) and tp_mesh.ndim > 1:
@@ -50,7 +52,7 @@ def _tp_process_group(tp_mesh):
             raise ValueError(f"apply_tp: tp_mesh has axes {tp_mesh.mesh_dim_names} and none is "
                              "named 'tp'; pass mesh['tp'] (a 1-D mesh) or (mesh, axis_name)")
         tp_mesh = tp_mesh["tp"]
-    return resolve_group(tp_mesh)
+    return tp_mesh, resolve_group(tp_mesh)
 
 
 def _expect(block: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -151,7 +153,8 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
       o/down reduce-scatter along the sequence fused with their matmul.
       ``sequence_parallel=False``: input and output are replicated ``[B, S, H]``; o/down
       all-reduce.
-    - Every other parameter stays replicated (a plain tensor, same on every rank). Where
+    - The projections' parameters become DTensors on the TP axis (``Shard``/``Replicate``,
+      as torch's plan leaves them). Every other parameter stays replicated (a plain tensor, same on every rank). Where
       it only sees part of the data, its gradient is summed over the group in backward by
       :func:`~fusedpar.nn.sync_replicated_grads`: with SP, all of them (the norms run on
       sequence shards); without SP, those inside ``self_attn`` / ``mlp`` (e.g. Qwen3's
@@ -164,17 +167,17 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
     Whole models: apply it to each layer; sharding the sequence of the embeddings'
     output and gathering before the head are the caller's (``fusedpar.parallelize``'s) part.
     """
-    group = _tp_process_group(tp_mesh)
+    axis, group = _tp_axis(tp_mesh)
     world = group.size()
     attn, mlp = _expect(block)
     heads = _check_divisible(attn, mlp, world)
 
     def column(layer):
-        return ColumnParallelLinear.from_linear(layer, group, sequence_parallel=sequence_parallel,
+        return ColumnParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
                                                 backend=backend)
 
     def row(layer):
-        return RowParallelLinear.from_linear(layer, group, sequence_parallel=sequence_parallel,
+        return RowParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
                                              backend=backend)
 
     for owner, columns, row_name in ((attn, ATTENTION_COLUMNS, ATTENTION_ROW),

@@ -28,11 +28,6 @@ def _rank_world():
     return dist.get_rank(), dist.get_world_size()
 
 
-def _gather_cat(t: torch.Tensor, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=dim)
-
 
 
 def _full(t):
@@ -82,18 +77,18 @@ def _check_column(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> No
     assert y.shape == (*x_full.shape[:-1], 24 // world)
     close(y, y_ref.detach().chunk(world, -1)[rank], "column output")
     close(x_grad, x_ref.grad.chunk(world, seq)[rank] if sp else x_ref.grad, "column input grad")
-    close(_gather_cat(grads["weight"], 0), full.weight.grad, "column weight grad")
-    close(_gather_cat(params["weight"], 0), full.weight.detach(), "column weight after SGD")
+    close(grads["weight"], full.weight.grad, "column weight grad")
+    close(params["weight"], full.weight.detach(), "column weight after SGD")
     if bias:
-        close(_gather_cat(grads["bias"], 0), full.bias.grad, "column bias grad")
-        close(_gather_cat(params["bias"], 0), full.bias.detach(), "column bias after SGD")
+        close(grads["bias"], full.bias.grad, "column bias grad")
+        close(params["bias"], full.bias.detach(), "column bias after SGD")
     # DTensor: same outputs and input grads; its parameter grads/params are full tensors
     y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
     close(y, y_dt, "column output vs DTensor")
     close(x_grad, x_grad_dt, "column input grad vs DTensor")
     for n in grads_dt:
-        close(_gather_cat(grads[n], 0), grads_dt[n], f"column {n} grad vs DTensor")
-        close(_gather_cat(params[n], 0), params_dt[n], f"column {n} after SGD vs DTensor")
+        close(grads[n], grads_dt[n], f"column {n} grad vs DTensor")
+        close(params[n], params_dt[n], f"column {n} after SGD vs DTensor")
 
 
 def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
@@ -128,16 +123,16 @@ def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
     y, x_grad, grads, params = results["fusedpar"]
     close(y, y_ref.detach().chunk(world, seq)[rank] if sp else y_ref.detach(), "row output")
     close(x_grad, x_ref.grad.chunk(world, -1)[rank], "row input grad")
-    close(_gather_cat(grads["weight"], 1), full.weight.grad, "row weight grad")
-    close(_gather_cat(params["weight"], 1), full.weight.detach(), "row weight after SGD")
+    close(grads["weight"], full.weight.grad, "row weight grad")
+    close(params["weight"], full.weight.detach(), "row weight after SGD")
     if bias:  # replicated: every rank holds the complete gradient
         close(grads["bias"], full.bias.grad, "row bias grad")
         close(params["bias"], full.bias.detach(), "row bias after SGD")
     y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
     close(y, y_dt, "row output vs DTensor")
     close(x_grad, x_grad_dt, "row input grad vs DTensor")
-    close(_gather_cat(grads["weight"], 1), grads_dt["weight"], "row weight grad vs DTensor")
-    close(_gather_cat(params["weight"], 1), params_dt["weight"], "row weight after SGD vs DTensor")
+    close(grads["weight"], grads_dt["weight"], "row weight grad vs DTensor")
+    close(params["weight"], params_dt["weight"], "row weight after SGD vs DTensor")
     if bias:
         close(grads["bias"], grads_dt["bias"], "row bias grad vs DTensor")
         close(params["bias"], params_dt["bias"], "row bias after SGD vs DTensor")
@@ -167,9 +162,9 @@ def _check_column_row_pair(sp: bool) -> bool:
     (y * (g_full.chunk(world, 1)[rank] if sp else g_full)).sum().backward()
     close(y, y_ref.detach().chunk(world, 1)[rank] if sp else y_ref.detach(), "mlp output")
     close(x.grad, x_ref.grad.chunk(world, 1)[rank] if sp else x_ref.grad, "mlp input grad")
-    close(_gather_cat(col.weight.grad, 0), up.weight.grad, "mlp up weight grad")
-    close(_gather_cat(row.weight.grad, 1), down.weight.grad, "mlp down weight grad")
-    close(row.bias.grad, down.bias.grad, "mlp down bias grad")
+    close(_full(col.weight.grad), up.weight.grad, "mlp up weight grad")
+    close(_full(row.weight.grad), down.weight.grad, "mlp down weight grad")
+    close(_full(row.bias.grad), down.bias.grad, "mlp down bias grad")
     return True
 
 
@@ -208,8 +203,8 @@ def _check_shared_gather(sp: bool) -> bool:
         expected = (len(group) if mode == "separate" else 1) * (world - 1) * x_bytes if sp else 0
         assert gathers == expected, (mode, gathers, expected)
         sum((o * g.chunk(world, -1)[rank]).sum() for o, g in zip(outs, gs)).backward()
-        result = ([o.detach() for o in outs], x.grad, [layer.weight.grad for layer in group],
-                  [layer.bias.grad if layer.bias is not None else None for layer in group])
+        result = ([o.detach() for o in outs], x.grad, [_full(layer.weight.grad) for layer in group],
+                  [_full(layer.bias.grad) if layer.bias is not None else None for layer in group])
         if reference is None:
             reference = result
             continue
@@ -223,6 +218,8 @@ def _check_shared_gather(sp: bool) -> bool:
 
 
 def _check_init_and_errors() -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
     rank, world = _rank_world()
     torch.manual_seed(5)
     full = nn.Linear(16, 24)
@@ -231,11 +228,15 @@ def _check_init_and_errors() -> bool:
     torch.manual_seed(5)
     row = RowParallelLinear(16, 24)
     # a seeded layer holds exactly the seeded nn.Linear's shard
-    assert torch.equal(col.weight, full.weight.chunk(world, 0)[rank])
-    assert torch.equal(col.bias, full.bias.chunk(world, 0)[rank])
-    assert torch.equal(row.weight, full.weight.chunk(world, 1)[rank])
-    assert torch.equal(row.bias, full.bias)
-    assert col.weight.shape == (24 // world, 16) and row.weight.shape == (24, 16 // world)
+    assert torch.equal(col.weight.to_local(), full.weight.chunk(world, 0)[rank])
+    assert torch.equal(col.bias.to_local(), full.bias.chunk(world, 0)[rank])
+    assert torch.equal(row.weight.to_local(), full.weight.chunk(world, 1)[rank])
+    assert torch.equal(row.bias.to_local(), full.bias)
+    # DTensors of the global shape on the TP axis, placed as ColwiseParallel/RowwiseParallel
+    assert col.weight.shape == row.weight.shape == (24, 16)
+    assert col.weight.placements == (Shard(0),) and col.bias.placements == (Shard(0),)
+    assert row.weight.placements == (Shard(1),) and row.bias.placements == (Replicate(),)
+    assert torch.equal(col.weight.full_tensor(), full.weight)
     meta = ColumnParallelLinear(16, 24, device="meta")
     assert meta.weight.is_meta
     assert "sequence_parallel=False" in repr(col)

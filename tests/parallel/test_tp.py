@@ -116,27 +116,13 @@ def _seeded_block(legacy: bool) -> Block:
 
 
 
-def _gather_cat(t: torch.Tensor, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=dim)
-
-
 def _full_tensors(block: nn.Module, which: str) -> dict[str, torch.Tensor]:
     """Every parameter (``which="param"``) or gradient (``"grad"``) as the full tensor of
-    the single-process block: shards of fusedpar layers reassembled, DTensors made full."""
-    owners = dict(block.named_modules())
+    the single-process block (fusedpar's TP layers hold DTensors, like torch's plan)."""
     out = {}
     for name, p in block.named_parameters():
         t = (p if which == "param" else p.grad).detach()
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        owner = owners[name.rpartition(".")[0]]
-        if isinstance(owner, ColumnParallelLinear):
-            t = _gather_cat(t, 0)
-        elif isinstance(owner, RowParallelLinear) and name.endswith("weight"):
-            t = _gather_cat(t, 1)
-        out[name] = t
+        out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
     return out
 
 

@@ -1,0 +1,349 @@
+"""``fusedpar.parallelize(model, config)``: FSDP2 + TP/SP + CP + EP on a whole causal LM.
+
+Plain-PyTorch (torchtitan-style) equivalent, for ``mesh = config.build_mesh()``::
+
+    for block in model.model.layers:                       # 1. TP/SP (fused shared gathers)
+        parallelize_module(block, mesh["tp"], llama_tp_plan)
+    parallelize_module(model, mesh["tp"], {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)})
+    # 2. CP: ContextParallelAttention in each attention, batch zigzag-sharded in forward
+    # 3. EP: ExpertParallelMoE in each MoE block (experts FSDP-sharded over "efsdp")
+    # 4. activation checkpointing per block (optional)
+    for block in model.model.layers:                       # 5. FSDP2, per block then root
+        fully_shard(block, mesh=mesh["dp_replicate", "dp_shard_cp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard_cp"], mp_policy=mp)
+    with loss_parallel(): loss = cross_entropy(model(input_ids), shifted labels)
+
+The model's ``forward(input_ids, labels=None, position_ids=None)`` is replaced by one that
+takes this data-parallel rank's batch (:func:`shard_batch`; the same on every rank of a
+tp/cp group), shards the sequence for CP itself, keeps the logits split over the
+vocabulary (``output.logits`` is ``[B, S_local, V/tp]``) and returns the mean token loss
+over the whole sequence, computed by a vocab-parallel cross-entropy.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ParallelConfigError
+from ..models.llama import IGNORE_INDEX, CausalLMOutput, decoder_forward, shift_labels
+from ..nn import ColumnParallelLinear, sync_replicated_grads
+from ..nn.embedding import VocabParallelEmbedding
+from ..nn.sequence import vocab_parallel_cross_entropy
+from .config import ParallelConfig, get_submesh
+from .fsdp import shard_model
+from .tp import apply_tp
+
+__all__ = ["ModelLayout", "find_layout", "parallelize", "shard_batch"]
+
+SUPPORTED = (
+    "fusedpar.models.LlamaForCausalLM / MixtralForCausalLM and Hugging Face transformers "
+    "LlamaForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, found by structure: "
+    "model.embed_tokens, model.layers[i] with self_attn.{q,k,v,o}_proj, input_layernorm, "
+    "post_attention_layernorm and a dense mlp (gate_proj/up_proj/down_proj) or an MoE mlp "
+    "(fusedpar.nn.moe.MoEBlock or HF's gate router + stacked experts), model.norm, "
+    "model.rotary_emb, lm_head"
+)
+_OWN_PLAN_HINT = (
+    "For another architecture build your own plan from the same pieces: "
+    "fusedpar.parallel.apply_tp(block, mesh['tp']) per block, "
+    "fusedpar.nn.VocabParallelEmbedding / ColumnParallelLinear for the embedding and head, "
+    "fusedpar.nn.sequence.vocab_parallel_cross_entropy for the loss, and "
+    "fusedpar.parallel.fsdp.shard_model for FSDP2"
+)
+
+
+@dataclass
+class ModelLayout:
+    """What :func:`find_layout` found: the blocks and the sizes the config must divide."""
+
+    layers: list[nn.Module]
+    moe: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int | None
+    experts: int | None
+
+
+def _is_moe(mlp: nn.Module) -> bool:
+    from ..nn.moe import MoEBlock
+
+    return isinstance(mlp, MoEBlock) or (hasattr(mlp, "experts") and hasattr(mlp, "gate"))
+
+
+def find_layout(model: nn.Module) -> ModelLayout:
+    """Recognise a Llama/Qwen2/Mixtral-style causal LM by its structure, or raise a
+    ``TypeError`` listing what is supported and how to write one's own plan."""
+    problems = []
+    inner = getattr(model, "model", None)
+    for owner, owner_name, names in ((model, "", ("model", "lm_head")),
+                                     (inner, "model.", ("embed_tokens", "layers", "norm", "rotary_emb"))):
+        if owner is None:
+            continue
+        problems += [f"no {owner_name}{n}" for n in names if not isinstance(getattr(owner, n, None), nn.Module)]
+    layers = list(getattr(inner, "layers", None) or [])
+    if not problems and not layers:
+        problems.append("model.layers is empty")
+    for i, layer in enumerate(layers[:1]):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if getattr(getattr(attn, n, None), "weight", None) is None:
+                problems.append(f"model.layers[{i}].self_attn.{n} is not a linear layer")
+        if mlp is None:
+            problems.append(f"no model.layers[{i}].mlp")
+        elif not _is_moe(mlp) and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            problems.append(f"model.layers[{i}].mlp ({type(mlp).__name__}) is neither a "
+                            "gate/up/down MLP nor a known MoE block")
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            if not isinstance(getattr(layer, n, None), nn.Module):
+                problems.append(f"no model.layers[{i}].{n}")
+    if problems:
+        raise TypeError(f"fusedpar.parallelize: {type(model).__name__} is not a supported model "
+                        f"({'; '.join(problems)}). Supported: {SUPPORTED}. {_OWN_PLAN_HINT}")
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    head_dim = getattr(attn, "head_dim", None)
+    if not isinstance(head_dim, int):
+        raise TypeError(f"fusedpar.parallelize: {type(attn).__name__} has no int head_dim")
+    moe = _is_moe(mlp)
+    experts = None
+    if moe:
+        experts = getattr(mlp, "num_experts", None) or getattr(getattr(mlp, "experts", None), "num_experts", None)
+    return ModelLayout(
+        layers=layers, moe=moe,
+        heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=attn.k_proj.weight.shape[0] // head_dim,
+        head_dim=head_dim, vocab=model.lm_head.weight.shape[0],
+        intermediate=None if moe else mlp.gate_proj.weight.shape[0], experts=experts)
+
+
+def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
+    """Everything the model and config must agree on, before any communication."""
+    problems = []
+    if cfg.tp > 1:
+        for what, size in (("attention heads", layout.heads), ("KV heads", layout.kv_heads),
+                           ("vocab size", layout.vocab), ("intermediate size", layout.intermediate)):
+            if size is not None and size % cfg.tp:
+                problems.append(f"{what} {size} is not divisible by tp={cfg.tp}")
+        if layout.moe:
+            problems.append(f"tp={cfg.tp} with an MoE model: tensor parallelism of the experts is "
+                            "not implemented; use ep (it borrows the tp ranks) with tp=1")
+    if cfg.ep > 1:
+        if not layout.moe:
+            problems.append(f"ep={cfg.ep} but the model has no MoE blocks")
+        elif layout.experts is not None and layout.experts % cfg.ep:
+            problems.append(f"{layout.experts} experts are not divisible by ep={cfg.ep}")
+    if problems:
+        raise ParallelConfigError(f"fusedpar.parallelize({cfg.describe()}): " + "; ".join(problems))
+    missing = [(axis, name, issue) for axis, name, issue in
+               (("cp", "ContextParallelAttention", 7), ("ep", "ExpertParallelMoE", 8))
+               if getattr(cfg, axis) > 1 and not hasattr(_fusedpar_nn(), name)]
+    if missing:
+        raise ParallelConfigError(
+            "fusedpar.parallelize: " + "; ".join(
+                f"{axis}={getattr(cfg, axis)} needs fusedpar.nn.{name} (issue {issue}), which is not "
+                f"available yet in this fusedpar; use {axis}=1" for axis, name, issue in missing))
+
+
+def _fusedpar_nn():
+    from .. import nn as fnn
+
+    return fnn
+
+
+# ---- the forward of a parallelized model ---------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    config: ParallelConfig
+    mesh: object
+    tp_group: str | None
+    cp_group: str | None
+
+
+def _sequence_checks(plan: _Plan, input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"parallelized forward: input_ids must be [batch, seq], got "
+                         f"{tuple(input_ids.shape)}")
+    seq, cfg = input_ids.shape[1], plan.config
+    if cfg.cp > 1 and seq % (2 * cfg.cp):
+        raise ValueError(f"sequence length {seq} is not divisible by 2*cp = {2 * cfg.cp} (context "
+                         f"parallelism cuts it into 2*cp zigzag chunks); pad it to a multiple")
+    if cfg.tp > 1 and (seq // cfg.cp) % cfg.tp:
+        raise ValueError(f"sequence length {seq} (per cp rank {seq // cfg.cp}) is not divisible by "
+                         f"tp={cfg.tp} (sequence parallelism splits it); pad it to a multiple")
+
+
+def _mean_loss(per_token: torch.Tensor, target: torch.Tensor, cp_group: str | None, cp: int):
+    """Mean over the valid tokens of the whole sequence. With CP the value is reduced over
+    the cp group and each rank's gradient is scaled by cp, because FSDP averages the
+    gradients over dp_shard x cp while the true gradient is their sum over cp."""
+    total, count = per_token.sum(), (target != IGNORE_INDEX).sum()
+    if cp_group is None:
+        return total / count
+    both = torch.stack([total.detach(), count.to(total.dtype)])
+    both = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_reduce(both, "sum", cp_group))
+    scaled = total * cp / both[1]
+    return both[0] / both[1] + (scaled - scaled.detach())
+
+
+def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None, **unused) -> CausalLMOutput:
+    """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
+    full sequence (the same on every rank of a tp / cp group)."""
+    plan: _Plan = self._fusedpar_plan
+    _sequence_checks(plan, input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    target = None if labels is None else shift_labels(labels)
+    if plan.cp_group is not None:
+        input_ids, position_ids, target = _cp_shard(plan, input_ids, position_ids, target)
+    hidden, aux = decoder_forward(self, input_ids, position_ids)
+    logits = self.lm_head(hidden)
+    loss = None
+    if target is not None:
+        if plan.tp_group is not None:
+            per_token = vocab_parallel_cross_entropy(logits, target, plan.tp_group)
+        else:
+            per_token = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
+                                        ignore_index=IGNORE_INDEX, reduction="none")
+        loss = _mean_loss(per_token, target, plan.cp_group, plan.config.cp)
+    output = getattr(self, "_output", None)
+    return output(loss, logits, aux) if output is not None else CausalLMOutput(loss, logits, aux)
+
+
+def _cp_shard(plan: _Plan, *tensors):
+    from . import zigzag_shard  # lands with context parallelism (issue 7)
+
+    pg = dist.distributed_c10d._resolve_process_group(plan.cp_group)
+    return tuple(None if t is None else zigzag_shard(t, 1, pg.rank(), pg.size()) for t in tensors)
+
+
+# ---- the steps ---------------------------------------------------------------------------------
+
+
+def _apply_tensor_parallel(model: nn.Module, layout: ModelLayout, tp_mesh, backend) -> None:
+    for layer in layout.layers:
+        apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend)
+    inner = model.model
+    tied = model.lm_head.weight is inner.embed_tokens.weight
+    inner.embed_tokens = VocabParallelEmbedding.from_embedding(
+        inner.embed_tokens, tp_mesh, sequence_parallel=True, backend=backend)
+    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, tp_mesh, sequence_parallel=True,
+                                                     backend=backend)
+    if tied:
+        model.lm_head.weight = inner.embed_tokens.weight
+    sync_replicated_grads(inner.norm, tp_mesh)  # the final norm runs on sequence shards
+
+
+def _apply_activation_checkpointing(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def _dtype(name: str | None):
+    return None if name is None else getattr(torch, name)
+
+
+def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None, *,
+                activation_checkpointing: bool = False, mesh=None, device_type: str | None = None,
+                backend: str | None = None) -> nn.Module:
+    """Parallelize ``model`` in place over every rank of the default process group and
+    return it (see the module docstring for the plain-PyTorch equivalent).
+
+    - ``config``: a :class:`~fusedpar.parallel.ParallelConfig` or a dict of its keys
+      (fusedpar's, Axolotl's or torchtitan's names); None = FSDP over every rank.
+      ``param_dtype`` / ``reduce_dtype`` set FSDP2's ``MixedPrecisionPolicy``;
+      ``fsdp_comm="fusedpar"`` (default) runs FSDP2's collectives on fusedpar's ops,
+      ``"torch"`` on torch's.
+    - ``mesh``: a mesh from ``config.build_mesh()`` (built here when None, on
+      ``device_type``: "cuda" when available, else "cpu").
+    - ``backend``: forced backend of the fused TP ops (default: chosen per call).
+
+    Raises :class:`~fusedpar.errors.ParallelConfigError` (a ValueError) before any
+    communication when the config does not fit the world size or the model (heads, KV
+    heads, vocabulary or intermediate size not divisible by tp, experts by ep, an axis
+    whose module is not available), ``TypeError`` for an unsupported model. The model
+    keeps its parameter names (``state_dict`` keys), so Hugging Face checkpoints still
+    map onto it; its parameters become DTensors (see :mod:`fusedpar.parallel.checkpoint`).
+    After the call, ``model.fusedpar_mesh`` is the mesh and ``model.fusedpar_config`` the
+    resolved config.
+    """
+    if getattr(model, "_fusedpar_plan", None) is not None:
+        raise ValueError("fusedpar.parallelize: this model is already parallelized")
+    if config is None:
+        config = ParallelConfig()
+    elif isinstance(config, Mapping):
+        config = ParallelConfig.from_dict(config)
+    elif not isinstance(config, ParallelConfig):
+        raise TypeError(f"fusedpar.parallelize: config must be a ParallelConfig or a dict, got "
+                        f"{type(config).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("fusedpar.parallelize: torch.distributed is not initialized; launch with "
+                           "torchrun (or call init_process_group) first")
+    cfg = config.validate(dist.get_world_size())
+    layout = find_layout(model)
+    _check(layout, cfg)
+    # ---- communication starts here
+    if mesh is None:
+        mesh = cfg.build_mesh(device_type)
+    tp_mesh = mesh["tp"]
+    if cfg.tp > 1:
+        _apply_tensor_parallel(model, layout, tp_mesh, backend)
+    if cfg.cp > 1:
+        raise ParallelConfigError("cp > 1 is not wired yet")  # guarded by _check until it lands
+    if cfg.ep > 1:
+        raise ParallelConfigError("ep > 1 is not wired yet")  # guarded by _check until it lands
+    if activation_checkpointing:
+        _apply_activation_checkpointing(model)
+    if cfg.dp_replicate > 1:
+        get_submesh(mesh, "dp_shard_cp")
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+    else:
+        dp_mesh = get_submesh(mesh, "dp_shard_cp")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype), reduce_dtype=_dtype(cfg.reduce_dtype))
+    shard_model(model, list(model.model.layers), dp_mesh, mp, comm=cfg.fsdp_comm)
+    model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
+                                 mesh["cp"].get_group().group_name if cfg.cp > 1 else None)
+    model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
+    model.forward = types.MethodType(_parallel_forward, model)
+    return model
+
+
+def shard_batch(batch, mesh):
+    """This rank's part of a global batch: tensors (or a dict / tuple / list of them) split
+    along dim 0 over the data-parallel ranks (``dp_replicate x dp_shard``); every rank of a
+    tp / cp group gets the same part (the parallelized forward shards the sequence for CP
+    itself). Same as ``t.chunk(dp, 0)[dp_rank]``; the batch size must divide by dp."""
+    dp_mesh = get_submesh(mesh, "dp")
+    dp, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+
+    def split(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.shape[0] % dp:
+            raise ValueError(f"shard_batch: batch size {t.shape[0]} is not divisible by the "
+                             f"data-parallel size {dp} (dp_replicate x dp_shard)")
+        return t.chunk(dp, 0)[rank]
+
+    if isinstance(batch, Mapping):
+        return {k: split(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(split(t) for t in batch)
+    return split(batch)
