@@ -1,0 +1,198 @@
+"""Grouped GEMM: the tiles of every group in one persistent launch (``torch._grouped_mm``
+contract: ``offs`` holds int32 cumulative group ends, read on the device, so there is no
+host loop and no device-to-host sync).
+
+- ``grouped_mm_rows_kernel`` (forward and dgrad): ``a [T, K]`` times ``b [E, K, N]``; the
+  rows ``offs[g-1]:offs[g]`` of ``a`` are multiplied by ``b[g]``. The programs walk the
+  groups in order, each keeping a running count of the tiles before the current group, and
+  take every NUM_PROGRAMS-th tile of the concatenated tile list (GROUP_M-grouped within a
+  group). Rows past ``offs[-1]`` get zeros (a padded buffer's tail), so no output row is
+  left unwritten.
+- ``grouped_mm_k_kernel`` (wgrad): ``a [M, K_total]`` times ``b [K_total, N]`` with groups
+  along K: ``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]``; an empty group gives
+  zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
+
+Accumulation is fp32 (fp32 inputs use exact fp32 products, no TF32); any strides.
+Neither kernel waits on anything: the grid is capped at NUM_PROGRAMS (the SM count) only
+because the kernels are persistent.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .ag_gemm import gemm_config, grouped_tile, interpreting, mma
+
+# 16-bit inputs; ptxas reports no spills for either kernel with unit inner strides (what the
+# JIT specializes for row-major operands): sm_90 one warpgroup on 64x128 tiles (128x128 on
+# two warpgroups spills ~150 B), sm_80 128x128x32 on 8 warps. fp32 uses ag_gemm's FMA config.
+GPU_CONFIG_SM90 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def tile_product(a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
+                 stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """``a[m0:m0+BLOCK_M, k_lo:k_hi] @ b[k_lo:k_hi, n0:n0+BLOCK_N]`` in fp32, rows masked at
+    ``m_end``, columns at ``N`` and the K tail."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rm < m_end
+    col_ok = rn < N
+    a_rows = rm.to(tl.int64) * stride_am
+    b_cols = rn.to(tl.int64) * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < k_hi
+        a = tl.load(a_ptr + a_rows[:, None] + rk[None, :].to(tl.int64) * stride_ak,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * stride_bk + b_cols[None, :],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = mma(a, b, acc, UPCAST)
+    return acc
+
+
+@triton.jit
+def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    base = c_ptr + tl.cast(m0, tl.int64) * stride_cm + tl.cast(n0, tl.int64) * stride_cn
+    mask = (m0 + rm < m_end)[:, None] & (n0 + rn < N)[None, :]
+    tl.store(base + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_mm_rows_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, K, E,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           stride_cm, stride_cn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+    step = tl.num_programs(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
+    first = tl.zeros([], tl.int32)  # index of the current group's first tile in that list
+    start = tl.zeros([], tl.int32)
+    # groups 0..E-1, then group E: the rows past offs[-1], which get zeros
+    for g in range(0, E + 1):
+        if g < E:
+            end = tl.load(offs_ptr + g)
+        else:
+            end = T
+        m_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)
+        group_tiles = m_tiles * n_tiles
+        while tile < first + group_tiles:
+            pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
+            m0 = start + pid_m * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            k_hi = tl.where(g < E, K, 0)  # the zero group multiplies nothing
+            acc = tile_product(a_ptr, b_ptr + tl.cast(g, tl.int64) * stride_be, m0, n0, end, N,
+                               0, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                               BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+            store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
+            tile += step
+        first += group_tiles
+        start = end
+
+
+@triton.jit
+def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E,
+                        stride_am, stride_ak, stride_bk, stride_bn,
+                        stride_ce, stride_cm, stride_cn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    group_tiles = m_tiles * n_tiles
+    for tile in range(tl.program_id(0), E * group_tiles, tl.num_programs(0)):
+        g = tile // group_tiles
+        k_lo = tl.where(g > 0, tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0)
+        k_hi = tl.load(offs_ptr + g)
+        pid_m, pid_n = grouped_tile(tile - g * group_tiles, m_tiles, n_tiles, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tile_product(a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
+                   stride_cn, BLOCK_M, BLOCK_N)
+
+
+def grouped_config(a: torch.Tensor, config: dict | None = None) -> dict:
+    """Blocks and launch options for ``a``'s dtype and GPU (queried at launch)."""
+    base = {}
+    if not interpreting() and a.dtype != torch.float32:
+        major = torch.cuda.get_device_capability(a.device)[0]
+        base = GPU_CONFIG_SM90 if major >= 9 else GPU_CONFIG_SM80
+    return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
+
+
+def _launch_options(cfg: dict) -> dict:
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                GROUP_M=cfg["GROUP_M"], UPCAST=interpreting(), num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+
+
+def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
+                    config: dict | None = None) -> None:
+    """``c[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g]``, zeros past ``offs[-1]``.
+
+    ``a [T, K]``, ``b [E, K, N]``, ``c [T, N]`` (any strides), ``offs`` int32 ``[E]``
+    (non-decreasing, ``offs[-1] <= T``: the caller checks). The grid is a bound on the tile
+    count that needs no look at ``offs`` (``(cdiv(T, BLOCK_M) + E + 1) * n_tiles``), capped
+    at NUM_PROGRAMS.
+    """
+    T, K = a.shape
+    E, N = b.shape[0], b.shape[2]
+    cfg = grouped_config(a, config)
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + E + 1) * n_tiles
+    if T == 0 or N == 0:
+        return
+    grid = (min(bound, cfg["NUM_PROGRAMS"]),)
+    grouped_mm_rows_kernel[grid](
+        a, b, c, offs, T, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        b.stride(2), c.stride(0), c.stride(1), **_launch_options(cfg))
+
+
+def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
+                 config: dict | None = None) -> None:
+    """``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]`` (zeros for an empty group).
+
+    ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[E]``.
+    """
+    M, N, E = a.shape[0], b.shape[1], offs.shape[0]
+    cfg = grouped_config(a, config)
+    tiles = E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    if tiles == 0:
+        return
+    grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
+        a, b, c, offs, M, N, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1), c.stride(2), **_launch_options(cfg))
+
+
+# unit inner strides are constexprs, as the JIT specializes them for row-major operands
+_ROWS_UNIT = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
+_K_UNIT = {"stride_am": 1, "stride_bn": 1, "stride_cn": 1}  # a = x.t() of a row-major x
+_ROWS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
+             "N": "i32", "K": "i32", "E": "i32", "stride_am": "i32", "stride_be": "i32",
+             "stride_bk": "i32", "stride_cm": "i32"}
+_K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
+          "N": "i32", "E": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
+          "stride_cm": "i32"}
+
+
+def _example(kernel, sig, unit, cfg, arch):
+    consts = dict({k: v for k, v in cfg.items() if k.isupper()}, UPCAST=False, **unit)
+    return kernel, sig, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                                 "arch": arch}
+
+
+AOT_EXAMPLES = [
+    _example(kernel, sig, unit, cfg, arch)
+    for cfg, arch in ((GPU_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))
+    for kernel, sig, unit in ((grouped_mm_rows_kernel, _ROWS_SIG, _ROWS_UNIT),
+                              (grouped_mm_k_kernel, _K_SIG, _K_UNIT))
+]

@@ -1,0 +1,55 @@
+"""The grouped GEMM kernels against a loop of fp64 matmuls, exact on small integers."""
+
+import pytest
+import torch
+
+from fusedpar.kernels.grouped_gemm import grouped_mm_k, grouped_mm_rows
+
+
+def _ints(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-4, 5, shape, generator=g).float()
+
+
+# (group sizes, K, N): ragged, empty groups first / middle / last, a trailing tail of rows
+CASES = [([5, 0, 37, 1], 45, 33, 0), ([0, 0, 9], 7, 70, 4), ([64], 3, 5, 0), ([0, 3, 0], 66, 1, 9)]
+
+
+@pytest.mark.parametrize("sizes, K, N, tail", CASES)
+def test_rows_grouped(sizes, K, N, tail):
+    T = sum(sizes) + tail
+    a, b = _ints(T, K, seed=1), _ints(len(sizes), K, N, seed=2)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    c = torch.full((T, N), float("nan"))
+    grouped_mm_rows(a, b, offs, c)
+    expected = torch.zeros(T, N, dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        expected[start:end] = a[start:end].double() @ b[g].double()
+        start = end
+    assert torch.equal(c.double(), expected)  # rows past offs[-1] are zeros, not left unwritten
+
+
+@pytest.mark.parametrize("sizes, M, N", [([5, 0, 37, 1], 33, 9), ([0, 70], 2, 65)])
+def test_k_grouped_on_transposed_operand(sizes, M, N):
+    Ktot = sum(sizes)
+    x, dy = _ints(Ktot, M, seed=3), _ints(Ktot, N, seed=4)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    c = torch.full((len(sizes), M, N), float("nan"))
+    grouped_mm_k(x.t(), dy, offs, c)  # the weight gradient's layout: a = x.t(), strides (1, M)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        assert torch.equal(c[g].double(), x[start:end].double().t() @ dy[start:end].double())
+        start = end
+
+
+def test_fp16_within_torch_error():
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 48).half(), torch.randn(3, 48, 24).half()
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    c = torch.empty(40, 24, dtype=torch.half)
+    grouped_mm_rows(a, b, offs, c)
+    exact = torch.cat([a[:10].double() @ b[0].double(), a[10:].double() @ b[2].double()])
+    torch_out = torch.cat([a[:10].float() @ b[0].float(), a[10:].float() @ b[2].float()]).half()
+    torch_err = (torch_out.double() - exact).abs().max()
+    assert (c.double() - exact).abs().max() <= 2 * torch_err

@@ -1,0 +1,91 @@
+"""fusedpar.ops.grouped_mm: backends vs a loop of matmuls, autograd, errors."""
+
+import pytest
+import torch
+
+import fusedpar
+from fusedpar.ops.grouped_mm import grouped_mm
+
+BACKENDS = ["reference", "triton"]
+
+
+def _ints(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).float()
+
+
+def _loop(a, b, offs):
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append(a[start:end] @ b[g] if b.dim() == 3 else a[:, start:end] @ b[start:end])
+        start = end
+    if b.dim() == 3:
+        return torch.cat(out + [a.new_zeros(a.shape[0] - start, b.shape[2])])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_and_gradients_exact(backend):
+    sizes = [3, 0, 9, 1]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    a = _ints(14, 11, seed=0).requires_grad_()  # 14 rows: the last one past offs[-1]
+    b = _ints(4, 11, 7, seed=1).requires_grad_()
+    out = grouped_mm(a, b, offs, backend=backend)
+    grad = _ints(14, 7, seed=2)
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = _loop(a64, b64, offs)
+    ref.backward(grad.double())
+    assert torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad)  # dgrad: grouped_mm(dy, b^T)
+    assert torch.equal(b.grad.double(), b64.grad)  # wgrad: grouped_mm(a^T, dy), groups along K
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_k_grouped_form_and_its_gradients(backend):
+    offs = torch.tensor([4, 4, 13], dtype=torch.int32)
+    a = _ints(13, 6, seed=3).t().requires_grad_()  # [6, 13], column-major like x.t()
+    b = _ints(13, 5, seed=4).requires_grad_()
+    out = grouped_mm(a, b, offs, backend=backend)
+    assert out.shape == (3, 6, 5) and torch.equal(out[1], torch.zeros(6, 5))
+    grad = _ints(3, 6, 5, seed=5)
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = _loop(a64, b64, offs)
+    ref.backward(grad.double())
+    assert torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+
+
+def test_matches_torch_grouped_mm_where_available():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm does not exist in this torch")
+    offs = torch.tensor([8, 8, 24], dtype=torch.int32)  # K, N multiples of 4: 16-byte strides
+    a, b = _ints(24, 16, seed=6), _ints(3, 16, 8, seed=7)
+    assert torch.equal(grouped_mm(a, b, offs, backend="triton"), torch._grouped_mm(a, b, offs))
+
+
+def test_bad_inputs_raise_clear_errors():
+    a, b = torch.zeros(6, 4), torch.zeros(2, 4, 3)
+    good = torch.tensor([2, 6], dtype=torch.int32)
+    cases = [
+        (lambda: grouped_mm(a, b, good.long()), TypeError, "int32"),
+        (lambda: grouped_mm(a, b, torch.tensor([4, 2], dtype=torch.int32)), ValueError,
+         r"offs\[1\] = 2 after 4"),
+        (lambda: grouped_mm(a, b, torch.tensor([2, 7], dtype=torch.int32)), ValueError, "at most the 6"),
+        (lambda: grouped_mm(a, torch.zeros(2, 5, 3), good), ValueError, "K mismatch"),
+        (lambda: grouped_mm(a, b.half(), good), TypeError, "cast them"),
+        (lambda: grouped_mm(a, b, good[:1]), ValueError, "1 group ends but b has 2"),
+        (lambda: grouped_mm(a, b, good, backend="nope"), fusedpar.errors.BackendNotSupportedError,
+         "does not exist"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_torch_compile_fullgraph():
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    a, b = _ints(5, 4, seed=8), _ints(2, 4, 3, seed=9)
+    compiled = torch.compile(lambda a, b: grouped_mm(a, b, offs) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(a, b), grouped_mm(a, b, offs) * 2)
