@@ -57,8 +57,8 @@ void check_epoch(int64_t epoch, const char* op) {
               ": 'epoch' must be in [1, 2^31-1], got ", epoch);
 }
 
-void check_max_spins(int64_t max_spins, const char* op) {
-  TORCH_CHECK(max_spins >= 1, "fusedpar::", op, ": 'max_spins' must be >= 1, got ", max_spins);
+void check_timeout_ns(int64_t timeout_ns, const char* op) {
+  TORCH_CHECK(timeout_ns >= 1, "fusedpar::", op, ": 'timeout_ns' must be >= 1 ns, got ", timeout_ns);
 }
 
 void check_meta(int64_t meta, const char* op) {
@@ -104,20 +104,20 @@ unsigned long long* stats_ptr(const at::Tensor& stats) {
 // ---------------------------------------------------------------------------------------
 
 void cuda_wait_flags(const at::Tensor& pad_table, int64_t word_base, int64_t rank,
-                     int64_t world_size, int64_t epoch, int64_t max_spins, int64_t code) {
+                     int64_t world_size, int64_t epoch, int64_t timeout_ns, int64_t code) {
   const char* op = "_cuda_wait_flags";
   check_group(pad_table, rank, world_size, op);
   TORCH_CHECK(word_base >= 0 && word_base + world_size <= layout::PAD_WORDS, "fusedpar::", op,
               ": 'word_base' must be in [0, ", layout::PAD_WORDS, " - world_size], got ",
               word_base);
   check_epoch(epoch, op);
-  check_max_spins(max_spins, op);
+  check_timeout_ns(timeout_ns, op);
   TORCH_CHECK(code >= 1 && code <= kInt32Max, "fusedpar::", op,
               ": 'code' must be a nonzero status code, got ", code);
   const c10::cuda::CUDAGuard guard(pad_table.device());
   C10_CUDA_CHECK(launch_wait_flags(table_ptr(pad_table), static_cast<int32_t>(word_base),
                                    static_cast<int32_t>(rank), static_cast<int32_t>(world_size),
-                                   static_cast<uint32_t>(epoch), max_spins,
+                                   static_cast<uint32_t>(epoch), timeout_ns,
                                    static_cast<int32_t>(code),
                                    c10::cuda::getCurrentCUDAStream().stream()));
 }
@@ -141,13 +141,13 @@ void cuda_signal_peers(const at::Tensor& pad_table, int64_t word_base, int64_t r
 
 void cuda_all_gather_pull(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pad_table,
                           int64_t rank, int64_t world_size, int64_t epoch, int64_t meta,
-                          int64_t outer, int64_t inner, int64_t max_spins,
+                          int64_t outer, int64_t inner, int64_t timeout_ns,
                           const at::Tensor& stats) {
   const char* op = "_cuda_all_gather_pull";
   check_group(pad_table, rank, world_size, op);
   check_epoch(epoch, op);
   check_meta(meta, op);
-  check_max_spins(max_spins, op);
+  check_timeout_ns(timeout_ns, op);
   check_outer_inner(outer, inner, op);
   check_cuda_tensor(out, op, "out");
   check_cuda_tensor(x, op, "x");
@@ -166,19 +166,19 @@ void cuda_all_gather_pull(const at::Tensor& out, const at::Tensor& x, const at::
   C10_CUDA_CHECK(launch_all_gather_pull(
       out.data_ptr(), x.const_data_ptr(), table_ptr(pad_table), static_cast<int32_t>(rank),
       static_cast<int32_t>(world_size), static_cast<uint32_t>(epoch), meta, outer, row_bytes,
-      max_spins, stats_ptr(stats), sm_count(pad_table.device().index()),
+      timeout_ns, stats_ptr(stats), sm_count(pad_table.device().index()),
       c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table, int64_t rank,
                               int64_t world_size, int64_t epoch, int64_t meta, int64_t outer,
-                              int64_t inner, int64_t max_spins, const at::Tensor& stats,
+                              int64_t inner, int64_t timeout_ns, const at::Tensor& stats,
                               double divisor) {
   const char* op = "_cuda_reduce_scatter_pull";
   check_group(pad_table, rank, world_size, op);
   check_epoch(epoch, op);
   check_meta(meta, op);
-  check_max_spins(max_spins, op);
+  check_timeout_ns(timeout_ns, op);
   check_outer_inner(outer, inner, op);
   check_cuda_tensor(out, op, "out");
   check_same_device(out, pad_table, op, "out");
@@ -204,7 +204,7 @@ void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table
   C10_CUDA_CHECK(launch_reduce_scatter_pull(
       out.data_ptr(), table_ptr(pad_table), static_cast<int32_t>(rank),
       static_cast<int32_t>(world_size), static_cast<uint32_t>(epoch), meta, outer, inner, kind,
-      max_spins, stats_ptr(stats), static_cast<float>(divisor), sm_count(pad_table.device().index()),
+      timeout_ns, stats_ptr(stats), static_cast<float>(divisor), sm_count(pad_table.device().index()),
       c10::cuda::getCurrentCUDAStream().stream()));
 }
 
@@ -214,17 +214,17 @@ void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table
 TORCH_LIBRARY_FRAGMENT(fusedpar, m) {
   m.def(
       "_cuda_wait_flags(Tensor pad_table, int word_base, int rank, int world_size, int epoch, "
-      "int max_spins, int code) -> ()");
+      "int timeout_ns, int code) -> ()");
   m.def(
       "_cuda_signal_peers(Tensor pad_table, int word_base, int rank, int world_size, int epoch, "
       "int meta) -> ()");
   m.def(
       "_cuda_all_gather_pull(Tensor(a!) out, Tensor x, Tensor pad_table, int rank, "
-      "int world_size, int epoch, int meta, int outer, int inner, int max_spins, "
+      "int world_size, int epoch, int meta, int outer, int inner, int timeout_ns, "
       "Tensor(b!) stats) -> ()");
   m.def(
       "_cuda_reduce_scatter_pull(Tensor(a!) out, Tensor pad_table, int rank, int world_size, "
-      "int epoch, int meta, int outer, int inner, int max_spins, Tensor(b!) stats, "
+      "int epoch, int meta, int outer, int inner, int timeout_ns, Tensor(b!) stats, "
       "float divisor=1.0) -> ()");
 }
 

@@ -28,14 +28,14 @@ CUDA_OPS = (
 
 EXPECTED_SCHEMAS = {
     "_cuda_wait_flags": "(Tensor pad_table, int word_base, int rank, int world_size, "
-    "int epoch, int max_spins, int code) -> ()",
+    "int epoch, int timeout_ns, int code) -> ()",
     "_cuda_signal_peers": "(Tensor pad_table, int word_base, int rank, int world_size, "
     "int epoch, int meta) -> ()",
     "_cuda_all_gather_pull": "(Tensor(a!) out, Tensor x, Tensor pad_table, int rank, "
-    "int world_size, int epoch, int meta, int outer, int inner, int max_spins, "
+    "int world_size, int epoch, int meta, int outer, int inner, int timeout_ns, "
     "Tensor(b!) stats) -> ()",
     "_cuda_reduce_scatter_pull": "(Tensor(a!) out, Tensor pad_table, int rank, int world_size, "
-    "int epoch, int meta, int outer, int inner, int max_spins, Tensor(b!) stats, "
+    "int epoch, int meta, int outer, int inner, int timeout_ns, Tensor(b!) stats, "
     "float divisor=1.) -> ()",
 }
 

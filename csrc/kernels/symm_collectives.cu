@@ -20,7 +20,7 @@ using layout::TIMEOUT_READY;
 
 constexpr int kThreads = 256;       // block size of the copy / reduce kernels
 constexpr int kSignalThreads = 256;  // one-block kernels: one thread per peer (W <= 256)
-constexpr int kStatusPollMask = 31;  // spin loops re-check STATUS every 32 iterations
+constexpr int kStatusPollMask = 31;  // spin loops re-check STATUS and the clock every 32 polls
 
 // ---------------------------------------------------------------------------------------
 // Memory-model helpers (system scope: peers are other GPUs / processes)
@@ -73,16 +73,27 @@ __device__ void record_status(uint32_t* own_pad, uint32_t code, uint32_t src, ui
   }
 }
 
+__device__ __forceinline__ int64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<int64_t>(t);
+}
+
 // Bounded wait for own_pad[word] >= epoch (acquire, system scope). Returns true once the
-// flag has reached the epoch; false when STATUS is (or becomes) set or after max_spins
-// iterations, in which case (code, src, epoch) is recorded (first failure wins).
-__device__ bool wait_flag(uint32_t* own_pad, int word, uint32_t epoch, int64_t max_spins,
+// flag has reached the epoch; false when STATUS is (or becomes) set or when timeout_ns of
+// wall-clock time (%globaltimer) have passed, in which case (code, src, epoch) is recorded
+// (first failure wins).
+__device__ bool wait_flag(uint32_t* own_pad, int word, uint32_t epoch, int64_t timeout_ns,
                           uint32_t code, uint32_t src) {
   if (status_set(own_pad)) return false;
   const uint32_t* flag = own_pad + word;
-  for (int64_t i = 0; i < max_spins; ++i) {
+  const int64_t start = global_timer_ns();
+  for (int64_t i = 0;; ++i) {
     if (ld_acquire_sys(flag) >= epoch) return true;
-    if ((i & kStatusPollMask) == kStatusPollMask && status_set(own_pad)) return false;
+    if ((i & kStatusPollMask) == kStatusPollMask) {
+      if (status_set(own_pad)) return false;
+      if (global_timer_ns() - start > timeout_ns) break;
+    }
   }
   record_status(own_pad, code, src, epoch);
   return false;
@@ -90,8 +101,8 @@ __device__ bool wait_flag(uint32_t* own_pad, int word, uint32_t epoch, int64_t m
 
 // Wait READY+src, then compare the peer's META with ours (meta < 0: no check).
 __device__ bool wait_ready_and_meta(uint32_t* own_pad, const uint32_t* peer_pad, int src,
-                                    uint32_t epoch, int64_t meta, int64_t max_spins) {
-  if (!wait_flag(own_pad, READY + src, epoch, max_spins, TIMEOUT_READY, src)) return false;
+                                    uint32_t epoch, int64_t meta, int64_t timeout_ns) {
+  if (!wait_flag(own_pad, READY + src, epoch, timeout_ns, TIMEOUT_READY, src)) return false;
   if (meta >= 0 && ld_acquire_sys(peer_pad + META) != static_cast<uint32_t>(meta)) {
     record_status(own_pad, META_MISMATCH, src, epoch);
     return false;
@@ -105,12 +116,12 @@ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + 
 // wait / signal
 
 __global__ void wait_flags_kernel(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                                  int32_t world_size, uint32_t epoch, int64_t max_spins,
+                                  int32_t world_size, uint32_t epoch, int64_t timeout_ns,
                                   uint32_t code) {
   uint32_t* own = pad_of(pad_table, rank);
   for (int src = threadIdx.x; src < world_size; src += blockDim.x) {
     if (src == rank) continue;
-    wait_flag(own, word_base + src, epoch, max_spins, code, static_cast<uint32_t>(src));
+    wait_flag(own, word_base + src, epoch, timeout_ns, code, static_cast<uint32_t>(src));
   }
 }
 
@@ -174,7 +185,7 @@ __device__ void copy_block_share(char* dst, const char* src, int64_t outer, int6
 __global__ void all_gather_pull_kernel(char* out, const char* x, const int64_t* pad_table,
                                        int32_t rank, int32_t world_size, uint32_t epoch,
                                        int64_t meta, int64_t outer, int64_t row_bytes,
-                                       int64_t max_spins, unsigned long long* stats) {
+                                       int64_t timeout_ns, unsigned long long* stats) {
   __shared__ int go;
   const int s = blockIdx.y;
   const int src = (rank + s) % world_size;
@@ -184,7 +195,7 @@ __global__ void all_gather_pull_kernel(char* out, const char* x, const int64_t* 
     uint32_t* own = pad_of(pad_table, rank);
     const uint32_t* peer = pad_of(pad_table, src);
     if (threadIdx.x == 0) {
-      bool ok = wait_ready_and_meta(own, peer, src, epoch, meta, max_spins);
+      bool ok = wait_ready_and_meta(own, peer, src, epoch, meta, timeout_ns);
       go = (ok && !status_set(own)) ? 1 : 0;
     }
     __syncthreads();
@@ -296,7 +307,7 @@ template <typename K>
 __global__ void reduce_scatter_pull_kernel(typename K::storage* out, const int64_t* pad_table,
                                            int32_t rank, int32_t world_size, uint32_t epoch,
                                            int64_t meta, int64_t outer, int64_t inner,
-                                           int64_t max_spins, unsigned long long* stats,
+                                           int64_t timeout_ns, unsigned long long* stats,
                                            float divisor) {
   using S = typename K::storage;
   constexpr int VEC = 16 / sizeof(S);
@@ -309,7 +320,7 @@ __global__ void reduce_scatter_pull_kernel(typename K::storage* out, const int64
   for (int src = threadIdx.x; src < world_size; src += blockDim.x) {
     aligned = aligned && (static_cast<uint64_t>(pad_table[src]) % 16 == 0);
     if (src == rank) continue;
-    ok = ok && wait_ready_and_meta(own, pad_of(pad_table, src), src, epoch, meta, max_spins);
+    ok = ok && wait_ready_and_meta(own, pad_of(pad_table, src), src, epoch, meta, timeout_ns);
   }
   if (threadIdx.x == 0) ok = ok && !status_set(own);
   if (!__syncthreads_and(ok)) return;
@@ -360,10 +371,10 @@ int one_block_threads(int32_t world_size) {
 // launchers
 
 cudaError_t launch_wait_flags(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                              int32_t world_size, uint32_t epoch, int64_t max_spins,
+                              int32_t world_size, uint32_t epoch, int64_t timeout_ns,
                               int32_t code, cudaStream_t stream) {
   wait_flags_kernel<<<1, one_block_threads(world_size), 0, stream>>>(
-      pad_table, word_base, rank, world_size, epoch, max_spins, static_cast<uint32_t>(code));
+      pad_table, word_base, rank, world_size, epoch, timeout_ns, static_cast<uint32_t>(code));
   return cudaGetLastError();
 }
 
@@ -378,20 +389,20 @@ cudaError_t launch_signal_peers(const int64_t* pad_table, int32_t word_base, int
 cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_table,
                                    int32_t rank, int32_t world_size, uint32_t epoch,
                                    int64_t meta, int64_t outer, int64_t row_bytes,
-                                   int64_t max_spins, unsigned long long* stats,
+                                   int64_t timeout_ns, unsigned long long* stats,
                                    int32_t sm_count, cudaStream_t stream) {
   const dim3 grid(blocks_for(outer * row_bytes, sm_count, world_size),
                   static_cast<unsigned>(world_size));
   all_gather_pull_kernel<<<grid, kThreads, 0, stream>>>(
       static_cast<char*>(out), static_cast<const char*>(x), pad_table, rank, world_size, epoch,
-      meta, outer, row_bytes, max_spins, stats);
+      meta, outer, row_bytes, timeout_ns, stats);
   return cudaGetLastError();
 }
 
 cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int32_t rank,
                                        int32_t world_size, uint32_t epoch, int64_t meta,
                                        int64_t outer, int64_t inner, ScalarKind kind,
-                                       int64_t max_spins, unsigned long long* stats,
+                                       int64_t timeout_ns, unsigned long long* stats,
                                        float divisor, int32_t sm_count, cudaStream_t stream) {
   const int64_t elem = kind == ScalarKind::kFloat32 ? 4 : 2;
   const int blocks = blocks_for(outer * inner * elem * world_size, sm_count, 1);
@@ -399,17 +410,17 @@ cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int3
     case ScalarKind::kFloat32:
       reduce_scatter_pull_kernel<F32><<<blocks, kThreads, 0, stream>>>(
           static_cast<float*>(out), pad_table, rank, world_size, epoch, meta, outer, inner,
-          max_spins, stats, divisor);
+          timeout_ns, stats, divisor);
       break;
     case ScalarKind::kFloat16:
       reduce_scatter_pull_kernel<F16><<<blocks, kThreads, 0, stream>>>(
           static_cast<unsigned short*>(out), pad_table, rank, world_size, epoch, meta, outer,
-          inner, max_spins, stats, divisor);
+          inner, timeout_ns, stats, divisor);
       break;
     case ScalarKind::kBFloat16:
       reduce_scatter_pull_kernel<BF16><<<blocks, kThreads, 0, stream>>>(
           static_cast<unsigned short*>(out), pad_table, rank, world_size, epoch, meta, outer,
-          inner, max_spins, stats, divisor);
+          inner, timeout_ns, stats, divisor);
       break;
     default:
       return cudaErrorInvalidValue;

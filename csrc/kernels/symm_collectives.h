@@ -9,7 +9,7 @@
 //   META          31-bit fingerprint of the owner's staged input
 //   STATUS..+3    local only: [code, src, epoch, 0] of the first failure
 // Flags carry epochs and only grow: "flag reached epoch" means flag >= epoch (unsigned).
-// Every spin-wait is bounded by `max_spins` iterations; on exhaustion the waiting thread
+// Every spin-wait is bounded by `timeout_ns` of wall-clock time (%globaltimer); then the waiting thread
 // records STATUS in its OWN pad (atomicCAS on STATUS+0 from 0: the first failure wins)
 // and gives up. Every wait first checks STATUS+0 and gives up at once when it is set.
 //
@@ -32,6 +32,9 @@ constexpr int32_t READY = 0;
 constexpr int32_t DONE = 256;
 constexpr int32_t META = 512;
 constexpr int32_t STATUS = 516;
+constexpr int32_t DEADLINE = 520;      // local: epoch whose time ran out (interpreter watchdog only)
+constexpr int32_t DESC = 528;          // owner's input description, read after a META mismatch
+constexpr int32_t DESC_WORDS = 16;
 constexpr int32_t GATHERED = 768;      // local flags of the fused all-gather + matmul
 constexpr int32_t CHUNK_TILES = 1024;  // local tile counters of the fused matmul + reduce-scatter
 constexpr int32_t PAD_WORDS = 2048;
@@ -47,7 +50,8 @@ static_assert(DONE == MAX_WORLD, "DONE = MAX_WORLD");
 static_assert(META == 2 * MAX_WORLD, "META = 2 * MAX_WORLD");
 static_assert(STATUS == 2 * MAX_WORLD + 4, "STATUS = 2 * MAX_WORLD + 4");
 static_assert(PAD_BYTES == 4 * PAD_WORDS, "PAD_BYTES = 4 * PAD_WORDS");
-static_assert(STATUS + 4 <= PAD_WORDS, "pad too small");
+static_assert(STATUS + 4 <= DEADLINE && DEADLINE < DESC, "STATUS, DEADLINE, DESC overlap");
+static_assert(DESC + DESC_WORDS <= GATHERED, "DESC overlaps GATHERED");
 
 }  // namespace layout
 
@@ -57,7 +61,7 @@ enum class ScalarKind : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // One block. Waits until own pad (pad_table[rank]) word `word_base + src` >= epoch for
 // every src != rank; on timeout records status (code, src, epoch).
 cudaError_t launch_wait_flags(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                              int32_t world_size, uint32_t epoch, int64_t max_spins,
+                              int32_t world_size, uint32_t epoch, int64_t timeout_ns,
                               int32_t code, cudaStream_t stream);
 
 // One block. If meta >= 0, stores own pad[META] = meta; then, after a system-scope fence,
@@ -74,7 +78,7 @@ cudaError_t launch_signal_peers(const int64_t* pad_table, int32_t word_base, int
 cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_table,
                                    int32_t rank, int32_t world_size, uint32_t epoch,
                                    int64_t meta, int64_t outer, int64_t row_bytes,
-                                   int64_t max_spins, unsigned long long* stats,
+                                   int64_t timeout_ns, unsigned long long* stats,
                                    int32_t sm_count, cudaStream_t stream);
 
 // Every rank staged [outer, W, inner] elements of `kind` in its data region.
@@ -85,7 +89,7 @@ cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_
 cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int32_t rank,
                                        int32_t world_size, uint32_t epoch, int64_t meta,
                                        int64_t outer, int64_t inner, ScalarKind kind,
-                                       int64_t max_spins, unsigned long long* stats,
+                                       int64_t timeout_ns, unsigned long long* stats,
                                        float divisor, int32_t sm_count, cudaStream_t stream);
 
 }  // namespace fusedpar

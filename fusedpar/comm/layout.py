@@ -10,6 +10,12 @@ array with fixed word offsets, so kernels need no world-size arithmetic to find 
 - ``META``: a 31-bit fingerprint of the owner's input (op, dtype, shape) for the staged
   epoch; a reader compares it with its own to catch inputs that differ across ranks.
 - ``STATUS .. STATUS+3``: local only: ``[code, src, epoch, 0]`` of the first failure.
+- ``DEADLINE``: local only: the epoch whose call has run out of time. The Triton interpreter
+  has no clock, so a host watchdog thread writes it when ``FUSEDPAR_TIMEOUT`` has passed since
+  the call began; a wait that sees it give up. (Compiled kernels read ``%globaltimer``.)
+- ``DESC .. DESC+DESC_WORDS``: the owner's input description for the staged epoch
+  (``[op, dtype, ndim, dim, shape...]``, written by the host with ``META``), read only to
+  say *what* differed after a fingerprint mismatch.
 - ``GATHERED + src``: local only: the epoch whose shard of ``src`` a copy engine has copied
   into this rank's gathered buffer (fused all-gather + matmul, written by
   ``stream_write_value32`` so the GEMM never gives up an SM to a flag kernel).
@@ -25,6 +31,9 @@ READY = 0
 DONE = MAX_WORLD
 META = 2 * MAX_WORLD
 STATUS = 2 * MAX_WORLD + 4
+DEADLINE = 2 * MAX_WORLD + 8
+DESC = 2 * MAX_WORLD + 16
+DESC_WORDS = 16
 GATHERED = 3 * MAX_WORLD
 CHUNK_TILES = 4 * MAX_WORLD
 PAD_WORDS = 2048

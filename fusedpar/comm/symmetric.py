@@ -15,9 +15,11 @@ Backends:
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import secrets
 import socket
+import threading
 import time
 import zlib
 
@@ -30,12 +32,8 @@ from . import layout
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "fusedpar_"
 _MIN_BYTES = 1 << 20
-
-# Seconds one poll of a flag takes, to turn a timeout into an iteration cap. The Triton
-# interpreter polls through Python (~290 us on 2 idle cores; the op layer measures it on
-# first use, see ops._collective.calibrate_polls); a GPU's system-scope atomic ~1 us.
-POLL_SECONDS = {"cpu": 290e-6, "cuda": 1e-6}
-
+# dist.all_gather_single replaces all_gather_into_tensor in torch 2.13+ (2.11 has only the latter)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 def timeout_seconds() -> float:
     """Every wait on a peer gives up after this long (``FUSEDPAR_TIMEOUT``, default 60 s)."""
@@ -45,6 +43,37 @@ def timeout_seconds() -> float:
 def fingerprint(*parts) -> int:
     """A 31-bit digest of an op's inputs, compared across ranks through ``layout.META``."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+_DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                torch.float64, torch.uint8, torch.int8]
+
+
+def describe_words(op_code: int, dtype: torch.dtype, shape, dim: int) -> list[int]:
+    """``layout.DESC`` words for an input: ``[op, dtype, ndim, dim, *shape]`` (shape cut to fit)."""
+    dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+    words = [op_code, dtype_code, len(shape), dim, *shape][: layout.DESC_WORDS]
+    return words + [0] * (layout.DESC_WORDS - len(words))
+
+
+def describe_input(words: list[int]) -> str:
+    """The inverse of ``describe_words`` for an error message: ``"shape (4, 8) bfloat16, dim 0"``."""
+    _, dtype_code, ndim, dim, *shape = words
+    dtype = str(_DTYPE_CODES[dtype_code]).replace("torch.", "") if 0 <= dtype_code < len(_DTYPE_CODES) else "?"
+    return f"shape {tuple(shape[:ndim])} {dtype}, dim {dim}"
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream of ``device`` is capturing a graph (never on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def mismatch_message(op: str, rank: int, src: int, group_name: str, mine: list[int],
+                     theirs: list[int]) -> str:
+    """The error for inputs that differ across ranks, saying what each rank passed."""
+    return (f"fusedpar.{op}: rank {rank} and rank {src} of group {group_name!r} passed different "
+            f"inputs: rank {rank} {describe_input(mine)}, rank {src} {describe_input(theirs)}; "
+            "every rank must call the op with the same shape, dtype and dim")
 
 
 class SymmetricBuffer:
@@ -69,13 +98,14 @@ class SymmetricBuffer:
         self.epoch = 0
         self.failure: str | None = None
         self._keepalive = keepalive  # torch symm_mem handle: owns the mappings
-        self._pending_status = None  # (event, pinned host copy) on CUDA
+        self._pending_status = None  # (op, event, pinned host copy) on CUDA
+        self._watchdog: threading.Timer | None = None
 
     @property
-    def max_spins(self) -> int:
-        """The iteration cap of every kernel-side wait: about ``timeout_seconds()``."""
-        poll = POLL_SECONDS["cpu" if self.device.type == "cpu" else "cuda"]
-        return max(1, int(timeout_seconds() / poll))
+    def timeout_ns(self) -> int:
+        """How long every kernel-side wait may take (``FUSEDPAR_TIMEOUT``), for the kernels'
+        ``%globaltimer`` bound; the interpreter's bound is the watchdog of ``next_epoch``."""
+        return int(timeout_seconds() * 1e9)
 
     # ---- views ----------------------------------------------------------------------
     def pad(self, rank: int | None = None) -> torch.Tensor:
@@ -103,6 +133,18 @@ class SymmetricBuffer:
 
     # ---- protocol -------------------------------------------------------------------
     def next_epoch(self) -> int:
+        """Start a call: a new epoch for its flags. On CPU this also arms the watchdog that
+        writes the epoch into ``DEADLINE`` when ``FUSEDPAR_TIMEOUT`` has passed (the
+        interpreter's clock); ``finish`` disarms it.
+
+        CUDA-graph capture is refused: the epoch lives on the host, so a captured graph would
+        replay one frozen epoch and every wait after the first replay would pass at once."""
+        if capturing(self.device):
+            raise FusedparError(
+                f"fusedpar ops on symmetric memory (group {self.group_name!r}) cannot be captured "
+                "in a CUDA graph: their flags carry a host-side epoch that a replay would freeze. "
+                "Capture only the compute, or use backend='reference' / 'pipelined' inside the graph"
+            )
         self._check_pending()
         if self.failure:
             raise FusedparError(
@@ -112,7 +154,25 @@ class SymmetricBuffer:
         self.epoch += 1
         if self.epoch >= 2**31 - 1:
             raise FusedparError("epoch counter exhausted; re-create the process group")
+        if self.device.type == "cpu":
+            self._arm_watchdog(self.epoch)
         return self.epoch
+
+    def _arm_watchdog(self, epoch: int) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        deadline = self.pad()[layout.DEADLINE : layout.DEADLINE + 1]
+        self._watchdog = threading.Timer(timeout_seconds(), deadline.fill_, (epoch,))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def publish(self, meta: int, desc: list[int]) -> None:
+        """Write this rank's input fingerprint and description (``layout.META``/``DESC``)
+        before its READY signal, so peers can check the first and explain with the second."""
+        pad = self.pad()
+        pad[layout.META] = meta
+        pad[layout.DESC : layout.DESC + layout.DESC_WORDS].copy_(
+            torch.tensor(desc, dtype=torch.int32), non_blocking=True)
 
     def finish(self, op: str) -> None:
         """Surface a timeout or mismatch the kernels recorded in this rank's status words.
@@ -123,6 +183,9 @@ class SymmetricBuffer:
         """
         status = self.pad()[layout.STATUS : layout.STATUS + 3]
         if self.device.type == "cpu":
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
             self._raise_if_failed(op, status.tolist())
             return
         host = torch.empty(3, dtype=torch.int32, pin_memory=True)
@@ -151,11 +214,9 @@ class SymmetricBuffer:
             return
         if code == layout.META_MISMATCH:
             self.failure = f"{op}: inputs differ across ranks"
-            raise ValueError(
-                f"fusedpar.{op}: rank {self.rank} and rank {src} of group {self.group_name!r} "
-                "passed different inputs (shape, dtype, dim or op differ); every rank must call "
-                "the op with the same shape and dtype"
-            )
+            desc = slice(layout.DESC, layout.DESC + layout.DESC_WORDS)
+            mine, theirs = self.pad()[desc].tolist(), self.pad(src)[desc].tolist()
+            raise ValueError(mismatch_message(op, self.rank, src, self.group_name, mine, theirs))
         flag = {layout.TIMEOUT_READY: "READY", layout.TIMEOUT_DONE: "DONE"}.get(code, str(code))
         self.failure = f"{op}: timed out waiting for rank {src}"
         raise FusedparTimeoutError(
@@ -193,8 +254,38 @@ def shm_job_prefix(parent_pid: int | None = None) -> str:
     return f"{SHM_PREFIX}{job}_"
 
 
+def _bounded(work, what: str, group) -> None:
+    """Wait for an async collective at most ``FUSEDPAR_TIMEOUT``; a rank that never joins it
+    gives a FusedparTimeoutError naming the step instead of a hang."""
+    timeout = timeout_seconds()
+    try:
+        finished = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:  # gloo raises on timeout, as on a peer that closed its end
+        raise FusedparTimeoutError(
+            f"rank {dist.get_rank()} timed out after ~{timeout:g} s in {what} of group "
+            f"{group.group_name!r}: a peer died, stalled or did not call the op "
+            f"(raise FUSEDPAR_TIMEOUT if it is just slow) [{str(e).splitlines()[0]}]") from e
+    if finished is False:
+        raise FusedparTimeoutError(
+            f"rank {dist.get_rank()} timed out after ~{timeout:g} s in {what} of group "
+            f"{group.group_name!r}: a peer died, stalled or did not call the op")
+
+
+def exchange_strings(text: str, group, what: str) -> list[str]:
+    """Every rank's ``text`` (ASCII, < 256 bytes), with the bounded wait of ``_bounded``."""
+    raw = text.encode()
+    if len(raw) >= 256:
+        raise FusedparError(f"{what}: {text!r} is too long to exchange")
+    mine = torch.zeros(256, dtype=torch.uint8)
+    mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * 256, dtype=torch.uint8)
+    _bounded(_all_gather_single(everyone, mine, group=group, async_op=True), what, group)
+    return [bytes(row[row.nonzero().flatten()].tolist()).decode() for row in everyone.view(world, 256)]
+
+
 def _shm_segments(group, nbytes: int):
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     name = f"{shm_job_prefix()}{secrets.token_hex(6)}_{rank}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -203,13 +294,13 @@ def _shm_segments(group, nbytes: int):
     finally:
         os.close(fd)
     try:
-        names = [None] * world
-        dist.all_gather_object(names, name, group=group)
+        names = exchange_strings(name, group, "the symmetric-memory rendezvous")
         segments = [
             torch.from_file(os.path.join(SHM_DIR, n), shared=True, size=nbytes, dtype=torch.uint8)
             for n in names
         ]
-        dist.barrier(group=group)  # every rank has mapped every segment
+        # every rank has mapped every segment
+        _bounded(dist.barrier(group=group, async_op=True), "the symmetric-memory rendezvous", group)
     finally:
         os.unlink(path)  # the mappings stay valid; nothing is left on a crash
     return segments
@@ -230,31 +321,59 @@ def _torch_segments(group, nbytes: int, device):
     return segments, (t, handle)
 
 
-_same_host: dict[str, bool] = {}
+_placement: dict[str, list[str]] = {}
+
+
+def _peers(group) -> list[str]:
+    """Every rank's ``"host:cuda_index"`` (collective, bounded; cached per group)."""
+    name = group.group_name
+    if name not in _placement:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        _placement[name] = exchange_strings(f"{socket.gethostname()}:{index}", group,
+                                            "the symmetric-memory placement check")
+    return _placement[name]
 
 
 def shm_unsupported_reason(group) -> str | None:
     """Why the ``shm`` backend cannot serve ``group`` (collective; agreed and cached per group)."""
-    name = group.group_name
-    if name not in _same_host:
-        hosts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _same_host[name] = len(set(hosts)) == 1
-    if not _same_host[name]:
+    if len({p.rsplit(":", 1)[0] for p in _peers(group)}) != 1:
         return "shm symmetric memory needs every rank of the group on one host"
     if not os.path.isdir(SHM_DIR):
         return f"{SHM_DIR} does not exist"
     return None
 
 
-def torch_symm_unsupported_reason(device: torch.device) -> str | None:
+_peer_access: dict[str, str | None] = {}
+
+
+def torch_symm_unsupported_reason(device: torch.device, group=None) -> str | None:
+    """Why torch symmetric memory cannot serve ``group`` on ``device``: not CUDA, not
+    importable, ranks on several hosts, or GPUs without peer access. With a group this is
+    collective (every rank learns every rank's verdict, so all agree) and cached per group."""
     if device.type != "cuda":
         return "torch symmetric memory needs CUDA tensors"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as e:
         return f"torch.distributed._symmetric_memory unavailable: {e}"
-    return None
+    if group is None:
+        return None
+    name = group.group_name
+    if name not in _peer_access:
+        peers = _peers(group)
+        host, mine = peers[dist.get_rank(group)].rsplit(":", 1)
+        reason = ""
+        for r, peer in enumerate(peers):
+            peer_host, index = peer.rsplit(":", 1)
+            if peer_host != host:
+                reason = f"rank {r} of group {name!r} is on host {peer_host}, not {host} (NVLink peers only)"
+                break
+            if index != mine and not torch.cuda.can_device_access_peer(int(mine), int(index)):
+                reason = f"cuda:{mine} cannot access cuda:{index} (rank {r}) as a peer"
+                break
+        verdicts = exchange_strings(reason[:255], group, "the symmetric-memory peer check")
+        _peer_access[name] = next((v for v in verdicts if v), None)
+    return _peer_access[name]
 
 
 _buffers: dict[tuple, SymmetricBuffer] = {}
@@ -275,7 +394,7 @@ def get_buffer(group, nbytes: int, device: torch.device) -> SymmetricBuffer:
     buf = _buffers.get(key)
     if buf is not None and buf.capacity >= nbytes:
         return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         raise FusedparError(
             f"symmetric buffer of group {group.group_name!r} must grow to {nbytes} bytes during "
             "CUDA-graph capture; run one eager step first or set FUSEDPAR_SYMM_BYTES"

@@ -1,19 +1,23 @@
 """Triton kernels, one module per family, each with plain launcher functions.
 
-Every module lists its ``@triton.jit`` entry kernels in ``AOT_EXAMPLES`` as
-``(kernel, signature, constexprs)``; CI compiles each for sm_90 and sm_80 ahead of time
-(tests/kernels/test_aot.py), and a test fails if a kernel is missing from the list.
+Every module lists, in ``AOT_EXAMPLES``, each variant its launchers produce on a GPU as
+``(kernel, signature, constexprs[, options])``: ``constexprs`` and ``options``
+(``num_warps``, ``num_stages``, ``arch`` (90 or 80; absent = both), ``spills_ok`` (why a
+variant may spill)) exactly as the launcher picks them. CI compiles each for sm_90a and
+sm_80 ahead of time and requires no spills (tests/kernels/test_aot.py); a test fails if a
+kernel is missing from the list.
 """
 
 import importlib
 
-FAMILIES = ["signal", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs"]
+FAMILIES = ["signal", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs", "flash_attn", "grouped_gemm", "moe_permute"]
 
 
 def aot_examples():
-    """Every registered kernel with its example signature: ``[(module, kernel, sig, consts)]``."""
+    """Every registered variant: ``[(family, kernel, signature, constexprs, options)]``."""
     out = []
     for family in FAMILIES:
         module = importlib.import_module(f"{__name__}.{family}")
-        out += [(family, kernel, sig, consts) for kernel, sig, consts in module.AOT_EXAMPLES]
+        for kernel, sig, consts, *options in module.AOT_EXAMPLES:
+            out.append((family, kernel, sig, consts, dict(*options)))
     return out

@@ -31,17 +31,19 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .signal import data_ptr, pad_ptr, wait_flag, wait_ready_and_match
+from .signal import PER_CALL_ARGS, data_ptr, pad_ptr, wait_flag, wait_ready_and_match
 
 GATHERED = tl.constexpr(layout.GATHERED)
 
-# sm_90 (H100/H200), 16-bit inputs: 128x256x64 tiles on two consumer warpgroups (wgmma),
-# 3 stages = 144 KiB of shared memory; ptxas: no spills for PULL=False and gemm_rs (~380 B
-# for PULL=True + STORE_A, which keeps the A block live to store it). sm_80 spills at
-# 128x256 (mma.sync needs more registers): 128x128x64 there. fp32 runs on FMAs (no TF32): smaller K blocks.
-GPU_CONFIG_16BIT = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-GPU_CONFIG_16BIT_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-GPU_CONFIG_FP32 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+# GPU configs, chosen so that the variants the launchers produce (unit-stride B or Bᵀ, aligned
+# pointers; tests/kernels/test_aot.py prints registers and spills) compile without spills:
+# sm_90 (H100/H200), 16-bit: 128x128x64 tiles, 8 warps (two wgmma warpgroups), 4 stages =
+# 128 KiB of shared memory (128x256 spills in gemm_rs: 255 registers + 300-650 B of stack).
+# sm_80, 16-bit: mma.sync needs more registers: 128x128x32. fp32 runs on FMAs (exact, no
+# TF32) and is for tests and fp32 training only: 64x64x32.
+GPU_CONFIG_16BIT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+GPU_CONFIG_16BIT_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+GPU_CONFIG_FP32 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
 # The interpreter's cost grows with programs x loop iterations: big blocks, few programs.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1,
                           NUM_PROGRAMS=4)
@@ -74,8 +76,8 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 # One binary for every rank and epoch (an int argument equal to 1 is otherwise a constexpr).
-@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "meta"])
-def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, pad_table, rank, world_size, epoch, meta, max_spins,
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
+def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, pad_table, rank, world_size, epoch, meta, timeout_ns,
                    m_local, N, K, stride_bk, stride_bn, stride_cm, stride_cn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PULL: tl.constexpr,
@@ -96,9 +98,9 @@ def ag_gemm_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, pad_table, rank, world_size, epo
             if PULL:
                 ok = tl.full([], 1, tl.int1)
                 if src != rank:
-                    ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, max_spins)
+                    ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
             else:
-                ok = wait_flag(my_pad, GATHERED + src, src, epoch, max_spins, 1)  # TIMEOUT_READY
+                ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
         if ok:
             pid_m, pid_n = grouped_tile(tile - step * shard_tiles, m_tiles, n_tiles, GROUP_M)
             rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,26 +140,34 @@ def interpreting() -> bool:
     return type(ag_gemm_kernel).__name__ == "InterpretedFunction"
 
 
+def gpu_gemm_config(dtype: torch.dtype, arch_major: int) -> dict:
+    """The GPU launch config of the persistent GEMMs for ``dtype`` on a GPU generation."""
+    if dtype == torch.float32:
+        return dict(GPU_CONFIG_FP32)
+    return dict(GPU_CONFIG_16BIT if arch_major >= 9 else GPU_CONFIG_16BIT_SM80)
+
+
 def gemm_config(dtype: torch.dtype, device: torch.device, config: dict | None = None) -> dict:
     """Block sizes and launch options: ``config`` entries override the defaults for this
     dtype, GPU generation and mode. NUM_PROGRAMS defaults to the SM count. The GPU is
     queried here, at launch, never at import."""
     if interpreting():
         cfg = dict(INTERPRETER_CONFIG)
-    elif dtype == torch.float32:
-        cfg = dict(GPU_CONFIG_FP32)
-    elif torch.cuda.get_device_capability(device)[0] >= 9:
-        cfg = dict(GPU_CONFIG_16BIT)
     else:
-        cfg = dict(GPU_CONFIG_16BIT_SM80)
+        cfg = gpu_gemm_config(dtype, torch.cuda.get_device_capability(device)[0])
     cfg.update(config or {})
     if "NUM_PROGRAMS" not in cfg:
         cfg["NUM_PROGRAMS"] = torch.cuda.get_device_properties(device).multi_processor_count
     return cfg
 
 
+def persistent_grid(num_tiles: int, cfg: dict) -> tuple[int]:
+    """One program per SM (``NUM_PROGRAMS``) or fewer, each looping over tiles."""
+    return (min(num_tiles, cfg["NUM_PROGRAMS"]),)
+
+
 def ag_gemm(a_shard_staged: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ag: torch.Tensor | None,
-            pad_table: torch.Tensor, rank: int, world_size: int, epoch: int, meta: int, max_spins: int,
+            pad_table: torch.Tensor, rank: int, world_size: int, epoch: int, meta: int, timeout_ns: int,
             *, pull: bool, store_a: bool, config: dict | None = None) -> None:
     """Fill ``c`` (``[W*m_local, N]``, any strides) with ``cat(A_shards) @ b``.
 
@@ -168,6 +178,12 @@ def ag_gemm(a_shard_staged: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ag: 
     otherwise. Waits for peers' READY (``pull``) or this rank's GATHERED flags (not ``pull``)
     at ``epoch``; a failure is recorded in this rank's STATUS words and the tiles of that
     shard are skipped.
+
+    This kernel is persistent (``NUM_PROGRAMS`` = one per SM) and spins, so nothing it waits
+    on may need an SM: in ``pull`` mode on a GPU (loopback) every view has staged and
+    signalled before any view launches it; in copy-engine mode the READY wait runs before the
+    launch (``all_gather_matmul``) and the GATHERED flags are written by the copy engine's
+    stream (``stream_write_value32``), which needs no SM.
     """
     m_local, K = a_shard_staged.shape
     N = b.shape[1]
@@ -186,22 +202,47 @@ def ag_gemm(a_shard_staged: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ag: 
     num_tiles = world_size * triton.cdiv(m_local, bm) * triton.cdiv(N, bn)
     if num_tiles == 0:
         return
-    grid = (min(num_tiles, cfg["NUM_PROGRAMS"]),)
+    grid = persistent_grid(num_tiles, cfg)
     ag_gemm_kernel[grid](
         a_shard_staged, b, c, ag if ag is not None else a_shard_staged, pad_table, rank, world_size,
-        epoch, meta, max_spins, m_local, N, K, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        epoch, meta, timeout_ns, m_local, N, K, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=cfg["NUM_PROGRAMS"], PULL=pull, STORE_A=store_a, UPCAST=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ag_ptr": "*bf16", "pad_table": "*i64",
-        "rank": "i32", "world_size": "i32", "epoch": "i32", "meta": "i32", "max_spins": "i64",
+SM_COUNT = {90: 132, 80: 108}  # H100 SXM, A100: NUM_PROGRAMS of the persistent grid
+
+
+def aot_variants(kernel, signature: dict, **consts):
+    """``AOT_EXAMPLES`` entries of a persistent GEMM: what ``gemm_config`` picks per arch and
+    dtype (bf16 stands for both 16-bit types), for B contiguous (``stride_bn`` = 1) and, in
+    16 bits, transposed (``stride_bk`` = 1, the backward's Bᵀ): the JIT makes a unit stride
+    a constexpr."""
+    out = []
+    for arch in SM_COUNT:
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            cfg = gpu_gemm_config(dtype, arch // 10)
+            sig = {k: (f"*{name}" if v == "*T" else v) for k, v in signature.items()}
+            blocks = {k: v for k, v in cfg.items() if k.isupper()}
+            options = {"arch": arch, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+            for unit in ("stride_bn", "stride_bk")[: 2 if name == "bf16" else 1]:
+                unit_consts = {unit: 1, **({"stride_cn": 1} if "stride_cn" in sig else {})}
+                out.append((kernel, sig, dict(blocks, NUM_PROGRAMS=SM_COUNT[arch], UPCAST=False,
+                                              **unit_consts, **consts), options))
+    return out
+
+
+_SIG = {"a_ptr": "*T", "b_ptr": "*T", "c_ptr": "*T", "ag_ptr": "*T", "pad_table": "*i64",
+        "rank": "i32", "world_size": "i32", "epoch": "i32", "meta": "i32", "timeout_ns": "i64",
         "m_local": "i32", "N": "i32", "K": "i32", "stride_bk": "i32", "stride_bn": "i32",
         "stride_cm": "i32", "stride_cn": "i32"}
-_GPU_CONSTS = {k: v for k, v in GPU_CONFIG_16BIT.items() if k.isupper()}
 
 AOT_EXAMPLES = [
-    (ag_gemm_kernel, _SIG, dict(_GPU_CONSTS, NUM_PROGRAMS=132, PULL=False, STORE_A=False, UPCAST=False)),
-    (ag_gemm_kernel, _SIG, dict(_GPU_CONSTS, NUM_PROGRAMS=132, PULL=True, STORE_A=True, UPCAST=False)),
+    # the GPU path: the copy engine gathers A, the GEMM waits on GATHERED flags
+    *aot_variants(ag_gemm_kernel, _SIG, PULL=False, STORE_A=False),
+    # loopback on one GPU (benchmarks only): tiles pull A from the peers' regions and store it
+    *[(k, sig, consts, dict(options, spills_ok="loopback pull path: the A block stays live to be stored"))
+      for k, sig, consts, options in aot_variants(ag_gemm_kernel, _SIG, PULL=True, STORE_A=True)
+      if sig["a_ptr"] == "*bf16"],
 ]

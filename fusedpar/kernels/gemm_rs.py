@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .ag_gemm import GPU_CONFIG_16BIT, gemm_config, grouped_tile, interpreting, mma
+from .ag_gemm import aot_variants, gemm_config, grouped_tile, interpreting, mma, persistent_grid
 from .signal import pad_ptr
 
 READY = tl.constexpr(layout.READY)
@@ -68,20 +68,19 @@ def gemm_rs_kernel(a_ptr, b_ptr, p_ptr, pad_table, rank, world_size, epoch, m_ch
             tl.atomic_xchg(pad_ptr(pad_table, chunk) + READY + rank, epoch, sem="release", scope="sys")
 
 
-def reset_chunk_counters(pad: torch.Tensor, world_size: int, meta: int) -> None:
-    """Before a launch: zero this rank's ``CHUNK_TILES`` words and publish its input
-    fingerprint (``pad``: this rank's signal pad as an int32 tensor, e.g. ``buf.pad()``)."""
+def reset_chunk_counters(pad: torch.Tensor, world_size: int) -> None:
+    """Before a launch: zero this rank's ``CHUNK_TILES`` words (``pad``: this rank's
+    signal pad as an int32 tensor, e.g. ``buf.pad()``)."""
     pad[layout.CHUNK_TILES : layout.CHUNK_TILES + world_size].zero_()
-    pad[layout.META] = meta
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.Tensor, rank: int,
-            world_size: int, epoch: int, max_spins: int | None = None, *, config: dict | None = None) -> None:
+            world_size: int, epoch: int, *, config: dict | None = None) -> None:
     """Fill ``p`` (contiguous ``[M, N]``, a view of this rank's symmetric data region) with
     ``a @ b`` (``a``: ``[M, K]``, ``b``: ``[K, N]``, any strides; ``M = W * m_chunk``), raising
     ``READY + rank = epoch`` in rank ``c``'s pad as soon as chunk ``c`` of ``p`` is complete.
-    Call ``reset_chunk_counters`` on this rank's pad first. ``max_spins`` is unused (the
-    kernel never waits); it is accepted for a uniform launcher signature.
+    Call ``reset_chunk_counters`` on this rank's pad first. The kernel never waits, so its
+    persistent grid (one program per SM) can hold every SM.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -96,7 +95,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
     cfg = gemm_config(a.dtype, a.device, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_tiles = world_size * triton.cdiv(m_chunk, bm) * triton.cdiv(N, bn)
-    grid = (min(num_tiles, cfg["NUM_PROGRAMS"]),)
+    grid = persistent_grid(num_tiles, cfg)
     gemm_rs_kernel[grid](
         a, b, p, pad_table, rank, world_size, epoch, m_chunk, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -105,12 +104,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-_GPU_CONSTS = {k: v for k, v in GPU_CONFIG_16BIT.items() if k.isupper()}
-
-AOT_EXAMPLES = [
-    (gemm_rs_kernel,
-     {"a_ptr": "*bf16", "b_ptr": "*bf16", "p_ptr": "*bf16", "pad_table": "*i64", "rank": "i32",
-      "world_size": "i32", "epoch": "i32", "m_chunk": "i32", "N": "i32", "K": "i32",
-      "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"},
-     dict(_GPU_CONSTS, NUM_PROGRAMS=132, UPCAST=False)),
-]
+AOT_EXAMPLES = aot_variants(
+    gemm_rs_kernel,
+    {"a_ptr": "*T", "b_ptr": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
+     "world_size": "i32", "epoch": "i32", "m_chunk": "i32", "N": "i32", "K": "i32",
+     "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"})

@@ -1,9 +1,21 @@
 """Flags in symmetric signal pads: bounded waits and release signals (layout: comm.layout).
 
-Every wait polls with an acquire atomic at system scope and gives up after ``max_spins``
-polls, recording ``[code, src, epoch]`` in the waiter's own STATUS words (first failure
-wins); a wait that finds a failure already recorded gives up at once.
+Every wait polls with an acquire atomic at system scope and gives up when its time is up,
+recording ``[code, src, epoch]`` in the waiter's own STATUS words (first failure wins); a
+wait that finds a failure already recorded gives up at once.
+
+Time: compiled kernels read the GPU's ``%globaltimer`` (ns) and give up ``timeout_ns``
+after the wait began. The Triton interpreter has no clock (and no inline PTX), so there a
+host watchdog (``SymmetricBuffer.next_epoch``) writes the call's epoch into this rank's
+``DEADLINE`` word once ``FUSEDPAR_TIMEOUT`` has passed since the call began, and a wait
+that sees it gives up. Either way the bound is wall-clock time, whatever a poll costs.
+
+Every argument that changes from call to call (rank, world size, epoch, fingerprint,
+timeout) is ``do_not_specialize``: one binary serves every call (an int equal to 1, or
+divisible by 16, would otherwise compile a new one mid-training).
 """
+
+import os
 
 import torch
 import triton
@@ -15,7 +27,13 @@ READY = tl.constexpr(layout.READY)
 DONE = tl.constexpr(layout.DONE)
 META = tl.constexpr(layout.META)
 STATUS = tl.constexpr(layout.STATUS)
+DEADLINE = tl.constexpr(layout.DEADLINE)
 PAD_BYTES = tl.constexpr(layout.PAD_BYTES)
+# Decided when the kernels are decorated, exactly as triton decides to interpret them.
+USE_GLOBALTIMER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+# the per-call arguments of every kernel that waits (see the module docstring)
+PER_CALL_ARGS = ["rank", "world_size", "epoch", "meta", "timeout_ns"]
 
 
 @triton.jit
@@ -31,18 +49,50 @@ def data_ptr(pad_table, rank, dtype: tl.constexpr):
 
 
 @triton.jit
-def wait_flag(my_pad, word, src, epoch, max_spins, code):
+def now_ns():
+    """The GPU's global nanosecond timer (compiled kernels only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def clock_start():
+    """What ``time_is_up`` measures from: the timer now (compiled) or 0 (interpreter)."""
+    if USE_GLOBALTIMER:
+        start = now_ns()
+    else:
+        start = tl.full([], 0, tl.int64)
+    return start
+
+
+@triton.jit
+def time_is_up(my_pad, start, epoch, timeout_ns):
+    """Whether this wait has run out of time (see the module docstring)."""
+    if USE_GLOBALTIMER:
+        up = now_ns() - start > timeout_ns
+    else:
+        up = tl.atomic_add(my_pad + DEADLINE, 0, sem="relaxed", scope="sys") >= epoch
+    return up
+
+
+@triton.jit
+def record_failure(my_pad, code, src, epoch):
+    """Record ``[code, src, epoch]`` in this rank's STATUS words unless a failure is there."""
+    if tl.atomic_cas(my_pad + STATUS, 0, code, sem="relaxed", scope="sys") == 0:
+        tl.store(my_pad + STATUS + 1, src)
+        tl.store(my_pad + STATUS + 2, epoch)
+
+
+@triton.jit
+def wait_flag(my_pad, word, src, epoch, timeout_ns, code):
     """Wait until ``my_pad[word] >= epoch``; return whether it did (False on any failure)."""
     status = my_pad + STATUS
+    start = clock_start()
     value = tl.atomic_add(my_pad + word, 0, sem="acquire", scope="sys")
     failed = tl.atomic_add(status, 0, sem="relaxed", scope="sys")
-    spins = 0
     while (value < epoch) & (failed == 0):
-        spins += 1
-        if spins >= max_spins:
-            if tl.atomic_cas(status, 0, code, sem="relaxed", scope="sys") == 0:
-                tl.store(status + 1, src)
-                tl.store(status + 2, epoch)
+        if time_is_up(my_pad, start, epoch, timeout_ns):
+            record_failure(my_pad, code, src, epoch)
         value = tl.atomic_add(my_pad + word, 0, sem="acquire", scope="sys")
         failed = tl.atomic_add(status, 0, sem="relaxed", scope="sys")
     return (value >= epoch) & (failed == 0)
@@ -54,35 +104,32 @@ def check_meta(pad_table, rank, src, epoch, meta):
     theirs = tl.load(pad_ptr(pad_table, src) + META, volatile=True)
     ok = theirs == meta
     if not ok:
-        my_pad = pad_ptr(pad_table, rank)
-        if tl.atomic_cas(my_pad + STATUS, 0, 3, sem="relaxed", scope="sys") == 0:  # META_MISMATCH
-            tl.store(my_pad + STATUS + 1, src)
-            tl.store(my_pad + STATUS + 2, epoch)
+        record_failure(pad_ptr(pad_table, rank), 3, src, epoch)  # META_MISMATCH
     return ok
 
 
 @triton.jit
-def wait_ready_and_match(pad_table, rank, src, epoch, meta, max_spins):
+def wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns):
     """Wait for ``src``'s READY flag, then check its input fingerprint equals ours."""
-    ok = wait_flag(pad_ptr(pad_table, rank), READY + src, src, epoch, max_spins, 1)  # TIMEOUT_READY
+    ok = wait_flag(pad_ptr(pad_table, rank), READY + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
     if ok:
         ok = check_meta(pad_table, rank, src, epoch, meta)
     return ok
 
 
-@triton.jit
-def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, max_spins, code, meta):
+@triton.jit(do_not_specialize=["word_base", "code", *PER_CALL_ARGS])
+def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, timeout_ns, code, meta):
     """One program: wait until ``pad[word_base + src] >= epoch`` for every peer ``src``;
     with ``meta >= 0`` also check each peer's published fingerprint."""
     my_pad = pad_ptr(pad_table, rank)
     for src in range(0, world_size):
         if src != rank:
-            if wait_flag(my_pad, word_base + src, src, epoch, max_spins, code):
+            if wait_flag(my_pad, word_base + src, src, epoch, timeout_ns, code):
                 if meta >= 0:
                     check_meta(pad_table, rank, src, epoch, meta)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["word_base", "rank", "world_size", "epoch", "meta"])
 def signal_peers_kernel(pad_table, word_base, rank, world_size, epoch, meta):
     """One program: publish ``meta`` (if >= 0), then set ``peer_pad[word_base + rank] = epoch``
     on every peer with release semantics, so what this rank wrote before is visible first."""
@@ -93,9 +140,32 @@ def signal_peers_kernel(pad_table, word_base, rank, world_size, epoch, meta):
             tl.atomic_xchg(pad_ptr(pad_table, peer) + word_base + rank, epoch, sem="release", scope="sys")
 
 
+# A kernel that spins on flags gets at most this many programs per SM and loops over its
+# work, so its spinning programs never fill the GPU: a peer whose flag depends on other work
+# (another stream, NCCL) still finds SMs. In the interpreter (no SMs) a small fixed number.
+PROGRAMS_PER_SM = 4
+INTERPRETER_PROGRAMS = 8
+
+
+def sm_count(device: torch.device) -> int | None:
+    """The SM count of a CUDA device (asked at launch, never at import); None when the
+    kernels run in the interpreter."""
+    if not USE_GLOBALTIMER or device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def spinning_grid(work_items: int, sms: int | None) -> int:
+    """Programs for a flag-spinning kernel with ``work_items`` units of work (axis 0), on a
+    GPU with ``sms`` SMs (None: the interpreter)."""
+    cap = INTERPRETER_PROGRAMS if sms is None else PROGRAMS_PER_SM * sms
+    return max(1, min(work_items, cap))
+
+
 def wait_flags(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
-               max_spins: int, code: int, meta: int = -1) -> None:
-    wait_flags_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, max_spins, code, meta)
+               timeout_ns: int, code: int, meta: int = -1) -> None:
+    """One one-program kernel (never holds more than one SM while it spins)."""
+    wait_flags_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, timeout_ns, code, meta)
 
 
 def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
@@ -106,8 +176,8 @@ def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size:
 AOT_EXAMPLES = [
     (wait_flags_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "max_spins": "i64", "code": "i32", "meta": "i32"}, {}),
+      "timeout_ns": "i64", "code": "i32", "meta": "i32"}, {}, {"num_warps": 4}),
     (signal_peers_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "meta": "i32"}, {}),
+      "meta": "i32"}, {}, {"num_warps": 4}),
 ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -32,6 +31,7 @@ from ..kernels import signal as signal_kernels
 
 GATHER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 REDUCE_OPS = ("sum", "avg")
 
 TRITON_LAUNCHERS = SimpleNamespace(
@@ -74,6 +74,10 @@ class CollectiveCall:
         return symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,
                                      self.reduce_op)
 
+    def description(self) -> list[int]:
+        """What ``layout.DESC`` publishes: enough to say which shape or dtype differed."""
+        return symmetric.describe_words(0, self.x.dtype, tuple(self.x.shape), self.dim)
+
 
 def ring_neighbours(group) -> tuple[int, int, int]:
     """``(rank, left, right)``: this rank in ``group`` and its ring neighbours' global ranks
@@ -111,10 +115,17 @@ def check_scatter(op: str, reduce_op: str, op_arg: str, tensor: str, size: int, 
         )
 
 
-def check_dtype(op: str, x: torch.Tensor, allowed) -> None:
+def check_dtype(op: str, x: torch.Tensor, allowed, name: str = "x") -> None:
     if x.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"fusedpar.{op}: x has dtype {x.dtype}; supported: {names}")
+        raise TypeError(f"fusedpar.{op}: {name} has dtype {x.dtype}; supported: {names}")
+
+
+def fused_dtype_reasons(call: CollectiveCall) -> list[str]:
+    """The fused GEMM kernels take fp32, fp16 and bf16 (the plain-torch backends take more)."""
+    if call.x.dtype in REDUCE_DTYPES:
+        return []
+    return [f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}"]
 
 
 # ---- availability -----------------------------------------------------------------------
@@ -139,7 +150,7 @@ def triton_reasons(call: CollectiveCall) -> list[str]:
     if device.type == "cuda":
         if _interpreting():
             return ["TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors"]
-        reason = symmetric.torch_symm_unsupported_reason(device)
+        reason = symmetric.torch_symm_unsupported_reason(device, call.group)  # collective, cached
         return [reason] if reason else []
     return [f"no symmetric memory for device type {device.type!r}"]
 
@@ -151,7 +162,7 @@ def cuda_reasons(call: CollectiveCall) -> list[str]:
     reason = _extension.cuda_ops_unavailable_reason()
     if reason:
         reasons.append(reason)
-    reason = symmetric.torch_symm_unsupported_reason(call.x.device)
+    reason = symmetric.torch_symm_unsupported_reason(call.x.device, call.group)
     if reason:
         reasons.append(reason)
     return reasons
@@ -165,33 +176,21 @@ def stats_tensor(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
-_polls_measured = False
-
-
-def calibrate_polls(device: torch.device) -> None:
-    """Measure once per process how long the interpreter takes to poll a flag, so a wait's
-    iteration cap matches FUSEDPAR_TIMEOUT on this machine (under its current load)."""
-    global _polls_measured
-    if device.type != "cpu" or _polls_measured:
-        return
-    scratch = torch.zeros(layout.PAD_BYTES, dtype=torch.uint8)
-    table = torch.tensor([scratch.data_ptr()] * 2, dtype=torch.int64)
-    polls = 64
-    start = time.perf_counter()  # rank 0 of 2 waits for a flag nobody raises
-    TRITON_LAUNCHERS.wait_flags(table, layout.READY, 0, 2, 1, polls, layout.TIMEOUT_READY)
-    symmetric.POLL_SECONDS["cpu"] = (time.perf_counter() - start) / polls
-    _polls_measured = True
-
-
-def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int) -> torch.Tensor:
-    """Steps 1-2: wait until peers are done with our data region, copy ``x`` in, raise READY."""
-    world = buf.world_size
+def wait_peers_done(launchers, buf, epoch: int) -> None:
+    """Step 1: wait until every peer has finished reading our data region of the last call."""
     if epoch > 1:
-        launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, world, epoch - 1,
-                             buf.max_spins, layout.TIMEOUT_DONE)
+        launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch - 1,
+                             buf.timeout_ns, layout.TIMEOUT_DONE)
+
+
+def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int, desc: list[int]) -> torch.Tensor:
+    """Steps 1-2: wait until peers are done with our data region, copy ``x`` in, publish its
+    fingerprint and description, raise READY."""
+    wait_peers_done(launchers, buf, epoch)
     view = buf.data(x.dtype, x.numel()).view(x.shape)
     view.copy_(x)
-    launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, meta)
+    buf.publish(meta, desc)
+    launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch, -1)
     return view
 
 
@@ -203,16 +202,15 @@ def release(launchers, bufs, epochs, op: str) -> None:
         buf.finish(op)
 
 
-def run_staged(op: str, launchers, bufs, xs, meta: int, pull) -> list[torch.Tensor]:
+def run_staged(op: str, launchers, bufs, xs, meta: int, desc: list[int], pull) -> list[torch.Tensor]:
     """Run steps 1-4 above for each rank view in ``bufs`` (one, or all W for loopback).
 
     Each phase runs for every view before the next phase starts, so one process can play
     all ranks: by the time any view waits, every view has signalled.
     ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel.
     """
-    calibrate_polls(xs[0].device)
     epochs = [b.next_epoch() for b in bufs]
-    staged = [stage(launchers, buf, x, epoch, meta) for buf, x, epoch in zip(bufs, xs, epochs)]
+    staged = [stage(launchers, buf, x, epoch, meta, desc) for buf, x, epoch in zip(bufs, xs, epochs)]
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
     release(launchers, bufs, epochs, op)
     return outs
@@ -234,7 +232,7 @@ class SymmetricBackend(Backend):
 
     def run_views(self, bufs, xs, call: CollectiveCall) -> list[torch.Tensor]:
         meta = call.fingerprint()
-        return run_staged(call.op, self.launchers, bufs, xs, meta,
+        return run_staged(call.op, self.launchers, bufs, xs, meta, call.description(),
                           lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta))
 
     def pull(self, call, buf, staged, epoch, meta) -> torch.Tensor:
@@ -242,19 +240,18 @@ class SymmetricBackend(Backend):
 
 
 def raise_on_mismatch(call: CollectiveCall) -> None:
-    """Reference backends: all-gather the fingerprints (one tiny collective) and compare."""
+    """Reference backends: all-gather fingerprints and descriptions (one tiny collective)
+    and compare."""
     x, world = call.x, call.world_size
-    mine = torch.tensor([call.fingerprint()], dtype=torch.int64, device=x.device)
-    metas = torch.empty(world, dtype=torch.int64, device=x.device)
-    all_gather_single(metas, mine, group=call.group)
+    words = [call.fingerprint(), *call.description()]
+    mine = torch.tensor(words, dtype=torch.int64, device=x.device)
+    everyone = torch.empty(world * len(words), dtype=torch.int64, device=x.device)
+    all_gather_single(everyone, mine, group=call.group)
     rank = dist.get_rank(call.group)
-    for r, m in enumerate(metas.tolist()):
-        if m != mine.item():
-            raise ValueError(
-                f"fusedpar.{call.op}: rank {rank} and rank {r} of group {call.group.group_name!r} "
-                "passed different inputs (shape, dtype, dim or op differ); every rank must call "
-                "the op with the same shape and dtype"
-            )
+    for r, theirs in enumerate(everyone.view(world, -1).tolist()):
+        if theirs[0] != words[0]:
+            raise ValueError(symmetric.mismatch_message(call.op, rank, r, call.group.group_name,
+                                                        words[1:], theirs[1:]))
 
 
 def run_loopback(dispatcher, xs, dim: int, backend: str, dtypes, **extra) -> list[torch.Tensor]:

@@ -24,14 +24,17 @@ class Reference(Backend):
     name = "reference"
 
     def run(self, call: C.CollectiveCall) -> torch.Tensor:
-        x, world = call.x, call.world_size
+        x, world, outer = call.x, call.world_size, call.outer
         C.raise_on_mismatch(call)
-        stacked = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-        C.all_gather_single(stacked, x.contiguous().view(-1), group=call.group)
-        stacked = stacked.view(world, *x.shape)
+        out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
+        # gather straight into the output when the rank blocks are its leading rows
+        stacked = out if outer == 1 else torch.empty_like(out)
+        C.all_gather_single(stacked.view(-1), x.contiguous().view(-1), group=call.group)
+        if outer != 1:
+            out.view(outer, world, -1).copy_(stacked.view(world, outer, -1).transpose(0, 1))
         # the ring algorithm's nominal volume: torch.distributed reports no traffic
         counters.record(OP, self.name, (world - 1) * x.numel() * x.element_size())
-        return stacked.movedim(0, call.dim).reshape(_out_shape(x, call.dim, world))
+        return out
 
 
 class Symmetric(C.SymmetricBackend):
@@ -40,12 +43,13 @@ class Symmetric(C.SymmetricBackend):
     def pull(self, call, buf, staged, epoch, meta):
         x, world, outer = call.x, call.world_size, call.outer
         inner = x.numel() // outer
-        out = torch.empty((outer, world, inner), dtype=x.dtype, device=x.device)
+        # allocated in the final shape (a returned view would make FSDP2 and autograd warn)
+        out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
         stats = C.stats_tensor(x.device)
         self.launchers.all_gather_pull(out, staged, buf.pad_table, buf.rank, world, epoch, meta,
-                                       outer, inner, buf.max_spins, stats)
+                                       outer, inner, buf.timeout_ns, stats)
         counters.record(OP, self.name, stats)
-        return out.view(_out_shape(x, call.dim, world))
+        return out
 
 
 BACKENDS = Dispatcher(OP, [

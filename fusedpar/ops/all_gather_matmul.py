@@ -13,8 +13,10 @@ from . import _collective as C
 from .backend import Backend, Dispatcher
 
 OP = "all_gather_matmul"
-SCHEMA = ("(Tensor A_shard, Tensor[] Bs, int gather_dim, str group_name, bool return_A, "
-          "str backend) -> (Tensor?, Tensor[])")
+# torch's symm_mem.fused_all_gather_matmul schema, plus a keyword-only backend: a call with
+# torch's argument list works unchanged
+SCHEMA = ("(Tensor A_shard, Tensor[] Bs, int gather_dim, str group_name, *, bool return_A=True, "
+          "str backend=\"\") -> (Tensor?, Tensor[])")
 
 
 class MatmulCall(C.CollectiveCall):
@@ -28,6 +30,9 @@ class MatmulCall(C.CollectiveCall):
     def fingerprint(self) -> int:
         return C.symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,
                                        self.reduce_op, [tuple(b.shape) for b in self.bs])
+
+    def description(self) -> list[int]:
+        return C.symmetric.describe_words(1, self.x.dtype, (*self.x.shape, *self.bs[0].shape), self.dim)
 
     def describe(self) -> str:
         return (f"A of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
@@ -45,17 +50,20 @@ class MatmulCall(C.CollectiveCall):
         return t.view(shape).movedim(0, self.dim).contiguous()
 
 
-def check_matmul_inputs(op: str, a: torch.Tensor, bs, dim: int, dim_name: str) -> int:
-    """Shapes, dtypes and devices of A and the Bs; returns ``dim`` made non-negative."""
+def check_matmul_inputs(op: str, a: torch.Tensor, bs, dim: int, dim_name: str,
+                        dtypes=C.MATMUL_DTYPES) -> int:
+    """Shapes, dtypes and devices of A and the Bs; returns ``dim`` made non-negative.
+    Every dtype torch multiplies is accepted here (the plain-torch backends take them all,
+    e.g. float64 for gradcheck); the fused backends say which they support."""
     if not isinstance(a, torch.Tensor) or a.dim() not in (2, 3):
         raise ValueError(f"fusedpar.{op}: A must be a 2-D or 3-D tensor, got "
                          f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
-    if not -a.dim() <= dim < a.dim() - 1:
+    if not -a.dim() <= dim < a.dim() or dim % a.dim() == a.dim() - 1:
         raise ValueError(f"fusedpar.{op}: {dim_name}={dim} must be a leading dim of A "
-                         f"(0..{a.dim() - 2}); A has shape {tuple(a.shape)}")
+                         f"(0..{a.dim() - 2}, or -{a.dim()}..-2); A has shape {tuple(a.shape)}")
     if len(bs) == 0:
         raise ValueError(f"fusedpar.{op}: Bs is empty; pass at least one [K, N] matrix")
-    C.check_dtype(op, a, C.REDUCE_DTYPES)
+    C.check_dtype(op, a, dtypes, "A")
     k = a.shape[-1]
     for i, b in enumerate(bs):
         if b.dim() != 2:
@@ -156,7 +164,7 @@ class Triton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        return C.triton_reasons(call)
+        return C.fused_dtype_reasons(call) + C.triton_reasons(call)
 
     def run(self, call: MatmulCall):
         a = call.rows()
@@ -180,7 +188,7 @@ class Triton(Backend):
                 moved = (world - 1) * staged.numel() * staged.element_size()
             else:
                 ag_gemm_kernels.ag_gemm(staged, bs[0], outs[0], gathered, buf.pad_table, buf.rank,
-                                        world, epoch, meta, buf.max_spins, pull=True, store_a=True)
+                                        world, epoch, meta, buf.timeout_ns, pull=True, store_a=True)
                 n_bands = -(-bs[0].shape[1] // ag_gemm_kernels.gemm_config(
                     staged.dtype, staged.device)["BLOCK_N"])
                 moved = (world - 1) * staged.numel() * staged.element_size() * n_bands
@@ -189,26 +197,30 @@ class Triton(Backend):
                 torch.matmul(gathered, b, out=out)
             return gathered, outs
 
-        return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, gemm)
+        return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, call.description(), gemm)
 
     def _copy_engine_gemm(self, buf, staged, b, epoch, meta, gathered, out):
+        """The persistent GEMM holds every SM and spins on GATHERED flags, so what it waits
+        for must need no SM: the READY wait (one program) runs on the main stream *before*
+        the GEMM is launched, and the side stream's copies and flag writes use the copy engine.
+        A failed wait is recorded in STATUS before the GEMM starts, and every GEMM wait
+        sees it: no tile computes on data that was not synchronised."""
         rank, world = buf.rank, buf.world_size
         m = staged.shape[0]
         main, side = torch.cuda.current_stream(), _side_stream(staged.device)
         gathered[rank * m:(rank + 1) * m].copy_(staged)
         _write_flag(buf.pad(), layout.GATHERED + rank, epoch)
+        signal_kernels.wait_flags(buf.pad_table, layout.READY, rank, world, epoch, buf.timeout_ns,
+                                  layout.TIMEOUT_READY, meta)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            # one small kernel, queued before the GEMM takes the SMs: every peer staged
-            signal_kernels.wait_flags(buf.pad_table, layout.READY, rank, world, epoch,
-                                      buf.max_spins, layout.TIMEOUT_READY, meta)
             for step in range(1, world):
                 src = (rank + step) % world
                 gathered[src * m:(src + 1) * m].copy_(
                     buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
                 _write_flag(buf.pad(), layout.GATHERED + src, epoch)
         ag_gemm_kernels.ag_gemm(staged, b, out, gathered, buf.pad_table, rank, world, epoch, meta,
-                                buf.max_spins, pull=False, store_a=False)
+                                buf.timeout_ns, pull=False, store_a=False)
         main.wait_stream(side)
 
 
@@ -216,7 +228,7 @@ BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
-def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, return_A, backend):
+def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, *, return_A=True, backend=""):
     dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
     group = resolve_group(group_name)
     call = MatmulCall(OP, A_shard, dim, dist.get_world_size(group), group, Bs, return_A)
@@ -224,7 +236,7 @@ def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, return_A, backend
 
 
 @_all_gather_matmul_op.register_fake
-def _(A_shard, Bs, gather_dim, group_name, return_A, backend):
+def _(A_shard, Bs, gather_dim, group_name, *, return_A=True, backend=""):
     dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
     shape = list(A_shard.shape)
     shape[dim] *= dist.get_world_size(resolve_group(group_name))
@@ -232,8 +244,9 @@ def _(A_shard, Bs, gather_dim, group_name, return_A, backend):
     return gathered, [A_shard.new_empty(shape[:-1] + [b.shape[1]]) for b in Bs]
 
 
-def _setup_context(ctx, inputs, output):
-    _, bs, ctx.dim, ctx.group_name, _, ctx.backend = inputs
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    _, bs, ctx.dim, ctx.group_name = inputs
+    ctx.backend = keyword_only_inputs["backend"]
     ctx.save_for_backward(output[0], *bs)
     # an unused output (often A_gathered) gets None, not zeros: no reduce-scatter of zeros
     ctx.set_materialize_grads(False)
@@ -254,7 +267,7 @@ def _backward(ctx, grad_gathered, grad_outs):
                                          backend=REDUCE_SCATTER.carry(ctx.backend))
     rows = gathered.reshape(-1, gathered.shape[-1]).t()
     grad_bs = [None if g is None else rows @ g.reshape(-1, g.shape[-1]) for g in grad_outs]
-    return grad_a, grad_bs, None, None, None, None
+    return grad_a, grad_bs, None, None
 
 
 _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
@@ -298,5 +311,5 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
     """
     wants_grad = torch.is_grad_enabled() and any(b.requires_grad for b in Bs)
     gathered, outs = _all_gather_matmul_op(A_shard, list(Bs), gather_dim, group_name(group),
-                                           return_A or wants_grad, backend or "")
+                                           return_A=return_A or wants_grad, backend=backend or "")
     return (gathered if return_A else None), outs

@@ -2,7 +2,8 @@
 
 An op lists its backends in priority order; each says why it cannot take a call
 (``not_supported_reasons``). The first with no reasons runs. ``backend=`` forces one (and
-fails loudly if it refuses); ``FUSEDPAR_BACKEND`` forces one for every op that has it.
+fails loudly if it refuses); ``FUSEDPAR_BACKEND`` forces one for every op that has it (a
+name that no op has is an error).
 Reasons depend only on what is identical on every rank (device type, dtype, shape, group,
 installed extensions; collective checks are agreed and cached per group), so every rank
 picks the same backend; the choice is cached per (op, group, device type, dtype).
@@ -27,11 +28,28 @@ class Backend:
         raise NotImplementedError
 
 
+_DISPATCHERS: list["Dispatcher"] = []
+
+
+def known_backends() -> list[str]:
+    """Every backend name of every op (what ``FUSEDPAR_BACKEND`` may name)."""
+    return sorted({name for d in _DISPATCHERS for name in d.backends})
+
+
+def check_backend_name(name: str | None, what: str = "backend") -> None:
+    """Fail at once on a backend name that no op has (a typo would otherwise surface only at
+    the first call, or never)."""
+    if name and name not in known_backends():
+        raise BackendNotSupportedError(
+            f"{what}={name!r} names no fusedpar backend; choose one of {known_backends()}")
+
+
 class Dispatcher:
     def __init__(self, op: str, backends: list[Backend]):
         self.op = op
         self.backends = {b.name: b for b in backends}
         self._cache: dict[tuple, Backend] = {}
+        _DISPATCHERS.append(self)
 
     @property
     def names(self) -> list[str]:
@@ -51,6 +69,7 @@ class Dispatcher:
                 )
             return requested
         env = os.environ.get("FUSEDPAR_BACKEND", "")
+        check_backend_name(env, "FUSEDPAR_BACKEND")
         return env if env in self.backends else ""
 
     def select(self, call, requested: str = "") -> Backend:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
 from ..kernels import gemm_rs as gemm_rs_kernels
 from ..kernels import reduce_scatter as reduce_scatter_kernels
 from . import _collective as C
@@ -57,7 +57,7 @@ class Pipelined(Backend):
     """A ring reduce-scatter of the W row chunks of A @ B: at step s a rank computes the
     partial product of chunk ``(rank - s - 1) % W`` while the running sum of the previous
     chunk travels to its right neighbour; the last step leaves its own chunk. Partial sums
-    add in fp32 and are rounded to the output dtype once per hop (as a ring collective)."""
+    add in fp32 (fp64 for fp64) and are rounded to the output dtype once per hop (as a ring collective)."""
 
     name = "pipelined"
 
@@ -77,7 +77,8 @@ class Pipelined(Backend):
             partial = chunks[(rank - step - 1) % world] @ b
             for request in requests:
                 request.wait()
-            total = partial.float() + incoming.float()
+            wide = torch.promote_types(partial.dtype, torch.float32)  # fp32, or fp64 for fp64
+            total = partial.to(wide) + incoming.to(wide)
             if step == world - 1:
                 total /= divisor
             acc = total.to(partial.dtype)
@@ -97,7 +98,7 @@ class Triton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        return C.triton_reasons(call)
+        return C.fused_dtype_reasons(call) + C.triton_reasons(call)
 
     def run(self, call: MatmulCall):
         a = call.rows()
@@ -111,13 +112,11 @@ class Triton(Backend):
         m, n = a_rows[0].shape[0], bs[0].shape[1]
         m_chunk = m // world
         divisor = float(world) if call.reduce_op == "avg" else 1.0
-        C.calibrate_polls(a_rows[0].device)
         epochs = [buf.next_epoch() for buf in bufs]
         for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
-            if epoch > 1:  # peers no longer read our partials of the last call
-                C.TRITON_LAUNCHERS.wait_flags(buf.pad_table, layout.DONE, buf.rank, world,
-                                              epoch - 1, buf.max_spins, layout.TIMEOUT_DONE)
-            gemm_rs_kernels.reset_chunk_counters(buf.pad(), world, meta)
+            C.wait_peers_done(C.TRITON_LAUNCHERS, buf, epoch)  # nobody reads our last partials
+            gemm_rs_kernels.reset_chunk_counters(buf.pad(), world)
+            buf.publish(meta, call.description())
             partials = buf.data(a.dtype, m * n).view(m, n)
             gemm_rs_kernels.gemm_rs(a, b, partials, buf.pad_table, buf.rank, world, epoch)
         outs = []
@@ -125,7 +124,7 @@ class Triton(Backend):
             out = torch.empty(m_chunk, n, dtype=a.dtype, device=a.device)
             stats = C.stats_tensor(a.device)
             reduce_scatter_kernels.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch,
-                                                       meta, 1, m_chunk * n, buf.max_spins, stats,
+                                                       meta, 1, m_chunk * n, buf.timeout_ns, stats,
                                                        divisor)
             counters.record(OP, self.name, stats)
             outs.append(out)

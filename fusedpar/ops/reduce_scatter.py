@@ -34,12 +34,12 @@ class Reference(Backend):
         x, world = call.x, call.world_size
         C.raise_on_mismatch(call)
         chunks = x.reshape(call.outer, world, -1).transpose(0, 1).contiguous()
-        out = torch.empty(chunks[0].numel(), dtype=x.dtype, device=x.device)
-        C.reduce_scatter_single(out, chunks.view(-1), group=call.group)
+        out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
+        C.reduce_scatter_single(out.view(-1), chunks.view(-1), group=call.group)
         if call.reduce_op == "avg":  # gloo has no AVG
             out.div_(world)
         counters.record(OP, self.name, (world - 1) * out.numel() * x.element_size())
-        return out.view(_out_shape(x, call.dim, world))
+        return out
 
 
 class Symmetric(C.SymmetricBackend):
@@ -48,13 +48,13 @@ class Symmetric(C.SymmetricBackend):
     def pull(self, call, buf, staged, epoch, meta):
         x, world, outer = call.x, call.world_size, call.outer
         inner = x.numel() // (outer * world)
-        out = torch.empty((outer, inner), dtype=x.dtype, device=x.device)
+        out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
         stats = C.stats_tensor(x.device)
         divisor = float(world) if call.reduce_op == "avg" else 1.0
         self.launchers.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch, meta, outer,
-                                           inner, buf.max_spins, stats, divisor)
+                                           inner, buf.timeout_ns, stats, divisor)
         counters.record(OP, self.name, stats)
-        return out.view(_out_shape(x, call.dim, world))
+        return out
 
 
 BACKENDS = Dispatcher(OP, [

@@ -1,38 +1,90 @@
-"""Compile every registered Triton kernel ahead of time for one GPU target, no GPU needed.
+"""Compile every kernel variant the launchers produce on a GPU, ahead of time, no GPU needed.
 
 Run as ``python -m tests.kernels.aot_compile ARCH`` in a fresh process with
 TRITON_INTERPRET unset (triton reads it when the kernels are decorated). Prints one JSON
-line per kernel: name, ok, error, and a few facts of the produced code.
+line per variant: name, ok or error, the target, ptxas' registers / shared memory / spills,
+and whether the flag atomics have system scope.
+
+Each variant is compiled as the JIT would compile that launch: the launcher's block sizes,
+warps and stages for this arch (``AOT_EXAMPLES`` of each kernel module), ints equal to 1
+(unit strides) as constexprs, and the alignment the JIT sees at run time: every pointer,
+and every int the kernel specialises, divisible by 16 (fresh torch allocations, the
+symmetric data regions, and LLM shapes). Per-call ints (``do_not_specialize``) get none.
 """
 
+import contextlib
+import io
 import json
 import os
+import re
 import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusedpar_aot_")  # ptxas must run
 
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedpar.kernels import aot_examples  # noqa: E402
 
+PTXAS = re.compile(r"Used (\d+) registers")
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def attrs_for(kernel, signature: dict) -> dict:
+    """Alignment the JIT would specialise on (see the module docstring)."""
+    attrs = {}
+    for i, (name, kind) in enumerate(signature.items()):
+        param = kernel.params[i]
+        assert param.name == name, f"{kernel.fn.__name__}: signature order differs at {name}"
+        aligned = kind.startswith("*") or (kind in ("i32", "i64") and not param.do_not_specialize)
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_variant(kernel, signature, constexprs, options, target):
+    sig = {name: ("constexpr" if name in constexprs else kind)
+           for name, kind in {**signature, **{k: "constexpr" for k in constexprs}}.items()}
+    sig = {p.name: sig[p.name] for p in kernel.params}  # the kernel's parameter order
+    src = ASTSource(kernel, sig, constexprs, attrs_for(kernel, sig))
+    log = io.StringIO()
+    knobs.nvidia.dump_ptxas_log = True
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=target, options={
+            k: v for k, v in options.items() if k in ("num_warps", "num_stages")})
+    text = log.getvalue()
+    used, spills = PTXAS.search(text), SPILLS.findall(text)
+    ptx = compiled.asm["ptx"]
+    return {"ok": True,
+            "target": next(line for line in ptx.splitlines() if line.startswith(".target")).split()[1].rstrip(","),
+            "regs": int(used.group(1)) if used else None,
+            "smem": compiled.metadata.shared,
+            "spill_bytes": sum(int(a) + int(b) for a, b in spills) if spills else None,
+            "acquire_sys": "sys.acquire" in ptx or "acquire.sys" in ptx,
+            "release_sys": "sys.release" in ptx or "release.sys" in ptx}
+
 
 def main(arch: int) -> None:
     target = GPUTarget("cuda", arch, 32)
-    for family, kernel, signature, constexprs in aot_examples():
-        sig = dict(signature, **{name: "constexpr" for name in constexprs})
-        name = f"{family}.{kernel.fn.__name__}[{','.join(f'{k}={v}' for k, v in signature.items() if k.endswith('_ptr'))}]"
+    for family, kernel, signature, constexprs, options in aot_examples():
+        if options.get("arch", arch) != arch:
+            continue
+        shown = {k: v for k, v in constexprs.items() if k.isupper() or k.startswith("stride")}
+        dtypes = sorted({v for k, v in signature.items() if v.startswith("*") and k != "pad_table"
+                         and v != "*i64"} or {"-"})
+        name = f"{family}.{kernel.fn.__name__}"
+        row = {"name": name, "arch": arch, "triton": triton.__version__, "dtypes": ",".join(dtypes),
+               "config": ",".join(f"{k}={v}" for k, v in shown.items()),
+               "warps": options.get("num_warps", 4), "stages": options.get("num_stages", 3),
+               "spills_ok": options.get("spills_ok", "")}
         try:
-            compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target)
-            ptx = compiled.asm["ptx"]
-            target_line = next(line for line in ptx.splitlines() if line.startswith(".target"))
-            row = {"name": name, "ok": True, "cubin_bytes": len(compiled.asm["cubin"]),
-                   "target": target_line.split()[1].rstrip(","),
-                   "acquire_sys": "sys.acquire" in ptx or "acquire.sys" in ptx,
-                   "release_sys": "sys.release" in ptx or "release.sys" in ptx}
+            row.update(compile_variant(kernel, signature, constexprs, options, target))
         except Exception as e:  # noqa: BLE001 - reported to the test
-            row = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"}
+            row.update({"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})
         print(json.dumps(row), flush=True)
 
 

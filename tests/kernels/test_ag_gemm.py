@@ -54,14 +54,18 @@ def status(buf):
     return buf.pad()[layout.STATUS : layout.STATUS + 3].tolist()
 
 
-def run_rank(buf, staged, b, m, world, epoch, *, pull, store_a, config=None, max_spins=None, ag=None):
+def run_rank(buf, staged, b, m, world, epoch, *, pull, store_a, config=None, expired=False, ag=None):
+    """``expired``: this call's deadline has already passed (as the watchdog of a real call
+    writes after FUSEDPAR_TIMEOUT), so a flag that is not raised fails at once."""
     dtype = staged.dtype
     k, n = b.shape
     c = torch.full((world * m, n), float("nan"), dtype=dtype)
     if ag is None and store_a:
         ag = torch.full((world * m, k), float("nan"), dtype=dtype)
-    ag_gemm(staged, b, c, ag, buf.pad_table, buf.rank, world, epoch, META,
-            buf.max_spins if max_spins is None else max_spins, pull=pull, store_a=store_a, config=config)
+    if expired:
+        buf.pad()[layout.DEADLINE] = epoch
+    ag_gemm(staged, b, c, ag, buf.pad_table, buf.rank, world, epoch, META, buf.timeout_ns,
+            pull=pull, store_a=store_a, config=config)
     return c, ag
 
 
@@ -150,7 +154,7 @@ def test_timeout_skips_the_missing_shard_and_returns(loopback, pull):
         buf.pad()[layout.GATHERED : layout.GATHERED + world] = 1
         buf.pad()[layout.GATHERED + late] = 0  # the copy of the late shard never lands
     start = time.monotonic()
-    c, _ = run_rank(buf, staged[me], b, m, world, 1, pull=pull, store_a=False, max_spins=20, ag=ag)
+    c, _ = run_rank(buf, staged[me], b, m, world, 1, pull=pull, store_a=False, expired=True, ag=ag)
     assert time.monotonic() - start < 20
     assert status(buf) == [layout.TIMEOUT_READY, late, 1]
     expected = (torch.cat(shards).double() @ b.double()).float()
@@ -167,7 +171,7 @@ def test_fingerprint_mismatch_is_recorded_and_skipped(loopback):
     shards = [int_shard(r, m, k, torch.float32) for r in range(world)]
     b = int_weight(k, n, torch.float32, False)
     staged = stage_and_signal(bufs, shards, epoch=1, meta=[META, META + 1])
-    c, ag = run_rank(bufs[0], staged[0], b, m, world, 1, pull=True, store_a=True, max_spins=20)
+    c, ag = run_rank(bufs[0], staged[0], b, m, world, 1, pull=True, store_a=True, expired=True)
     assert status(bufs[0]) == [layout.META_MISMATCH, 1, 1]
     expected = (torch.cat(shards).double() @ b.double()).float()
     assert torch.equal(c[:m], expected[:m]) and c[m:].isnan().all()

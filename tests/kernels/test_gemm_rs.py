@@ -45,16 +45,21 @@ def run_gemm(buf, a, b, epoch, config=None):
     m, n = a.shape[0], b.shape[1]
     p = buf.data(a.dtype, m * n).view(m, n)
     p.fill_(float("nan"))
-    reset_chunk_counters(buf.pad(), world, META)
+    reset_chunk_counters(buf.pad(), world)
+    buf.pad()[layout.META] = META
     gemm_rs(a, b, p, buf.pad_table, buf.rank, world, epoch, config=config)
     return p
 
 
-def run_reduce(buf, m_chunk, n, dtype, epoch, *, wait_self=False, max_spins=None):
+def run_reduce(buf, m_chunk, n, dtype, epoch, *, wait_self=False, expired=False):
+    """``expired``: this call's deadline has already passed (what the watchdog of a real call
+    writes after FUSEDPAR_TIMEOUT), so a missing flag fails at once."""
     out = torch.full((m_chunk, n), float("nan"), dtype=dtype)
     stats = torch.zeros(1, dtype=torch.int64)
+    if expired:
+        buf.pad()[layout.DEADLINE] = epoch
     reduce_scatter_pull(out, buf.pad_table, buf.rank, buf.world_size, epoch, META, 1, m_chunk * n,
-                        buf.max_spins if max_spins is None else max_spins, stats, wait_self=wait_self)
+                        buf.timeout_ns, stats, wait_self=wait_self)
     return out
 
 
@@ -150,10 +155,10 @@ def test_reducer_times_out_on_a_missing_chunk(loopback):
         if buf.rank != late:
             run_gemm(buf, a[buf.rank], b[buf.rank], 1)
     assert ready_words(bufs, late) == [0] * world
-    out = run_reduce(bufs[0], m, n, torch.float32, 1, max_spins=20)
+    out = run_reduce(bufs[0], m, n, torch.float32, 1, expired=True)
     assert status(bufs[0]) == [layout.TIMEOUT_READY, late, 1]
-    assert out.isfinite().all()  # the late partial is left out, never read as garbage
+    assert out.isnan().all()  # nothing is stored: no partial sum passes for the result
     # own READY not raised yet: the default reducer does not wait for it, wait_self does
-    reset_chunk_counters(bufs[late].pad(), world, META)
-    run_reduce(bufs[late], m, n, torch.float32, 1, max_spins=20, wait_self=True)
+    reset_chunk_counters(bufs[late].pad(), world)
+    run_reduce(bufs[late], m, n, torch.float32, 1, expired=True, wait_self=True)
     assert status(bufs[late]) == [layout.TIMEOUT_READY, late, 1]

@@ -1,0 +1,105 @@
+"""Every wait on a peer is bounded by wall-clock time (FUSEDPAR_TIMEOUT), whatever a poll of a
+flag costs: a missing peer fails the others within [T, 1.5 T], a late one inside T does not,
+and the first call on a new group (its rendezvous) is bounded too."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.comm import layout, symmetric
+from fusedpar.errors import FusedparError
+from tests.dist_pool import leftover_shm
+from tests.ops.collective_cases import env, subgroup
+
+pytestmark = [pytest.mark.timeout(180)]
+T = 3.0
+
+
+def _gather(x, group):
+    return fusedpar.ops.all_gather(x, 0, group, backend="triton")
+
+
+def _late_or_missing(late_by: float | None):
+    """Rank 1 calls ``late_by`` seconds late (None: never); returns what rank 0 saw."""
+    group = subgroup()
+    x = torch.full((4, 3), float(dist.get_rank() + 1))
+    _gather(x, group)  # a healthy call first: the buffer exists on every rank
+    dist.barrier()
+    with env(FUSEDPAR_TIMEOUT=T):
+        if dist.get_rank() == 1:
+            if late_by is None:
+                time.sleep(2 * T)
+                return None
+            time.sleep(late_by)
+        start = time.monotonic()
+        try:
+            out = _gather(x, group)
+        except fusedpar.FusedparTimeoutError as e:
+            return {"elapsed": time.monotonic() - start, "error": str(e)}
+        return {"elapsed": time.monotonic() - start, "out": out}
+
+
+def test_a_missing_peer_fails_within_the_timeout(pools):
+    seen = pools(2).run(_late_or_missing, None)[0]
+    assert "error" in seen, seen
+    assert T <= seen["elapsed"] <= 1.5 * T, seen
+    assert "READY[1]" in seen["error"] and f"~{T:g} s" in seen["error"]
+    assert not leftover_shm()
+
+
+def test_a_peer_late_by_half_the_timeout_does_not_trigger_it(pools):
+    for seen in pools(2).run(_late_or_missing, T / 2):
+        assert "out" in seen, seen
+        assert torch.equal(seen["out"], torch.cat([torch.full((4, 3), 1.0), torch.full((4, 3), 2.0)]))
+
+
+def _first_call_with_a_missing_peer():
+    group = subgroup()  # new: its first call runs the rendezvous
+    if dist.get_rank() == 1:
+        time.sleep(2 * T)
+        return None
+    with env(FUSEDPAR_TIMEOUT=T):
+        start = time.monotonic()
+        try:
+            _gather(torch.ones(4, 3), group)
+        except fusedpar.FusedparTimeoutError as e:
+            return {"elapsed": time.monotonic() - start, "error": str(e)}
+    raise AssertionError("the first call returned although a peer never called it")
+
+
+def test_the_rendezvous_of_a_first_call_is_bounded(pools):
+    pool = pools(2)
+    try:
+        seen = pool.run(_first_call_with_a_missing_peer)[0]
+    finally:
+        pool.close()  # the abandoned group's collective leaves the ranks' gloo state behind
+    assert T <= seen["elapsed"] <= 1.5 * T, seen
+    assert "timed out" in seen["error"] and "symmetric-memory" in seen["error"], seen
+
+
+def test_the_interpreter_watchdog_expires_a_call_and_finish_disarms_it():
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    with env(FUSEDPAR_TIMEOUT=0.2):
+        epoch = buf.next_epoch()
+        time.sleep(0.5)
+        assert buf.pad()[layout.DEADLINE].item() == epoch  # kernels waiting now give up
+        buf.finish("all_gather")  # nothing recorded: no error
+        epoch = buf.next_epoch()
+        buf.finish("all_gather")
+        time.sleep(0.5)
+        assert buf.pad()[layout.DEADLINE].item() == epoch - 1  # disarmed in time
+
+
+def test_cuda_graph_capture_is_refused_with_a_clear_error(monkeypatch):
+    """A captured graph would replay one frozen host epoch, so every wait after the first
+    replay would pass at once: capture is refused before any flag is touched."""
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "torch", "g")
+    monkeypatch.setattr(symmetric, "capturing", lambda device: True)
+    with pytest.raises(FusedparError, match="cannot be captured in a CUDA graph"):
+        buf.next_epoch()
+    assert buf.epoch == 0

@@ -1,0 +1,43 @@
+"""Launch grids against CUDA's limits, computed at shapes far beyond what the interpreter can
+run (no GPU needed): axis 0 < 2^31, axes 1 and 2 <= 65,535, and kernels that spin on flags
+hold at most a few programs per SM (they loop over their work)."""
+
+import pytest
+import torch
+
+from fusedpar.kernels import ag_gemm, all_gather, reduce_scatter
+from fusedpar.kernels.signal import PROGRAMS_PER_SM
+
+SMS = 132  # H100 SXM
+HUGE = [(1, 2**31 + 5), (3, 2**27 + 1), (2**20, 4096)]  # (outer, inner): > 65,535 blocks
+
+
+def _within_cuda_limits(grid):
+    assert 1 <= len(grid) <= 3, grid
+    assert 1 <= grid[0] < 2**31, grid
+    assert all(1 <= g <= 65_535 for g in grid[1:]), grid
+
+
+@pytest.mark.parametrize("outer, inner", HUGE)
+@pytest.mark.parametrize("world", [1, 8, 256])
+def test_all_gather_grid_is_capped_and_legal(outer, inner, world):
+    grid = all_gather.all_gather_grid(outer, inner, world, SMS)
+    _within_cuda_limits(grid)
+    assert grid[0] <= PROGRAMS_PER_SM * SMS
+
+
+@pytest.mark.parametrize("outer, inner", HUGE)
+def test_reduce_scatter_grid_is_capped_and_legal(outer, inner):
+    grid = reduce_scatter.reduce_scatter_grid(outer, inner, SMS)
+    _within_cuda_limits(grid)
+    assert grid[0] <= PROGRAMS_PER_SM * SMS
+
+
+def test_persistent_gemm_grids_hold_one_program_per_sm():
+    for arch, major in ((90, 9), (80, 8)):
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = dict(ag_gemm.gpu_gemm_config(dtype, major), NUM_PROGRAMS=ag_gemm.SM_COUNT[arch])
+            tiles = 256 * (2**20 // cfg["BLOCK_M"]) * (2**16 // cfg["BLOCK_N"])
+            grid = ag_gemm.persistent_grid(tiles, cfg)
+            _within_cuda_limits(grid)
+            assert grid == (ag_gemm.SM_COUNT[arch],)
