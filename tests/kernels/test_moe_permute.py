@@ -8,7 +8,8 @@ from fusedpar.kernels.moe_permute import combine_rows, gather_rows, sort_by_expe
 
 def _routing(T, k, E, seed, dropped=()):
     g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)] or [torch.zeros(0, k)]).long()
+    idx = idx.view(T, k)
     for t, j in dropped:
         idx[t, j] = -1
     return idx
