@@ -8,6 +8,7 @@ from fusedpar.parallel.config import (
     ParallelConfig,
     get_submesh,
 )
+from fusedpar.parallel.cp import zigzag_positions, zigzag_shard, zigzag_unshard
 from fusedpar.parallel.tp import apply_tp
 from fusedpar.parallel.parallelize import parallelize, shard_batch  # noqa: E402
 
@@ -21,4 +22,7 @@ __all__ = [
     "get_submesh",
     "parallelize",
     "shard_batch",
+    "zigzag_positions",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

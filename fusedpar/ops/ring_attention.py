@@ -1,0 +1,448 @@
+"""``fusedpar.ops.ring_attention``: attention over a sequence split across the ranks of a
+context-parallel group, with the K/V exchange hidden behind the blockwise attention.
+
+Layouts (``layout=``): ``"zigzag"`` (default): the global sequence is cut into ``2W``
+chunks and rank ``r`` holds chunks ``r`` and ``2W-1-r`` (``fusedpar.parallel.zigzag_shard``),
+so causal work is equal on every rank; ``"contiguous"``: rank ``r`` holds chunk ``r`` of W.
+
+Blocks: rank ``r`` attends its queries to the K/V of every source rank ``src``. For causal
+attention most blocks are either fully visible, fully masked (skipped, never computed) or
+the diagonal (the own block: causal, top-left aligned). Zigzag, ``src < r``: every query
+sees the first chunk of ``src`` only; ``src > r``: only the second query chunk sees (all
+of) ``src``. Partial results merge in fp32 with the stable log-sum-exp update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import counters, group_name, resolve_group, symmetric
+from . import _collective as C
+from .backend import Backend, Dispatcher
+from .flash_attention import (attend_block, attend_block_backward, check_attention_inputs,
+                              default_scale, delta_of)
+
+OP = "ring_attention"
+LAYOUTS = ("zigzag", "contiguous")
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float softmax_scale, "
+          "str layout, str backend) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tensor delta, "
+                   "str group_name, bool causal, float softmax_scale, str layout, str backend) "
+                   "-> (Tensor, Tensor, Tensor)")
+
+
+class RingCall:
+    """One rank's call: this rank's ``q [B, S_local, H, D]``, ``k``/``v [B, S_local, H_kv, D]``."""
+
+    op = OP
+
+    def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str):
+        self.q, self.k, self.v, self.group = q, k, v, group
+        self.x = q  # what C.raise_on_mismatch reads
+        self.causal, self.scale, self.layout = causal, scale, layout
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def cache_key(self) -> tuple:
+        return (self.group.group_name, self.q.device.type, self.q.dtype, self.q.shape[2],
+                self.k.shape[2], self.layout)
+
+    def describe(self) -> str:
+        return (f"q {tuple(self.q.shape)}, k/v {tuple(self.k.shape)} {self.q.dtype} on "
+                f"{self.q.device.type}, layout {self.layout!r}, world size {self.world_size}")
+
+    def fingerprint(self) -> int:
+        return symmetric.fingerprint(OP, self.q.dtype, tuple(self.q.shape), tuple(self.k.shape),
+                                     self.causal, self.layout)
+
+    def description(self) -> list[int]:
+        """For mismatch errors: q's shape and the K/V head count, the sequence dim."""
+        return symmetric.describe_words(7, self.q.dtype, (*self.q.shape, self.k.shape[2]), 1)
+
+    @property
+    def local(self) -> str:
+        """The flash_attention backend of the blocks: the kernel on GPU, the reference math
+        on CPU (the interpreter is a test tool); the same on every rank."""
+        return "triton" if self.q.device.type == "cuda" else "reference"
+
+    def block(self, src: int):
+        """``(query rows, key rows, causal)`` of this rank's block against ``src``'s K/V,
+        or None when causal masking hides all of it."""
+        every = slice(None)
+        if not self.causal:
+            return every, every, False
+        if src == self.rank:
+            return every, every, True
+        if self.layout == "contiguous":
+            return (every, every, False) if src < self.rank else None
+        half = self.q.shape[1] // 2
+        return (every, slice(0, half), False) if src < self.rank else (slice(half, None), every, False)
+
+    def chunks(self) -> list[tuple[slice, int]]:
+        """``(local rows, global chunk index)`` of this rank's chunks, chunk size
+        ``chunk_len``."""
+        if self.layout == "contiguous":
+            return [(slice(None), self.rank)]
+        half = self.q.shape[1] // 2
+        return [(slice(0, half), self.rank), (slice(half, None), 2 * self.world_size - 1 - self.rank)]
+
+    @property
+    def chunk_len(self) -> int:
+        return self.q.shape[1] // (2 if self.layout == "zigzag" else 1)
+
+    def global_order(self) -> list[int]:
+        """Chunk indices (in units of ``chunk_len``) of the rank-order concatenation of
+        every rank's part, listed in global sequence order."""
+        return zigzag_order(self.world_size) if self.layout == "zigzag" else list(range(self.world_size))
+
+
+def check_ring_inputs(op: str, q, k, v, layout: str, world: int) -> None:
+    check_attention_inputs(op, q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"fusedpar.{op}: layout={layout!r}; choose one of {LAYOUTS}")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"fusedpar.{op}: q has S_local={q.shape[1]} but k/v have {k.shape[1]}; "
+                         "every rank holds the same positions of q, k and v")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(
+            f"fusedpar.{op}: layout 'zigzag' needs the global sequence length W*S_local = "
+            f"{world * q.shape[1]} divisible by 2W = {2 * world}, i.e. an even S_local (got "
+            f"{q.shape[1]}); pad the sequence to a multiple of {2 * world} or use "
+            "layout='contiguous'"
+        )
+
+
+def zigzag_order(world: int) -> list[int]:
+    """For each global chunk ``g`` (of ``2W``), its index in the rank-order concatenation of
+    every rank's zigzag part (rank ``r`` holds chunks ``r`` and ``2W-1-r``, in that order)."""
+    where = [0] * (2 * world)
+    for rank in range(world):
+        where[rank], where[2 * world - 1 - rank] = 2 * rank, 2 * rank + 1
+    return where
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> None:
+    """Fold a block's ``(out, lse)`` into the fp32 accumulators at ``rows`` (stable update:
+    ``lse' = logaddexp(lse, lse_b)``, ``out' = out e^(lse - lse') + out_b e^(lse_b - lse')``)."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, block_lse)
+    keep = torch.exp(old - new).transpose(1, 2).unsqueeze(-1)
+    take = torch.exp(block_lse - new).transpose(1, 2).unsqueeze(-1)
+    out[:, rows] = out[:, rows] * keep + block_out.float() * take
+    lse[:, :, rows] = new
+
+
+def _kv_grads(dkv: torch.Tensor, dtype: torch.dtype):
+    """dK, dV from a stacked ``[2, ...]`` gradient, as separate tensors (op outputs may not
+    alias each other)."""
+    return dkv[0].to(dtype, copy=True), dkv[1].to(dtype, copy=True)
+
+
+def _accumulators(q):
+    b, s, h, _ = q.shape
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Pipelined(Backend):
+    """W steps around the ring: the K/V block received at step s is sent on at step s+1
+    while the attention of step s runs (async P2P: gloo on CPU, NCCL on GPU). Backward:
+    K/V travel the ring again and each block's dK/dV accumulator (fp32) travels with it,
+    reaching its owner after W-1 hops; the owner's own block stays local."""
+
+    name = "pipelined"
+
+    def forward(self, call: RingCall):
+        C.raise_on_mismatch(call)
+        world, rank = call.world_size, call.rank
+        _, left, right = C.ring_neighbours(call.group)
+        q = call.q
+        kv = torch.stack([call.k, call.v])
+        bufs = [kv, torch.empty_like(kv)]
+        out, lse = _accumulators(q)
+        for step in range(world):
+            src, current = (rank - step) % world, bufs[step % 2]
+            if step < world - 1:
+                requests = C.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
+            block = call.block(src)
+            if block is not None:
+                rows, keys, causal = block
+                merge(out, lse, rows, *attend_block(q[:, rows], current[0][:, keys],
+                                                    current[1][:, keys], causal, call.scale, call.local))
+            if step < world - 1:
+                for request in requests:
+                    request.wait()
+        counters.record(OP, self.name, (world - 1) * _nbytes(kv))
+        return out.to(q.dtype), lse
+
+    def backward(self, call: RingCall, lse, dout, delta):
+        world, rank = call.world_size, call.rank
+        _, left, right = C.ring_neighbours(call.group)
+        q = call.q
+        kv = torch.stack([call.k, call.v])
+        bufs = [kv, torch.empty_like(kv)]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        travelling = [torch.zeros_like(own), torch.empty_like(own)]  # accumulators of others' K/V
+        grad_requests = []
+        for step in range(world):
+            src, current = (rank - step) % world, bufs[step % 2]
+            if step < world - 1:
+                kv_requests = C.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
+            for request in grad_requests:  # this step's accumulator has arrived
+                request.wait()
+            acc = own if step == 0 else travelling[(step - 1) % 2]
+            block = call.block(src)
+            if block is not None:
+                rows, keys, causal = block
+                bdq, bdk, bdv = attend_block_backward(
+                    q[:, rows], current[0][:, keys], current[1][:, keys], lse[:, :, rows],
+                    dout[:, rows], delta[:, :, rows], causal, call.scale, call.local)
+                dq[:, rows] += bdq
+                acc[0][:, keys] += bdk
+                acc[1][:, keys] += bdv
+            if step > 0:  # pass the accumulator on; receive the next (own, after the last step)
+                grad_requests = C.exchange(acc, travelling[step % 2], left, right, call.group)
+            if step < world - 1:
+                for request in kv_requests:
+                    request.wait()
+        for request in grad_requests:
+            request.wait()
+        if world > 1:
+            own += travelling[(world - 1) % 2]
+        counters.record(OP, self.name, (world - 1) * (_nbytes(kv) + _nbytes(own)))
+        return dq.to(q.dtype), *_kv_grads(own, q.dtype)
+
+
+def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
+    """All-gather ``[2, B, S_local, H_kv, D]`` and put the sequence in global order."""
+    from .all_gather import all_gather
+
+    gathered = all_gather(kv, 2, call.group, backend=None if kv.is_cuda else "reference")
+    chunks = gathered.chunk(len(call.global_order()), 2)
+    return torch.cat([chunks[i] for i in call.global_order()], 2)
+
+
+class AllGatherKV(Backend):
+    """All-gather K/V (``fusedpar.ops.all_gather``), then attend locally: each local query
+    chunk to the global prefix before it (full) and to its own chunk (causal). The choice
+    for GQA with few KV heads. Backward: gather again, reduce-scatter dK/dV."""
+
+    name = "allgather_kv"
+
+    def _blocks(self, call: RingCall):
+        """``(query rows, key range in the global sequence, causal)`` per block."""
+        c = call.chunk_len
+        total = c * len(call.global_order())
+        for rows, g in call.chunks():
+            if not call.causal:
+                yield rows, slice(0, total), False
+                continue
+            if g > 0:
+                yield rows, slice(0, g * c), False
+            yield rows, slice(g * c, (g + 1) * c), True
+
+    def forward(self, call: RingCall):
+        C.raise_on_mismatch(call)
+        kv = _global_kv(call, torch.stack([call.k, call.v]))
+        out, lse = _accumulators(call.q)
+        for rows, keys, causal in self._blocks(call):
+            merge(out, lse, rows, *attend_block(call.q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                                                causal, call.scale, call.local))
+        return out.to(call.q.dtype), lse
+
+    def backward(self, call: RingCall, lse, dout, delta):
+        from .reduce_scatter import reduce_scatter
+
+        kv = _global_kv(call, torch.stack([call.k, call.v]))
+        q = call.q
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for rows, keys, causal in self._blocks(call):
+            bdq, bdk, bdv = attend_block_backward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                                                  lse[:, :, rows], dout[:, rows], delta[:, :, rows],
+                                                  causal, call.scale, call.local)
+            dq[:, rows] += bdq
+            dkv[0][:, keys] += bdk
+            dkv[1][:, keys] += bdv
+        order = call.global_order()  # back to rank order, then to the owners
+        chunks = dkv.chunk(len(order), 2)
+        rank_order = torch.cat([chunks[order.index(i)] for i in range(len(order))], 2)
+        own = reduce_scatter(rank_order, "sum", 2, call.group,
+                             backend=None if q.is_cuda else "reference")
+        return dq.to(q.dtype), *_kv_grads(own, q.dtype)
+
+
+def _to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """``[B, S_local, H, ...]`` sequence-sharded to ``[B, W*S_local, H/W, ...]`` head-sharded
+    (sequence in rank order)."""
+    b, s, h = x.shape[:3]
+    rest = x.shape[3:]
+    send = x.reshape(b, s, world, h // world, *rest).movedim(2, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    counters.record(OP, "ulysses", (world - 1) * _nbytes(send) // world)
+    return recv.movedim(0, 1).reshape(b, world * s, h // world, *rest)
+
+
+def _to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """The inverse of ``_to_heads``."""
+    b, total, hw = x.shape[:3]
+    rest = x.shape[3:]
+    send = x.reshape(b, world, total // world, hw, *rest).movedim(1, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    counters.record(OP, "ulysses", (world - 1) * _nbytes(send) // world)
+    return recv.permute(1, 2, 0, *range(3, recv.dim())).reshape(b, total // world, world * hw, *rest)
+
+
+def _reorder(x: torch.Tensor, order: list[int], inverse: bool = False) -> torch.Tensor:
+    """Chunks of dim 1 from rank order to global order (or back)."""
+    chunks = x.chunk(len(order), 1)
+    if inverse:
+        return torch.cat([chunks[order.index(i)] for i in range(len(order))], 1)
+    return torch.cat([chunks[i] for i in order], 1)
+
+
+class Ulysses(Backend):
+    """All-to-all heads <-> sequence (every rank gets the whole sequence for H/W heads),
+    attend locally, all-to-all back. K/V heads are replicated to W when H_kv < W."""
+
+    name = "ulysses"
+
+    def not_supported_reasons(self, call: RingCall) -> list[str]:
+        world, heads, kv_heads = call.world_size, call.q.shape[2], call.k.shape[2]
+        reasons = []
+        if heads % world:
+            reasons.append(f"H={heads} query heads do not split over W={world} ranks (H % W != 0); "
+                           "use a ring backend or a group whose size divides H")
+        if kv_heads % world and world % kv_heads:
+            reasons.append(f"H_kv={kv_heads} K/V heads neither split over nor replicate to "
+                           f"W={world} ranks")
+        return reasons
+
+    @staticmethod
+    def _heads(call: RingCall, *tensors):
+        world, kv_heads = call.world_size, call.k.shape[2]
+        order = call.global_order()
+        out = []
+        for i, t in enumerate(tensors):
+            if i in (1, 2) and kv_heads < world:  # K/V: one replica per rank
+                t = t.repeat_interleave(world // kv_heads, 2)
+            out.append(_reorder(_to_heads(t, world, call.group), order))
+        return out
+
+    @staticmethod
+    def _stat_heads(call: RingCall, stat: torch.Tensor) -> torch.Tensor:
+        """An lse-layout ``[B, H, S_local]`` tensor to ``[B, H/W, S]`` in global order."""
+        full = _to_heads(stat.transpose(1, 2), call.world_size, call.group)
+        return _reorder(full, call.global_order()).transpose(1, 2).contiguous()
+
+    def forward(self, call: RingCall):
+        C.raise_on_mismatch(call)
+        world, order = call.world_size, call.global_order()
+        q, k, v = self._heads(call, call.q, call.k, call.v)
+        out, lse = attend_block(q, k, v, call.causal, call.scale, call.local)
+        out = _to_sequence(_reorder(out, order, inverse=True), world, call.group)
+        lse = _to_sequence(_reorder(lse.transpose(1, 2), order, inverse=True), world, call.group)
+        return out, lse.transpose(1, 2).contiguous()
+
+    def backward(self, call: RingCall, lse, dout, delta):
+        world, order, kv_heads = call.world_size, call.global_order(), call.k.shape[2]
+        q, k, v, do = self._heads(call, call.q, call.k, call.v, dout)
+        grads = attend_block_backward(q, k, v, self._stat_heads(call, lse), do,
+                                      self._stat_heads(call, delta), call.causal, call.scale, call.local)
+        dq, dk, dv = (_to_sequence(_reorder(g, order, inverse=True), world, call.group) for g in grads)
+        if kv_heads < world:  # sum the replicas' gradients
+            b, s, _, d = dk.shape
+            dk, dv = (g.view(b, s, kv_heads, world // kv_heads, d).sum(3) for g in (dk, dv))
+        return dq, dk, dv
+
+
+BACKENDS = Dispatcher(OP, [Pipelined(), Ulysses(), AllGatherKV()])
+
+
+def _call(q, k, v, group_name_, causal, softmax_scale, layout) -> RingCall:
+    group = resolve_group(group_name_)
+    check_ring_inputs(OP, q, k, v, layout, dist.get_world_size(group))
+    return RingCall(q, k, v, group, causal, softmax_scale, layout)
+
+
+@torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
+def _ring_attention_op(q, k, v, group_name, causal, softmax_scale, layout, backend):
+    call = _call(q, k, v, group_name, causal, softmax_scale, layout)
+    return BACKENDS.select(call, backend).forward(call)
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, group_name, causal, softmax_scale, layout, backend):
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedpar::ring_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+def _ring_attention_backward_op(q, k, v, lse, dout, delta, group_name, causal, softmax_scale,
+                                layout, backend):
+    call = _call(q, k, v, group_name, causal, softmax_scale, layout)
+    return BACKENDS.select(call, backend).backward(call, lse, dout, delta)
+
+
+@_ring_attention_backward_op.register_fake
+def _(q, k, v, lse, dout, delta, group_name, causal, softmax_scale, layout, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ctx.group_name, ctx.causal, ctx.scale, ctx.layout, ctx.backend = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _ring_attention_backward_op(q, k, v, lse, dout, delta_of(out, dout, dlse),
+                                             ctx.group_name, ctx.causal, ctx.scale, ctx.layout,
+                                             ctx.backend)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                            causal: bool = False, softmax_scale: float | None = None,
+                            layout: str = "zigzag", backend: str | None = None):
+    """``(out, lse)`` of attention over the sequence split across ``group``; the same as::
+
+        unshard = zigzag_unshard if layout == "zigzag" else all_gather  # along dim 1
+        out, lse = flash_attention(q, unshard(k), unshard(v), causal=causal, return_lse=True,
+                                   ...)  # q at its global positions
+        # = rows of flash_attention(unshard(q), unshard(k), unshard(v)) that this rank holds
+
+    q: ``[B, S_local, H, D]``, k/v: ``[B, S_local, H_kv, D]``: this rank's part of the
+    sequence in ``layout`` (``"zigzag"``: chunks ``r`` and ``2W-1-r`` of ``2W``, see
+    ``fusedpar.parallel.zigzag_shard``; ``"contiguous"``: chunk ``r`` of ``W``). ``lse`` is
+    fp32 ``[B, H, S_local]``; both outputs are differentiable. Backends: ``pipelined``
+    (K/V around the ring by async P2P, overlapped with the blocks), ``ulysses`` (all-to-all
+    heads <-> sequence; needs ``H % W == 0``), ``allgather_kv`` (gather K/V, attend
+    locally). The local blocks run the flash-attention kernel on GPU. Every rank must pass
+    the same shapes; a difference raises ``ValueError`` before any K/V moves.
+    """
+    return _ring_attention_op(q, k, v, group_name(group), bool(causal),
+                              default_scale(q, softmax_scale), layout, backend or "")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                   causal: bool = False, softmax_scale: float | None = None,
+                   layout: str = "zigzag", backend: str | None = None) -> torch.Tensor:
+    """The output of ``ring_attention_with_lse`` (same arguments)."""
+    return ring_attention_with_lse(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
+                                   layout=layout, backend=backend)[0]

@@ -1,0 +1,110 @@
+"""``fusedpar.ops.ring_attention`` on spawned gloo ranks: every backend, both layouts,
+causal or not, GQA, B > 1; out, lse and the gradients of q, k, v equal fp64 attention on
+the full sequence (outputs compared after unsharding), and the bytes moved equal the
+K/V (and dK/dV) volume."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.parallel import zigzag_shard, zigzag_unshard
+from tests.ops.collective_cases import capture_errors
+from tests.ops.test_flash_attention import sdpa64
+
+pytestmark = [pytest.mark.timeout(300)]
+
+BACKENDS = ["pipelined", "allgather_kv", "ulysses"]
+# (B, H, H_kv, D): GQA, MQA, odd head dim
+SHAPES = [(2, 4, 2, 16), (1, 4, 1, 24)]
+
+
+def _shard(x, dim, layout, rank, world):
+    if layout == "zigzag":
+        return zigzag_shard(x, dim, rank, world)
+    return x.chunk(world, dim)[rank]
+
+
+def _unshard(x, dim, layout):
+    if layout == "zigzag":
+        return zigzag_unshard(x, dim)
+    return fusedpar.ops.all_gather(x, dim, backend="reference")
+
+
+def _expected_bytes(backend, q, k, world):
+    """``(forward, backward)`` bytes this rank receives, fp32 inputs."""
+    kv = 2 * k.numel() * 4
+    if backend in ("pipelined", "allgather_kv"):  # K/V once around; dK/dV once back
+        return (world - 1) * kv, 2 * (world - 1) * kv
+    kv_rep = kv * max(1, world // k.shape[2])  # ulysses: K/V heads replicated to W
+    lse = q.numel() // q.shape[-1] * 4
+    part = (world - 1) / world
+    forward = part * (2 * q.numel() * 4 + kv_rep + lse)  # q, k, v there; out, lse back
+    backward = part * (2 * q.numel() * 4 + kv_rep + 2 * lse) + part * (q.numel() * 4 + kv_rep)
+    return int(forward), int(backward)
+
+
+def _check_matches_full_attention(backend):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (b, h, hk, d) in enumerate(SHAPES):
+        s = 4 * world + 2 * world * i  # divisible by 2W; S_local even, not a power of two
+        g = torch.Generator().manual_seed(i)
+        full = [torch.randn(b, s, n, d, generator=g, dtype=torch.float64) for n in (h, hk, hk)]
+        dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+        dlse = torch.randn(b, h, s, generator=g, dtype=torch.float64)
+        for layout in ("zigzag", "contiguous"):
+            for causal in (True, False):
+                ref = [t.clone().requires_grad_() for t in full]
+                ref_out, ref_lse = sdpa64(*ref, causal)
+                torch.autograd.backward((ref_out, ref_lse), (dout, dlse))
+                q, k, v = (_shard(t, 1, layout, rank, world).float().requires_grad_() for t in full)
+                with fusedpar.comm.count_bytes() as forward:
+                    out, lse = fusedpar.ops.ring_attention_with_lse(
+                        q, k, v, causal=causal, layout=layout, backend=backend)
+                with fusedpar.comm.count_bytes() as backward:
+                    torch.autograd.backward((out, lse), (_shard(dout, 1, layout, rank, world).float(),
+                                                         _shard(dlse, 2, layout, rank, world).float()))
+                where = (backend, layout, causal, b, h, hk, d)
+                torch.testing.assert_close(_unshard(out.detach(), 1, layout).double(), ref_out,
+                                           atol=1e-5, rtol=0, msg=str(where))
+                torch.testing.assert_close(_unshard(lse.detach(), 2, layout).double(), ref_lse,
+                                           atol=1e-5, rtol=0, msg=str(where))
+                for t, r in zip((q, k, v), ref):
+                    torch.testing.assert_close(t.grad.double(), _shard(r.grad, 1, layout, rank, world),
+                                               atol=1e-4, rtol=0, msg=str(where))
+                assert (forward.total(), backward.total()) == _expected_bytes(backend, q, k, world), where
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_full_sequence_attention(pools, world, backend):
+    assert pools(world).run(_check_matches_full_attention, backend) == [True] * world
+
+
+def _check_errors():
+    rank = dist.get_rank()
+    ring = fusedpar.ops.ring_attention
+    q, kv = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8)
+    odd = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8)
+    return capture_errors({
+        "odd_zigzag": lambda: ring(odd[0], odd[1], odd[1]),
+        "layout": lambda: ring(q, kv, kv, layout="striped"),
+        "heads": lambda: ring(q, torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8)),
+        "ulysses_heads": lambda: ring(torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8),
+                                      torch.randn(1, 6, 3, 8), backend="ulysses"),
+        "dtype": lambda: ring(q, kv.double(), kv),
+        "ranks_differ": lambda: ring(torch.randn(1, 6 + 2 * rank, 4, 8), torch.randn(1, 6 + 2 * rank, 2, 8),
+                                     torch.randn(1, 6 + 2 * rank, 2, 8), backend="pipelined"),
+    })
+
+
+def test_bad_inputs_raise_clear_errors(pools):
+    for errors in pools(2).run(_check_errors):
+        assert errors["odd_zigzag"][0] == "ValueError" and "divisible by 2W = 4" in errors["odd_zigzag"][1]
+        assert "layout='striped'" in errors["layout"][1]
+        assert "multiple of H_kv" in errors["heads"][1]
+        assert errors["ulysses_heads"][0] == "BackendNotSupportedError"
+        assert "H % W != 0" in errors["ulysses_heads"][1]
+        assert "cast them to one dtype" in errors["dtype"][1]
+        assert "passed different inputs" in errors["ranks_differ"][1]
