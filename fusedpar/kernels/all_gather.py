@@ -15,6 +15,10 @@ import triton.language as tl
 from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 
+# 8 warps: with 4, a 1024-element block of 4-byte elements spills on sm_80 (int64 offsets)
+NUM_WARPS = 8
+
+
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
 def all_gather_pull_kernel(out_ptr, x_ptr, pad_table, rank, world_size, epoch, meta, outer, inner,
                            timeout_ns, stats_ptr, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
@@ -57,13 +61,14 @@ def all_gather_pull(out: torch.Tensor, x: torch.Tensor, pad_table: torch.Tensor,
     (``spinning_grid``): what it waits on (peers' staging) never needs this kernel's SMs."""
     grid = all_gather_grid(outer, inner, world_size, sm_count(out.device), block)
     all_gather_pull_kernel[grid](out, x, pad_table, rank, world_size, epoch, meta, outer, inner,
-                                 timeout_ns, stats, BLOCK=block, ELEM_BYTES=out.element_size())
+                                 timeout_ns, stats, BLOCK=block, ELEM_BYTES=out.element_size(),
+                                 num_warps=NUM_WARPS)
 
 
 AOT_EXAMPLES = [
     (all_gather_pull_kernel,
      {"out_ptr": f"*{t}", "x_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32", "outer": "i64", "inner": "i64", "timeout_ns": "i64", "stats_ptr": "*i64"},
-     {"BLOCK": 1024, "ELEM_BYTES": nbytes}, {"num_warps": 4})
+     {"BLOCK": 1024, "ELEM_BYTES": nbytes}, {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4), ("i32", 4), ("i64", 8))
 ]

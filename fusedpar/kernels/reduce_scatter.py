@@ -18,6 +18,10 @@ import triton.language as tl
 from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 
+# 8 warps: with 4, a 1024-element block of 4-byte elements spills on sm_80 (int64 offsets)
+NUM_WARPS = 8
+
+
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
 def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta, outer, inner,
                                timeout_ns, stats_ptr, divisor, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr,
@@ -61,13 +65,13 @@ def reduce_scatter_pull(out: torch.Tensor, pad_table: torch.Tensor, rank: int, w
     grid = reduce_scatter_grid(outer, inner, sm_count(out.device), block)
     reduce_scatter_pull_kernel[grid](out, pad_table, rank, world_size, epoch, meta, outer, inner,
                                      timeout_ns, stats, divisor, BLOCK=block, ELEM_BYTES=out.element_size(),
-                                     WAIT_SELF=wait_self)
+                                     WAIT_SELF=wait_self, num_warps=NUM_WARPS)
 
 
 AOT_EXAMPLES = [
     (reduce_scatter_pull_kernel,
      {"out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32", "outer": "i64", "inner": "i64", "timeout_ns": "i64", "stats_ptr": "*i64", "divisor": "fp32"},
-     {"BLOCK": 1024, "ELEM_BYTES": nbytes, "WAIT_SELF": wait_self}, {"num_warps": 4})
+     {"BLOCK": 1024, "ELEM_BYTES": nbytes, "WAIT_SELF": wait_self}, {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4)) for wait_self in (False, True)
 ]

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..comm import resolve_group
 from ..ops import all_gather_matmul, matmul_reduce_scatter
+from ..ops.backend import check_backend_name
 
 __all__ = [
     "ColumnParallelLinear",
@@ -145,6 +146,7 @@ class _TPLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = sequence_dim
+        check_backend_name(backend)  # a typo fails here, not at the first forward
         self.backend = backend
 
     @property

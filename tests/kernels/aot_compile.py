@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedpar.kernels import aot_examples  # noqa: E402
+from fusedpar.kernels.signal import PER_CALL_ARGS  # noqa: E402
 
 PTXAS = re.compile(r"Used (\d+) registers")
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -64,6 +65,10 @@ def compile_variant(kernel, signature, constexprs, options, target):
             "regs": int(used.group(1)) if used else None,
             "smem": compiled.metadata.shared,
             "spill_bytes": sum(int(a) + int(b) for a, b in spills) if spills else None,
+            # per-call arguments the JIT would specialise (an int equal to 1 or divisible by
+            # 16 would compile a new binary mid-training): must be none
+            "specialised_per_call": sorted(p.name for p in kernel.params
+                                           if p.name in PER_CALL_ARGS and not p.do_not_specialize),
             "acquire_sys": "sys.acquire" in ptx or "acquire.sys" in ptx,
             "release_sys": "sys.release" in ptx or "release.sys" in ptx}
 

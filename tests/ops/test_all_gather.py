@@ -189,3 +189,16 @@ def _gpu_single_rank(backend):
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
     assert pools(1).run(_gpu_single_rank, backend) == [(True, "torch")]
+
+
+def _outputs_are_not_views():
+    x = torch.ones(4, 6)
+    outs = [op(x, dim, backend=backend) for backend in ("reference", "triton") for dim in (0, 1)
+            for op in (lambda x, d, backend: fusedpar.ops.all_gather(x, d, backend=backend),
+                       lambda x, d, backend: fusedpar.ops.reduce_scatter(x, "sum", d, backend=backend))]
+    return [out._base is None for out in outs]
+
+
+def test_outputs_are_not_views(pools):
+    """FSDP2 and autograd warn about (and mishandle) views returned by a custom op."""
+    assert all(pools(2).run(_outputs_are_not_views)[0])

@@ -128,6 +128,9 @@ def _bad_inputs():
         "one_d": lambda: fusedpar.ops.all_gather_matmul(torch.ones(6), [b], 0),
         "empty": lambda: fusedpar.ops.all_gather_matmul(a, [], 0),
         "int": lambda: fusedpar.ops.all_gather_matmul(a.int(), [b.int()], 0),
+        "minus_one": lambda: fusedpar.ops.all_gather_matmul(a, [b], -1),
+        "fp64_triton": lambda: fusedpar.ops.all_gather_matmul(a.double(), [b.double()], 0,
+                                                               backend="triton"),
     })
     for backend in ("pipelined", "triton"):  # shapes differ across ranks: detected, no hang
         group = subgroup()
@@ -144,10 +147,36 @@ def test_bad_inputs_give_clear_errors(pools):
     assert "gather_dim=1 must be a leading dim" in errors["last_dim"][1]
     assert "2-D or 3-D" in errors["one_d"][1]
     assert "Bs is empty" in errors["empty"][1]
-    assert errors["int"][0] == "TypeError"
+    assert errors["int"][0] == "TypeError" and "A has dtype torch.int32" in errors["int"][1]
+    assert "gather_dim=-1 must be a leading dim" in errors["minus_one"][1]
+    assert "float32, float16 or bfloat16" in errors["fp64_triton"][1]
     for backend in ("pipelined", "triton"):
         assert errors[f"mismatch_{backend}"][0] == "ValueError"
-        assert "passed different inputs" in errors[f"mismatch_{backend}"][1]
+        message = errors[f"mismatch_{backend}"][1]
+        # says what each rank passed
+        assert "passed different inputs" in message and "(4, 6)" in message and "(5, 6)" in message
+
+
+def _torch_schema_and_fp64():
+    """The op takes torch's ``symm_mem.fused_all_gather_matmul`` argument list unchanged, and
+    the plain-torch backends take float64 (gradcheck)."""
+    rank, group = dist.get_rank(), dist.group.WORLD
+    a = rank_data((3, 4), torch.float64, rank)
+    b = rank_data((4, 2), torch.float64, 0) / 4
+    gathered, (out,) = torch.ops.fusedpar.all_gather_matmul(a, [b], 0, group.group_name)
+    _, (no_a,) = torch.ops.fusedpar.all_gather_matmul(a, [b], 0, group.group_name, return_A=False)
+    expected = _gather(a, 0)
+    ok = torch.equal(gathered, expected) and torch.equal(out, expected @ b) and torch.equal(no_a, out)
+    for backend in ("reference", "pipelined"):
+        a_req = a.clone().requires_grad_()
+        _, (y,) = fusedpar.ops.all_gather_matmul(a_req, [b], 0, backend=backend)
+        y.sum().backward()
+        ok = ok and y.dtype == torch.float64 and a_req.grad.dtype == torch.float64
+    return ok
+
+
+def test_torch_schema_drop_in_and_float64(pools):
+    assert pools(2).run(_torch_schema_and_fp64) == [True, True]
 
 
 # ---- GPU: skipped without CUDA ----------------------------------------------------------

@@ -1,0 +1,28 @@
+"""Backend names are checked at once: a typo never passes silently."""
+
+import pytest
+
+import fusedpar
+from fusedpar.errors import BackendNotSupportedError
+from fusedpar.ops.backend import check_backend_name, known_backends
+from tests.ops.collective_cases import env
+
+
+def test_known_backends_cover_every_op():
+    assert {"reference", "triton", "cuda", "pipelined"} <= set(known_backends())
+
+
+def test_a_misspelt_backend_name_fails_listing_the_backends():
+    with pytest.raises(BackendNotSupportedError, match=r"'trition' names no fusedpar backend.*'triton'"):
+        check_backend_name("trition")
+    check_backend_name("triton")
+    check_backend_name(None)
+
+
+def test_a_misspelt_FUSEDPAR_BACKEND_fails_at_the_first_selection():
+    dispatcher = fusedpar.ops.DISPATCHERS["all_gather"]
+    with env(FUSEDPAR_BACKEND="trition"):
+        with pytest.raises(BackendNotSupportedError, match="FUSEDPAR_BACKEND='trition'"):
+            dispatcher.forced_name("")
+    with env(FUSEDPAR_BACKEND="pipelined"):  # a real backend that all_gather lacks: auto
+        assert dispatcher.forced_name("") == ""
