@@ -1,0 +1,196 @@
+"""MoE ops: topk_route, moe_dispatch / moe_combine, moe_experts (gloo ranks)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.ops.moe import experts_dense, moe_combine, moe_dispatch, moe_experts, topk_route
+from tests.ops.collective_cases import capture_errors
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+# ---- routing (single process) --------------------------------------------------------------
+
+
+def test_topk_route_mixtral_semantics_and_aux_loss():
+    torch.manual_seed(0)
+    logits = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    idx, w, aux = topk_route(logits, 2)
+    probs = logits.softmax(-1)
+    top, ref_idx = probs.topk(2, dim=-1)
+    assert torch.equal(idx, ref_idx) and torch.allclose(w, top / top.sum(-1, keepdim=True))
+    counts = torch.bincount(idx.reshape(-1), minlength=6).double()
+    assert torch.allclose(aux, 6 * (counts / 9 * probs.mean(0)).sum())
+    (w.sum() + aux).backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    _, raw, _ = topk_route(logits, 2, renormalize=False)
+    assert torch.allclose(raw, top)
+
+
+def test_topk_route_capacity_drops_explicitly():
+    logits = torch.tensor([[5.0, 0, 0, 0]] * 5 + [[0, 5.0, 0, 0]])  # 5 tokens want expert 0
+    logits[2, 0] = 9.0  # token 2 is the most confident
+    idx, w, _ = topk_route(logits, 1, capacity_factor=2.0)  # capacity ceil(2 * 6 / 4) = 3
+    kept = (idx[:, 0] == 0).nonzero().flatten().tolist()
+    assert len(kept) == 3 and 2 in kept  # "probs": the highest probabilities stay
+    assert ((idx == -1) == (w == 0)).all() and (idx == -1).sum() == 2
+    idx, _, _ = topk_route(logits, 1, capacity_factor=2.0, drop_policy="position")
+    assert (idx[:, 0] == 0).nonzero().flatten().tolist() == [0, 1, 2]
+    assert idx[5, 0] == 1  # under capacity: nothing dropped
+
+
+def test_topk_route_errors():
+    with pytest.raises(ValueError, match="k=5 must be between 1 and the number of experts 4"):
+        topk_route(torch.zeros(3, 4), 5)
+    with pytest.raises(ValueError, match="drop_policy"):
+        topk_route(torch.zeros(3, 4), 1, capacity_factor=1.0, drop_policy="random")
+
+
+# ---- dispatch / combine on ranks -----------------------------------------------------------
+
+
+def _routing(rank, T, k, E, mode):
+    """Every rank can rebuild every rank's routing (seeded by rank)."""
+    if mode == "one_expert":  # every kept copy on expert 0, the other copies dropped
+        idx = torch.full((T, k), -1, dtype=torch.int64)
+        idx[:, 0] = 0
+        return idx
+    g = torch.Generator().manual_seed(1000 + rank)
+    pool = E - 1 if mode == "skip_last_expert" else E  # expert E-1 gets no copy
+    rows = [torch.randperm(pool, generator=g)[:k] for _ in range(T)]
+    return torch.stack(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
+
+
+def _tokens(rank, T, H):
+    """Row t of rank r: [r, t, then small integers]: a row names its source and token."""
+    x = torch.arange(T * H, dtype=torch.float32).view(T, H) % 7
+    x[:, 0], x[:, 1] = rank, torch.arange(T)
+    return x
+
+
+def _check_dispatch_combine(T, H, k, E, mode):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = E // world
+    idx = _routing(rank, T, k, E, mode)
+    w = (torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4  # exact in fp32
+    x = _tokens(rank, T, H).requires_grad_()
+    w.requires_grad_()
+    with fusedpar.comm.count_bytes() as counter:
+        recv_x, per_expert, handle = moe_dispatch(x, idx, w, E)
+        out = moe_combine(recv_x, handle)  # identity experts
+    kept = (idx >= 0).float()
+    assert torch.equal(out, x.detach() * (w.detach() * kept).sum(1, keepdim=True))
+    # provenance: exactly the copies routed to this rank's experts, by (expert, source, token)
+    expected = []
+    for e_l in range(local):
+        e = rank * local + e_l
+        for src in range(world):
+            src_idx = _routing(src, T, k, E, mode)
+            for t in range(T):
+                expected += [(src, t)] * int((src_idx[t] == e).sum())
+        assert per_expert[e_l] == sum(1 for _ in expected) - int(per_expert[:e_l].sum())
+    assert [tuple(r) for r in recv_x[:, :2].long().tolist()] == expected
+    assert torch.equal(recv_x[:, 2:], _tokens(0, T, H)[[t for _, t in expected], 2:])
+    # bytes: only routed rows, to and from the other ranks
+    sent_away = int(((idx >= 0) & (idx // local != rank)).sum())
+    from_peers = sum(1 for src, _ in expected if src != rank)
+    assert counter.by_op() == {("moe_dispatch", "reference"): from_peers * H * 4,
+                               ("moe_combine", "reference"): sent_away * H * 4}
+    # combine is the adjoint of dispatch: <dispatch(x), g> == <x, combine_unweighted(g)>
+    g = torch.arange(recv_x.numel(), dtype=torch.float32).view_as(recv_x) % 5
+    (out * 1.0).sum().backward()
+    assert torch.equal(x.grad, (w.detach() * kept).sum(1, keepdim=True).expand_as(x))
+    assert torch.equal(w.grad, x.detach().sum(1, keepdim=True).expand(T, k) * kept)
+    recv2, _, handle2 = moe_dispatch(x.detach(), idx, torch.ones(T, k), E)
+    sums = torch.stack([(recv2 * g).sum(), (x.detach() * moe_combine(g, handle2)).sum()])
+    dist.all_reduce(sums)  # the adjoint identity holds over the whole group
+    assert sums[0] == sums[1]
+    return True
+
+
+# (T, H, k, E, routing); the cases are spread over the world sizes to keep CI short
+CASES = {
+    1: [(13, 5, 2, 8, "random"), (7, 3, 4, 4, "one_expert")],
+    2: [(13, 5, 1, 4, "random"), (9, 3, 4, 8, "random"), (11, 4, 2, 4, "skip_last_expert"),
+        (0, 3, 2, 4, "random")],
+    4: [(9, 3, 2, 8, "random"), (10, 3, 1, 4, "one_expert"), (6, 3, 4, 8, "skip_last_expert")],
+}
+
+
+def _run_cases(cases):
+    for case in cases:
+        _check_dispatch_combine(*case)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dispatch_combine_route_every_copy(pools, world):
+    assert pools(world).run(_run_cases, CASES[world]) == [True] * world
+
+
+# ---- the expert MLP ------------------------------------------------------------------------
+
+
+def _check_experts(T, H, I, k, E_local):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    E = E_local * world
+    torch.manual_seed(0)  # the same weights and every rank's tokens on every rank
+    w13, w2 = torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4
+    xs = [torch.randn(T, H) for _ in range(world)]
+    logits = [torch.randn(T, E) for _ in range(world)]
+    # single process: every rank's tokens through the dense loop; loss summed over ranks
+    ref_w13, ref_w2 = w13.double().requires_grad_(), w2.double().requires_grad_()
+    ref_xs = [x.double().requires_grad_() for x in xs]
+    ref_logits = [lg.double().requires_grad_() for lg in logits]
+    total = 0
+    for x, lg in zip(ref_xs, ref_logits):
+        idx, w, aux = topk_route(lg, k)
+        total = total + (experts_dense(x, idx, w.double(), ref_w13, ref_w2) ** 2).sum() + aux
+    total.backward()
+    # this rank
+    sl = slice(rank * E_local, (rank + 1) * E_local)
+    my_w13, my_w2 = w13[sl].clone().requires_grad_(), w2[sl].clone().requires_grad_()
+    x, lg = xs[rank].clone().requires_grad_(), logits[rank].clone().requires_grad_()
+    idx, w, aux = topk_route(lg, k)
+    y = moe_experts(x, idx, w, my_w13, my_w2)
+    ((y ** 2).sum() + aux).backward()
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad.double(), ref_xs[rank].grad, **tol)
+    torch.testing.assert_close(lg.grad.double(), ref_logits[rank].grad, **tol)
+    torch.testing.assert_close(my_w13.grad.double(), ref_w13.grad[sl], **tol)
+    torch.testing.assert_close(my_w2.grad.double(), ref_w2.grad[sl], **tol)
+    ref_y = experts_dense(xs[rank].double(), idx, w.detach().double(), w13.double(), w2.double())
+    torch.testing.assert_close(y.double(), ref_y, **tol)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_experts_matches_dense_loop(pools, world):
+    assert pools(world).run(_check_experts, 12, 8, 6, 2, 2) == [True] * world
+
+
+def _errors():
+    x, w = torch.zeros(4, 3), torch.ones(4, 2)
+    idx = torch.zeros(4, 2, dtype=torch.long)
+    E = 2 * dist.get_world_size()
+    return capture_errors({
+        "range": lambda: moe_dispatch(x, idx + E, w, E),
+        "dtype": lambda: moe_dispatch(x, idx.float(), w, E),
+        "weights": lambda: moe_dispatch(x, idx, w[:, :1], E),
+        "divisible": lambda: moe_dispatch(x, idx, w, E + 1),
+        "mismatch": lambda: moe_dispatch(torch.zeros(4, 3 + dist.get_rank()), idx, w, E),
+        "weights_shape": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 5), torch.zeros(1, 3, 2)),
+    })
+
+
+def test_bad_inputs_raise_clear_errors(pools):
+    errors = pools(2).run(_errors)
+    for rank_errors in errors:
+        assert "in [4, 4]; expert ids must be in [0, 4)" in rank_errors["range"][1]
+        assert "int32 or int64" in rank_errors["dtype"][1]
+        assert "topk_weights has shape (4, 1)" in rank_errors["weights"][1]
+        assert "num_experts=5 is not divisible by the ep group size 2" in rank_errors["divisible"][1]
+        assert "every rank of the ep group must agree" in rank_errors["mismatch"][1]
+        assert "do not fit" in rank_errors["weights_shape"][1]
