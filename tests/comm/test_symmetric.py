@@ -109,3 +109,27 @@ def test_fingerprints_separate_inputs():
     assert a != symmetric.fingerprint("all_gather", torch.float32, (6, 4), 0, "")
     assert a != symmetric.fingerprint("all_gather", torch.float16, (4, 6), 0, "")
     assert 0 <= a < 2**31
+
+
+def _torch_symm_reasons(hosts, peer_access):
+    """torch symmetric memory's verdict for a group whose ranks sit on ``hosts`` (faked), with
+    ``peer_access`` for GPU pairs (faked): agreed by every rank."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    symmetric._peers = lambda g: [f"{h}:{r}" for r, h in enumerate(hosts)]
+    torch.cuda.can_device_access_peer = lambda a, b: peer_access
+    return symmetric.torch_symm_unsupported_reason(torch.device("cuda"), group)
+
+
+def test_torch_symmetric_memory_needs_one_host_and_peer_access(pools):
+    """A group across hosts or GPUs without peer access is refused with the reason, the same
+    on every rank, so selection falls back to a backend that can serve it."""
+    pool = pools(2)
+    try:
+        across = pool.run(_torch_symm_reasons, ["a", "b"], True)
+        no_peer = pool.run(_torch_symm_reasons, ["a", "a"], False)
+        fine = pool.run(_torch_symm_reasons, ["a", "a"], True)
+    finally:
+        pool.close()  # the workers' torch.cuda and symmetric were patched
+    assert across[0] == across[1] and "rank 1" in across[0] and "on host b" in across[0]
+    assert no_peer[0] == no_peer[1] and "cannot access" in no_peer[0]
+    assert fine == [None, None]
