@@ -42,21 +42,23 @@ def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tens
     return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim)
 
 
-def zigzag_unshard(x_local: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def zigzag_unshard(x_local: torch.Tensor, dim: int, group=None, *,
+                   backend: str | None = None) -> torch.Tensor:
     """The full sequence from every rank's zigzag part (all-gathers over ``group``)::
 
         parts = all_gather(x_local, group)           # rank order
         chunks = [c for p in parts for c in p.chunk(2, dim)]
         torch.cat([chunks[zigzag_order(W)[g]] for g in range(2 * W)], dim)
 
-    Differentiable (the gradient is reduce-scattered back: ``fusedpar.ops.all_gather``)."""
+    Differentiable (the gradient is reduce-scattered back: ``fusedpar.ops.all_gather``,
+    whose ``backend`` this passes on)."""
     pg = resolve_group(group)
     world = pg.size()
     dim = dim % x_local.dim()
     if x_local.shape[dim] % 2:
         raise ValueError(f"fusedpar.parallel.zigzag_unshard: x_local.shape[{dim}] = "
                          f"{x_local.shape[dim]} is odd; a zigzag part holds two equal chunks")
-    gathered = all_gather(x_local, dim, pg)
+    gathered = all_gather(x_local, dim, pg, backend=backend)
     chunks = gathered.chunk(2 * world, dim)
     return torch.cat([chunks[i] for i in zigzag_order(world)], dim)
 

@@ -1,0 +1,127 @@
+"""Context-parallel attention: a drop-in for the SDPA call of a Llama-style attention whose
+sequence is split across the ranks of a ``cp`` group (``fusedpar.ops.ring_attention``).
+
+Hugging Face: :func:`set_hf_context_parallel_group` registers
+:func:`hf_context_parallel_attention` in ``transformers.AttentionInterface`` as
+``"fusedpar_cp"`` (``import fusedpar`` does too when transformers is already imported);
+then set ``config._attn_implementation = "fusedpar_cp"``. Feed the model this rank's part of the
+sequence (``fusedpar.parallel.zigzag_shard``) with its global ``position_ids``
+(``zigzag_positions``) so RoPE sees global positions.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import resolve_group
+from ..ops.ring_attention import BACKENDS, LAYOUTS, ring_attention
+
+
+def choose_backend(heads: int, kv_heads: int, world: int) -> str:
+    """The ring_attention backend for these head counts (identical on every rank):
+    with fewer K/V heads than ranks, moving K/V is cheap and a ring gains little: Ulysses
+    (all-to-all of heads) when the heads split over the ranks, else all-gather K/V;
+    otherwise the pipelined ring, whose K/V exchange hides behind the blocks."""
+    if kv_heads < world:
+        return "ulysses" if heads % world == 0 and world % kv_heads == 0 else "allgather_kv"
+    return "pipelined"
+
+
+class ContextParallelAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` over a sequence split across ``group``; the same as::
+
+        full = [unshard(t, dim=2) for t in (query, key, value)]   # [B, H, S, D] each
+        out = F.scaled_dot_product_attention(*full, is_causal=is_causal, scale=scale,
+                                             enable_gqa=True)
+        return shard(out, dim=2)                                   # this rank's rows
+
+    ``query [B, H, S_local, D]``, ``key``/``value [B, H_kv, S_local, D]`` (after RoPE), this
+    rank's part of the sequence in ``layout`` (``"zigzag"``, the default, balances causal
+    work; ``"contiguous"``). ``backend``: a ``ring_attention`` backend, or None to choose
+    from the head counts (:func:`choose_backend`). Differentiable; no parameters.
+    """
+
+    def __init__(self, group=None, backend: str | None = None, layout: str = "zigzag"):
+        super().__init__()
+        if backend is not None and backend not in BACKENDS.names:
+            raise ValueError(f"ContextParallelAttention: backend={backend!r}; choose one of "
+                             f"{BACKENDS.names} or None (chosen from the head counts)")
+        if layout not in LAYOUTS:
+            raise ValueError(f"ContextParallelAttention: layout={layout!r}; choose one of {LAYOUTS}")
+        self.group, self.backend, self.layout = group, backend, layout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
+        out = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                          is_causal, scale)
+        return out.transpose(1, 2)
+
+    def attend(self, q, k, v, causal: bool, scale: float | None) -> torch.Tensor:
+        """The same on ``[B, S_local, H, D]`` tensors (flash-attn's layout)."""
+        group = resolve_group(self.group)
+        backend = self.backend or choose_backend(q.shape[2], k.shape[2], dist.get_world_size(group))
+        return ring_attention(q, k, v, group, causal=causal, softmax_scale=scale,
+                              layout=self.layout, backend=backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend or 'auto'}, layout={self.layout}"
+
+
+_HF = {"module": None}
+
+
+def set_hf_context_parallel_group(group=None, backend: str | None = None, layout: str = "zigzag"):
+    """Register ``"fusedpar_cp"`` with transformers and set the group (and backend, layout)
+    it uses."""
+    if not register_with_transformers():
+        raise ImportError("set_hf_context_parallel_group needs transformers with "
+                          "AttentionInterface (pip install 'transformers>=4.48')")
+    _HF["module"] = ContextParallelAttention(group, backend, layout)
+
+
+def hf_context_parallel_attention(module, query, key, value, attention_mask, scaling=None,
+                                  dropout: float = 0.0, **kwargs):
+    """``transformers`` attention function (``AttentionInterface`` signature): query
+    ``[B, H, S_local, D]`` in, ``(out [B, S_local, H, D], None)`` out. Causal unless the
+    layer says ``is_causal=False``; masks cannot be applied to a split sequence, so a
+    padding mask is refused (pack documents without padding instead)."""
+    cp = _HF["module"]
+    if cp is None:
+        raise RuntimeError("fusedpar_cp attention: call fusedpar.nn.attention."
+                           "set_hf_context_parallel_group(group) before running the model")
+    if dropout and module.training:
+        raise ValueError(f"fusedpar_cp attention: attention dropout {dropout} is not supported; "
+                         "set config.attention_dropout = 0")
+    if attention_mask is not None:
+        raise ValueError("fusedpar_cp attention: got an attention mask; a mask cannot be applied "
+                         "to a sequence split across ranks (causality is applied by the kernel): "
+                         "pass unpadded sequences and no attention_mask")
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    out = cp.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                    bool(causal if causal is not None else True), scaling)
+    return out, None
+
+
+def register_with_transformers() -> bool:
+    """Register ``"fusedpar_cp"`` (attention, and a mask function that builds no mask);
+    False if transformers (with AttentionInterface) is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    interface = getattr(transformers, "AttentionInterface", None)
+    if interface is None:
+        return False
+    interface.register("fusedpar_cp", hf_context_parallel_attention)
+    masks = getattr(transformers, "AttentionMaskInterface", None)
+    if masks is not None:  # no mask tensor: the attention applies causality itself
+        masks.register("fusedpar_cp", lambda *args, **kwargs: None)
+    return True
+
+
+if "transformers" in sys.modules:  # never import it just for this (slow)
+    register_with_transformers()

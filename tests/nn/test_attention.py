@@ -1,0 +1,77 @@
+"""ContextParallelAttention: a drop-in for SDPA over a zigzag-sharded sequence."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fusedpar
+from fusedpar.nn.attention import choose_backend
+from fusedpar.parallel import zigzag_shard
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def test_backend_choice_from_head_counts():
+    assert choose_backend(32, 8, 8) == "pipelined"
+    assert choose_backend(32, 2, 8) == "ulysses"
+    assert choose_backend(12, 1, 8) == "allgather_kv"  # 12 heads do not split over 8 ranks
+    assert choose_backend(4, 2, 2) == "pipelined"
+    with pytest.raises(ValueError, match="backend='ring'"):
+        fusedpar.nn.ContextParallelAttention(backend="ring")
+
+
+def _sdpa_drop_in(heads, kv_heads):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    s = 4 * world
+    full = [torch.randn(2, n, s, 8, generator=g, dtype=torch.float64) for n in (heads, kv_heads, kv_heads)]
+    ref = [t.clone().requires_grad_() for t in full]
+    group = heads // kv_heads
+    expected = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(group, 1),
+                                              ref[2].repeat_interleave(group, 1), is_causal=True)
+    expected.sum().backward()
+    local = [zigzag_shard(t, 2, rank, world).float().requires_grad_() for t in full]
+    cp = fusedpar.nn.ContextParallelAttention()
+    out = cp(*local)
+    out.sum().backward()
+    torch.testing.assert_close(out.double(), zigzag_shard(expected.detach(), 2, rank, world),
+                               atol=1e-5, rtol=0)
+    for t, r in zip(local, ref):
+        torch.testing.assert_close(t.grad.double(), zigzag_shard(r.grad, 2, rank, world),
+                                   atol=1e-4, rtol=0)
+    return choose_backend(heads, kv_heads, world)
+
+
+@pytest.mark.parametrize("heads,kv_heads,backend", [(4, 2, "pipelined"), (2, 1, "ulysses")])
+def test_matches_sdpa_on_the_full_sequence(pools, heads, kv_heads, backend):
+    assert pools(2).run(_sdpa_drop_in, heads, kv_heads) == [backend] * 2
+
+
+def _hf_llama(cp_size_unused=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fusedpar.nn.attention import set_hf_context_parallel_group
+    from fusedpar.parallel import zigzag_positions
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 8 * world))
+    expected = model(ids).logits
+    set_hf_context_parallel_group(None)
+    model.config._attn_implementation = "fusedpar_cp"
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = "fusedpar_cp"
+    local_ids = zigzag_shard(ids, 1, rank, world)
+    logits = model(local_ids, position_ids=zigzag_positions(ids.shape[1], rank, world)[None]).logits
+    torch.testing.assert_close(logits, zigzag_shard(expected, 1, rank, world), atol=1e-4, rtol=1e-4)
+    return True
+
+
+def test_hugging_face_llama_with_fusedpar_cp(pools):
+    pytest.importorskip("transformers")
+    assert pools(2).run(_hf_llama) == [True, True]
