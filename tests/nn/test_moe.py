@@ -13,7 +13,7 @@ def _hf_style_forward(block, x):
     """Hugging Face MixtralSparseMoeBlock's arithmetic, written out independently."""
     h = x.reshape(-1, x.shape[-1])
     logits = F.linear(h, block.router.weight)
-    probs = logits.float().softmax(-1)
+    probs = logits.softmax(-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     top, idx = probs.topk(block.top_k, dim=-1)
     top = top / top.sum(-1, keepdim=True)
     y = torch.zeros_like(h)
@@ -49,3 +49,95 @@ def test_moe_block_contract_and_errors():
         block(torch.randn(3, 7))
     with pytest.raises(ValueError, match="top_k=5"):
         MoEBlock(8, 6, num_experts=4, top_k=5)
+
+
+# ---- ExpertParallelMoE on ep ranks ---------------------------------------------------------
+
+
+def _check_ep_reproduces_block(E, k):
+    import torch.distributed as dist
+
+    from fusedpar.nn.moe import ExpertParallelMoE
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same block and every rank's tokens on every rank
+    block = MoEBlock(8, 6, num_experts=E, top_k=k)
+    xs = [torch.randn(2, 3, 8) for _ in range(world)]
+    ep = ExpertParallelMoE.from_module(block, dist.group.WORLD)
+    x = xs[rank].clone().requires_grad_()
+    y, aux = ep(x)
+    ((y ** 2).sum() + aux).backward()
+    for xr in xs:  # the single-process block over every rank's tokens, losses summed
+        ref_y, ref_aux = block(xr)
+        ((ref_y ** 2).sum() + ref_aux).backward()
+    ref_y, ref_aux = block(xs[rank])
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ref_y, **tol)
+    torch.testing.assert_close(aux, ref_aux, **tol)
+    local = slice(rank * ep.num_local_experts, (rank + 1) * ep.num_local_experts)
+    torch.testing.assert_close(ep.w13.grad, block.w13.grad[local], **tol)
+    torch.testing.assert_close(ep.w2.grad, block.w2.grad[local], **tol)
+    router_grad = ep.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # replicated router: data-parallel sum
+    torch.testing.assert_close(router_grad, block.router.weight.grad, **tol)
+    ref_x = xs[rank].clone().requires_grad_()
+    ref_y, ref_aux = block(ref_x)
+    ((ref_y ** 2).sum() + ref_aux).backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, **tol)
+    return True
+
+
+@pytest.mark.parametrize("world, E, k", [(1, 4, 2), (2, 4, 1), (4, 8, 2)])
+def test_expert_parallel_reproduces_single_process_block(pools, world, E, k):
+    assert pools(world).run(_check_ep_reproduces_block, E, k) == [True] * world
+
+
+def _check_errors():
+    import torch.distributed as dist
+
+    from fusedpar.nn.moe import ExpertParallelMoE
+    from tests.ops.collective_cases import capture_errors
+
+    ep = ExpertParallelMoE(8, 6, 4, 2, dist.group.WORLD)
+    return capture_errors({
+        "divisible": lambda: ExpertParallelMoE(8, 6, 3, 1, dist.group.WORLD),
+        "top_k": lambda: ExpertParallelMoE(8, 6, 4, 5, dist.group.WORLD),
+        "hidden": lambda: ep(torch.randn(3, 7)),
+        "not_moe": lambda: ExpertParallelMoE.from_module(torch.nn.Linear(3, 3), dist.group.WORLD),
+    })
+
+
+def test_expert_parallel_errors(pools):
+    for errors in pools(2).run(_check_errors):
+        assert "num_experts=3 is not divisible by the ep group size 2" in errors["divisible"][1]
+        assert "top_k=5" in errors["top_k"][1]
+        assert "hidden size 7" in errors["hidden"][1]
+        assert "neither a fusedpar MoEBlock" in errors["not_moe"][1]
+
+
+def _check_hf_conversion():
+    import torch.distributed as dist
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from fusedpar.nn.moe import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=4,
+                           num_experts_per_tok=2, router_jitter_noise=0.0)
+    hf = MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.5)
+    xs = [torch.randn(2, 3, 8) for _ in range(dist.get_world_size())]
+    x = xs[dist.get_rank()]
+    expected = hf(x)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    y, _ = ExpertParallelMoE.from_module(hf, dist.group.WORLD)(x)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    return True
+
+
+def test_hugging_face_mixtral_block_conversion(pools):
+    pytest.importorskip("transformers")
+    assert pools(2).run(_check_hf_conversion) == [True, True]
