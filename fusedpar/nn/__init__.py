@@ -10,7 +10,7 @@
 from .linear import ColumnParallelLinear, RowParallelLinear, SharedGather, sync_replicated_grads
 from .embedding import VocabParallelEmbedding  # noqa: E402
 from .sequence import gather_from_sp, scatter_to_sp, vocab_parallel_cross_entropy  # noqa: E402
-from .moe import MoEBlock  # noqa: E402
+from .moe import ExpertParallelMoE, MoEBlock  # noqa: E402
 from .attention import ContextParallelAttention  # noqa: E402
 
-__all__ = ["ContextParallelAttention", "VocabParallelEmbedding", "gather_from_sp", "scatter_to_sp", "vocab_parallel_cross_entropy", "MoEBlock", "ColumnParallelLinear", "RowParallelLinear", "SharedGather", "sync_replicated_grads"]
+__all__ = ["ContextParallelAttention", "VocabParallelEmbedding", "gather_from_sp", "scatter_to_sp", "vocab_parallel_cross_entropy", "ExpertParallelMoE", "MoEBlock", "ColumnParallelLinear", "RowParallelLinear", "SharedGather", "sync_replicated_grads"]
