@@ -2,6 +2,8 @@
 per command:
 
 - ``info`` (:mod:`.info`): versions, GPU, extension, which backends run here and why not.
+- ``train`` (:mod:`.train`, alias ``demo``): the main job: train a small model
+  parallelized by ``fusedpar.parallelize`` and compare its loss curve with one process.
 - ``check`` (:mod:`.check`): every op on every backend available here, checked against
   its oracle, with the bytes moved next to the lower bound.
 - ``bench`` (:mod:`.bench`): the benchmark suite (pytest-benchmark).
@@ -16,18 +18,19 @@ import argparse
 import sys
 import traceback
 
-from fusedpar.cli import bench, check, info
+from fusedpar.cli import bench, check, info, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fusedpar",
         description="fusedpar: fused communication+compute kernels for PyTorch. 'info' shows "
-                    "what runs here, 'check' checks every op on every backend, 'bench' runs "
+                    "what runs here, 'train' (alias 'demo') trains a small model on several "
+                    "ranks, 'check' checks every op on every backend, 'bench' runs "
                     "the benchmark suite.")
-    sub = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,check,info,bench}")
     sub.required = True
-    for command in (info, check, bench):
+    for command in (train, check, info, bench):
         command.add_parser(sub)
     return parser
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         return info.run(args)
     try:
-        return check.run(args, parser)
+        return check.run(args, parser) if args.command == "check" else train.run(args, parser)
     except KeyboardInterrupt:
         return 130
     except Exception:  # noqa: BLE001 - show the traceback, exit non-zero

@@ -134,6 +134,8 @@ def _spawned_rank(rank: int, world: int, target, spec: dict, how: dict) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        # the ranks share the cores: more threads each only oversubscribes them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # longer than the parent's deadline: a stalled peer is reported (and killed) by the parent
     dist.init_process_group("nccl" if how["device"] == "cuda" else "gloo",
                             init_method=how["init_method"], rank=rank, world_size=world,
@@ -150,8 +152,12 @@ def _spawned_rank(rank: int, world: int, target, spec: dict, how: dict) -> None:
         dist.destroy_process_group()
 
 
-def spawn(target, spec: dict, world: int, device: str, timeout: float, name: str):
+def spawn(target, spec: dict, world: int, device: str, timeout: float, name: str,
+          interpret: bool = True):
     """Run ``target(group, device, spec)`` on ``world`` spawned ranks.
+
+    CPU ranks run the Triton kernels in the interpreter when ``interpret`` (else the ops
+    choose their other backends).
 
     Returns ``(rank 0's result, None)``, or ``(None, what went wrong)``; ``"interrupted"``
     after Ctrl-C. ``name`` prefixes the job's temporary names.
@@ -167,7 +173,7 @@ def spawn(target, spec: dict, world: int, device: str, timeout: float, name: str
         env = {
             # CPU ranks run the Triton kernels in the interpreter, which must be chosen before
             # the children import fusedpar; CUDA ranks must not use it
-            "TRITON_INTERPRET": "1" if device == "cpu" else None,
+            "TRITON_INTERPRET": "1" if device == "cpu" and interpret else None,
             # shm segments are named fusedpar_<job>_...: this job's own, for the cleanup below
             "TORCHELASTIC_RUN_ID": job,
         }

@@ -1,0 +1,456 @@
+"""``fusedpar train`` (what ``./dev demo`` runs): train a small model for a few steps on
+synthetic token data, parallelized by ``fusedpar.parallelize``, then train the same model
+in one process from the same seed and say how close the loss curves are.
+
+Plain-PyTorch equivalent of one rank's job (the single-process run is the same without
+``parallelize`` and with the whole batch)::
+
+    model = LlamaForCausalLM(LlamaConfig(), seed=seed)          # or MixtralForCausalLM (--moe)
+    model = fusedpar.parallelize(model, ParallelConfig(...))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(steps):
+        input_ids = synthetic_batch(seed, step)[this data-parallel rank's rows]
+        model(input_ids, labels=input_ids).loss.backward()
+        opt.step(); opt.zero_grad()
+
+Without a GPU it spawns ``--world-size`` CPU ranks (gloo); under ``torchrun`` each rank
+uses its GPU (NCCL). The config comes from flags or a YAML/JSON file (``--config``) with
+fusedpar's names or Axolotl's keys; flags win over the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+import fusedpar
+from fusedpar.cli import launch
+from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from fusedpar.parallel.config import _KEY_ALIASES as PARALLEL_KEYS
+
+DEFAULT_WORLD = 4
+#: The demo: tensor parallelism with sequence parallelism inside data-parallel sharding.
+DEFAULT_PARALLEL = {"tp": 2, "dp_shard": -1}
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """What to train and for how long. ``batch_size`` is the global batch (every
+    data-parallel rank takes its rows of it, so the single-process run sees the same data)."""
+
+    steps: int = 20
+    batch_size: int = 8
+    seq_len: int = 32
+    lr: float = 1e-2
+    seed: int = 0
+    moe: bool = False
+
+
+#: Training keys a config file may use -> our field (ours and Axolotl's names).
+TRAIN_KEYS = {
+    "steps": "steps", "max_steps": "steps",
+    "batch_size": "batch_size",
+    "seq_len": "seq_len", "sequence_len": "seq_len",
+    "lr": "lr", "learning_rate": "lr",
+    "seed": "seed",
+    "moe": "moe",
+}
+#: Flags that set ParallelConfig fields (its degrees and FSDP options).
+DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
+PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", aliases=["demo"],
+        help="train a small Llama-style (or --moe Mixtral-style) model on synthetic tokens, "
+             "parallelized, and compare with one process")
+    launch.add_launch_arguments(p, default_world=DEFAULT_WORLD, default_timeout=600.0)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML or JSON file: parallel degrees (dp_shard, tp, ... or Axolotl's "
+                        "dp_shard_size, tensor_parallel_size, ...) and training keys "
+                        f"({', '.join(sorted(TRAIN_KEYS))}); flags win over the file")
+    for name in DEGREES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name,
+                       help=f"degree of the {name} axis (default: tp=2 and dp_shard the rest)"
+                       if name == "tp" else argparse_help(name))
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 32)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-2)")
+    p.add_argument("--seed", type=int, default=None, help="model and data seed (default 0)")
+    p.add_argument("--moe", action="store_true", default=None,
+                   help="the Mixtral-style model (MoE MLPs) instead of the Llama-style one")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="FSDP's mixed-precision compute dtype (default: the parameters', "
+                        "float32); gradients are reduced in float32")
+    p.add_argument("--fsdp-comm", choices=("fusedpar", "torch"), default=None,
+                   help="FSDP's all-gather / reduce-scatter on fusedpar's ops (default) or "
+                        "torch's collectives")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint (DCP) after the last step")
+    p.add_argument("--resume", metavar="DIR",
+                   help="load a checkpoint saved by --save and continue up to --steps")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the single-process run at the end")
+    p.add_argument("--metrics", metavar="FILE",
+                   help="write the run's numbers (losses, bytes, ...) as JSON")
+
+
+def argparse_help(name: str) -> str:
+    return f"degree of the {name} axis" + (" (-1: the remaining ranks)"
+                                           if name in ("dp_shard", "dp_replicate") else "")
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+def load_config_file(path: str) -> dict:
+    """A YAML (needs PyYAML: ``pip install 'fusedpar[train]'``) or JSON mapping."""
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise SystemExit(f"fusedpar train: reading {path} needs PyYAML: pip install "
+                             "'fusedpar[train]' (or give the config as JSON)") from None
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise SystemExit(f"fusedpar train: {path} must hold a mapping of keys to values, "
+                         f"got {type(data).__name__}")
+    return data
+
+
+def split_config(data: dict) -> tuple[dict, dict, list[str]]:
+    """``(parallel keys, training fields, ignored keys)`` of a config mapping.
+
+    Parallel keys go to ``ParallelConfig.from_dict`` as they are (it knows the aliases and
+    rejects conflicts); keys we do not use (an Axolotl file has many) are ignored and
+    listed, unless they look like a misspelling of one we use, which is an error.
+    """
+    parallel, train, ignored = {}, {}, []
+    for key, value in data.items():
+        if key in PARALLEL_KEYS:
+            parallel[key] = value
+        elif key in TRAIN_KEYS:
+            field = TRAIN_KEYS[key]
+            if field in train and train[field] != value:
+                raise SystemExit(f"fusedpar train: {field} is given twice with different "
+                                 f"values ({value!r} as {key}); keep one of them")
+            train[field] = value
+        else:
+            close = difflib.get_close_matches(str(key), [*PARALLEL_KEYS, *TRAIN_KEYS], n=1,
+                                              cutoff=0.85)
+            if close:
+                raise SystemExit(f"fusedpar train: unknown config key {key!r}: did you mean "
+                                 f"{close[0]!r}?")
+            ignored.append(str(key))
+    return parallel, train, ignored
+
+
+def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, list[str]]:
+    """The run's parallel and training config from the file and the flags (flags win);
+    with no degree given anywhere, the demo's ``tp=2`` x ``dp_shard`` (the rest)."""
+    parallel_keys, train_fields, ignored = split_config(
+        load_config_file(args.config) if args.config else {})
+    base = fusedpar.ParallelConfig.from_dict(parallel_keys)
+    flags = {name: getattr(args, name) for name in PARALLEL_FLAGS if getattr(args, name) is not None}
+    given = {PARALLEL_KEYS[k] for k, v in parallel_keys.items() if v is not None} | set(flags)
+    if not given & set(DEGREES):
+        base = dataclasses.replace(base, **DEFAULT_PARALLEL)
+    pcfg = dataclasses.replace(base, **flags).validate(world)
+    for field in TrainConfig.__dataclass_fields__:
+        if getattr(args, field) is not None:
+            train_fields[field] = getattr(args, field)
+    tcfg = TrainConfig(**train_fields)
+    for field in ("steps", "batch_size", "seq_len"):
+        if getattr(tcfg, field) < 1:
+            raise SystemExit(f"fusedpar train: {field}={getattr(tcfg, field)} must be at least 1")
+    if tcfg.batch_size % pcfg.dp:
+        raise SystemExit(f"fusedpar train: batch_size={tcfg.batch_size} is not divisible by the "
+                         f"data-parallel degree dp_replicate*dp_shard={pcfg.dp}: choose a "
+                         f"multiple of {pcfg.dp}")
+    return pcfg, tcfg, ignored
+
+
+def model_config(tcfg: TrainConfig):
+    return MixtralConfig() if tcfg.moe else LlamaConfig()
+
+
+def build_model(tcfg: TrainConfig, device) -> torch.nn.Module:
+    cls = MixtralForCausalLM if tcfg.moe else LlamaForCausalLM
+    return cls(model_config(tcfg), device=device, seed=tcfg.seed)
+
+
+def synthetic_batch(tcfg: TrainConfig, vocab: int, step: int) -> torch.Tensor:
+    """The global batch of ``step``: each row counts through the vocabulary from a random
+    start with a random stride in 1..3 (learnable, so the loss falls), from ``(seed, step)``
+    alone, so a resumed run sees the same data."""
+    g = torch.Generator().manual_seed(tcfg.seed * 1_000_003 + step)
+    start = torch.randint(vocab, (tcfg.batch_size, 1), generator=g)
+    stride = torch.randint(1, 4, (tcfg.batch_size, 1), generator=g)
+    return (start + stride * torch.arange(tcfg.seq_len)) % vocab
+
+
+# ---- the ranks --------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(model, optimizer) -> dict:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards)."""
+    def size(t):
+        t = _local(t)
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    return {"params": sum(size(p) for p in params),
+            "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(v) for state in optimizer.state.values()
+                             for v in state.values() if isinstance(v, torch.Tensor))}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+class Progress:
+    """One line per step on rank 0: redrawn in place (``\\r``) on a terminal, a new line
+    otherwise (logs, pipes)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.tty = enabled and sys.stdout.isatty()
+
+    def update(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        done = int(width * (step + 1) / self.total)
+        line = f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{self.total}  {text}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(flush=True)
+
+
+def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = None):
+    """One AdamW step on the causal-LM loss of ``input_ids`` (the labels are the inputs;
+    the model shifts them); returns this rank's loss. ``memory`` (a dict) receives
+    :func:`state_bytes` while the gradients still exist."""
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    if memory is not None:
+        memory.update(state_bytes(model, optimizer))
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dict[str, int]:
+    """Bytes one rank must receive per step through each of fusedpar's ops (dense model,
+    tp and FSDP; cp and ep terms are not modelled: their ops show no bound).
+
+    With ``x`` = one rank's sequence shard of the hidden states, ``[B/dp, S/tp, H]``:
+
+    - all_gather_matmul: 2 shared gathers per block (q/k/v, gate/up) + the ``lm_head``'s in
+      forward, the adjoints of the 2 reduce-scatters per block in backward:
+      ``(4 L + 1) (tp-1) |x|``; matmul_reduce_scatter: the same count.
+    - all_gather: FSDP's parameter gathers, ``(n-1) x`` this rank's shard of a unit per
+      gather (n = dp_shard x cp), the blocks twice (re-gathered for backward), the root once
+      (FSDP2 keeps it); plus, with tp, the backward of the embedding's reduce-scatter to the
+      sequence-parallel region, ``(tp-1) |x|``.
+    - reduce_scatter: FSDP's gradient reduce-scatter, ``(n-1) x`` this rank's shard of
+      every parameter in float32; plus, with tp, the embedding's ``(tp-1) |x|``.
+    """
+    if pcfg.cp > 1 or pcfg.ep > 1:
+        return {}
+    param_elem = torch.empty((), dtype=getattr(torch, pcfg.param_dtype or "float32")).element_size()
+    hidden = model.config.hidden_size
+    x = tcfg.batch_size // pcfg.dp * tcfg.seq_len // pcfg.tp * hidden * param_elem
+    n, tp, layers = pcfg.dp_shard_cp, pcfg.tp, model.config.num_layers
+    block_ids = {id(p) for p in model.model.layers.parameters()}
+    shard = {True: 0, False: 0}  # numel of this rank's FSDP shards: blocks, root
+    for p in model.parameters():
+        shard[id(p) in block_ids] += _local(p).numel()
+    reduce_elem = torch.empty((), dtype=getattr(torch, pcfg.reduce_dtype)).element_size()
+    bounds = {"all_gather": (n - 1) * (2 * shard[True] + shard[False]) * param_elem,
+              "reduce_scatter": (n - 1) * (shard[True] + shard[False]) * reduce_elem}
+    if tp > 1:
+        bounds["all_gather"] += (tp - 1) * x
+        bounds["reduce_scatter"] += (tp - 1) * x
+        bounds["all_gather_matmul"] = bounds["matmul_reduce_scatter"] = (4 * layers + 1) * (tp - 1) * x
+    return {op: b for op, b in bounds.items() if b}
+
+
+def _checkpoint(path: str, model, optimizer, *, save: bool) -> None:
+    """Save or load the model and optimizer state with torch.distributed.checkpoint
+    (sharded, each rank writes its own shards; reshardable on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    if save:
+        dcp.save(state, checkpoint_id=path)
+    else:
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
+def train_rank(group, device, spec: dict) -> dict:
+    """One rank's part (run by :mod:`fusedpar.cli.launch`): the parallel run and, on rank 0,
+    the single-process run. Rank 0's result is the report's data."""
+    import torch.distributed as dist
+
+    pcfg = fusedpar.ParallelConfig(**spec["parallel"])
+    tcfg = TrainConfig(**spec["train"])
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    vocab = model_config(tcfg).vocab_size
+    model = fusedpar.parallelize(build_model(tcfg, device), pcfg)
+
+    def batches(step):  # this data-parallel rank's rows of the global batch
+        return fusedpar.parallel.shard_batch(synthetic_batch(tcfg, vocab, step),
+                                             model.fusedpar_mesh).to(device)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr)
+    first = 0
+    if spec.get("resume"):
+        _checkpoint(spec["resume"], model, optimizer, save=False)
+        with open(os.path.join(spec["resume"], "fusedpar_train.json")) as f:
+            first = json.load(f)["step"]
+        if first >= tcfg.steps:
+            raise ValueError(f"the checkpoint in {spec['resume']} is at step {first}: ask for "
+                             f"more steps (--steps > {first}) to continue")
+
+    bounds = lower_bounds(model, pcfg, tcfg)
+    progress = Progress(tcfg.steps, enabled=rank == 0)
+    tokens = tcfg.batch_size * tcfg.seq_len
+    record = {"losses": [], "seconds": [], "comm": []}
+    for step in range(first, tcfg.steps):
+        start = time.perf_counter()
+        mem = {}
+        with fusedpar.comm.count_bytes() as counter:
+            loss = train_step(model, optimizer, batches(step), mem)
+        dist.all_reduce(loss, group=group)  # tp/cp replicas hold the same loss, dp ranks theirs
+        elapsed = time.perf_counter() - start
+        record["losses"].append(float(loss) / world)
+        record["seconds"].append(elapsed)
+        record["comm"].append({op: 0 for op in bounds})
+        for (op, _), n in counter.by_op().items():
+            record["comm"][-1][op] = record["comm"][-1].get(op, 0) + n
+        record["state_bytes"] = mem
+        progress.update(step, f"loss {record['losses'][-1]:.4f}  {tokens / elapsed:,.0f} tok/s  "
+                              f"params+grads+optimizer {_fmt_bytes(sum(mem.values()))}/rank")
+    progress.close()
+    if spec.get("save"):
+        _checkpoint(spec["save"], model, optimizer, save=True)
+        if rank == 0:
+            with open(os.path.join(spec["save"], "fusedpar_train.json"), "w") as f:
+                json.dump({"step": tcfg.steps, "parallel": spec["parallel"],
+                           "train": spec["train"]}, f)
+        dist.barrier(group)
+    result = {"first_step": first, **record, "lower_bounds": bounds,
+              "parameters": sum(p.numel() for p in build_model(tcfg, "meta").parameters())}
+    if rank == 0 and spec["compare"]:
+        print("single-process run of the same seed ...", flush=True)
+        single = build_model(tcfg, device)
+        opt = torch.optim.AdamW(single.parameters(), lr=tcfg.lr)
+        ref = [float(train_step(single, opt, synthetic_batch(tcfg, vocab, step).to(device)))
+               for step in range(tcfg.steps)]
+        result["reference_losses"] = ref[first:]
+    return result
+
+
+# ---- the command ------------------------------------------------------------------------
+
+
+def max_rel_diff(losses: list[float], reference: list[float]) -> float:
+    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)), default=0.0)
+
+
+def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> list[str]:
+    """The lines printed after the progress bar."""
+    lines = []
+    comm, bounds = result["comm"][-1], result["lower_bounds"]
+    lines.append("communication per step (the last one): bytes rank 0 received through "
+                 "fusedpar's ops, and the lower bound")
+    if comm:
+        width = max(len(k) for k in comm)
+        for op, n in sorted(comm.items()):
+            bound = bounds.get(op)
+            lines.append(f"  {op:<{width}}  {n:>12,} B   lower bound "
+                         + (f"{bound:>12,} B   ratio {n / bound:.2f}" if bound else "-"))
+    else:
+        lines.append("  none (every collective ran on torch's)")
+    mem = result["state_bytes"]
+    lines.append(f"model: {result['parameters']:,} parameters; memory per rank: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in mem.items()))
+    losses = result["losses"]
+    lines.append(f"loss: {losses[0]:.4f} at step {result['first_step'] + 1} -> {losses[-1]:.4f} "
+                 f"at step {tcfg.steps}")
+    ref = result.get("reference_losses")
+    if ref is not None:
+        lines.append(f"loss curve vs one process, same seed: max relative difference "
+                     f"{max_rel_diff(losses, ref):.2e} over {len(losses)} steps")
+    return lines
+
+
+def run(args, parser) -> int:
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    torchrun = launch.under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or DEFAULT_WORLD)
+    try:
+        pcfg, tcfg, ignored = resolve(args, world)
+    except fusedpar.ParallelConfigError as e:
+        print(f"fusedpar train: {e}", file=sys.stderr)
+        return 2
+    spec = {"parallel": dataclasses.asdict(pcfg), "train": dataclasses.asdict(tcfg),
+            "save": args.save and os.path.abspath(args.save),
+            "resume": args.resume and os.path.abspath(args.resume),
+            "compare": not args.no_compare}
+    model_name = "Mixtral-style MoE" if tcfg.moe else "Llama-style"
+    header = [f"fusedpar train: {model_name} model, {pcfg}, {tcfg.steps} steps of "
+              f"{tcfg.batch_size} x {tcfg.seq_len} tokens, seed {tcfg.seed}"]
+    if ignored:
+        header.append(f"  (config keys not used by fusedpar train, ignored: {', '.join(ignored)})")
+    if torchrun:
+        import torch.distributed as dist
+
+        with launch.torchrun_rank(args.timeout) as (device, backend):
+            if dist.get_rank() == 0:
+                print("\n".join(header) + f"\n  torchrun, {backend}", flush=True)
+            result = train_rank(dist.group.WORLD, device, spec)
+            if dist.get_rank() != 0:
+                return 0
+    else:
+        device = launch.pick_device(args.device, world, parser)
+        print("\n".join(header) + f"\n  {world} spawned processes, "
+              f"{'nccl' if device == 'cuda' else 'gloo'}", flush=True)
+        result, error = launch.spawn(train_rank, spec, world, device, args.timeout, "train",
+                                     interpret=False)
+        if error is not None:
+            print(f"fusedpar train: {error}", file=sys.stderr, flush=True)
+            return 130 if error == "interrupted" else 1
+    print("\n".join(report(result, pcfg, tcfg)), flush=True)
+    if args.metrics:
+        with open(args.metrics, "w") as f:
+            json.dump({"parallel": spec["parallel"], "train": spec["train"], **result}, f)
+    return 0

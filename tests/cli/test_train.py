@@ -1,0 +1,128 @@
+"""``fusedpar train`` (``./dev demo``): config parsing in-process, then the job itself on 4
+spawned CPU ranks against the single-process run, and save/resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fusedpar
+import fusedpar.models
+from fusedpar.cli import build_parser, train
+from tests.cli.common import run_cli
+
+
+def _resolve(argv, world=4):
+    args = build_parser().parse_args(["train", *argv])
+    return train.resolve(args, world)
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+def test_default_is_tp2_times_dp_shard_with_sequence_parallel():
+    pcfg, tcfg, ignored = _resolve([])
+    assert (pcfg.dp_replicate, pcfg.dp_shard, pcfg.cp, pcfg.tp, pcfg.ep) == (1, 2, 1, 2, 1)
+    assert tcfg == train.TrainConfig() and ignored == []
+
+
+def test_axolotl_yaml_keys_flags_win_and_unused_keys_are_listed(tmp_path):
+    path = tmp_path / "axolotl.yaml"
+    path.write_text("base_model: NousResearch/Llama-3.2-1B\n"
+                    "dp_shard_size: 2\ntensor_parallel_size: 2\ncontext_parallel_size: 1\n"
+                    "expert_parallel_size: 1\ndp_replicate_size: 1\n"
+                    "sequence_len: 16\nlearning_rate: 0.001\nmax_steps: 7\nseed: 3\n")
+    pcfg, tcfg, ignored = _resolve(["--config", str(path)])
+    assert (pcfg.dp_shard, pcfg.tp) == (2, 2)
+    assert (tcfg.seq_len, tcfg.lr, tcfg.steps, tcfg.seed) == (16, 0.001, 7, 3)
+    assert ignored == ["base_model"]
+    # flags win over the file; a degree from the file is kept unless a flag changes it
+    pcfg, tcfg, _ = _resolve(["--config", str(path), "--tp", "1", "--dp-shard", "4",
+                              "--steps", "2"])
+    assert (pcfg.dp_shard, pcfg.tp, tcfg.steps) == (4, 1, 2)
+
+
+def test_fusedpar_names_in_json_and_fsdp_options(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"dp_replicate": 2, "dp_shard": 2, "param_dtype": "bf16",
+                                "fsdp_comm": "torch", "batch_size": 4, "moe": True}))
+    pcfg, tcfg, _ = _resolve(["--config", str(path)])
+    assert (pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp) == (2, 2, 1)
+    assert (pcfg.param_dtype, pcfg.fsdp_comm) == ("bfloat16", "torch")
+    assert tcfg.batch_size == 4 and tcfg.moe
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tensor_paralel_size: 2\n", "did you mean 'tensor_parallel_size'"),
+    ("tp: 2\ntensor_parallel_size: 4\n", "tp is given twice with different values"),
+    ("tp: 3\n", "tp=3 does not divide world_size=4"),
+    ("batch_size: 5\n", "batch_size=5 is not divisible by the data-parallel degree"),
+    ("steps: 0\n", "steps=0 must be at least 1"),
+    ("- tp\n", "must hold a mapping"),
+])
+def test_bad_configs_are_clear_errors(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises((SystemExit, fusedpar.ParallelConfigError), match=message):
+        _resolve(["--config", str(path)])
+
+
+def test_synthetic_batches_depend_on_seed_and_step_only():
+    tcfg = train.TrainConfig(batch_size=4, seq_len=8)
+    a, b = train.synthetic_batch(tcfg, 128, 5), train.synthetic_batch(tcfg, 128, 5)
+    assert a.equal(b) and not a.equal(train.synthetic_batch(tcfg, 128, 6))
+    stride = (a[:, 1:] - a[:, :-1]) % 128  # each row counts with one stride in 1..3
+    assert ((stride == stride[:, :1]) & (stride >= 1) & (stride <= 3)).all()
+
+
+# ---- the job ----------------------------------------------------------------------------
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The demo's default config (tp=2 x dp_shard=2, sequence parallel) for STEPS steps."""
+    metrics = tmp_path_factory.mktemp("train") / "full.json"
+    res = run_cli(["train", "--steps", str(STEPS), "--metrics", str(metrics)], timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res, json.loads(metrics.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_train_matches_one_process_with_lower_bound_bytes(full_run):
+    res, m = full_run
+    assert m["parallel"]["tp"] == 2 and m["parallel"]["dp_shard"] == 2
+    losses, ref = m["losses"], m["reference_losses"]
+    assert len(losses) == len(ref) == STEPS
+    assert train.max_rel_diff(losses, ref) <= 1e-5, (losses, ref)
+    assert losses[-1] < losses[0]  # it learns
+    comm = m["comm"][-1]
+    assert set(comm) == {"all_gather", "reduce_scatter", "all_gather_matmul",
+                         "matmul_reduce_scatter"}
+    assert comm == m["lower_bounds"]  # every op moved exactly its lower bound
+    mem = m["state_bytes"]
+    tensors = len(list(fusedpar.models.LlamaForCausalLM(fusedpar.models.LlamaConfig()).parameters()))
+    # AdamW: exp_avg and exp_avg_sq shaped like the parameter shards, one fp32 step each
+    assert mem["grads"] == mem["params"] > 0
+    assert mem["optimizer"] == 2 * mem["params"] + 4 * tensors
+    out = res.stdout
+    assert f"step {STEPS}/{STEPS}" in out and "tok/s" in out and "params+grads+optimizer" in out
+    assert "loss curve vs one process, same seed: max relative difference" in out
+    assert "ratio 1.00" in out
+
+
+@pytest.mark.timeout(300)
+def test_save_then_resume_continues_with_identical_losses(full_run, tmp_path):
+    _, full = full_run
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
+    res = run_cli(["train", "--steps", "2", "--save", str(ckpt), "--no-compare",
+                   "--metrics", str(first)], timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli(["train", "--steps", str(STEPS), "--resume", str(ckpt), "--no-compare",
+                   "--metrics", str(second)], timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(first.read_text())["losses"] == full["losses"][:2]
+    resumed = json.loads(second.read_text())
+    assert resumed["first_step"] == 2 and resumed["losses"] == full["losses"][2:]
