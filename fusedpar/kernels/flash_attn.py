@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .ag_gemm import mma
+from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -60,6 +61,33 @@ def _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
         return start, length, length
     else:
         return tl.full([], 0, tl.int32), seqlen_q, seqlen_k
+
+
+@triton.jit
+def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d_ok, visible,
+                  m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+    """One online-softmax step: fold keys ``cols`` (``visible[row, key]``) into the running
+    row max ``m_i`` (base 2), row sum ``l_i`` and fp32 output ``acc``."""
+    kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
+                 mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+    p = tl.exp2(qk - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _store_rows(o_rows, stride_os, lse_rows, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc):
+    """Normalise and store the output rows and their natural-log lse."""
+    tl.store(o_rows + offs_m[:, None] * stride_os + offs_d[None, :],
+             (acc / l_i[:, None]).to(o_rows.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(lse_rows + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_ok)
 
 
 @triton.jit
@@ -98,27 +126,14 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr, sm_sca
         for start_n in range(0, hi, BLOCK_N):
             cols = start_n + offs_n
             n_ok = cols < len_k
-            kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
-                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST) * qk_scale
             visible = n_ok[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: key 0 is visible to every row
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        o_base = o_ptr + b.to(tl.int64) * stride_ob + row0 * stride_os + h * stride_oh
-        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :],
-                 acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
-        tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + start + offs_m, lse, mask=m_ok)
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d,
+                                          d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST)
+        _store_rows(o_ptr + b.to(tl.int64) * stride_ob + row0 * stride_os + h * stride_oh, stride_os,
+                    lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + start, offs_m, m_ok,
+                    offs_d, d_ok, m_i, l_i, acc)
 
 
 @triton.jit
@@ -247,6 +262,79 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                  mask=row_mask)
 
 
+@triton.jit
+def _global_pos(local, rank, world_size, chunk, ZIGZAG: tl.constexpr):
+    """Global sequence positions of ``rank``'s local rows: zigzag holds chunks ``rank`` and
+    ``2W-1-rank`` (``chunk`` rows each); contiguous holds chunk ``rank`` (``chunk = S_local``)."""
+    if ZIGZAG:
+        return tl.where(local < chunk, rank * chunk + local,
+                        (2 * world_size - 1 - rank) * chunk + local - chunk)
+    else:
+        return rank * chunk + local
+
+
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
+def ring_attn_fwd_kernel(q_ptr, kv_ptr, o_ptr, lse_ptr, pad_table, stats_ptr, rank, world_size,
+                         epoch, meta, timeout_ns, sm_scale, batch, n_heads, kv_group, seqlen,
+                         head_dim, chunk, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
+                         stride_oh, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ELEM_BYTES: tl.constexpr, UPCAST: tl.constexpr):
+    n_kv_heads = n_heads // kv_group
+    stride_kh = head_dim
+    stride_ks = n_kv_heads * head_dim
+    stride_kb = tl.cast(seqlen, tl.int64) * stride_ks
+    kv_half = batch * stride_kb  # K, then V: every rank staged [2, B, S_local, H_kv, D]
+    m_blocks = tl.cdiv(seqlen, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    qk_scale = sm_scale * 1.4426950408889634
+    for tile in range(tl.program_id(0), m_blocks * batch * n_heads, tl.num_programs(0)):
+        m_block = tile % m_blocks
+        b = (tile // m_blocks) // n_heads
+        h = (tile // m_blocks) % n_heads
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < seqlen
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+                    + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        pos_q = _global_pos(offs_m, rank, world_size, chunk, ZIGZAG)
+        last_q = tl.max(tl.where(m_ok, pos_q, -1), 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        moved = tl.zeros([], tl.int64)
+        for step in range(0, world_size):
+            src = (rank + world_size - step) % world_size  # own block first
+            ok = tl.full([], 1, tl.int1)
+            base = kv_ptr
+            if src != rank:
+                ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
+                base = data_ptr(pad_table, src, kv_ptr.dtype.element_ty)
+            if ok:
+                k_base = base + b * stride_kb + (h // kv_group) * stride_kh
+                for start_n in range(0, seqlen, BLOCK_N):
+                    cols = start_n + offs_n
+                    n_ok = cols < seqlen
+                    visible = n_ok[None, :]
+                    needed = True
+                    if CAUSAL:
+                        pos_k = _global_pos(cols, src, world_size, chunk, ZIGZAG)
+                        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+                        needed = tl.min(tl.where(n_ok, pos_k, 2**30), 0) <= last_q  # skip masked blocks
+                    if needed:
+                        m_i, l_i, acc = _attend_block(q, k_base, k_base + kv_half, stride_ks, stride_ks,
+                                                      cols, n_ok, offs_d, d_ok, visible, m_i, l_i, acc,
+                                                      qk_scale, UPCAST)
+                        if src != rank:
+                            moved += tl.sum(n_ok.to(tl.int64)) * head_dim * (2 * ELEM_BYTES)
+        _store_rows(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, stride_os,
+                    lse_ptr + (b.to(tl.int64) * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok,
+                    m_i, l_i, acc)
+        if moved > 0:
+            tl.atomic_add(stats_ptr, moved)
+
+
 def interpreting() -> bool:
     """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
     return type(flash_fwd_kernel).__name__ == "InterpretedFunction"
@@ -340,6 +428,32 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
             **common)
 
 
+def ring_attn_forward(q, kv_staged, out, lse, pad_table, rank: int, world_size: int, epoch: int,
+                      meta: int, timeout_ns: int, stats, causal: bool, sm_scale: float, zigzag: bool,
+                      config: dict | None = None) -> None:
+    """Attention of this rank's ``q [B, S_local, H, D]`` to every rank's K/V, read straight
+    from each rank's symmetric data region (``[2, B, S_local, H_kv, D]``, contiguous; this
+    rank's own is ``kv_staged``) once that rank's READY flag is at ``epoch`` and its
+    fingerprint equals ``meta``; fills ``out`` and ``lse`` (fp32 ``[B, H, S_local]``,
+    contiguous) and adds the bytes read from peers to ``stats``.
+
+    Causal masking uses global positions (``zigzag`` or contiguous layout); K/V blocks
+    that no query of a tile can see are never loaded. The grid is capped
+    (``signal.spinning_grid``) and loops over tiles; what it waits on (peers staging and
+    signalling on their own devices) never needs this kernel's SMs. A failed wait is
+    recorded in this rank's STATUS words (the caller raises); the source is skipped."""
+    batch, seqlen, n_heads, head_dim = q.shape
+    cfg = attn_config(head_dim, q.device, False, config)
+    tiles = triton.cdiv(seqlen, cfg["BLOCK_M"]) * batch * n_heads
+    ring_attn_fwd_kernel[(spinning_grid(tiles, sm_count(q.device)),)](
+        q, kv_staged, out, lse, pad_table, stats, rank, world_size, epoch, meta, timeout_ns,
+        sm_scale, batch, n_heads, n_heads // kv_staged.shape[3], seqlen, head_dim,
+        seqlen // 2 if zigzag else seqlen, *_layout(q), *_layout(out), CAUSAL=causal,
+        ZIGZAG=zigzag, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim),
+        ELEM_BYTES=q.element_size(), UPCAST=interpreting(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
 def _aot_examples():
     i32 = "i32"
     strides4 = {f"stride_{t}{a}": i32 for t in ("q", "k", "v", "o") for a in "bsh"}
@@ -359,6 +473,11 @@ def _aot_examples():
               "sm_scale": "fp32", "n_heads": i32, "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32,
               "head_dim": i32, "m_blocks": i32, **grad_strides,
               **{f"stride_dq{a}": i32 for a in "bsh"}, "stride_lb": i32, "stride_lh": i32}
+    ring_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
+                "pad_table": "*i64", "stats_ptr": "*i64", "rank": i32, "world_size": i32,
+                "epoch": i32, "meta": i32, "timeout_ns": "i64", "sm_scale": "fp32", "batch": i32,
+                "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32, "chunk": i32,
+                **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"}}
     out = []
     for arch, fwd, bwd in ((90, _FWD_SM90, _BWD_SM90), (80, _FWD_SM80, _BWD_SM80)):
         for d in (64, 128, 256):
@@ -369,6 +488,11 @@ def _aot_examples():
                               BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d, UPCAST=False)
                 out.append((kernel, sig, consts, dict(num_warps=cfg["num_warps"],
                                                       num_stages=cfg["num_stages"], arch=arch)))
+            cfg = fwd[d]
+            out.append((ring_attn_fwd_kernel, ring_sig,
+                        dict(CAUSAL=True, ZIGZAG=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                             BLOCK_D=d, ELEM_BYTES=2, UPCAST=False),
+                        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch)))
     return out
 
 

@@ -25,9 +25,9 @@ from .grouped_mm import grouped_mm  # noqa: E402
 from .moe import moe_combine, moe_dispatch, moe_experts, topk_route  # noqa: E402
 from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_loopback  # noqa: E402
 from .reduce_scatter import reduce_scatter, reduce_scatter_loopback  # noqa: E402
-from .ring_attention import ring_attention, ring_attention_with_lse  # noqa: E402
+from .ring_attention import ring_attention, ring_attention_loopback, ring_attention_with_lse  # noqa: E402
 
 __all__ = ["DISPATCHERS", "all_gather", "all_gather_loopback", "all_gather_matmul",
            "all_gather_matmul_loopback", "flash_attention", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
-           "reduce_scatter", "reduce_scatter_loopback", "ring_attention", "ring_attention_with_lse", "grouped_mm", "moe_combine", "moe_dispatch",
+           "reduce_scatter", "reduce_scatter_loopback", "ring_attention", "ring_attention_loopback", "ring_attention_with_lse", "grouped_mm", "moe_combine", "moe_dispatch",
            "moe_experts", "topk_route"]

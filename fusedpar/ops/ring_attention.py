@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, group_name, resolve_group, symmetric
+from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, resolve_group,
+                    symmetric)
+from ..kernels import flash_attn as kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
-from .flash_attention import (attend_block, attend_block_backward, check_attention_inputs,
-                              default_scale, delta_of)
+from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
+                              check_attention_inputs, default_scale, delta_of)
 
 OP = "ring_attention"
 LAYOUTS = ("zigzag", "contiguous")
@@ -33,19 +35,21 @@ BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tens
 
 
 class RingCall:
-    """One rank's call: this rank's ``q [B, S_local, H, D]``, ``k``/``v [B, S_local, H_kv, D]``."""
+    """One rank's call: this rank's ``q [B, S_local, H, D]``, ``k``/``v [B, S_local, H_kv, D]``;
+    ``group`` None: a loopback call of ``world_size`` simulated ranks."""
 
     op = OP
 
-    def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str):
+    def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str, world_size: int = 0):
         self.q, self.k, self.v, self.group = q, k, v, group
         self.x = q  # what C.raise_on_mismatch reads
         self.causal, self.scale, self.layout = causal, scale, layout
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group) if group is not None else world_size
+        self.rank = dist.get_rank(group) if group is not None else 0
 
     def cache_key(self) -> tuple:
-        return (self.group.group_name, self.q.device.type, self.q.dtype, self.q.shape[2],
+        name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
+        return (name, self.q.device.type, self.q.dtype, self.q.shape[2],
                 self.k.shape[2], self.layout)
 
     def describe(self) -> str:
@@ -220,6 +224,48 @@ class Pipelined(Backend):
         return dq.to(q.dtype), *_kv_grads(own, q.dtype)
 
 
+class TritonRing(Pipelined):
+    """One Triton kernel per rank: every rank stages its K/V in its symmetric buffer and
+    raises READY; the kernel attends to its own K/V first and then reads each peer's K/V
+    block straight from the peer's buffer as the peer's flag flips (bounded waits,
+    fingerprints checked), skipping causally masked blocks; the bytes it reads from peers
+    are counted in the kernel. The backward pass is the pipelined ring's."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, call: RingCall) -> list[str]:
+        reasons = C.triton_reasons(call)
+        if call.q.dtype not in KERNEL_DTYPES:
+            reasons.append(f"dtype {call.q.dtype} (the kernel takes float32, float16, bfloat16)")
+        return reasons
+
+    def forward(self, call: RingCall):
+        kv = torch.stack([call.k, call.v])
+        buf = get_buffer(call.group, _nbytes(kv), kv.device)
+        return self.run_views([buf], [call.q], [kv], call)[0]
+
+    def run_views(self, bufs, qs, kvs, call: RingCall):
+        """``[(out, lse)]`` per rank view in ``bufs`` (one, or all W for loopback)."""
+        meta = call.fingerprint()
+
+        by_rank = {buf.rank: q for buf, q in zip(bufs, qs)}
+
+        def attend(buf, staged, epoch):
+            q = by_rank[buf.rank]
+            q = q if q.stride(-1) == 1 else q.contiguous()
+            b, s, h, _ = q.shape
+            out = torch.empty_like(q)
+            lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+            stats = C.stats_tensor(q.device)
+            kernels.ring_attn_forward(q, staged, out, lse, buf.pad_table, buf.rank, buf.world_size,
+                                      epoch, meta, buf.timeout_ns, stats, call.causal, call.scale,
+                                      call.layout == "zigzag")
+            counters.record(OP, self.name, stats)
+            return out, lse
+
+        return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, kvs, meta, call.description(), attend)
+
+
 def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
     """All-gather ``[2, B, S_local, H_kv, D]`` and put the sequence in global order."""
     from .all_gather import all_gather
@@ -365,7 +411,7 @@ class Ulysses(Backend):
         return dq, dk, dv
 
 
-BACKENDS = Dispatcher(OP, [Pipelined(), Ulysses(), AllGatherKV()])
+BACKENDS = Dispatcher(OP, [TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
 
 
 def _call(q, k, v, group_name_, causal, softmax_scale, layout) -> RingCall:
@@ -446,3 +492,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """The output of ``ring_attention_with_lse`` (same arguments)."""
     return ring_attention_with_lse(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, backend=backend)[0]
+
+
+def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], *,
+                            causal: bool = False, softmax_scale: float | None = None,
+                            layout: str = "zigzag"):
+    """Every rank's part of ``ring_attention_with_lse`` in this process (rank r holds
+    ``qs[r]``, ``ks[r]``, ``vs[r]``) over loopback symmetric buffers with the ``triton``
+    kernel; returns each rank's ``(out, lse)``. Forward only: for single-device benchmarks
+    and tests of the protocol."""
+    world = len(qs)
+    if world < 1 or len(ks) != world or len(vs) != world:
+        raise ValueError(f"fusedpar.{OP}_loopback: qs, ks, vs must hold one tensor per simulated "
+                         f"rank; got {len(qs)}, {len(ks)}, {len(vs)}")
+    for r in range(world):
+        for name, got, first in (("qs", qs[r], qs[0]), ("ks", ks[r], ks[0]), ("vs", vs[r], vs[0])):
+            if got.shape != first.shape or got.dtype != first.dtype or got.device != first.device:
+                raise ValueError(f"fusedpar.{OP}_loopback: {name}[{r}] is {tuple(got.shape)} "
+                                 f"{got.dtype} on {got.device}, {name}[0] is {tuple(first.shape)} "
+                                 f"{first.dtype} on {first.device}; they must match")
+    check_ring_inputs(f"{OP}_loopback", qs[0], ks[0], vs[0], layout, world)
+    call = RingCall(qs[0], ks[0], vs[0], None, bool(causal), default_scale(qs[0], softmax_scale),
+                    layout, world_size=world)
+    backend = BACKENDS.select(call, "triton")
+    kvs = [torch.stack([k, v]) for k, v in zip(ks, vs)]
+    bufs = get_loopback_buffers(world, _nbytes(kvs[0]), kvs[0].device)
+    return backend.run_views(bufs, qs, kvs, call)
