@@ -224,7 +224,7 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
 
 
 def _cp_shard(plan: _Plan, *tensors):
-    from . import zigzag_shard  # lands with context parallelism (issue 7)
+    from .cp import zigzag_shard
 
     pg = dist.distributed_c10d._resolve_process_group(plan.cp_group)
     return tuple(None if t is None else zigzag_shard(t, 1, pg.rank(), pg.size()) for t in tensors)
@@ -245,6 +245,63 @@ def _apply_tensor_parallel(model: nn.Module, layout: ModelLayout, tp_mesh, backe
     if tied:
         model.lm_head.weight = inner.embed_tokens.weight
     sync_replicated_grads(inner.norm, tp_mesh)  # the final norm runs on sequence shards
+
+
+class _CPCore(nn.Module):
+    """fusedpar's own attention core ``(q, k, v) [B, S, H, D] -> out`` over the cp group."""
+
+    def __init__(self, cp: nn.Module):
+        super().__init__()
+        self.cp = cp
+
+    def forward(self, q, k, v):
+        return self.cp.attend(q, k, v, True, None)
+
+
+def _apply_context_parallel(model: nn.Module, layout: ModelLayout, cp_mesh) -> None:
+    from ..models.llama import SDPAttention
+    from ..nn.attention import ContextParallelAttention, set_hf_context_parallel_group
+
+    cp = ContextParallelAttention(cp_mesh)
+    own = [layer.self_attn for layer in layout.layers
+           if isinstance(getattr(layer.self_attn, "core", None), SDPAttention)]
+    for attn in own:
+        attn.core = _CPCore(cp)
+    if len(own) != len(layout.layers):  # Hugging Face: its AttentionInterface
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation"):
+            raise TypeError(f"fusedpar.parallelize: cp needs fusedpar's attention core or a "
+                            f"Hugging Face model (config._attn_implementation); "
+                            f"{type(model).__name__} has neither")
+        set_hf_context_parallel_group(cp_mesh)
+        config._attn_implementation = "fusedpar_cp"
+
+
+class _WithoutAux(nn.Module):
+    """An expert-parallel block inside a Hugging Face layer, which expects a tensor."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
+def _apply_expert_parallel(model: nn.Module, layout: ModelLayout, ep_group) -> list[nn.Module]:
+    """Each MoE block becomes an ``ExpertParallelMoE`` over ``ep_group``; returns them. The
+    router sees only this rank's tokens, so its gradient is summed over the ep group."""
+    from ..nn import ExpertParallelMoE
+    from ..nn.moe import MoEBlock
+
+    blocks = []
+    for layer in layout.layers:
+        own = isinstance(layer.mlp, MoEBlock)
+        moe = ExpertParallelMoE.from_module(layer.mlp, ep_group)
+        sync_replicated_grads(moe.router, ep_group)
+        layer.mlp = moe if own else _WithoutAux(moe)
+        blocks.append(moe)
+    return blocks
 
 
 def _apply_activation_checkpointing(model: nn.Module) -> None:
@@ -305,9 +362,13 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     if cfg.tp > 1:
         _apply_tensor_parallel(model, layout, tp_mesh, backend)
     if cfg.cp > 1:
-        raise ParallelConfigError("cp > 1 is not wired yet")  # guarded by _check until it lands
+        _apply_context_parallel(model, layout, mesh["cp"])
+    expert_units = []
     if cfg.ep > 1:
-        raise ParallelConfigError("ep > 1 is not wired yet")  # guarded by _check until it lands
+        ep_mesh = cfg.build_ep_mesh(device_type)
+        experts = _apply_expert_parallel(model, layout, ep_mesh["ep"])
+        efsdp = ep_mesh["dp_replicate", "efsdp"] if cfg.dp_replicate > 1 else ep_mesh["efsdp"]
+        expert_units = [(block, efsdp) for block in experts]
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
     if cfg.dp_replicate > 1:
@@ -318,7 +379,13 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype), reduce_dtype=_dtype(cfg.reduce_dtype))
-    shard_model(model, list(model.model.layers), dp_mesh, mp, comm=cfg.fsdp_comm)
+    shard_model(model, list(model.model.layers), dp_mesh, mp, comm=cfg.fsdp_comm,
+                extra_units=expert_units)
+    for block, _ in expert_units:
+        # reduced over efsdp (x dp_replicate) but averaged over every data-parallel rank:
+        # the ep ranks' tokens already met in the experts (torchtitan's divide factor)
+        block.set_gradient_divide_factor(float(cfg.dp_replicate * cfg.dp_shard * cfg.cp))
+        block.set_force_sum_reduction_for_comms(True)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg

@@ -1,0 +1,110 @@
+"""Rank-side helpers for the parallelize / checkpoint tests: tiny seeded models, global
+batches, and the single-process reference they must match."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+SEQ, GLOBAL_BATCH, STEPS, LR = 16, 4, 5, 1e-2
+TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+            intermediate_size=64)
+
+
+def make_model(kind: str, seed: int = 0):
+    """The same seeded model on every rank: "llama", "mixtral", "hf-llama", "hf-qwen2",
+    "hf-mixtral"."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**TINY))
+    if kind == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**TINY, num_experts=4, top_k=2))
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                  attn_implementation="sdpa", use_cache=False)
+    if kind == "hf-llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if kind == "hf-qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    if kind == "hf-mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    raise ValueError(kind)
+
+
+def batches(vocab: int = 64, steps: int = STEPS):
+    """``steps`` global batches ``(input_ids, labels)``, the same on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    return [(ids, ids.clone()) for ids in
+            (torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps))]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clean_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def reference_run(model, data, dp: int = 1):
+    """The single process: loss and gradients of step 0, and the loss after every AdamW
+    step, with the loss of a step the mean over the ``dp`` slices of its global batch
+    (what data parallelism computes; for dense models the global-batch mean)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads0 = [], None
+    for step, (ids, labels) in enumerate(data):
+        loss = sum(model(input_ids=i, labels=l).loss for i, l in zip(ids.chunk(dp), labels.chunk(dp))) / dp
+        loss.backward()
+        if step == 0:
+            grads0 = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses, grads0
+
+
+def parallel_run(model, data, dp_group=None, counters: list | None = None):
+    """The same on a parallelized model fed :func:`fusedpar.parallel.shard_batch`; the loss
+    of a step is averaged over the data-parallel ranks. ``counters``: a list that gets the
+    ``fusedpar.comm`` byte counter of the first step's forward + backward."""
+    import contextlib
+
+    from fusedpar.comm import count_bytes
+    from fusedpar.parallel import shard_batch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads0 = [], None
+    dp = dist.get_world_size(dp_group)
+    for step, batch in enumerate(data):
+        ids, labels = shard_batch(batch, model.fusedpar_mesh)
+        with count_bytes() if (step == 0 and counters is not None) else contextlib.nullcontext() as c:
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        if c is not None:
+            counters.append(c)
+        if step == 0:
+            grads0 = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=dp_group)
+        losses.append(value / dp)
+        opt.step()
+        opt.zero_grad()
+    return losses, grads0
+
+
+def assert_matches(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-6):
+    (losses, grads), (ref_losses, ref_grads) = got, want
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what}: losses: {m}")
+    assert set(grads) == set(ref_grads), (what, set(grads) ^ set(ref_grads))
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
