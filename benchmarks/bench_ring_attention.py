@@ -1,0 +1,86 @@
+"""ring_attention: the loopback ring (all W=8 ranks in one process, the triton kernel
+reading each simulated peer's K/V from its symmetric buffer) next to monolithic attention
+on the full sequence (fusedpar's flash_attention kernel, and SDPA flash for reference).
+
+``test_loopback`` (one GPU): B=1, H=32, D=128, full S in {16k, 32k}, causal (zigzag) and
+not, forward, bf16; checked once against monolithic attention, then timed; rows in
+``results/ring_attention.csv`` with TFLOP/s and the ratio to monolithic. Target (recorded,
+never asserted): >= 0.85x of the monolithic kernel's TFLOP/s. Skips without a GPU.
+``test_loopback_volume``: bytes read from peers = the K/V lower bound (CPU too).
+"""
+
+import pytest
+import torch
+
+import fusedpar
+from fusedpar.parallel import zigzag_shard
+
+from common import DTYPE, W_LOOPBACK, bench, counted, nbytes, or_skip, rel_err
+
+OP = "ring_attention"
+B, H, D = 1, 32, 128
+SEQS = [16384, 32768]
+TARGET = 0.85
+BACKENDS = ["monolithic", "loopback"]  # the baseline first
+_medians: dict = {}
+
+
+def _shards(x, layout, world):
+    if layout == "zigzag":
+        return [zigzag_shard(x, 1, r, world) for r in range(world)]
+    return list(x.chunk(world, 1))
+
+
+def _measure(backend, s, causal, device, gpu_times):
+    g = torch.Generator(device=device)
+    g.manual_seed(s)
+    q, k, v = (torch.randn(B, s, H, D, generator=g, device=device).to(DTYPE) for _ in range(3))
+    def monolithic():
+        return fusedpar.ops.flash_attention(q, k, v, causal=causal)
+    whole = monolithic()
+    if backend == "monolithic":
+        return monolithic, gpu_times(monolithic), None
+    layout = "zigzag"
+    qs, ks, vs = (_shards(t, layout, W_LOOPBACK) for t in (q, k, v))
+
+    def fn():
+        return fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=causal, layout=layout)
+    results, moved = counted(fn)
+    expected = _shards(whole.float(), layout, W_LOOPBACK)
+    for r, (out, _) in enumerate(results):
+        assert rel_err(out, expected[r]) <= 2e-2, f"simulated rank {r}"
+    return fn, gpu_times(fn), moved
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("s", SEQS)
+def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, s, causal, backend):
+    benchmark.group = f"{OP} B{B} H{H} S{s} D{D} {'causal' if causal else 'full'} loopback W={W_LOOPBACK} bf16"
+    fn, times, moved = or_skip(_measure, backend, s, causal, gpu, gpu_times)
+    key = (s, causal)
+    _medians[(*key, backend)] = times[0]
+    flops = 4 * B * H * s * s * D * (0.5 if causal else 1.0)
+    notes = dict(tflops=f"{flops / (times[0] * 1e-3) / 1e12:.1f}", causal=causal)
+    base = _medians.get((*key, "monolithic"))
+    if backend == "loopback" and base is not None:
+        ratio = base / times[0]
+        verdict = "met" if ratio >= TARGET else "MISSED"
+        notes["vs_monolithic"] = f"{ratio:.3f}x (target >= {TARGET}x: {verdict})"
+        report_target(f"{benchmark.group}: {ratio:.3f}x monolithic ({verdict})")
+    kv_bytes = 2 * B * s * H * D * DTYPE.itemsize
+    record_row(OP, backend, (B, s, H, D), DTYPE, W_LOOPBACK, *times, algo_bytes=kv_bytes,
+               bytes_moved=moved, lower_bound=(W_LOOPBACK - 1) * kv_bytes, **notes)
+    bench(benchmark, synced, fn, times, **notes)
+
+
+def test_loopback_volume(local_device):
+    """Non-causal, H == H_kv and one query block per (batch, head): each simulated rank reads
+    every peer's K/V once, the lower bound W (W-1) x K/V bytes of a rank."""
+    world = 4
+    g = torch.Generator(device=local_device)
+    g.manual_seed(0)
+    qs, ks, vs = ([torch.randn(1, 8, 2, 16, generator=g, device=local_device).to(DTYPE)
+                   for _ in range(world)] for _ in range(3))
+    _, moved = or_skip(counted, lambda: fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=False))
+    assert moved == world * (world - 1) * (nbytes(ks[0]) + nbytes(vs[0]))
