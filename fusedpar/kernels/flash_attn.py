@@ -48,6 +48,14 @@ _BWD_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
 _BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
+# The ring kernel (persistent, position-masked) needs more registers than the plain forward.
+_RING_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+              128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)}
+_RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+              128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)}
+_TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "bwd": (_BWD_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
 # The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
 
@@ -344,15 +352,14 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attn_config(head_dim: int, device: torch.device, backward: bool, config: dict | None = None) -> dict:
-    """Block sizes and launch options for this head dim and GPU generation (queried at
-    launch, never at import); ``config`` entries override them."""
+def attn_config(head_dim: int, device: torch.device, kernel: str, config: dict | None = None) -> dict:
+    """Block sizes and launch options of ``kernel`` ("fwd", "bwd" or "ring") for this head
+    dim and GPU generation (queried at launch, never at import); ``config`` overrides them."""
     if interpreting():
         cfg = dict(INTERPRETER_CONFIG)
     else:
         sm90 = torch.cuda.get_device_capability(device)[0] >= 9
-        table = (_BWD_SM90 if sm90 else _BWD_SM80) if backward else (_FWD_SM90 if sm90 else _FWD_SM80)
-        cfg = dict(table[max(64, block_d(head_dim))])
+        cfg = dict(_TABLES[kernel][0 if sm90 else 1][max(64, block_d(head_dim))])
     cfg.update(config or {})
     return cfg
 
@@ -388,7 +395,7 @@ def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seql
     of every tensor contiguous. Checks are the op's job."""
     batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    cfg = attn_config(head_dim, q.device, False, config)
+    cfg = attn_config(head_dim, q.device, "fwd", config)
     m_blocks = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
     grid = (m_blocks * batch * n_heads,)
     if grid[0] == 0:
@@ -409,7 +416,7 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
     like ``lse``. Both may come from a larger attention that this call is a block of."""
     batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    cfg = attn_config(head_dim, q.device, True, config)
+    cfg = attn_config(head_dim, q.device, "bwd", config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     common = dict(CAUSAL=causal, VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(head_dim),
                   UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -443,7 +450,7 @@ def ring_attn_forward(q, kv_staged, out, lse, pad_table, rank: int, world_size: 
     signalling on their own devices) never needs this kernel's SMs. A failed wait is
     recorded in this rank's STATUS words (the caller raises); the source is skipped."""
     batch, seqlen, n_heads, head_dim = q.shape
-    cfg = attn_config(head_dim, q.device, False, config)
+    cfg = attn_config(head_dim, q.device, "ring", config)
     tiles = triton.cdiv(seqlen, cfg["BLOCK_M"]) * batch * n_heads
     ring_attn_fwd_kernel[(spinning_grid(tiles, sm_count(q.device)),)](
         q, kv_staged, out, lse, pad_table, stats, rank, world_size, epoch, meta, timeout_ns,
@@ -479,7 +486,8 @@ def _aot_examples():
                 "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32, "chunk": i32,
                 **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"}}
     out = []
-    for arch, fwd, bwd in ((90, _FWD_SM90, _BWD_SM90), (80, _FWD_SM80, _BWD_SM80)):
+    for arch, fwd, bwd, ring in ((90, _FWD_SM90, _BWD_SM90, _RING_SM90),
+                                 (80, _FWD_SM80, _BWD_SM80, _RING_SM80)):
         for d in (64, 128, 256):
             for kernel, sig, cfg in ((flash_fwd_kernel, fwd_sig, fwd[d]),
                                      (flash_bwd_dkdv_kernel, dkdv_sig, bwd[d]),
@@ -488,7 +496,7 @@ def _aot_examples():
                               BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d, UPCAST=False)
                 out.append((kernel, sig, consts, dict(num_warps=cfg["num_warps"],
                                                       num_stages=cfg["num_stages"], arch=arch)))
-            cfg = fwd[d]
+            cfg = ring[d]
             out.append((ring_attn_fwd_kernel, ring_sig,
                         dict(CAUSAL=True, ZIGZAG=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                              BLOCK_D=d, ELEM_BYTES=2, UPCAST=False),
