@@ -98,18 +98,46 @@ def _triton_info() -> dict:
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
 
 
+def _representative_call(op: str, device):
+    """A small float32 call of ``op`` as a loopback of INFO_WORLD ranks (group=None), or
+    None for an op that cannot be evaluated without a process group (moe_dispatch)."""
+    from fusedpar.ops.flash_attention import AttentionCall
+    from fusedpar.ops.grouped_mm import GroupedCall
+    from fusedpar.ops.ring_attention import RingCall
+
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    x = zeros(2 * INFO_WORLD, 8)
+    if op in ("all_gather", "reduce_scatter"):
+        return _collective.CollectiveCall(op, x, 0, INFO_WORLD, None,
+                                          "sum" if op == "reduce_scatter" else "")
+    if op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        return MatmulCall(op, x, 0, INFO_WORLD, None, [zeros(8, 4)],
+                          reduce_op="sum" if op == "matmul_reduce_scatter" else "")
+    q = zeros(1, 2 * INFO_WORLD, 2, 16)  # [B, S_local, H, D]
+    if op == "flash_attention":
+        return AttentionCall(q, q, q, True, 0.25)
+    if op == "ring_attention":
+        return RingCall(q, q, q, None, True, 0.25, "zigzag", world_size=INFO_WORLD)
+    if op == "grouped_mm":
+        return GroupedCall(x, zeros(2, 8, 4), torch.tensor([4, 8], dtype=torch.int32,
+                                                            device=device))
+    return None
+
+
 def _ops_info() -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ops = {}
     for op, dispatcher in DISPATCHERS.items():
-        reduce_op = "sum" if "reduce_scatter" in op else ""
-        x = torch.zeros(2 * INFO_WORLD, 8, dtype=torch.float32, device=device)
-        if "matmul" in op:
-            b = torch.zeros(8, 4, dtype=torch.float32, device=device)
-            call = MatmulCall(op, x, 0, INFO_WORLD, None, [b], reduce_op=reduce_op)
-        else:
-            call = _collective.CollectiveCall(op, x, 0, INFO_WORLD, None, reduce_op)
+        call = _representative_call(op, device)
+        if call is None:
+            ops[op] = {"call": "not evaluated here: it needs a process group",
+                       "backends": {name: {"available": None, "reasons": []}
+                                    for name in dispatcher.names}}
+            continue
         avail = dispatcher.availability(call)
+        reduce_op = getattr(call, "reduce_op", "")
         ops[op] = {
             "call": call.describe() + (f", op={reduce_op!r}" if reduce_op else ""),
             "backends": {name: {"available": not reasons, "reasons": list(reasons)}
@@ -206,7 +234,7 @@ def format_info(info: dict) -> str:
     for op, entry in be["ops"].items():
         add(f"  {op}: {entry['call']}")
         for name, st in entry["backends"].items():
-            add(f"    {name:<10} {_yes(st['available'])}"
+            add(f"    {name:<12} {'-' if st['available'] is None else _yes(st['available'])}"
                 + (": " + "; ".join(st["reasons"]) if st["reasons"] else ""))
     if be["device"] == "cpu" and info["triton"]["mode"] == "compiled":
         add("  (`fusedpar check` runs its CPU ranks with TRITON_INTERPRET=1: triton runs there)")

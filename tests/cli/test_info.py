@@ -71,9 +71,15 @@ def test_info_lists_every_backend_of_every_op(info_json):
     for op, dispatcher in fusedpar.ops.DISPATCHERS.items():
         entry = backends["ops"][op]["backends"]
         assert list(entry) == dispatcher.names
-        assert entry["reference"] == {"available": True, "reasons": []}
+        if op == "moe_dispatch":  # needs a process group: listed, not evaluated
+            assert backends["ops"][op]["call"].startswith("not evaluated here")
+            assert all(st == {"available": None, "reasons": []} for st in entry.values())
+            continue
+        if "reference" in entry:
+            assert entry["reference"] == {"available": True, "reasons": []}
+        assert any(st["available"] for st in entry.values()), (op, entry)  # something runs
         for st in entry.values():
-            assert st["available"] is not st["reasons"]  # unavailable always says why
+            assert st["available"] == (not st["reasons"])  # unavailable always says why
         if device == "cpu" and "triton" in entry:  # compiled mode on CPU: needs the interpreter
             assert not entry["triton"]["available"]
             assert "TRITON_INTERPRET=1" in entry["triton"]["reasons"][0]
