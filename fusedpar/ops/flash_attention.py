@@ -92,10 +92,19 @@ def check_attention_inputs(op: str, q, k, v, cu_seqlens=None, max_seqlen=None) -
         if q.shape[1] < 1 or k.shape[1] < 1:
             raise ValueError(f"fusedpar.{op}: empty sequence: q has S={q.shape[1]}, k/v S={k.shape[1]}")
         return 0
-    return check_cu_seqlens(op, cu_seqlens, q, k, max_seqlen)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"fusedpar.{op}: packed q has T={q.shape[0]} rows but k/v have {k.shape[0]}; "
+                         "packed attention needs the same documents for q and k/v")
+    longest = check_cu_seqlens(op, cu_seqlens, q.shape[0], q.device, "q has T=")
+    if max_seqlen and max_seqlen < longest:
+        raise ValueError(f"fusedpar.{op}: max_seqlen={max_seqlen} but a document has {longest} "
+                         "tokens; pass max_seqlen >= the longest document (or None)")
+    return max_seqlen or longest
 
 
-def check_cu_seqlens(op: str, cu_seqlens, q, k, max_seqlen) -> int:
+def check_cu_seqlens(op: str, cu_seqlens, total: int, device, total_is: str) -> int:
+    """int32 ``[0, end_1, ..., total]``, strictly increasing, on ``device``; returns the
+    longest document's length. ``total_is`` names the total in the error."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         got = (f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
                if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
@@ -104,24 +113,17 @@ def check_cu_seqlens(op: str, cu_seqlens, q, k, max_seqlen) -> int:
     if cu_seqlens.numel() < 2:
         raise ValueError(f"fusedpar.{op}: cu_seqlens has {cu_seqlens.numel()} entries; it needs "
                          "[0, end_1, ..., T] (one more than the number of documents)")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"fusedpar.{op}: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"fusedpar.{op}: packed q has T={q.shape[0]} rows but k/v have {k.shape[0]}; "
-                         "packed attention needs the same documents for q and k/v")
+    if cu_seqlens.device != device:
+        raise ValueError(f"fusedpar.{op}: cu_seqlens is on {cu_seqlens.device}, q on {device}")
     ends = cu_seqlens.tolist()  # host values: checked once, before any kernel reads them
     lengths = [b - a for a, b in zip(ends, ends[1:])]
     if ends[0] != 0 or min(lengths) <= 0:
         raise ValueError(f"fusedpar.{op}: cu_seqlens = {ends[:8]}{'...' if len(ends) > 8 else ''} "
                          "must start at 0 and be strictly increasing")
-    if ends[-1] != q.shape[0]:
-        raise ValueError(f"fusedpar.{op}: cu_seqlens ends at {ends[-1]} but q has T={q.shape[0]} "
+    if ends[-1] != total:
+        raise ValueError(f"fusedpar.{op}: cu_seqlens ends at {ends[-1]} but {total_is}{total} "
                          "rows; its last entry must be the total length")
-    longest = max(lengths)
-    if max_seqlen and max_seqlen < longest:
-        raise ValueError(f"fusedpar.{op}: max_seqlen={max_seqlen} but a document has {longest} "
-                         "tokens; pass max_seqlen >= the longest document (or None)")
-    return max_seqlen or longest
+    return max(lengths)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

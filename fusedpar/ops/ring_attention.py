@@ -23,15 +23,15 @@ from ..kernels import flash_attn as kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
 from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
-                              check_attention_inputs, default_scale, delta_of)
+                              check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
 
 OP = "ring_attention"
 LAYOUTS = ("zigzag", "contiguous")
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float softmax_scale, "
-          "str layout, str backend) -> (Tensor, Tensor)")
+          "str layout, Tensor? cu_seqlens, str backend) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tensor delta, "
-                   "str group_name, bool causal, float softmax_scale, str layout, str backend) "
-                   "-> (Tensor, Tensor, Tensor)")
+                   "str group_name, bool causal, float softmax_scale, str layout, Tensor? cu_seqlens, "
+                   "str backend) -> (Tensor, Tensor, Tensor)")
 
 
 class RingCall:
@@ -40,17 +40,22 @@ class RingCall:
 
     op = OP
 
-    def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str, world_size: int = 0):
+    def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str, world_size: int = 0,
+                 cu_seqlens: torch.Tensor | None = None):
         self.q, self.k, self.v, self.group = q, k, v, group
         self.x = q  # what C.raise_on_mismatch reads
         self.causal, self.scale, self.layout = causal, scale, layout
         self.world_size = dist.get_world_size(group) if group is not None else world_size
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.cu_seqlens = cu_seqlens
+        # documents of the global sequence (packed with cu_seqlens), as [start, end) ranges
+        ends = cu_seqlens.tolist() if cu_seqlens is not None else [0, self.world_size * q.shape[1]]
+        self.documents = list(zip(ends, ends[1:]))
 
     def cache_key(self) -> tuple:
         name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
         return (name, self.q.device.type, self.q.dtype, self.q.shape[2],
-                self.k.shape[2], self.layout)
+                self.k.shape[2], self.layout, self.cu_seqlens is not None)
 
     def describe(self) -> str:
         return (f"q {tuple(self.q.shape)}, k/v {tuple(self.k.shape)} {self.q.dtype} on "
@@ -58,7 +63,7 @@ class RingCall:
 
     def fingerprint(self) -> int:
         return symmetric.fingerprint(OP, self.q.dtype, tuple(self.q.shape), tuple(self.k.shape),
-                                     self.causal, self.layout)
+                                     self.causal, self.layout, self.documents)
 
     def description(self) -> list[int]:
         """For mismatch errors: q's shape and the K/V head count, the sequence dim."""
@@ -101,8 +106,14 @@ class RingCall:
         return zigzag_order(self.world_size) if self.layout == "zigzag" else list(range(self.world_size))
 
 
-def check_ring_inputs(op: str, q, k, v, layout: str, world: int) -> None:
+def check_ring_inputs(op: str, q, k, v, layout: str, world: int, cu_seqlens=None) -> None:
     check_attention_inputs(op, q, k, v)
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"fusedpar.{op}: with cu_seqlens (packed documents) the batch must be "
+                             f"1 (the pack), got B={q.shape[0]}")
+        check_cu_seqlens(op, cu_seqlens, world * q.shape[1], q.device,
+                         "the global sequence (W * S_local) has ")
     if layout not in LAYOUTS:
         raise ValueError(f"fusedpar.{op}: layout={layout!r}; choose one of {LAYOUTS}")
     if k.shape[1] != q.shape[1]:
@@ -154,6 +165,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def packed_reason(call: RingCall) -> list[str]:
+    return (["packed documents (cu_seqlens) run on allgather_kv only"]
+            if call.cu_seqlens is not None else [])
+
+
 class Pipelined(Backend):
     """W steps around the ring: the K/V block received at step s is sent on at step s+1
     while the attention of step s runs (async P2P: gloo on CPU, NCCL on GPU). Backward:
@@ -161,6 +177,9 @@ class Pipelined(Backend):
     reaching its owner after W-1 hops; the owner's own block stays local."""
 
     name = "pipelined"
+
+    def not_supported_reasons(self, call: RingCall) -> list[str]:
+        return packed_reason(call)
 
     def forward(self, call: RingCall):
         C.raise_on_mismatch(call)
@@ -234,7 +253,7 @@ class TritonRing(Pipelined):
     name = "triton"
 
     def not_supported_reasons(self, call: RingCall) -> list[str]:
-        reasons = C.triton_reasons(call)
+        reasons = packed_reason(call) + C.triton_reasons(call)
         if call.q.dtype not in KERNEL_DTYPES:
             reasons.append(f"dtype {call.q.dtype} (the kernel takes float32, float16, bfloat16)")
         return reasons
@@ -277,22 +296,28 @@ def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
 
 class AllGatherKV(Backend):
     """All-gather K/V (``fusedpar.ops.all_gather``), then attend locally: each local query
-    chunk to the global prefix before it (full) and to its own chunk (causal). The choice
-    for GQA with few KV heads. Backward: gather again, reduce-scatter dK/dV."""
+    chunk (cut at document boundaries when packed) to the part of its document before it
+    (full) and to itself (causal). The choice for GQA with few KV heads, and for packed
+    documents that cross ranks. Backward: gather again, reduce-scatter dK/dV."""
 
     name = "allgather_kv"
 
     def _blocks(self, call: RingCall):
-        """``(query rows, key range in the global sequence, causal)`` per block."""
+        """``(local query rows, key range in the global sequence, causal)`` per block."""
         c = call.chunk_len
-        total = c * len(call.global_order())
         for rows, g in call.chunks():
-            if not call.causal:
-                yield rows, slice(0, total), False
-                continue
-            if g > 0:
-                yield rows, slice(0, g * c), False
-            yield rows, slice(g * c, (g + 1) * c), True
+            first = rows.start or 0  # local row of global position g * c
+            for start, end in call.documents:
+                lo, hi = max(start, g * c), min(end, (g + 1) * c)  # queries of this document
+                if lo >= hi:
+                    continue
+                local = slice(first + lo - g * c, first + hi - g * c)
+                if not call.causal:
+                    yield local, slice(start, end), False
+                    continue
+                if lo > start:
+                    yield local, slice(start, lo), False
+                yield local, slice(lo, hi), True
 
     def forward(self, call: RingCall):
         C.raise_on_mismatch(call)
@@ -364,7 +389,7 @@ class Ulysses(Backend):
 
     def not_supported_reasons(self, call: RingCall) -> list[str]:
         world, heads, kv_heads = call.world_size, call.q.shape[2], call.k.shape[2]
-        reasons = []
+        reasons = packed_reason(call)
         if heads % world:
             reasons.append(f"H={heads} query heads do not split over W={world} ranks (H % W != 0); "
                            "use a ring backend or a group whose size divides H")
@@ -414,50 +439,50 @@ class Ulysses(Backend):
 BACKENDS = Dispatcher(OP, [TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
 
 
-def _call(q, k, v, group_name_, causal, softmax_scale, layout) -> RingCall:
+def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens) -> RingCall:
     group = resolve_group(group_name_)
-    check_ring_inputs(OP, q, k, v, layout, dist.get_world_size(group))
-    return RingCall(q, k, v, group, causal, softmax_scale, layout)
+    check_ring_inputs(OP, q, k, v, layout, dist.get_world_size(group), cu_seqlens)
+    return RingCall(q, k, v, group, causal, softmax_scale, layout, cu_seqlens=cu_seqlens)
 
 
 @torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
-def _ring_attention_op(q, k, v, group_name, causal, softmax_scale, layout, backend):
-    call = _call(q, k, v, group_name, causal, softmax_scale, layout)
+def _ring_attention_op(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
+    call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
     return BACKENDS.select(call, backend).forward(call)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, group_name, causal, softmax_scale, layout, backend):
+def _(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
     b, s, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedpar::ring_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def _ring_attention_backward_op(q, k, v, lse, dout, delta, group_name, causal, softmax_scale,
-                                layout, backend):
-    call = _call(q, k, v, group_name, causal, softmax_scale, layout)
+                                layout, cu_seqlens, backend):
+    call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
     return BACKENDS.select(call, backend).backward(call, lse, dout, delta)
 
 
 @_ring_attention_backward_op.register_fake
-def _(q, k, v, lse, dout, delta, group_name, causal, softmax_scale, layout, backend):
+def _(q, k, v, lse, dout, delta, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.group_name, ctx.causal, ctx.scale, ctx.layout, ctx.backend = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, ctx.group_name, ctx.causal, ctx.scale, ctx.layout, cu_seqlens, ctx.backend = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = _ring_attention_backward_op(q, k, v, lse, dout, delta_of(out, dout, dlse),
                                              ctx.group_name, ctx.causal, ctx.scale, ctx.layout,
-                                             ctx.backend)
-    return dq, dk, dv, None, None, None, None, None
+                                             cu_seqlens, ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -465,7 +490,8 @@ _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                             causal: bool = False, softmax_scale: float | None = None,
-                            layout: str = "zigzag", backend: str | None = None):
+                            layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None,
+                            backend: str | None = None):
     """``(out, lse)`` of attention over the sequence split across ``group``; the same as::
 
         unshard = zigzag_unshard if layout == "zigzag" else all_gather  # along dim 1
@@ -479,19 +505,24 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     fp32 ``[B, H, S_local]``; both outputs are differentiable. Backends: ``pipelined``
     (K/V around the ring by async P2P, overlapped with the blocks), ``ulysses`` (all-to-all
     heads <-> sequence; needs ``H % W == 0``), ``allgather_kv`` (gather K/V, attend
-    locally). The local blocks run the flash-attention kernel on GPU. Every rank must pass
-    the same shapes; a difference raises ``ValueError`` before any K/V moves.
+    locally), ``triton`` (one kernel reading peers' K/V from symmetric memory; its backward
+    is the pipelined one). The local blocks run the flash-attention kernel on GPU.
+    Packed documents: ``cu_seqlens`` (int32 cumulative ends over the *global* sequence,
+    in global order, identical on every rank; B = 1) confines attention to each document,
+    also across ranks (``allgather_kv`` only). Every rank must pass the same shapes; a
+    difference raises ``ValueError`` before any K/V moves.
     """
     return _ring_attention_op(q, k, v, group_name(group), bool(causal),
-                              default_scale(q, softmax_scale), layout, backend or "")
+                              default_scale(q, softmax_scale), layout, cu_seqlens, backend or "")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    causal: bool = False, softmax_scale: float | None = None,
-                   layout: str = "zigzag", backend: str | None = None) -> torch.Tensor:
+                   layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None,
+                   backend: str | None = None) -> torch.Tensor:
     """The output of ``ring_attention_with_lse`` (same arguments)."""
     return ring_attention_with_lse(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
-                                   layout=layout, backend=backend)[0]
+                                   layout=layout, cu_seqlens=cu_seqlens, backend=backend)[0]
 
 
 def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], *,

@@ -115,6 +115,43 @@ def test_loopback_bytes_equal_the_kv_volume():
     assert counter.total() == world * (world - 1) * 2 * ks[0].numel() * 4
 
 
+def _check_packed_documents():
+    """Documents that cross rank (and zigzag chunk) boundaries, against per-document fp64
+    attention of the full sequence."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = 8 * world
+    ends = [0, 3, 3 + 4 * world + 1, s - 1, s]  # a long document spans ranks; a 1-token one
+    cu = torch.tensor(ends, dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(1, s, n, 16, generator=g, dtype=torch.float64) for n in (2, 1, 1)]
+    dout = torch.randn(1, s, 2, 16, generator=g, dtype=torch.float64)
+    for layout in ("zigzag", "contiguous"):
+        for causal in (True, False):
+            ref = [t.clone().requires_grad_() for t in full]
+            pieces = [sdpa64(*(t[:, a:z] for t in ref), causal) for a, z in zip(ends, ends[1:])]
+            ref_out = torch.cat([o for o, _ in pieces], 1)
+            ref_lse = torch.cat([l for _, l in pieces], 2)
+            ref_out.backward(dout)
+            q, k, v = (_shard(t, 1, layout, rank, world).float().requires_grad_() for t in full)
+            out, lse = fusedpar.ops.ring_attention_with_lse(q, k, v, causal=causal, layout=layout,
+                                                            cu_seqlens=cu)
+            out.backward(_shard(dout, 1, layout, rank, world).float())
+            where = (layout, causal)
+            torch.testing.assert_close(out.detach().double(), _shard(ref_out.detach(), 1, layout, rank, world),
+                                       atol=1e-5, rtol=0, msg=str(where))
+            torch.testing.assert_close(lse.double(), _shard(ref_lse.detach(), 2, layout, rank, world),
+                                       atol=1e-5, rtol=0, msg=str(where))
+            for t, r in zip((q, k, v), ref):
+                torch.testing.assert_close(t.grad.double(), _shard(r.grad, 1, layout, rank, world),
+                                           atol=1e-4, rtol=0, msg=str(where))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_across_ranks(pools, world):
+    assert pools(world).run(_check_packed_documents) == [True] * world
+
+
 def _check_errors():
     rank = dist.get_rank()
     ring = fusedpar.ops.ring_attention
@@ -127,6 +164,9 @@ def _check_errors():
         "ulysses_heads": lambda: ring(torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8),
                                       torch.randn(1, 6, 3, 8), backend="ulysses"),
         "dtype": lambda: ring(q, kv.double(), kv),
+        "packed_total": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32)),
+        "packed_ring": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32),
+                                    backend="pipelined"),
         "ranks_differ": lambda: ring(torch.randn(1, 6 + 2 * rank, 4, 8), torch.randn(1, 6 + 2 * rank, 2, 8),
                                      torch.randn(1, 6 + 2 * rank, 2, 8), backend="pipelined"),
         "ranks_differ_triton": lambda: ring(*(torch.randn(1, 6, 4 - 2 * rank, 8) for _ in range(3)),
@@ -142,5 +182,7 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert errors["ulysses_heads"][0] == "BackendNotSupportedError"
         assert "H % W != 0" in errors["ulysses_heads"][1]
         assert "cast them to one dtype" in errors["dtype"][1]
+        assert "(W * S_local) has 12 rows" in errors["packed_total"][1]
+        assert "allgather_kv only" in errors["packed_ring"][1]
         assert "passed different inputs" in errors["ranks_differ"][1]
         assert "passed different inputs" in errors["ranks_differ_triton"][1], errors["ranks_differ_triton"]
