@@ -21,14 +21,15 @@ from ..comm import resolve_group
 from ..ops.ring_attention import BACKENDS, LAYOUTS, ring_attention
 
 
-def choose_backend(heads: int, kv_heads: int, world: int) -> str:
+def choose_backend(heads: int, kv_heads: int, world: int) -> str | None:
     """The ring_attention backend for these head counts (identical on every rank):
     with fewer K/V heads than ranks, moving K/V is cheap and a ring gains little: Ulysses
     (all-to-all of heads) when the heads split over the ranks, else all-gather K/V;
-    otherwise the pipelined ring, whose K/V exchange hides behind the blocks."""
+    otherwise None: a ring, whose K/V exchange hides behind the blocks (ring_attention's
+    own choice: ``triton`` where symmetric memory works, else ``pipelined``)."""
     if kv_heads < world:
         return "ulysses" if heads % world == 0 and world % kv_heads == 0 else "allgather_kv"
-    return "pipelined"
+    return None
 
 
 class ContextParallelAttention(nn.Module):
@@ -64,6 +65,7 @@ class ContextParallelAttention(nn.Module):
         """The same on ``[B, S_local, H, D]`` tensors (flash-attn's layout)."""
         group = resolve_group(self.group)
         backend = self.backend or choose_backend(q.shape[2], k.shape[2], dist.get_world_size(group))
+        # None: ring_attention picks the ring backend (the same on every rank)
         return ring_attention(q, k, v, group, causal=causal, softmax_scale=scale,
                               layout=self.layout, backend=backend)
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import fusedpar
 from fusedpar.ops.flash_attention import BACKENDS
+from tests.ops.collective_cases import requires_cuda
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -119,3 +120,48 @@ def test_bad_inputs_raise_clear_errors():
         with pytest.raises(kind, match=None) as info:
             call()
         assert words in str(info.value), (words, str(info.value))
+
+
+@requires_cuda
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_bf16_within_twice_sdpa_error(d, causal):
+    """The compiled kernels (the GPU configs): out and gradients within 2x the error of
+    bf16 SDPA against fp32, odd S, GQA."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, n, d, generator=g, device="cuda") for n in (8, 2, 2))
+    dout = torch.randn(q.shape, generator=g, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout.to(dtype))
+        return [out.float()] + [t.grad.float() for t in leaves]
+
+    def sdpa(a, b, c):
+        group = a.shape[2] // b.shape[2]
+        return F.scaled_dot_product_attention(a.transpose(1, 2), b.repeat_interleave(group, 2).transpose(1, 2),
+                                              c.repeat_interleave(group, 2).transpose(1, 2),
+                                              is_causal=causal).transpose(1, 2)
+
+    exact = grads(sdpa, torch.float32)
+    torch_bf16 = grads(sdpa, torch.bfloat16)
+    ours = grads(lambda a, b, c: fusedpar.ops.flash_attention(a, b, c, causal=causal, backend="triton"),
+                 torch.bfloat16)
+    for name, mine, theirs, ref in zip(["out", "dq", "dk", "dv"], ours, torch_bf16, exact):
+        err, torch_err = (mine - ref).abs().max().item(), (theirs - ref).abs().max().item()
+        assert err <= 2 * torch_err + 1e-3, (name, err, torch_err)
+
+
+@requires_cuda
+def test_gpu_ring_loopback_matches_flash_attention():
+    world, s = 4, 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, s, n, 128, generator=g, device="cuda").to(torch.bfloat16) for n in (8, 2, 2))
+    whole, whole_lse = fusedpar.ops.flash_attention(q, k, v, causal=True, return_lse=True)
+    from fusedpar.parallel import zigzag_shard
+
+    parts = [[zigzag_shard(t, 1, r, world) for r in range(world)] for t in (q, k, v)]
+    for r, (out, lse) in enumerate(fusedpar.ops.ring_attention_loopback(*parts, causal=True)):
+        torch.testing.assert_close(out.float(), zigzag_shard(whole, 1, r, world).float(), atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse, zigzag_shard(whole_lse, 2, r, world), atol=1e-3, rtol=0)

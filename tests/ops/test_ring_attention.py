@@ -186,3 +186,18 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "allgather_kv only" in errors["packed_ring"][1]
         assert "passed different inputs" in errors["ranks_differ"][1]
         assert "passed different inputs" in errors["ranks_differ_triton"][1], errors["ranks_differ_triton"]
+
+
+def _compiled():
+    name = dist.group.WORLD.group_name
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+
+    def attend(q, k, v):
+        return fusedpar.ops.ring_attention(q, k, v, name, causal=True, backend="pipelined")
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    return torch.equal(compiled(q, k, v), attend(q, k, v))
+
+
+def test_torch_compile_fullgraph(pools):
+    assert pools(2).run(_compiled) == [True, True]
