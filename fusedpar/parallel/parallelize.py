@@ -385,7 +385,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         # reduced over efsdp (x dp_replicate) but averaged over every data-parallel rank:
         # the ep ranks' tokens already met in the experts (torchtitan's divide factor)
         block.set_gradient_divide_factor(float(cfg.dp_replicate * cfg.dp_shard * cfg.cp))
-        block.set_force_sum_reduction_for_comms(True)
+        # sum then divide (fusedpar's reduce_scatter has no PREMUL_SUM); with one efsdp rank
+        # FSDP divides by the factor itself and would divide twice under forced sums
+        block.set_force_sum_reduction_for_comms(cfg.efsdp > 1)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
