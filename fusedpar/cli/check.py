@@ -442,25 +442,12 @@ def _tp_step(block, x, g):
     return y.detach(), x.grad.detach(), grads, params
 
 
-def _tp_full(block, tensors: dict, group) -> dict:
-    """Shards of the TP layers' parameters (or gradients) reassembled into full tensors."""
-    import torch.distributed as dist
+def _tp_full(tensors: dict) -> dict:
+    """The TP layers' parameters (or gradients), DTensor shards on the tp group, as full
+    tensors (a collective: every member calls it)."""
+    from torch.distributed.tensor import DTensor
 
-    owners = dict(block.named_modules())
-    out = {}
-    for name, t in tensors.items():
-        owner = owners[name.rpartition(".")[0]]
-        cat_dim = None
-        if isinstance(owner, fusedpar.nn.ColumnParallelLinear):
-            cat_dim = 0
-        elif isinstance(owner, fusedpar.nn.RowParallelLinear) and name.endswith("weight"):
-            cat_dim = 1
-        if cat_dim is not None:
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, cat_dim)
-        out[name] = t
-    return out
+    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in tensors.items()}
 
 
 def _max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -528,7 +515,7 @@ def _tp_rows(group, device, selected: list[str]):
                                       backend=name)
             with fusedpar.comm.count_bytes() as counter:
                 y, dx, grads, params = _tp_step(block, x, g)
-            grads, params = _tp_full(block, grads, tp_group), _tp_full(block, params, tp_group)
+            grads, params = _tp_full(grads), _tp_full(params)
             checks = [("output", y, local_part(y_ref)), ("input grad", dx, local_part(dx_ref))]
             if set(grads) != set(grads_ref):
                 raise RuntimeError(f"apply_tp changed the parameter names: {sorted(grads)} vs "
@@ -541,6 +528,143 @@ def _tp_rows(group, device, selected: list[str]):
                           "shape": str((TP_BATCH, TP_SEQ, TP_HIDDEN)), "dtype": "float32",
                           "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
                           "bytes": counter.total(), "lower_bound": _tp_lower_bound(TP_SIZE)})
+    gathered = [None] * world  # the other ranks contribute nothing but take part
+    dist.all_gather_object(gathered, (local, skipped), group=group)
+    return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
+
+
+# ---- context and expert parallelism (the first 2 ranks) ---------------------------------
+
+CP_SIZE = EP_SIZE = 2
+CP_BATCH, CP_SEQ, CP_HEADS, CP_KV_HEADS, CP_HEAD_DIM = 1, 16, 4, 2, 16
+CP_OP = f"ring_attention cp={CP_SIZE} (zigzag, causal)"
+EP_TOKENS, EP_HIDDEN, EP_INTERMEDIATE, EP_EXPERTS, EP_TOPK = 6, 16, 24, 4, 2
+EP_OP = f"moe_experts ep={EP_SIZE} ({EP_EXPERTS} experts, top-{EP_TOPK})"
+
+
+def _zigzag_part(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s zigzag part of the sequence dim 1: chunks ``rank`` and ``2W-1-rank``."""
+    chunks = t.chunk(2 * world, 1)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], 1)
+
+
+def _cp_case(rank: int, world: int, device):
+    """q, k, v and the output weights g (full, seeded), the fp64 oracle's output and
+    gradients (full), and this rank's zigzag parts of the inputs."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(CP_BATCH, CP_SEQ, CP_HEADS, CP_HEAD_DIM, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(CP_BATCH, CP_SEQ, CP_KV_HEADS, CP_HEAD_DIM, generator=gen,
+                        dtype=torch.float64) for _ in range(2))
+    g = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = (t.transpose(1, 2) for t in full)
+    groups = CP_HEADS // CP_KV_HEADS
+    out = F.scaled_dot_product_attention(qh, kh.repeat_interleave(groups, 1),
+                                         vh.repeat_interleave(groups, 1), is_causal=True)
+    out = out.transpose(1, 2)
+    (out * g).sum().backward()
+    expected = [out.detach()] + [t.grad for t in full]
+    local = [_zigzag_part(t, rank, world).float().to(device) for t in (q, k, v, g)]
+    return local, [_zigzag_part(t, rank, world) for t in expected]
+
+
+def _ep_case(rank: int, world: int, device):
+    """Every rank's tokens and routing (seeded by rank), the experts (the same on every
+    rank), the fp64 oracle's outputs and gradients, and this rank's inputs."""
+    def inputs(r):
+        gen = torch.Generator().manual_seed(100 + r)
+        x = torch.randn(EP_TOKENS, EP_HIDDEN, generator=gen, dtype=torch.float64) + r
+        idx = torch.stack([torch.randperm(EP_EXPERTS, generator=gen)[:EP_TOPK]
+                           for _ in range(EP_TOKENS)])
+        weights = torch.rand(EP_TOKENS, EP_TOPK, generator=gen, dtype=torch.float64).softmax(-1)
+        g = torch.randn(EP_TOKENS, EP_HIDDEN, generator=gen, dtype=torch.float64)
+        return x, idx, weights, g
+
+    gen = torch.Generator().manual_seed(7)
+    w13 = torch.randn(EP_EXPERTS, 2 * EP_INTERMEDIATE, EP_HIDDEN, generator=gen,
+                      dtype=torch.float64) / EP_HIDDEN ** 0.5
+    w2 = torch.randn(EP_EXPERTS, EP_HIDDEN, EP_INTERMEDIATE, generator=gen,
+                     dtype=torch.float64) / EP_INTERMEDIATE ** 0.5
+    from fusedpar.ops.moe import experts_dense
+
+    every = [inputs(r) for r in range(world)]
+    w13_full, w2_full = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+    x, idx, weights, g = every[rank]
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    total = 0
+    for r, (xr, idxr, wr, gr) in enumerate(every):
+        if r == rank:
+            xr, wr = x, weights
+        total = total + (experts_dense(xr, idxr, wr, w13_full, w2_full) * gr).sum()
+    total.backward()
+    y = experts_dense(x, idx, weights, w13_full, w2_full).detach()
+    local_experts = slice(rank * EP_EXPERTS // world, (rank + 1) * EP_EXPERTS // world)
+    expected = [y, x.grad, weights.grad, w13_full.grad[local_experts], w2_full.grad[local_experts]]
+    local = [t.detach()[...].float().to(device) for t in (every[rank][0], every[rank][2],
+                                                         w13[local_experts], w2[local_experts],
+                                                         every[rank][3])]
+    copies_in = sum(int(((every[r][1] // (EP_EXPERTS // world)) == rank).sum())
+                    for r in range(world) if r != rank)
+    copies_out = int(((idx // (EP_EXPERTS // world)) != rank).sum())
+    return local, idx.to(device), expected, copies_in, copies_out
+
+
+def _error_row(op, backend, shape, checks, nbytes, lower_bound) -> dict:
+    errors = [(_max_abs_diff(a, e), what) for what, a, e in checks]
+    max_err, worst = max(errors)
+    return {"op": op, "backend": backend, "shape": shape, "dtype": "float32",
+            "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
+            "bytes": nbytes, "lower_bound": lower_bound}
+
+
+def _cp_ep_rows(group, device, selected: list[str]):
+    """ring_attention on a cp group and moe_experts on an ep group (the first 2 ranks of
+    ``group``), forward and backward, against fp64 plain torch over the whole sequence /
+    every rank's tokens. Every rank of ``group`` calls this."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < CP_SIZE:
+        return [], [{"section": "cp/ep", "op": f"{CP_OP}, {EP_OP}", "backend": "all",
+                     "reasons": [f"needs at least {CP_SIZE} ranks, the check has {world}"]}]
+    members = list(range(CP_SIZE))
+    sub = dist.new_group([dist.get_global_rank(group, r) for r in members])
+    local, skipped = [], []
+    if rank in members:
+        (q, k, v, g), expected = _cp_case(rank, CP_SIZE, device)
+        kv_bytes = (k.numel() + v.numel()) * k.element_size()
+        dispatcher = DISPATCHERS["ring_attention"]
+        from fusedpar.ops.ring_attention import RingCall
+
+        call = RingCall(q, k, v, sub, True, CP_HEAD_DIM ** -0.5, "zigzag")
+        for name, reasons in dispatcher.availability(call).items():
+            if name not in selected:
+                continue
+            if reasons:
+                skipped.append({"section": "cp/ep", "op": CP_OP, "backend": name,
+                                "reasons": reasons})
+                continue
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with fusedpar.comm.count_bytes() as counter:
+                out = fusedpar.ops.ring_attention(*leaves, sub, causal=True, backend=name)
+                (out * g).sum().backward()
+            checks = [("output", out.detach(), expected[0])]
+            checks += [(f"grad of {n}", t.grad, e) for n, t, e in zip("qkv", leaves, expected[1:])]
+            local.append(_error_row(CP_OP, name, str((CP_BATCH, CP_SEQ, CP_HEADS, CP_HEAD_DIM)),
+                                    checks, counter.total(), 2 * (CP_SIZE - 1) * kv_bytes))
+        (x, weights, w13, w2, g), idx, expected, copies_in, copies_out = _ep_case(rank, EP_SIZE,
+                                                                                 device)
+        if "reference" in selected:
+            leaves = [t.clone().requires_grad_() for t in (x, weights, w13, w2)]
+            with fusedpar.comm.count_bytes() as counter:
+                y = fusedpar.ops.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], sub)
+                (y * g).sum().backward()
+            names = ("input grad", "topk_weights grad", "grad of w13", "grad of w2")
+            checks = [("output", y.detach(), expected[0])]
+            checks += [(n, t.grad, e) for n, t, e in zip(names, leaves, expected[1:])]
+            row_bytes = EP_HIDDEN * x.element_size()
+            local.append(_error_row(EP_OP, "reference", f"({EP_TOKENS}, {EP_HIDDEN})", checks,
+                                    counter.total(), (copies_in + copies_out) * row_bytes))
     gathered = [None] * world  # the other ranks contribute nothing but take part
     dist.all_gather_object(gathered, (local, skipped), group=group)
     return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
@@ -567,7 +691,9 @@ def check_rank(group, device, spec: dict) -> dict:
     selected = spec["backends"]
     rows, skipped = _distributed_rows(group, device, selected)
     tp_rows, tp_skipped = _tp_rows(group, device, selected)
+    cp_ep_rows, cp_ep_skipped = _cp_ep_rows(group, device, selected)
     result = {"rows": rows, "skipped": skipped, "tp_rows": tp_rows, "tp_skipped": tp_skipped,
+              "cp_ep_rows": cp_ep_rows, "cp_ep_skipped": cp_ep_skipped,
               "loopback_rows": [], "loopback_skipped": [], "pull_block_n": _pull_block_n(device)}
     if dist.get_rank(group) == 0:
         lb_rows, lb_skipped = _loopback_rows(dist.get_world_size(group), device, selected)
@@ -647,6 +773,16 @@ def _legend(result: dict) -> list[str]:
         "    output shard (o, down), backward the same again; the gradient all-reduces of the "
         "replicated norm weights",
         "    and o_proj bias are plain torch collectives, not counted.",
+        f"  {CP_OP}: max |error| <= {TP_ATOL:g} over the output and the q/k/v grads; lower "
+        "bound 2*(W-1)*|k_local + v_local|",
+        "    (forward the peers' K/V, backward the peers' partial dK/dV of this rank's part); "
+        "a ring that passes K/V",
+        "    again in backward moves 1.5x, Ulysses moves q and the output too.",
+        f"  {EP_OP}: max |error| <= {TP_ATOL:g} over the output and the x, topk_weights, w13 "
+        "and w2 grads; lower bound:",
+        "    the token copies routed across ranks, in (dispatch) and back (combine): "
+        "(copies in + out)*H of the forward,",
+        "    which is what the moe ops count (their backward exchanges are not counted)."
     ]
     block_n = result.get("pull_block_n")
     if block_n:
@@ -665,6 +801,7 @@ def format_report(header: list[str], result: dict) -> tuple[str, bool]:
     """The printed report and whether every result was correct (and something ran)."""
     rows, lb_rows = result["rows"], result["loopback_rows"]
     tp_rows = result.get("tp_rows", [])
+    cp_ep_rows = result.get("cp_ep_rows", [])
     world = result["world_size"]
     lines = list(header)
     lines += ["", f"distributed: {world} ranks; bytes moved = bytes a rank received from its "
@@ -676,15 +813,21 @@ def format_report(header: list[str], result: dict) -> tuple[str, bool]:
               f"  forward + backward + one SGD step on input {(TP_BATCH, TP_SEQ, TP_HIDDEN)} "
               "(each rank its sequence shard); bytes: fused ops over the step (max over ranks)",
               format_table(tp_rows) if tp_rows else "  (nothing ran)"]
+    lines += ["", f"context / expert parallel: ring_attention on ranks 0-{CP_SIZE - 1} "
+                  f"(q {CP_HEADS} / kv {CP_KV_HEADS} heads, each rank its zigzag part of the "
+                  "sequence) and moe_experts",
+              f"  on ranks 0-{EP_SIZE - 1} (each rank {EP_EXPERTS // EP_SIZE} experts and "
+              f"{EP_TOKENS} tokens); forward + backward against float64 plain torch",
+              format_table(cp_ep_rows) if cp_ep_rows else "  (nothing ran)"]
     lines += ["", f"loopback: one process plays all {world} ranks on {result['device']}; "
                   "oracle: plain torch; bytes summed over the simulated ranks",
               format_table(lb_rows) if lb_rows else "  (nothing ran)"]
     lines += [""] + _legend(result)
     skipped = _format_skipped(result["skipped"] + result.get("tp_skipped", [])
-                              + result["loopback_skipped"])
+                              + result.get("cp_ep_skipped", []) + result["loopback_skipped"])
     if skipped:
         lines += ["", "not run (unavailable here):"] + skipped
-    all_rows = rows + tp_rows + lb_rows
+    all_rows = rows + tp_rows + cp_ep_rows + lb_rows
     wrong = [r for r in all_rows if not r["correct"]]
     ok = bool(all_rows) and not wrong
     lines.append("")
@@ -693,9 +836,10 @@ def format_report(header: list[str], result: dict) -> tuple[str, bool]:
     elif wrong:
         lines.append(f"FAILED: {len(wrong)} of {len(all_rows)} results differ from the reference")
     else:
-        exact = len(all_rows) - len(tp_rows)
-        lines.append(f"OK: all {len(all_rows)} results match the reference ({exact} bit for bit"
-                     + (f", {len(tp_rows)} within atol {TP_ATOL:g}" if tp_rows else "") + ")")
+        tolerance = len(tp_rows) + len(cp_ep_rows)
+        lines.append(f"OK: all {len(all_rows)} results match the reference "
+                     f"({len(all_rows) - tolerance} bit for bit"
+                     + (f", {tolerance} within atol {TP_ATOL:g}" if tolerance else "") + ")")
     return "\n".join(lines), ok
 
 

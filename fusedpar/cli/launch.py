@@ -90,13 +90,18 @@ def _rank_failures(ctx, killed: list[int]) -> list[str]:
             try:
                 with open(path, "rb") as f:
                     text = pickle.load(f)
-                found.append((os.path.getmtime(path), f"rank {rank} raised:\n{text}"))
+                found.append((os.path.getmtime(path), rank, f" raised:\n{text}"))
             except (OSError, EOFError, pickle.UnpicklingError) as e:
-                found.append((0.0, f"rank {rank} failed (its traceback is unreadable: {e})"))
+                found.append((0.0, rank, f" failed (its traceback is unreadable: {e})"))
         elif rank not in killed and proc.exitcode not in (0, None):
-            found.append((0.0, f"rank {rank} exited with status {proc.exitcode} (no traceback: "
-                               "killed by a signal or exited from native code)"))
-    lines = [text for _, text in sorted(found, key=lambda t: t[0])]
+            found.append((0.0, rank, f" exited with status {proc.exitcode} (no traceback: "
+                                     "killed by a signal or exited from native code)"))
+    # ranks that raised the same error (a bad config, say) are reported once
+    same: dict[str, list[int]] = {}
+    for _, rank, text in sorted(found, key=lambda t: t[0]):
+        same.setdefault(text, []).append(rank)
+    lines = [(f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}") + text
+             for text, ranks in same.items()]
     if killed:
         lines.append(f"ranks {killed} were killed after the failure")
     return lines

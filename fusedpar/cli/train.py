@@ -36,8 +36,10 @@ from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, Mixtra
 from fusedpar.parallel.config import _KEY_ALIASES as PARALLEL_KEYS
 
 DEFAULT_WORLD = 4
-#: The demo: tensor parallelism with sequence parallelism inside data-parallel sharding.
+#: The demo: tensor parallelism with sequence parallelism inside data-parallel sharding;
+#: for the MoE model (whose experts have no tensor parallelism) expert parallelism.
 DEFAULT_PARALLEL = {"tp": 2, "dp_shard": -1}
+DEFAULT_PARALLEL_MOE = {"ep": 2, "dp_shard": -1}
 
 
 @dataclasses.dataclass
@@ -94,7 +96,9 @@ def add_parser(sub) -> None:
     p.add_argument("--fsdp-comm", choices=("fusedpar", "torch"), default=None,
                    help="FSDP's all-gather / reduce-scatter on fusedpar's ops (default) or "
                         "torch's collectives")
-    p.add_argument("--save", metavar="DIR", help="save a checkpoint (DCP) after the last step")
+    p.add_argument("--save", metavar="DIR",
+                   help="save a checkpoint (torch.distributed.checkpoint: model, optimizer, "
+                        "step) after the last step")
     p.add_argument("--resume", metavar="DIR",
                    help="load a checkpoint saved by --save and continue up to --steps")
     p.add_argument("--no-compare", action="store_true",
@@ -159,19 +163,20 @@ def split_config(data: dict) -> tuple[dict, dict, list[str]]:
 
 def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, list[str]]:
     """The run's parallel and training config from the file and the flags (flags win);
-    with no degree given anywhere, the demo's ``tp=2`` x ``dp_shard`` (the rest)."""
+    with no degree given anywhere, the demo's ``tp=2`` x ``dp_shard`` (the rest), or for
+    ``moe`` ``ep=2`` with ``dp_shard`` over every rank."""
     parallel_keys, train_fields, ignored = split_config(
         load_config_file(args.config) if args.config else {})
-    base = fusedpar.ParallelConfig.from_dict(parallel_keys)
-    flags = {name: getattr(args, name) for name in PARALLEL_FLAGS if getattr(args, name) is not None}
-    given = {PARALLEL_KEYS[k] for k, v in parallel_keys.items() if v is not None} | set(flags)
-    if not given & set(DEGREES):
-        base = dataclasses.replace(base, **DEFAULT_PARALLEL)
-    pcfg = dataclasses.replace(base, **flags).validate(world)
     for field in TrainConfig.__dataclass_fields__:
         if getattr(args, field) is not None:
             train_fields[field] = getattr(args, field)
     tcfg = TrainConfig(**train_fields)
+    base = fusedpar.ParallelConfig.from_dict(parallel_keys)
+    flags = {name: getattr(args, name) for name in PARALLEL_FLAGS if getattr(args, name) is not None}
+    given = {PARALLEL_KEYS[k] for k, v in parallel_keys.items() if v is not None} | set(flags)
+    if not given & set(DEGREES):
+        base = dataclasses.replace(base, **(DEFAULT_PARALLEL_MOE if tcfg.moe else DEFAULT_PARALLEL))
+    pcfg = dataclasses.replace(base, **flags).validate(world)
     for field in ("steps", "batch_size", "seq_len"):
         if getattr(tcfg, field) < 1:
             raise SystemExit(f"fusedpar train: {field}={getattr(tcfg, field)} must be at least 1")
@@ -299,26 +304,12 @@ def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dic
     return {op: b for op, b in bounds.items() if b}
 
 
-def _checkpoint(path: str, model, optimizer, *, save: bool) -> None:
-    """Save or load the model and optimizer state with torch.distributed.checkpoint
-    (sharded, each rank writes its own shards; reshardable on load)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    if save:
-        dcp.save(state, checkpoint_id=path)
-    else:
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-
-
 def train_rank(group, device, spec: dict) -> dict:
     """One rank's part (run by :mod:`fusedpar.cli.launch`): the parallel run and, on rank 0,
     the single-process run. Rank 0's result is the report's data."""
     import torch.distributed as dist
+
+    from fusedpar.parallel import checkpoint
 
     pcfg = fusedpar.ParallelConfig(**spec["parallel"])
     tcfg = TrainConfig(**spec["train"])
@@ -332,10 +323,10 @@ def train_rank(group, device, spec: dict) -> dict:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr)
     first = 0
-    if spec.get("resume"):
-        _checkpoint(spec["resume"], model, optimizer, save=False)
-        with open(os.path.join(spec["resume"], "fusedpar_train.json")) as f:
-            first = json.load(f)["step"]
+    if spec.get("resume"):  # DCP: reshards to this run's layout
+        saved = {"step": torch.zeros((), dtype=torch.int64)}
+        checkpoint.load(spec["resume"], model, optimizer, extra=saved)
+        first = int(saved["step"])
         if first >= tcfg.steps:
             raise ValueError(f"the checkpoint in {spec['resume']} is at step {first}: ask for "
                              f"more steps (--steps > {first}) to continue")
@@ -361,12 +352,7 @@ def train_rank(group, device, spec: dict) -> dict:
                               f"params+grads+optimizer {_fmt_bytes(sum(mem.values()))}/rank")
     progress.close()
     if spec.get("save"):
-        _checkpoint(spec["save"], model, optimizer, save=True)
-        if rank == 0:
-            with open(os.path.join(spec["save"], "fusedpar_train.json"), "w") as f:
-                json.dump({"step": tcfg.steps, "parallel": spec["parallel"],
-                           "train": spec["train"]}, f)
-        dist.barrier(group)
+        checkpoint.save(spec["save"], model, optimizer, extra={"step": torch.tensor(tcfg.steps)})
     result = {"first_step": first, **record, "lower_bounds": bounds,
               "parameters": sum(p.numel() for p in build_model(tcfg, "meta").parameters())}
     if rank == 0 and spec["compare"]:

@@ -12,16 +12,18 @@ import pytest
 
 from tests.cli.common import run_cli
 
-SECTIONS = ("distributed:", "tensor parallel:", "loopback:")
+SECTIONS = ("distributed:", "tensor parallel:", "context / expert parallel:", "loopback:")
 COLLECTIVES = ("all_gather dim=0", "all_gather dim=1", "reduce_scatter sum", "reduce_scatter avg")
 MATMULS = ("all_gather_matmul dim=1", "all_gather_matmul dim=0", "matmul_reduce_scatter sum",
            "matmul_reduce_scatter avg")
 DTYPES = ("float32", "float16", "bfloat16")
 TP_OP = "tp=2 block (SP)"
+CP_OP = "ring_attention cp=2 (zigzag, causal)"
+EP_OP = "moe_experts ep=2 (4 experts, top-2)"
 
 
 def _sections(stdout):
-    """{'distributed': rows, 'tensor parallel': rows, 'loopback': rows}, each row a tuple
+    """{'distributed': rows, 'tensor parallel': rows, ...} (by section title), each row a tuple
     of its 8 cells (op, backend, shape, dtype, correct, bytes moved, lower bound, ratio)."""
     out, current = {}, None
     for line in stdout.splitlines():
@@ -76,8 +78,21 @@ def test_check_two_ranks_all_correct():
         assert m and float(m.group(1)) <= 1e-5, r
         assert _bytes(r[6]) == lower_bound, r
         assert _bytes(r[5]) == lower_bound and r[7] == "1.00", r
+    # ring_attention (every backend) on a cp group, moe_experts on an ep group: fwd + bwd
+    cp_ep_rows = sections["context / expert parallel"]
+    assert [r[:2] for r in cp_ep_rows] == [(CP_OP, b) for b in ("triton", "pipelined", "ulysses",
+                                                               "allgather_kv")] \
+        + [(EP_OP, "reference")], res.stdout
+    for r in cp_ep_rows:
+        m = re.fullmatch(r"yes \(max err (\S+)\)", r[4])
+        assert m and float(m.group(1)) <= 1e-5, r
+        assert _bytes(r[5]) >= _bytes(r[6]) > 0, r
+    kv_bytes = 2 * 1 * 8 * 2 * 16 * 4  # k and v parts [1, 8, 2, 16] fp32
+    assert all(_bytes(r[6]) == 2 * kv_bytes for r in cp_ep_rows[:4])
+    assert cp_ep_rows[1][5] == f"{3 * kv_bytes:,}"  # pipelined: K/V ring again in backward
+    assert cp_ep_rows[4][7] == "1.00"  # moe_experts: exactly the routed copies
     assert len(dist_rows) == 60 and len(tp_rows) == 3 and len(lb_rows) == 24
-    assert "OK: all 87 results match the reference (84 bit for bit, 3 within atol 1e-05)" \
+    assert "OK: all 92 results match the reference (84 bit for bit, 8 within atol 1e-05)" \
         in res.stdout
     assert "BLOCK_N = 32 here" in res.stdout  # the pull-mode re-read rule is explained
     assert not set(glob.glob("/dev/shm/fusedpar_*")) - before
@@ -92,6 +107,8 @@ def test_check_backend_filter():
     assert sections["distributed"] and {r[1] for r in sections["distributed"]} == {"reference"}
     assert {r[0] for r in sections["distributed"]} == set(COLLECTIVES + MATMULS)
     assert [r[:2] for r in sections["tensor parallel"]] == [(TP_OP, "reference")]
+    # ring_attention has no reference backend; moe_experts only has one
+    assert [r[:2] for r in sections["context / expert parallel"]] == [(EP_OP, "reference")]
     assert not sections["loopback"]
 
 
@@ -191,5 +208,6 @@ def test_check_a_wrong_result_exits_nonzero(tmp_path):
     rows = sections["distributed"]  # compared with torch.equal, which rank 1 now fails
     assert rows and all(r[4] == "NO (ranks [1])" for r in rows), res.stdout
     assert {r[0] for r in rows} == set(COLLECTIVES + MATMULS)
-    assert all(r[4].startswith("yes") for r in sections["tensor parallel"] + sections["loopback"])
-    assert "FAILED: 60 of 87 results differ from the reference" in res.stdout
+    assert all(r[4].startswith("yes") for r in sections["tensor parallel"] + sections["loopback"]
+               + sections["context / expert parallel"])
+    assert "FAILED: 60 of 92 results differ from the reference" in res.stdout
