@@ -15,7 +15,9 @@ import triton.language as tl
 from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 
-# 8 warps: with 4, a 1024-element block of 4-byte elements spills on sm_80 (int64 offsets)
+# 512 elements on 8 warps: larger blocks or fewer warps spill on sm_80 (int64 offsets;
+# triton 3.8 with 4-byte elements, 3.6 with 2-byte ones)
+BLOCK = 512
 NUM_WARPS = 8
 
 
@@ -49,13 +51,13 @@ def all_gather_pull_kernel(out_ptr, x_ptr, pad_table, rank, world_size, epoch, m
 
 
 def all_gather_grid(outer: int, inner: int, world_size: int, sms: int | None,
-                    block: int = 1024) -> tuple[int]:
+                    block: int = BLOCK) -> tuple[int]:
     return (spinning_grid(world_size * triton.cdiv(outer * inner, block), sms),)
 
 
 def all_gather_pull(out: torch.Tensor, x: torch.Tensor, pad_table: torch.Tensor, rank: int, world_size: int,
                     epoch: int, meta: int, outer: int, inner: int, timeout_ns: int,
-                    stats: torch.Tensor, block: int = 1024) -> None:
+                    stats: torch.Tensor, block: int = BLOCK) -> None:
     """Fill ``out`` (contiguous, ``[outer, W, inner]`` elements): ``out[:, rank] = x`` and
     ``out[:, src]`` from every peer's staged shard. Spins on peers' flags with a capped grid
     (``spinning_grid``): what it waits on (peers' staging) never needs this kernel's SMs."""
@@ -69,6 +71,6 @@ AOT_EXAMPLES = [
     (all_gather_pull_kernel,
      {"out_ptr": f"*{t}", "x_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32", "outer": "i64", "inner": "i64", "timeout_ns": "i64", "stats_ptr": "*i64"},
-     {"BLOCK": 1024, "ELEM_BYTES": nbytes}, {"num_warps": NUM_WARPS})
+     {"BLOCK": BLOCK, "ELEM_BYTES": nbytes}, {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4), ("i32", 4), ("i64", 8))
 ]

@@ -18,7 +18,9 @@ import triton.language as tl
 from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 
-# 8 warps: with 4, a 1024-element block of 4-byte elements spills on sm_80 (int64 offsets)
+# 512 elements on 8 warps: larger blocks or fewer warps spill on sm_80 (int64 offsets;
+# triton 3.8 with 4-byte elements, 3.6 with 2-byte ones)
+BLOCK = 512
 NUM_WARPS = 8
 
 
@@ -49,13 +51,13 @@ def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta
             tl.store(out_ptr + offs, (acc / divisor).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def reduce_scatter_grid(outer: int, inner: int, sms: int | None, block: int = 1024) -> tuple[int]:
+def reduce_scatter_grid(outer: int, inner: int, sms: int | None, block: int = BLOCK) -> tuple[int]:
     return (spinning_grid(triton.cdiv(outer * inner, block), sms),)
 
 
 def reduce_scatter_pull(out: torch.Tensor, pad_table: torch.Tensor, rank: int, world_size: int,
                         epoch: int, meta: int, outer: int, inner: int, timeout_ns: int,
-                        stats: torch.Tensor, divisor: float = 1.0, block: int = 1024,
+                        stats: torch.Tensor, divisor: float = 1.0, block: int = BLOCK,
                         wait_self: bool = False) -> None:
     """Fill ``out`` (contiguous ``[outer, inner]``) with the sum of every rank's slice
     ``rank``, divided by ``divisor`` (``W`` gives the average, rounded like torch's).
@@ -72,6 +74,6 @@ AOT_EXAMPLES = [
     (reduce_scatter_pull_kernel,
      {"out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32", "outer": "i64", "inner": "i64", "timeout_ns": "i64", "stats_ptr": "*i64", "divisor": "fp32"},
-     {"BLOCK": 1024, "ELEM_BYTES": nbytes, "WAIT_SELF": wait_self}, {"num_warps": NUM_WARPS})
+     {"BLOCK": BLOCK, "ELEM_BYTES": nbytes, "WAIT_SELF": wait_self}, {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4)) for wait_self in (False, True)
 ]
