@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.parallel import zigzag_shard, zigzag_unshard
-from tests.ops.collective_cases import capture_errors, subgroup
+from tests.ops.collective_cases import capture_errors, subgroup, timeout_case
 from tests.ops.test_flash_attention import sdpa64
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -202,3 +202,17 @@ def _compiled():
 
 def test_torch_compile_fullgraph(pools):
     assert pools(2).run(_compiled) == [True, True]
+
+
+def _ring_triton(x, group):
+    """timeout_case's op: x ``[4W, 3]`` as q = k = v ``[1, 4W, 3, 1]``."""
+    t = x.view(1, x.shape[0], x.shape[1], 1)
+    return fusedpar.ops.ring_attention(t, t, t, group, causal=True, backend="triton")
+
+
+def test_a_stalled_peer_times_out(pools):
+    """The triton kernel's wait on a peer that never stages its K/V is bounded."""
+    results = pools(2).run(timeout_case, _ring_triton, 1, "stall", 2.0)
+    assert results[1] is None
+    assert results[0]["elapsed"] < 2.0 * 3, results[0]
+    assert "rank 1" in results[0]["message"] and "READY[1]" in results[0]["message"], results[0]
