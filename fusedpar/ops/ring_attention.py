@@ -5,11 +5,17 @@ Layouts (``layout=``): ``"zigzag"`` (default): the global sequence is cut into `
 chunks and rank ``r`` holds chunks ``r`` and ``2W-1-r`` (``fusedpar.parallel.zigzag_shard``),
 so causal work is equal on every rank; ``"contiguous"``: rank ``r`` holds chunk ``r`` of W.
 
-Blocks: rank ``r`` attends its queries to the K/V of every source rank ``src``. For causal
-attention most blocks are either fully visible, fully masked (skipped, never computed) or
-the diagonal (the own block: causal, top-left aligned). Zigzag, ``src < r``: every query
-sees the first chunk of ``src`` only; ``src > r``: only the second query chunk sees (all
-of) ``src``. Partial results merge in fp32 with the stable log-sum-exp update.
+Backends: ``triton`` (one kernel reads each peer's K/V from symmetric memory as its flag
+flips), ``pipelined`` (K/V around the ring by async P2P), ``ulysses`` (all-to-all heads <->
+sequence), ``allgather_kv`` (gather K/V; packed documents across ranks).
+
+Ring blocks: rank ``r`` attends its queries to the K/V of every source rank ``src``. For
+causal attention most blocks are either fully visible, fully masked (skipped, never
+computed) or the diagonal (the own block: causal, top-left aligned). Zigzag, ``src < r``:
+every query sees the first chunk of ``src`` only; ``src > r``: only the second query chunk
+sees (all of) ``src``. Partial results merge in fp32 with the stable log-sum-exp update.
+Every backward recomputes the blocks from the saved (global) lse: a block's
+``P = exp(S - lse)`` is its share of the whole softmax, so its dQ/dK/dV are exact.
 """
 
 from __future__ import annotations
