@@ -19,7 +19,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import fusedpar
 from fusedpar.cli import launch
@@ -356,85 +355,31 @@ TP_LR = 0.1
 TP_OP = f"tp={TP_SIZE} block (SP)"
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-class _Attention(nn.Module):
-    """Causal grouped-query self-attention with Hugging Face ``LlamaAttention`` names
-    (``attention_bias=True``); head counts come from the projections' outputs, so it
-    runs unchanged on a rank's heads."""
-
-    def __init__(self):
-        super().__init__()
-        self.num_heads, self.num_key_value_heads = TP_HEADS, TP_KV_HEADS
-        self.head_dim = TP_HEAD_DIM
-        self.q_proj = nn.Linear(TP_HIDDEN, TP_HEADS * TP_HEAD_DIM, bias=True)
-        self.k_proj = nn.Linear(TP_HIDDEN, TP_KV_HEADS * TP_HEAD_DIM, bias=True)
-        self.v_proj = nn.Linear(TP_HIDDEN, TP_KV_HEADS * TP_HEAD_DIM, bias=True)
-        self.o_proj = nn.Linear(TP_HEADS * TP_HEAD_DIM, TP_HIDDEN, bias=True)
-
-    def forward(self, hidden_states):
-        lead = hidden_states.shape[:-1]
-        q, k, v = (proj(hidden_states).view(*lead, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        return self.o_proj(out.reshape(*lead, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_proj = nn.Linear(TP_HIDDEN, TP_INTERMEDIATE, bias=False)
-        self.up_proj = nn.Linear(TP_HIDDEN, TP_INTERMEDIATE, bias=False)
-        self.down_proj = nn.Linear(TP_INTERMEDIATE, TP_HIDDEN, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _DemoBlock(nn.Module):
-    """A tiny Llama decoder layer (``LlamaDecoderLayer`` names): RMSNorm → attention →
-    residual → RMSNorm → SwiGLU MLP → residual."""
-
-    def __init__(self):
-        super().__init__()
-        self.input_layernorm = _RMSNorm(TP_HIDDEN)
-        self.self_attn = _Attention()
-        self.post_attention_layernorm = _RMSNorm(TP_HIDDEN)
-        self.mlp = _MLP()
-
-    def forward(self, hidden_states):
-        residual = hidden_states
-        hidden_states = residual + self.self_attn(hidden_states=self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-
-
 def _tp_data(device):
-    """The seeded block (identical on every rank), the input and the loss weights."""
+    """The seeded block (a ``fusedpar.models`` Llama decoder layer, identical on every
+    rank), the rotary embeddings of the whole sequence, the input and the loss weights."""
+    from fusedpar.models import LlamaConfig
+    from fusedpar.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
+
     torch.manual_seed(0)
-    block = _DemoBlock()
+    config = LlamaConfig(hidden_size=TP_HIDDEN, num_heads=TP_HEADS, num_kv_heads=TP_KV_HEADS,
+                         intermediate_size=TP_INTERMEDIATE)
+    block = DecoderLayer(config)
     with torch.no_grad():  # norms away from 1 so that their gradients matter
         for module in block.modules():
-            if isinstance(module, _RMSNorm):
+            if isinstance(module, RMSNorm):
                 module.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape))
     x = torch.randn(TP_BATCH, TP_SEQ, TP_HIDDEN)
     g = torch.randn(TP_BATCH, TP_SEQ, TP_HIDDEN)
-    return block.to(device), x.to(device), g.to(device)
+    # the attention sees the whole sequence (q/k/v gather it), so RoPE takes every position
+    rope = RotaryEmbedding(config.head_dim, config.rope_theta)(x, torch.arange(TP_SEQ)[None])
+    return block.to(device), tuple(t.to(device) for t in rope), x.to(device), g.to(device)
 
 
-def _tp_step(block, x, g):
+def _tp_step(block, rope, x, g):
     """Forward, backward of ``sum(y * g)``, one SGD step: (y, dx, grads, params after)."""
     x = x.detach().clone().requires_grad_()
-    y = block(x)
+    y = block(x, position_embeddings=rope)
     (y * g).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in block.named_parameters()}
     torch.optim.SGD(block.parameters(), lr=TP_LR).step()
@@ -456,6 +401,14 @@ def _max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return math.inf
     diff = (actual.double() - expected.double()).abs()
     return float(torch.nan_to_num(diff, nan=math.inf).max()) if diff.numel() else 0.0
+
+
+def _error_row(op, backend, shape, checks, nbytes, lower_bound) -> dict:
+    errors = [(_max_abs_diff(a, e), what) for what, a, e in checks]
+    max_err, worst = max(errors)
+    return {"op": op, "backend": backend, "shape": shape, "dtype": "float32",
+            "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
+            "bytes": nbytes, "lower_bound": lower_bound}
 
 
 def _tp_lower_bound(world: int, dtype=torch.float32) -> int:
@@ -486,9 +439,9 @@ def _tp_rows(group, device, selected: list[str]):
     local, skipped = [], []
     if rank in members:
         tp_rank = dist.get_rank(tp_group)
-        reference, x_full, g_full = _tp_data(device)
+        reference, rope, x_full, g_full = _tp_data(device)
         initial = copy.deepcopy(reference)
-        y_ref, dx_ref, grads_ref, params_ref = _tp_step(reference, x_full, g_full)
+        y_ref, dx_ref, grads_ref, params_ref = _tp_step(reference, rope, x_full, g_full)
 
         def local_part(t):
             return t.chunk(TP_SIZE, 1)[tp_rank]
@@ -514,7 +467,7 @@ def _tp_rows(group, device, selected: list[str]):
             block = fusedpar.apply_tp(copy.deepcopy(initial), tp_group, sequence_parallel=True,
                                       backend=name)
             with fusedpar.comm.count_bytes() as counter:
-                y, dx, grads, params = _tp_step(block, x, g)
+                y, dx, grads, params = _tp_step(block, rope, x, g)
             grads, params = _tp_full(grads), _tp_full(params)
             checks = [("output", y, local_part(y_ref)), ("input grad", dx, local_part(dx_ref))]
             if set(grads) != set(grads_ref):
@@ -522,12 +475,8 @@ def _tp_rows(group, device, selected: list[str]):
                                    f"{sorted(grads_ref)}")
             checks += [(f"grad of {n}", grads[n], grads_ref[n]) for n in grads_ref]
             checks += [(f"{n} after SGD", params[n], params_ref[n]) for n in params_ref]
-            errors = [(_max_abs_diff(a, e), what) for what, a, e in checks]
-            max_err, worst = max(errors)
-            local.append({"op": TP_OP, "backend": name,
-                          "shape": str((TP_BATCH, TP_SEQ, TP_HIDDEN)), "dtype": "float32",
-                          "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
-                          "bytes": counter.total(), "lower_bound": _tp_lower_bound(TP_SIZE)})
+            local.append(_error_row(TP_OP, name, str((TP_BATCH, TP_SEQ, TP_HIDDEN)), checks,
+                                    counter.total(), _tp_lower_bound(TP_SIZE)))
     gathered = [None] * world  # the other ranks contribute nothing but take part
     dist.all_gather_object(gathered, (local, skipped), group=group)
     return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
@@ -607,14 +556,6 @@ def _ep_case(rank: int, world: int, device):
                     for r in range(world) if r != rank)
     copies_out = int(((idx // (EP_EXPERTS // world)) != rank).sum())
     return local, idx.to(device), expected, copies_in, copies_out
-
-
-def _error_row(op, backend, shape, checks, nbytes, lower_bound) -> dict:
-    errors = [(_max_abs_diff(a, e), what) for what, a, e in checks]
-    max_err, worst = max(errors)
-    return {"op": op, "backend": backend, "shape": shape, "dtype": "float32",
-            "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
-            "bytes": nbytes, "lower_bound": lower_bound}
 
 
 def _cp_ep_rows(group, device, selected: list[str]):
@@ -772,7 +713,7 @@ def _legend(result: dict) -> list[str]:
         f"reduce-scatters of the {shard}",
         "    output shard (o, down), backward the same again; the gradient all-reduces of the "
         "replicated norm weights",
-        "    and o_proj bias are plain torch collectives, not counted.",
+        "    are plain torch collectives, not counted.",
         f"  {CP_OP}: max |error| <= {TP_ATOL:g} over the output and the q/k/v grads; lower "
         "bound 2*(W-1)*|k_local + v_local|",
         "    (forward the peers' K/V, backward the peers' partial dK/dV of this rank's part); "
@@ -807,8 +748,8 @@ def format_report(header: list[str], result: dict) -> tuple[str, bool]:
     lines += ["", f"distributed: {world} ranks; bytes moved = bytes a rank received from its "
                   "peers (max over ranks; 'reference' reports the ring algorithm's volume)",
               format_table(rows)]
-    lines += ["", f"tensor parallel: a Llama-style block (RMSNorm, {TP_HEADS} q / {TP_KV_HEADS} "
-                  f"kv heads of {TP_HEAD_DIM}, SwiGLU {TP_INTERMEDIATE}) under fusedpar.apply_tp "
+    lines += ["", f"tensor parallel: a fusedpar.models Llama decoder layer ({TP_HEADS} q / {TP_KV_HEADS} "
+                  f"kv heads of {TP_HEAD_DIM}, SwiGLU {TP_INTERMEDIATE}, RoPE) under fusedpar.apply_tp "
                   f"on ranks 0-{TP_SIZE - 1}, sequence parallel;",
               f"  forward + backward + one SGD step on input {(TP_BATCH, TP_SEQ, TP_HIDDEN)} "
               "(each rank its sequence shard); bytes: fused ops over the step (max over ranks)",
