@@ -16,9 +16,19 @@ larger computation (ring attention's merged output), which is what makes a block
 backward exact there: ``P = exp(S * scale - lse)`` is then that block's share of the
 global softmax.
 
-Packed sequences (``cu_seqlens``, int32 cumulative ends, flash-attn's convention): program
-``b`` of the batch axis handles document ``b``; query and key lengths are equal per
-document and masking never crosses documents.
+Packed sequences (``cu_seqlens``, int32 cumulative ends, flash-attn's convention): batch
+index ``b`` is document ``b``; query and key lengths are equal per document and masking
+never crosses documents.
+
+Ring forward (``ring_attn_fwd_kernel``, ring_attention's ``triton`` backend): a persistent
+forward whose tiles attend to the own K/V first, then to each peer's K/V read straight
+from the peer's symmetric data region after its READY flag (``signal.wait_ready_and_match``:
+wall-clock bounded, fingerprint checked); causal masking by global positions (zigzag or
+contiguous layout) with fully masked K/V blocks skipped. Each tile reads the peer K/V of
+its KV head, so a peer's K/V crosses the link once per query block and per query head of
+a GQA group (the in-kernel byte count says so).
+
+Every grid keeps its long axis on axis 0 (flattened query block x batch x head).
 """
 
 import torch
