@@ -31,6 +31,7 @@ class AttentionCall:
     scale: float
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    out_dtype: torch.dtype | None = None  # of the output; None: q's
 
     def cache_key(self) -> tuple:
         return (self.q.device.type, self.q.dtype)
@@ -151,7 +152,7 @@ class Triton(Backend):
 
     def forward(self, call: AttentionCall):
         q, k, v = (_last_dim_contiguous(t) for t in (call.q, call.k, call.v))
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, dtype=call.out_dtype or q.dtype)
         lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
         kernels.flash_attn_forward(q, k, v, out, lse, call.causal, call.scale, call.cu_seqlens,
                                    call.max_seqlen)
@@ -193,7 +194,7 @@ class Reference(Backend):
         return s, kk, vv, visible
 
     def forward(self, call: AttentionCall):
-        out = torch.empty_like(call.q)
+        out = torch.empty_like(call.q, dtype=call.out_dtype or call.q.dtype)
         lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
         for q, k, v, rows in self._pieces(call):
             s, _, vv, _ = self._scores(q, k, v, call)
@@ -317,9 +318,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 
 def attend_block(q, k, v, causal: bool, scale: float, backend: str):
-    """``(out, lse)`` of one block of a larger attention (no checks, no autograd); ``backend``
-    is a name of BACKENDS. Ring attention's building block."""
-    return BACKENDS.backends[backend].forward(AttentionCall(q, k, v, causal, scale))
+    """``(out, lse)`` of one block of a larger attention (no checks, no autograd), both fp32
+    (blocks are merged before the one rounding to q's dtype); ``backend`` is a name of
+    BACKENDS. Ring attention's building block."""
+    call = AttentionCall(q, k, v, causal, scale, out_dtype=torch.float32)
+    return BACKENDS.backends[backend].forward(call)
 
 
 def attend_block_backward(q, k, v, lse, dout, delta, causal: bool, scale: float, backend: str):

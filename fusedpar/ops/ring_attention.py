@@ -426,7 +426,7 @@ class Ulysses(Backend):
         world, order = call.world_size, call.global_order()
         q, k, v = self._heads(call, call.q, call.k, call.v)
         out, lse = attend_block(q, k, v, call.causal, call.scale, call.local)
-        out = _to_sequence(_reorder(out, order, inverse=True), world, call.group)
+        out = _to_sequence(_reorder(out.to(call.q.dtype), order, inverse=True), world, call.group)
         lse = _to_sequence(_reorder(lse.transpose(1, 2), order, inverse=True), world, call.group)
         return out, lse.transpose(1, 2).contiguous()
 

@@ -217,3 +217,25 @@ def test_a_stalled_peer_times_out(pools):
     assert results[1] is None
     assert results[0]["elapsed"] < 2.0 * 3, results[0]
     assert "rank 1" in results[0]["message"] and "READY[1]" in results[0]["message"], results[0]
+
+
+def _check_bf16():
+    """bf16 inputs: every backend returns bf16 out (fp32 lse); blocks merge in fp32, so the
+    error is about one bf16 rounding of the output."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(11)
+    full = [torch.randn(1, 8 * world, n, 16, generator=g).bfloat16() for n in (2, 2, 2)]
+    ref_out, _ = sdpa64(*full, True)
+    expected = zigzag_shard(ref_out, 1, rank, world)
+    errors = {}
+    for backend in BACKENDS:
+        out, lse = fusedpar.ops.ring_attention_with_lse(*(zigzag_shard(t, 1, rank, world) for t in full),
+                                                        causal=True, backend=backend)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, backend
+        errors[backend] = (out.double() - expected).abs().max().item()
+    return errors
+
+
+def test_bf16_outputs(pools):
+    for errors in pools(2).run(_check_bf16):
+        assert all(err < 2e-2 for err in errors.values()), errors
