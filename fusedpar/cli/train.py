@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
 import sys
 import time
@@ -67,6 +66,12 @@ TRAIN_KEYS = {
 #: Flags that set ParallelConfig fields (its degrees and FSDP options).
 DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
 PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm")
+DEGREE_HELP = {
+    "dp_shard": "FSDP degree (-1: the remaining ranks, the default)",
+    "dp_replicate": "HSDP replicas (-1: the remaining ranks)",
+    "tp": "tensor (+ sequence) parallel degree; with no degree given anywhere the run is "
+          "tp=2 x dp_shard (--moe: ep=2 x dp_shard)",
+}
 
 
 def add_parser(sub) -> None:
@@ -81,8 +86,7 @@ def add_parser(sub) -> None:
                         f"({', '.join(sorted(TRAIN_KEYS))}); flags win over the file")
     for name in DEGREES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name,
-                       help=f"degree of the {name} axis (default: tp=2 and dp_shard the rest)"
-                       if name == "tp" else argparse_help(name))
+                       help=DEGREE_HELP.get(name, f"degree of the {name} axis"))
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 32)")
@@ -105,11 +109,6 @@ def add_parser(sub) -> None:
                    help="skip the single-process run at the end")
     p.add_argument("--metrics", metavar="FILE",
                    help="write the run's numbers (losses, bytes, ...) as JSON")
-
-
-def argparse_help(name: str) -> str:
-    return f"degree of the {name} axis" + (" (-1: the remaining ranks)"
-                                           if name in ("dp_shard", "dp_replicate") else "")
 
 
 # ---- configuration ----------------------------------------------------------------------
