@@ -268,8 +268,10 @@ def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = 
 
 
 def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dict[str, int]:
-    """Bytes one rank must receive per step through each of fusedpar's ops (dense model,
-    tp and FSDP; cp and ep terms are not modelled: their ops show no bound).
+    """Bytes one rank must receive per step through each of fusedpar's ops: FSDP's and
+    tp's (dense model, tp or cp but not both). Not modelled, so shown without a bound:
+    ring_attention (it depends on the algorithm: see ``fusedpar check``), and every op
+    with ep > 1 or with tp and cp together.
 
     With ``x`` = one rank's sequence shard of the hidden states, ``[B/dp, S/tp, H]``:
 
@@ -283,7 +285,7 @@ def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dic
     - reduce_scatter: FSDP's gradient reduce-scatter, ``(n-1) x`` this rank's shard of
       every parameter in float32; plus, with tp, the embedding's ``(tp-1) |x|``.
     """
-    if pcfg.cp > 1 or pcfg.ep > 1:
+    if pcfg.ep > 1 or (pcfg.cp > 1 and pcfg.tp > 1):
         return {}
     param_elem = torch.empty((), dtype=getattr(torch, pcfg.param_dtype or "float32")).element_size()
     hidden = model.config.hidden_size
@@ -392,8 +394,10 @@ def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> li
                  f"at step {tcfg.steps}")
     ref = result.get("reference_losses")
     if ref is not None:
+        note = (f" (the parallel run computes in {pcfg.param_dtype}, the single process in "
+                "float32)" if pcfg.param_dtype not in (None, "float32") else "")
         lines.append(f"loss curve vs one process, same seed: max relative difference "
-                     f"{max_rel_diff(losses, ref):.2e} over {len(losses)} steps")
+                     f"{max_rel_diff(losses, ref):.2e} over {len(losses)} steps" + note)
     return lines
 
 
