@@ -32,7 +32,8 @@ class MatmulCall(C.CollectiveCall):
                                        self.reduce_op, [tuple(b.shape) for b in self.bs])
 
     def description(self) -> list[int]:
-        return C.symmetric.describe_words(1, self.x.dtype, (*self.x.shape, *self.bs[0].shape), self.dim)
+        # A's shape: what usually differs (B shapes are in the fingerprint too)
+        return C.symmetric.describe_words(1, self.x.dtype, tuple(self.x.shape), self.dim)
 
     def describe(self) -> str:
         return (f"A of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
