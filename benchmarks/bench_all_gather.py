@@ -1,4 +1,4 @@
-"""all_gather: fusedpar backends next to what a user would pick instead (DESIGN.md §6).
+"""all_gather: fusedpar backends next to what a user would pick instead (docs/design.md §6).
 
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 all_gather in one process
   over a loopback symmetric buffer, against ``torch.cat`` of the W shards once per simulated

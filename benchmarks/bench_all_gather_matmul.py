@@ -1,4 +1,4 @@
-"""all_gather_matmul: fusedpar backends next to what a user would pick instead (DESIGN.md §6).
+"""all_gather_matmul: fusedpar backends next to what a user would pick instead (docs/design.md §6).
 
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 all_gather_matmul in one
   process (``all_gather_matmul_loopback``, the triton GEMM pulling A tiles from the other

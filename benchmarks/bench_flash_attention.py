@@ -1,4 +1,4 @@
-"""flash_attention: fusedpar's Triton kernel next to SDPA's flash backend (DESIGN.md §6).
+"""flash_attention: fusedpar's Triton kernel next to SDPA's flash backend (docs/design.md §6).
 
 ``test_kernel`` (one GPU): B=1, H=32, D=128, S in {4k, 8k, 16k}, causal and not, forward
 and forward+backward, bf16; each case is checked once against SDPA's output (and

@@ -1,5 +1,5 @@
 """grouped_mm: fusedpar's persistent Triton grouped GEMM next to ``torch._grouped_mm`` and a
-loop of ``torch.mm`` (DESIGN.md §6), on one GPU.
+loop of ``torch.mm`` (docs/design.md §6), on one GPU.
 
 The MoE up-projection of tgale96/grouped_gemm#37: 128 experts, K=2048, N=1536, 65,536
 routed tokens, bf16, with uniform routing (512 tokens per expert) and skewed routing

@@ -1,5 +1,5 @@
 """matmul_reduce_scatter (sum): fusedpar backends next to what a user would pick instead
-(DESIGN.md §6).
+(docs/design.md §6).
 
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 matmul_reduce_scatter in one
   process (``matmul_reduce_scatter_loopback``: the triton GEMMs write their partials into

@@ -1,4 +1,4 @@
-"""reduce_scatter (sum): fusedpar backends next to what a user would pick instead (DESIGN.md §6).
+"""reduce_scatter (sum): fusedpar backends next to what a user would pick instead (docs/design.md §6).
 
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 reduce_scatter in one
   process over a loopback symmetric buffer, against ``torch.stack(xs).sum(0).chunk(W)``

@@ -1,4 +1,4 @@
-"""What the ``benchmarks/bench_*.py`` suites share (DESIGN.md §6), besides conftest.py's fixtures.
+"""What the ``benchmarks/bench_*.py`` suites share (docs/design.md §6), besides conftest.py's fixtures.
 
 Not a suite: pytest collects only ``bench_*.py`` here (the hook in conftest.py), and this
 module defines no tests. It imports fusedpar, so it is imported after conftest.py has set

@@ -1,4 +1,4 @@
-"""Benchmark setup (DESIGN.md §6), shared by ``benchmarks/bench_*.py``.
+"""Benchmark setup (docs/design.md §6), shared by ``benchmarks/bench_*.py``.
 
 Without a GPU every timing case skips (no number is ever invented) and Triton kernels run
 in the interpreter for the CPU-only communication-volume checks: TRITON_INTERPRET must be

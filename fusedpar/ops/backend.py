@@ -1,4 +1,4 @@
-"""Backend selection shared by every op (DESIGN.md §2).
+"""Backend selection shared by every op (docs/design.md §2).
 
 An op lists its backends in priority order; each says why it cannot take a call
 (``not_supported_reasons``). The first with no reasons runs. ``backend=`` forces one (and
