@@ -58,20 +58,20 @@ def add_launch_arguments(p, default_world: int, default_timeout: float) -> None:
 
 @contextlib.contextmanager
 def _environ(values: dict):
+    """Set (None: unset) environment variables for the block, then restore them."""
+    def apply(items: dict) -> None:
+        for k, v in items.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply(old)
 
 
 def _kill(processes) -> None:
