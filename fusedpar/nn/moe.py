@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import resolve_group
-from ..ops.moe import experts_dense, moe_experts, topk_route
+from ..ops.moe import experts_dense, topk_route
+from ..ops.moe_experts import moe_experts
 
 
 class MoEBlock(nn.Module):
