@@ -4,27 +4,32 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fusedpar
 from fusedpar.ops.moe import experts_dense, topk_route
-from fusedpar.ops.moe_experts import moe_experts
-from tests.ops.collective_cases import capture_errors
+from fusedpar.comm import resolve_group
+from fusedpar.ops.moe_experts import BACKENDS, ExpertsCall, moe_experts
+from tests.ops.collective_cases import capture_errors, env
 
 pytestmark = [pytest.mark.timeout(300)]
 
 
-def _check_experts(T, H, I, k, E_local):
+def _check_experts(T, H, I, k, E_local, backend, skew):
     rank, world = dist.get_rank(), dist.get_world_size()
     E = E_local * world
     torch.manual_seed(0)  # the same weights and every rank's tokens on every rank
     w13, w2 = torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4
     xs = [torch.randn(T, H) for _ in range(world)]
     logits = [torch.randn(T, E) for _ in range(world)]
+    if skew:  # every token's first choice is expert 0: the other experts get few or none
+        logits = [lg + torch.nn.functional.one_hot(torch.tensor(0), E) * 20 for lg in logits]
     # single process: every rank's tokens through the dense loop; loss summed over ranks
     ref_w13, ref_w2 = w13.double().requires_grad_(), w2.double().requires_grad_()
     ref_xs = [x.double().requires_grad_() for x in xs]
     ref_logits = [lg.double().requires_grad_() for lg in logits]
-    total = 0
+    total, idxs = 0, []
     for x, lg in zip(ref_xs, ref_logits):
         idx, w, aux = topk_route(lg, k)
+        idxs.append(idx)
         total = total + (experts_dense(x, idx, w.double(), ref_w13, ref_w2) ** 2).sum() + aux
     total.backward()
     # this rank
@@ -32,7 +37,8 @@ def _check_experts(T, H, I, k, E_local):
     my_w13, my_w2 = w13[sl].clone().requires_grad_(), w2[sl].clone().requires_grad_()
     x, lg = xs[rank].clone().requires_grad_(), logits[rank].clone().requires_grad_()
     idx, w, aux = topk_route(lg, k)
-    y = moe_experts(x, idx, w, my_w13, my_w2)
+    with fusedpar.comm.count_bytes() as counter:
+        y = moe_experts(x, idx, w, my_w13, my_w2, backend=backend)
     ((y ** 2).sum() + aux).backward()
     tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x.grad.double(), ref_xs[rank].grad, **tol)
@@ -41,12 +47,35 @@ def _check_experts(T, H, I, k, E_local):
     torch.testing.assert_close(my_w2.grad.double(), ref_w2.grad[sl], **tol)
     ref_y = experts_dense(xs[rank].double(), idx, w.detach().double(), w13.double(), w2.double())
     torch.testing.assert_close(y.double(), ref_y, **tol)
+    # bytes: exactly the routed copies, there (into our experts) and back (our tokens' results)
+    owner = [i // E_local for i in idxs]
+    copies_in = sum(int((owner[r] == rank).sum()) for r in range(world) if r != rank)
+    copies_out = int((owner[rank] != rank).sum())
+    assert counter.total() == (copies_in + copies_out) * H * 4, (counter.by_op(), copies_in, copies_out)
     return True
 
 
+@pytest.mark.parametrize("backend", ["pipelined", "reference"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_moe_experts_matches_dense_loop(pools, world):
-    assert pools(world).run(_check_experts, 12, 8, 6, 2, 2) == [True] * world
+def test_moe_experts_matches_dense_loop(pools, world, backend):
+    # odd sizes: 13 tokens, H=8, I=6; top-2 of 2 experts per rank
+    assert pools(world).run(_check_experts, 13, 8, 6, 2, 2, backend, False) == [True] * world
+
+
+def test_pipelined_with_empty_experts_and_sources(pools):
+    assert pools(4).run(_check_experts, 5, 8, 6, 2, 1, "pipelined", True) == [True] * 4
+
+
+def _chosen():
+    call = ExpertsCall(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+                       torch.zeros(1, 6, 4), torch.zeros(1, 4, 3), resolve_group(None))
+    with env(FUSEDPAR_BACKEND="reference"):
+        forced = BACKENDS.select(call).name
+    return BACKENDS.select(call).name, forced
+
+
+def test_backend_selection(pools):
+    assert pools(2).run(_chosen) == [("pipelined", "reference")] * 2
 
 
 def _errors():
@@ -54,9 +83,16 @@ def _errors():
     idx = torch.zeros(4, 2, dtype=torch.long)
     return capture_errors({
         "weights_shape": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 5), torch.zeros(1, 3, 2)),
+        "dtype": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3).half(), torch.zeros(1, 3, 2)),
+        "expert_range": lambda: moe_experts(x, idx + 2, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2)),
+        "backend": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
+                                       backend="fused"),
     })
 
 
-def test_bad_weights_raise_clear_errors(pools):
+def test_bad_inputs_raise_clear_errors(pools):
     for rank_errors in pools(2).run(_errors):
         assert "do not fit" in rank_errors["weights_shape"][1]
+        assert "cast them to one dtype" in rank_errors["dtype"][1]
+        assert "[2, 2]" in rank_errors["expert_range"][1] and "[0, 2)" in rank_errors["expert_range"][1]
+        assert "does not exist" in rank_errors["backend"][1]
