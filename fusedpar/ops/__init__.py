@@ -17,6 +17,8 @@ DISPATCHERS = {
 }
 from .moe import DISPATCH as _MOE_DISPATCH  # noqa: E402
 DISPATCHERS[_MOE_DISPATCH.op] = _MOE_DISPATCH
+from .moe_experts import BACKENDS as _MOE_EXPERTS  # noqa: E402
+DISPATCHERS[_MOE_EXPERTS.op] = _MOE_EXPERTS
 
 from .all_gather import all_gather, all_gather_loopback  # noqa: E402
 from .all_gather_matmul import all_gather_matmul, all_gather_matmul_loopback  # noqa: E402
