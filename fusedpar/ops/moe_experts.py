@@ -10,7 +10,8 @@ Backends (priority order):
   pass is the same pipeline over the output gradients.
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``).
-Both move exactly the routed rows, there and back (no padding).
+Both move exactly the routed rows, there and back (no padding). ``moe_experts_loopback``
+runs every rank's part in one process (the unfused ops over loopback symmetric buffers).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, resolve_group
+from ..errors import BackendNotSupportedError
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm
 from .moe import (_DTYPE_CODES, _all_to_all, _check_same_everywhere, _Permute, _sort, _Unpermute,
@@ -238,3 +240,43 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world)
     call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group)
     return BACKENDS.select(call, backend or "").run(call)
+
+
+def moe_experts_loopback(xs: list, topk_idxs: list, topk_weights: list, w13s: list, w2s: list, *,
+                         backend: str | None = None) -> list:
+    """Every rank's part of ``moe_experts`` in this process: rank r passes ``xs[r]``,
+    ``topk_idxs[r]``, ``topk_weights[r]`` and holds experts ``w13s[r]`` / ``w2s[r]``; returns
+    each rank's output, the same as ``experts_dense(xs[r], topk_idxs[r], topk_weights[r],
+    cat(w13s), cat(w2s))``. Forward only; for single-device benchmarks and tests.
+    Backend: ``reference``, the unfused ops over loopback symmetric buffers::
+
+        dispatched = moe_dispatch_loopback(xs, topk_idxs, topk_weights, E)
+        ys = [grouped_mm(swiglu(grouped_mm(recv_x, w13.transpose(1, 2), offs)),
+                         w2.transpose(1, 2), offs)      # offs = tokens_per_expert.cumsum(0)
+              for (recv_x, tokens_per_expert, _), w13, w2 in zip(dispatched, w13s, w2s)]
+        return moe_combine_loopback(ys, [handle for _, _, handle in dispatched])
+    """
+    from .moe import moe_combine_loopback, moe_dispatch_loopback
+
+    op = f"{OP}_loopback"
+    world = len(xs)
+    if world < 1 or not len(topk_idxs) == len(topk_weights) == len(w13s) == len(w2s) == world:
+        raise ValueError(f"fusedpar.{op}: xs, topk_idxs, topk_weights, w13s and w2s must hold one "
+                         f"entry per simulated rank; got {len(xs)}, {len(topk_idxs)}, "
+                         f"{len(topk_weights)}, {len(w13s)}, {len(w2s)}")
+    for r, (x, w13, w2) in enumerate(zip(xs, w13s, w2s)):
+        check_expert_weights(op, x, w13, w2)
+        if w13.shape != w13s[0].shape:
+            raise ValueError(f"fusedpar.{op}: w13s[{r}] is {tuple(w13.shape)} but w13s[0] "
+                             f"{tuple(w13s[0].shape)}; every rank holds as many experts of one size")
+    if backend not in (None, "", "reference"):
+        raise BackendNotSupportedError(f"fusedpar.{op}: backend={backend!r}; the loopback runs "
+                                       "'reference' (the unfused ops)")
+    dispatched = moe_dispatch_loopback(xs, topk_idxs, topk_weights, w13s[0].shape[0] * world)
+    ys = []
+    with torch.no_grad():
+        for (recv_x, tokens_per_expert, _), w13, w2 in zip(dispatched, w13s, w2s):
+            offs = tokens_per_expert.cumsum(0).to(torch.int32)
+            h = swiglu(grouped_mm(recv_x, w13.transpose(1, 2), offs))
+            ys.append(grouped_mm(h, w2.transpose(1, 2), offs))
+    return moe_combine_loopback(ys, [handle for _, _, handle in dispatched])

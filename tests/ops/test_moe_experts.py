@@ -96,3 +96,25 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "cast them to one dtype" in rank_errors["dtype"][1]
         assert "[2, 2]" in rank_errors["expert_range"][1] and "[0, 2)" in rank_errors["expert_range"][1]
         assert "does not exist" in rank_errors["backend"][1]
+
+
+@pytest.mark.parametrize("world, k, skew", [(4, 2, False), (3, 1, True)])
+def test_loopback_matches_dense_loop(world, k, skew):
+    from fusedpar.ops.moe_experts import moe_experts_loopback
+
+    T, H, I, E_local = 5, 8, 6, 2
+    E = E_local * world
+    torch.manual_seed(1)
+    w13, w2 = torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4
+    xs = [torch.randn(T + r, H) for r in range(world)]  # T differs by rank
+    routes = [topk_route(torch.randn(T + r, E) + (20 * torch.eye(E)[0] if skew else 0), k)
+              for r in range(world)]
+    with fusedpar.comm.count_bytes() as counter:
+        ys = moe_experts_loopback(xs, [i for i, _, _ in routes], [w for _, w, _ in routes],
+                                  list(w13.chunk(world)), list(w2.chunk(world)))
+    for x, (idx, w, _), y in zip(xs, routes, ys):
+        ref = experts_dense(x.double(), idx, w.double(), w13.double(), w2.double())
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    crossing = sum(int((idx // E_local != r).sum()) for r, (idx, _, _) in enumerate(routes))
+    rows = {op: n for (op, _), n in counter.by_op().items() if op != "all_gather"}  # not the counts
+    assert rows == {"moe_dispatch": crossing * H * 4, "moe_combine": crossing * H * 4}, rows
