@@ -40,6 +40,12 @@ def timeout_seconds() -> float:
     return float(os.environ.get("FUSEDPAR_TIMEOUT", "60"))
 
 
+def sync_errors() -> bool:
+    """``FUSEDPAR_SYNC_ERRORS=1``: a CUDA call waits for its kernels and raises its own
+    failure before returning (see ``SymmetricBuffer.finish``)."""
+    return os.environ.get("FUSEDPAR_SYNC_ERRORS", "0") not in ("", "0")
+
+
 def fingerprint(*parts) -> int:
     """A 31-bit digest of an op's inputs, compared across ranks through ``layout.META``."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
@@ -177,9 +183,12 @@ class SymmetricBuffer:
     def finish(self, op: str) -> None:
         """Surface a timeout or mismatch the kernels recorded in this rank's status words.
 
-        On CPU the kernels have already run, so this checks at once. On CUDA it starts an
-        asynchronous copy and the next call (or ``synchronize``) checks it: no host sync on
-        the hot path.
+        On CPU the kernels have already run, so this raises at once, at the end of the failed
+        call. On CUDA knowing needs a host sync, which would stall the CPU's run-ahead after
+        every call; so by default this starts an asynchronous copy and the next call on this
+        buffer (or ``synchronize``) raises, while the failed call's outputs are NaN
+        (``release`` poisons them on the device). ``FUSEDPAR_SYNC_ERRORS=1`` waits here and
+        raises at the end of the failed call (for debugging).
         """
         status = self.pad()[layout.STATUS : layout.STATUS + 3]
         if self.device.type == "cpu":
@@ -193,6 +202,8 @@ class SymmetricBuffer:
         event = torch.cuda.Event()
         event.record()
         self._pending_status = (op, event, host)
+        if sync_errors():
+            self.synchronize()
 
     def synchronize(self) -> None:
         """Wait for the last call and raise what it recorded (CUDA; a no-op on CPU)."""

@@ -162,6 +162,39 @@ def spinning_grid(work_items: int, sms: int | None) -> int:
     return max(1, min(work_items, cap))
 
 
+@triton.jit
+def poison_if_failed_kernel(my_pad, out_ptr, n, BLOCK: tl.constexpr):
+    """If this rank's STATUS records a failure, fill ``out`` (``n`` elements) with NaN;
+    otherwise every program returns after one load."""
+    failed = tl.load(my_pad + STATUS, volatile=True)
+    if failed != 0:
+        offsets = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            idx = start + offsets
+            tl.store(out_ptr + idx, float("nan"), mask=idx < n)
+
+
+POISON_BLOCK = 1024
+
+
+def poison_grid(numel: int, sms: int | None) -> tuple[int]:
+    return (spinning_grid(triton.cdiv(numel, POISON_BLOCK), sms),)
+
+
+def poison_if_failed(pad: torch.Tensor, out: torch.Tensor) -> None:
+    """Device-side, no host sync: NaN-fill the floating-point tensor ``out`` if this rank's
+    signal pad ``pad`` (int32) records a failed wait. A failed call's outputs (and anything the
+    copy engine copied without a successful wait) then never pass for results, whenever the
+    host learns of the failure. The grid is capped like a spinning kernel's: the fill only
+    happens on failure, so a few programs suffice."""
+    if out.numel() == 0 or not out.is_floating_point():
+        return
+    if not out.is_contiguous():
+        out.masked_fill_(pad[layout.STATUS] != 0, float("nan"))
+        return
+    poison_if_failed_kernel[poison_grid(out.numel(), sm_count(out.device))](pad, out, out.numel(), BLOCK=POISON_BLOCK, num_warps=4)
+
+
 def wait_flags(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
                timeout_ns: int, code: int, meta: int = -1) -> None:
     """One one-program kernel (never holds more than one SM while it spins)."""
@@ -180,4 +213,6 @@ AOT_EXAMPLES = [
     (signal_peers_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32"}, {}, {"num_warps": 4}),
+    *[(poison_if_failed_kernel, {"my_pad": "*i32", "out_ptr": f"*{t}", "n": "i32"},
+       {"BLOCK": POISON_BLOCK}, {"num_warps": 4}) for t in ("bf16", "fp32")],
 ]

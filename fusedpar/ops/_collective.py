@@ -194,10 +194,24 @@ def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int, desc: list[int
     return view
 
 
-def release(launchers, bufs, epochs, op: str) -> None:
-    """Step 4: tell every peer we are done reading, then surface recorded failures."""
+def _tensors(nest):
+    if isinstance(nest, torch.Tensor):
+        yield nest
+    elif isinstance(nest, (tuple, list)):
+        for item in nest:
+            yield from _tensors(item)
+
+
+def release(launchers, bufs, epochs, op: str, outs) -> None:
+    """Step 4: tell every peer we are done reading, NaN-fill the floating-point outputs of a
+    view whose waits failed (``outs``: per view, a tensor or a nest of tuples/lists of them),
+    then surface recorded failures (see ``SymmetricBuffer.finish``: at once on CPU, at the next
+    call on CUDA unless FUSEDPAR_SYNC_ERRORS=1)."""
     for buf, epoch in zip(bufs, epochs):
         launchers.signal_peers(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch, -1)
+    for buf, out in zip(bufs, outs):
+        for tensor in _tensors(out):
+            signal_kernels.poison_if_failed(buf.pad(), tensor)
     for buf in bufs:
         buf.finish(op)
 
@@ -212,7 +226,7 @@ def run_staged(op: str, launchers, bufs, xs, meta: int, desc: list[int], pull) -
     epochs = [b.next_epoch() for b in bufs]
     staged = [stage(launchers, buf, x, epoch, meta, desc) for buf, x, epoch in zip(bufs, xs, epochs)]
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
-    release(launchers, bufs, epochs, op)
+    release(launchers, bufs, epochs, op, outs)
     return outs
 
 

@@ -205,7 +205,9 @@ class Triton(Backend):
         for must need no SM: the READY wait (one program) runs on the main stream *before*
         the GEMM is launched, and the side stream's copies and flag writes use the copy engine.
         A failed wait is recorded in STATUS before the GEMM starts, and every GEMM wait
-        sees it: no tile computes on data that was not synchronised."""
+        sees it: no tile computes on data that was not synchronised. The copies themselves
+        cannot be made conditional on a device value (a stream wait on a memory value has no
+        timeout), so what they bring is NaN-filled at the end of the call (``C.release``)."""
         rank, world = buf.rank, buf.world_size
         m = staged.shape[0]
         main, side = torch.cuda.current_stream(), _side_stream(staged.device)

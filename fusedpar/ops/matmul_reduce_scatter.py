@@ -128,7 +128,7 @@ class Triton(Backend):
                                                        divisor)
             counters.record(OP, self.name, stats)
             outs.append(out)
-        C.release(C.TRITON_LAUNCHERS, bufs, epochs, OP)
+        C.release(C.TRITON_LAUNCHERS, bufs, epochs, OP, outs)
         return outs
 
 

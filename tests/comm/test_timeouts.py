@@ -11,6 +11,8 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import layout, symmetric
 from fusedpar.errors import FusedparError
+from fusedpar.kernels import all_gather, signal
+from fusedpar.ops import _collective as C
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import env, subgroup
 
@@ -103,3 +105,45 @@ def test_cuda_graph_capture_is_refused_with_a_clear_error(monkeypatch):
     with pytest.raises(FusedparError, match="cannot be captured in a CUDA graph"):
         buf.next_epoch()
     assert buf.epoch == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_poison_fills_nan_only_after_a_recorded_failure(dtype):
+    pad = torch.zeros(layout.PAD_BYTES // 4, dtype=torch.int32)
+    out = torch.arange(3000, dtype=dtype)  # several blocks, a ragged tail
+    cols = torch.arange(12.0).view(3, 4).t()  # not contiguous
+    ints = torch.arange(5)
+    signal.poison_if_failed(pad, out)
+    signal.poison_if_failed(pad, cols)
+    assert torch.equal(out, torch.arange(3000, dtype=dtype))
+    assert torch.equal(cols, torch.arange(12.0).view(3, 4).t())
+    pad[layout.STATUS] = layout.TIMEOUT_READY
+    for t in (out, cols, ints):
+        signal.poison_if_failed(pad, t)
+    assert out.isnan().all() and cols.isnan().all()
+    assert torch.equal(ints, torch.arange(5))  # integers have no NaN: left alone
+
+
+def test_a_failed_call_returns_nan_and_raises_at_its_end():
+    """Two loopback ranks all-gather; rank 1 expects another fingerprint, so its wait fails:
+    its output is NaN (what the CUDA path returns before the error is raised at the next call)
+    and the call raises; rank 0's output is right."""
+    segments = [torch.zeros(layout.PAD_BYTES + 1024, dtype=torch.uint8) for _ in range(2)]
+    bufs = [symmetric.SymmetricBuffer(segments, r, "loopback", "poison") for r in range(2)]
+    xs = [torch.full((4, 3), float(r + 1)) for r in range(2)]
+    outs = []
+
+    def pull(buf, staged, epoch):
+        out = torch.zeros(2, 4, 3)
+        meta = 7 + buf.rank  # rank 0 matches the published 7, rank 1 does not
+        stats = C.stats_tensor(out.device)
+        all_gather.all_gather_pull(out, staged, buf.pad_table, buf.rank, 2, epoch, meta, 1, 12,
+                                   buf.timeout_ns, stats)
+        outs.append(out)
+        return out
+
+    desc = symmetric.describe_words(0, torch.float32, (4, 3), 0)
+    with pytest.raises(ValueError, match="rank 1 and rank 0 of group .poison. passed different"):
+        C.run_staged("all_gather", C.TRITON_LAUNCHERS, bufs, xs, 7, desc, pull)
+    assert torch.equal(outs[0], torch.stack(xs))
+    assert outs[1].isnan().all()

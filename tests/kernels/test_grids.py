@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusedpar.kernels import ag_gemm, all_gather, reduce_scatter
-from fusedpar.kernels.signal import PROGRAMS_PER_SM
+from fusedpar.kernels.signal import PROGRAMS_PER_SM, poison_grid
 
 SMS = 132  # H100 SXM
 HUGE = [(1, 2**31 + 5), (3, 2**27 + 1), (2**20, 4096)]  # (outer, inner): > 65,535 blocks
@@ -29,6 +29,13 @@ def test_all_gather_grid_is_capped_and_legal(outer, inner, world):
 @pytest.mark.parametrize("outer, inner", HUGE)
 def test_reduce_scatter_grid_is_capped_and_legal(outer, inner):
     grid = reduce_scatter.reduce_scatter_grid(outer, inner, SMS)
+    _within_cuda_limits(grid)
+    assert grid[0] <= PROGRAMS_PER_SM * SMS
+
+
+@pytest.mark.parametrize("outer, inner", HUGE)
+def test_the_poison_grid_is_capped_and_legal(outer, inner):
+    grid = poison_grid(outer * inner, SMS)
     _within_cuda_limits(grid)
     assert grid[0] <= PROGRAMS_PER_SM * SMS
 
