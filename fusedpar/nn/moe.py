@@ -5,6 +5,18 @@
 - :class:`ExpertParallelMoE`: the same block with its experts split over an ep group
   (``fusedpar.ops.moe_experts``), with ``.from_module(block, group)`` for a MoEBlock or a
   Hugging Face ``MixtralSparseMoeBlock``.
+- :class:`ExpertParallelExperts`: only the stacked experts of a Hugging Face Mixtral block
+  (``experts.gate_up_proj`` / ``down_proj``) split over an ep group, so the block keeps its
+  router and every parameter name.
+
+Expert weights are DTensors ``Shard(0)`` of the global ``[E, 2I, H]`` / ``[E, H, I]`` on the
+ep axis (a 1-D ``DeviceMesh``), as TP layers' weights are on the tp axis: ``state_dict()``
+and ``torch.distributed.checkpoint`` see the unparallelized names and shapes (and reshard
+across ep degrees), FSDP2 over ``efsdp`` composes with them; compute runs on ``.to_local()``.
+
+The load-balancing loss of a block is over the tokens of one call unless
+:func:`set_aux_loss_group` names a group of ranks that split the batch: then the routing
+statistics are summed over it first, so every rank gets the loss of the whole batch.
 """
 
 from __future__ import annotations
@@ -12,10 +24,49 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import resolve_group
 from ..ops.moe import experts_dense, topk_route
 from ..ops.moe_experts import moe_experts
+from .linear import local, tp_device_mesh
+
+
+def load_balancing_loss(logits: torch.Tensor, topk_idx: torch.Tensor, group: str | None,
+                        grad_scale: float = 1.0) -> torch.Tensor:
+    """``topk_route``'s aux loss ``E * sum_e f_e * P_e`` with ``f`` (routed copies per
+    token) and ``P`` (mean router probability) over the tokens of every rank of ``group``
+    (``logits [T, E]`` / ``topk_idx [T, k]`` are this rank's). The value is the same on
+    every rank; the gradient reaches this rank's probabilities only, times ``grad_scale``
+    (the number of ranks whose gradients the data-parallel reduction averages, so the
+    average is the single-process gradient)."""
+    experts = logits.shape[-1]
+    probs = (logits if logits.dtype == torch.float64 else logits.float()).softmax(dim=-1)
+    counts = torch.bincount(topk_idx[topk_idx >= 0], minlength=experts).to(probs.dtype)
+    prob_sum = probs.sum(dim=0)
+    stats = torch.cat([counts, prob_sum.detach(), prob_sum.new_full((1,), probs.shape[0])])
+    stats = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_reduce(stats, "sum", group))
+    tokens = stats[-1].clamp(min=1)
+    mean_prob = stats[experts:2 * experts] / tokens + grad_scale * (prob_sum - prob_sum.detach()) / tokens
+    return experts * (stats[:experts] / tokens * mean_prob).sum()
+
+
+def set_aux_loss_group(block: nn.Module, group, grad_scale: float) -> None:
+    """Make ``block`` (a :class:`MoEBlock` / :class:`ExpertParallelMoE`) return the
+    load-balancing loss of the tokens of every rank of ``group`` (the data-parallel ranks
+    that split a batch: the single-process loss of the whole batch) instead of its own
+    tokens'; see :func:`load_balancing_loss` for ``grad_scale``."""
+    block.aux_group = resolve_group(group).group_name
+    block.aux_grad_scale = float(grad_scale)
+
+
+def _route(block: nn.Module, flat: torch.Tensor):
+    logits = block.router(flat)
+    topk_idx, topk_weights, aux_loss = topk_route(logits, block.top_k, renormalize=block.renormalize)
+    if block.aux_group is not None:
+        aux_loss = load_balancing_loss(logits, topk_idx, block.aux_group, block.aux_grad_scale)
+    return topk_idx, topk_weights, aux_loss
 
 
 class MoEBlock(nn.Module):
@@ -40,6 +91,7 @@ class MoEBlock(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.aux_group, self.aux_grad_scale = None, 1.0  # see set_aux_loss_group
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
@@ -47,17 +99,16 @@ class MoEBlock(nn.Module):
 
     def reset_parameters(self) -> None:
         self.router.reset_parameters()
-        # nn.Linear's default init, per expert (fan-in = the last dim)
+        # nn.Linear's default init, per expert (fan-in = the last dim); this rank's experts
         for w in (self.w13, self.w2):
             bound = 1 / w.shape[-1] ** 0.5
-            nn.init.uniform_(w, -bound, bound)
+            nn.init.uniform_(local(w), -bound, bound)
 
     def forward(self, x: torch.Tensor):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoEBlock: x has hidden size {x.shape[-1]}, the block {self.hidden_size}")
         flat = x.reshape(-1, self.hidden_size)
-        topk_idx, topk_weights, aux_loss = topk_route(self.router(flat), self.top_k,
-                                                      renormalize=self.renormalize)
+        topk_idx, topk_weights, aux_loss = _route(self, flat)
         y = experts_dense(flat, topk_idx, topk_weights, self.w13, self.w2)
         return y.view(x.shape), aux_loss
 
@@ -73,10 +124,13 @@ class ExpertParallelMoE(nn.Module):
         topk_idx, topk_weights, aux_loss = topk_route(router(x), top_k)   # this rank's tokens
         y = moe_experts(x, topk_idx, topk_weights, w13, w2, group)
 
-    ``w13 [E_local, 2I, H]`` (rows ``[:I]`` gate, ``[I:]`` up), ``w2 [E_local, H, I]``: global
-    expert ``e`` lives on rank ``e // E_local``. The router is replicated: its gradient is
-    this rank's tokens' share (sum it over the group, as data parallelism does).
-    ``forward(x [..., H]) -> (y, aux_loss)`` with ``aux_loss`` over this rank's tokens.
+    ``w13`` / ``w2``: DTensors ``Shard(0)`` of the global ``[E, 2I, H]`` (rows ``[:I]`` gate,
+    ``[I:]`` up) / ``[E, H, I]`` on the ep mesh (``group`` as a 1-D ``DeviceMesh`` or
+    ``(mesh, axis)`` keeps FSDP2's 2-D composition; a process group gets a mesh of its own):
+    global expert ``e`` lives on rank ``e // E_local``. The router is replicated: its gradient
+    is this rank's tokens' share (sum it over the group, as data parallelism does).
+    ``forward(x [..., H]) -> (y, aux_loss)`` with ``aux_loss`` over this rank's tokens (or
+    see :func:`set_aux_loss_group`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2,
@@ -94,12 +148,14 @@ class ExpertParallelMoE(nn.Module):
         self.group_name = pg.group_name
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.aux_group, self.aux_grad_scale = None, 1.0  # see set_aux_loss_group
         self.num_local_experts = num_experts // world
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size,
-                                            hidden_size, **factory))
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size,
-                                           **factory))
+        local_experts = self.num_local_experts
+        self.w13 = _expert_param(torch.empty(local_experts, 2 * intermediate_size, hidden_size,
+                                             **factory), group)
+        self.w2 = _expert_param(torch.empty(local_experts, hidden_size, intermediate_size, **factory),
+                                group)
         MoEBlock.reset_parameters(self)
 
     @classmethod
@@ -111,13 +167,12 @@ class ExpertParallelMoE(nn.Module):
         router, w13, w2, top_k = _moe_weights(block)
         num_experts, two_i, hidden = w13.shape
         pg = resolve_group(group)
-        out = cls(hidden, two_i // 2, num_experts, top_k, pg,
+        out = cls(hidden, two_i // 2, num_experts, top_k, group,
                   renormalize=getattr(block, "renormalize", True), device=w13.device, dtype=w13.dtype)
-        rank, local = dist.get_rank(pg), out.num_local_experts
         with torch.no_grad():
             out.router.weight.copy_(router)
-            out.w13.copy_(w13[rank * local:(rank + 1) * local])
-            out.w2.copy_(w2[rank * local:(rank + 1) * local])
+            local(out.w13).copy_(w13.chunk(dist.get_world_size(pg))[dist.get_rank(pg)])
+            local(out.w2).copy_(w2.chunk(dist.get_world_size(pg))[dist.get_rank(pg)])
         return out
 
     def forward(self, x: torch.Tensor):
@@ -125,15 +180,63 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"ExpertParallelMoE: x has hidden size {x.shape[-1]}, the block "
                              f"{self.hidden_size}")
         flat = x.reshape(-1, self.hidden_size)
-        topk_idx, topk_weights, aux_loss = topk_route(self.router(flat), self.top_k,
-                                                      renormalize=self.renormalize)
-        y = moe_experts(flat, topk_idx, topk_weights, self.w13, self.w2, self.group_name)
+        topk_idx, topk_weights, aux_loss = _route(self, flat)
+        y = moe_experts(flat, topk_idx, topk_weights, local(self.w13), local(self.w2), self.group_name)
         return y.view(x.shape), aux_loss
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts} ({self.num_local_experts} here), "
                 f"top_k={self.top_k}, group={self.group_name!r}")
+
+
+class ExpertParallelExperts(nn.Module):
+    """The stacked SwiGLU experts of a Hugging Face Mixtral block (``block.experts``) split
+    over an ep group, called as HF calls them::
+
+        y = experts(x [T, H], top_k_index [T, k], top_k_weights [T, k])
+          = moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, group)
+
+    ``gate_up_proj`` / ``down_proj``: DTensors ``Shard(0)`` of HF's global ``[E, 2I, H]`` /
+    ``[E, H, I]`` on the ep mesh (see :class:`ExpertParallelMoE`), under HF's names. The
+    block keeps HF's router (``gate``), which routes this rank's tokens."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group=None):
+        super().__init__()
+        pg = resolve_group(group)
+        world = dist.get_world_size(pg)
+        if gate_up_proj.shape[0] % world:
+            raise ValueError(f"ExpertParallelExperts: {gate_up_proj.shape[0]} experts are not "
+                             f"divisible by the ep group size {world}; pick an ep size that divides it")
+        self.group_name = pg.group_name
+        self.num_experts = gate_up_proj.shape[0]
+        rank = dist.get_rank(pg)
+        self.gate_up_proj = _expert_param(gate_up_proj.detach().chunk(world)[rank].clone(), group)
+        self.down_proj = _expert_param(down_proj.detach().chunk(world)[rank].clone(), group)
+
+    @classmethod
+    def from_module(cls, block: nn.Module, group=None) -> "ExpertParallelExperts":
+        """This rank's experts of a Hugging Face ``MixtralSparseMoeBlock`` (SwiGLU, stacked)."""
+        _, w13, w2, _ = _moe_weights(block)
+        return cls(w13, w2, group)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return moe_experts(hidden_states, top_k_index, top_k_weights, local(self.gate_up_proj),
+                           local(self.down_proj), self.group_name)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, group={self.group_name!r}"
+
+
+def _expert_param(local_experts: torch.Tensor, group) -> nn.Parameter:
+    """A Parameter holding the DTensor ``Shard(0)`` with these local experts on the ep mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    device_type = local_experts.device.type if not local_experts.is_meta else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = tp_device_mesh(group if isinstance(group, (tuple, DeviceMesh)) else resolve_group(group).group_name,
+                          device_type)
+    return nn.Parameter(DTensor.from_local(local_experts, mesh, [Shard(0)], run_check=False))
 
 
 def _moe_weights(block: nn.Module):

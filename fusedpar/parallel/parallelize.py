@@ -171,6 +171,15 @@ class _Plan:
     cp_group: str | None
 
 
+def _check_batch(model: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook ahead of FSDP's (which all-gathers): bad shapes fail before any
+    communication."""
+    input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError("parallelized forward: pass input_ids (a [batch, seq] tensor)")
+    _sequence_checks(model._fusedpar_plan, input_ids)
+
+
 def _sequence_checks(plan: _Plan, input_ids: torch.Tensor) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"parallelized forward: input_ids must be [batch, seq], got "
@@ -203,7 +212,6 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
     """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
     full sequence (the same on every rank of a tp / cp group)."""
     plan: _Plan = self._fusedpar_plan
-    _sequence_checks(plan, input_ids)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     target = None if labels is None else shift_labels(labels)
@@ -277,31 +285,41 @@ def _apply_context_parallel(model: nn.Module, layout: ModelLayout, cp_mesh) -> N
         config._attn_implementation = "fusedpar_cp"
 
 
-class _WithoutAux(nn.Module):
-    """An expert-parallel block inside a Hugging Face layer, which expects a tensor."""
+def _apply_expert_parallel(model: nn.Module, layout: ModelLayout, ep_mesh) -> list[nn.Module]:
+    """Split the experts of each MoE block over the 1-D ``ep_mesh`` and return the modules
+    holding them (FSDP2 shards those over ``efsdp``). fusedpar's ``MoEBlock`` becomes an
+    ``ExpertParallelMoE`` (same parameter names); its router sees only this rank's tokens
+    and sits in the experts' FSDP unit, so its gradient is also summed over the ep group.
+    A Hugging Face block keeps its router (in the layer's FSDP unit, reduced over every
+    data-parallel rank) and gets ``ExpertParallelExperts`` under HF's names."""
+    from ..nn.moe import ExpertParallelExperts, ExpertParallelMoE, MoEBlock
 
-    def __init__(self, moe: nn.Module):
-        super().__init__()
-        self.moe = moe
-
-    def forward(self, x):
-        return self.moe(x)[0]
-
-
-def _apply_expert_parallel(model: nn.Module, layout: ModelLayout, ep_group) -> list[nn.Module]:
-    """Each MoE block becomes an ``ExpertParallelMoE`` over ``ep_group``; returns them. The
-    router sees only this rank's tokens, so its gradient is summed over the ep group."""
-    from ..nn import ExpertParallelMoE
-    from ..nn.moe import MoEBlock
-
-    blocks = []
+    units = []
     for layer in layout.layers:
-        own = isinstance(layer.mlp, MoEBlock)
-        moe = ExpertParallelMoE.from_module(layer.mlp, ep_group)
-        sync_replicated_grads(moe.router, ep_group)
-        layer.mlp = moe if own else _WithoutAux(moe)
-        blocks.append(moe)
-    return blocks
+        if isinstance(layer.mlp, MoEBlock):
+            layer.mlp = ExpertParallelMoE.from_module(layer.mlp, ep_mesh)
+            sync_replicated_grads(layer.mlp.router, ep_mesh)
+            units.append(layer.mlp)
+        else:
+            layer.mlp.experts = ExpertParallelExperts.from_module(layer.mlp, ep_mesh)
+            units.append(layer.mlp.experts)
+    return units
+
+
+def _global_aux_loss(layout: ModelLayout, cfg: ParallelConfig, mesh) -> None:
+    """fusedpar's MoE blocks compute the load-balancing loss of the whole global batch (the
+    single-process loss), summing the routing statistics over every rank holding other
+    tokens (dp_replicate x dp_shard x cp); FSDP averages gradients over those ranks, so the
+    aux loss's gradient is scaled by their number."""
+    from ..nn.moe import set_aux_loss_group
+
+    ranks = cfg.dp_replicate * cfg.dp_shard * cfg.cp
+    if ranks == 1:
+        return
+    group = get_submesh(mesh, "dp_cp").get_group()
+    for layer in layout.layers:
+        if hasattr(layer.mlp, "aux_group"):
+            set_aux_loss_group(layer.mlp, group, ranks)
 
 
 def _apply_activation_checkpointing(model: nn.Module) -> None:
@@ -369,6 +387,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         experts = _apply_expert_parallel(model, layout, ep_mesh["ep"])
         efsdp = ep_mesh["dp_replicate", "efsdp"] if cfg.dp_replicate > 1 else ep_mesh["efsdp"]
         expert_units = [(block, efsdp) for block in experts]
+    if layout.moe:
+        _global_aux_loss(layout, cfg, mesh)
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
     if cfg.dp_replicate > 1:
@@ -392,6 +412,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(_parallel_forward, model)
+    model.register_forward_pre_hook(_check_batch, prepend=True, with_kwargs=True)
     return model
 
 

@@ -1,8 +1,9 @@
-"""fusedpar.nn.moe: MoEBlock (single process) and ExpertParallelMoE (ep ranks)."""
+"""fusedpar.nn.moe: MoEBlock (single process), ExpertParallelMoE and ExpertParallelExperts (ep ranks)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 from fusedpar.nn.moe import MoEBlock
 
@@ -75,8 +76,10 @@ def _check_ep_reproduces_block(E, k):
     torch.testing.assert_close(y, ref_y, **tol)
     torch.testing.assert_close(aux, ref_aux, **tol)
     local = slice(rank * ep.num_local_experts, (rank + 1) * ep.num_local_experts)
-    torch.testing.assert_close(ep.w13.grad, block.w13.grad[local], **tol)
-    torch.testing.assert_close(ep.w2.grad, block.w2.grad[local], **tol)
+    # DTensor Shard(0) of the global experts: the unparallelized name, shape and gradient
+    assert ep.w13.shape == block.w13.shape and ep.w13.placements == (Shard(0),)
+    torch.testing.assert_close(ep.w13.grad.to_local(), block.w13.grad[local], **tol)
+    torch.testing.assert_close(ep.w2.grad.full_tensor(), block.w2.grad, **tol)
     router_grad = ep.router.weight.grad.clone()
     dist.all_reduce(router_grad)  # replicated router: data-parallel sum
     torch.testing.assert_close(router_grad, block.router.weight.grad, **tol)
@@ -120,7 +123,7 @@ def _check_hf_conversion():
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from fusedpar.nn.moe import ExpertParallelMoE
+    from fusedpar.nn.moe import ExpertParallelExperts, ExpertParallelMoE
 
     torch.manual_seed(0)
     config = MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=4,
@@ -135,6 +138,11 @@ def _check_hf_conversion():
     expected = expected[0] if isinstance(expected, tuple) else expected
     y, _ = ExpertParallelMoE.from_module(hf, dist.group.WORLD)(x)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # only the experts swapped: HF's router, names and global shapes stay
+    names = {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    hf.experts = ExpertParallelExperts.from_module(hf, dist.group.WORLD)
+    assert {n: tuple(p.shape) for n, p in hf.named_parameters()} == names
+    torch.testing.assert_close(hf(x), expected, rtol=1e-5, atol=1e-5)
     return True
 
 

@@ -43,12 +43,10 @@ def _check_dense(kind: str, configs: list[dict]) -> bool:
     torch.set_num_threads(1)
     data = batches()
     model = make_model(kind)
-    want = reference_run(model, data)  # dense: the global-batch mean = the mean over dp slices
+    want = reference_run(model, data)
     losses = {}
     for extra in configs:
         cfg = ParallelConfig(**extra)
-        if cfg.ep > 1:  # MoE: the aux loss is per data-parallel rank; average over the slices
-            want = reference_run(model, data, cfg.validate(dist.get_world_size()).dp)
         par = fusedpar.parallelize(copy.deepcopy(model), cfg, backend=TP_BACKEND)
         dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
         counters = []
@@ -56,7 +54,7 @@ def _check_dense(kind: str, configs: list[dict]) -> bool:
         if cfg.fsdp_comm == "fusedpar" and cfg.dp_shard == dist.get_world_size() and cfg.ep == 1:
             by_op = {op: n for (op, _), n in counters[0].by_op().items()}
             assert by_op == _fsdp_lower_bound(par, cfg.dp_shard), by_op  # one step, nothing else
-        assert_matches(got, want, f"{kind} {extra}", ep=cfg.ep)
+        assert_matches(got, want, f"{kind} {extra}")
         losses[str(extra)] = torch.stack(got[0])
     first = next(iter(losses.values()))
     for name, curve in losses.items():  # fusedpar's FSDP collectives and torch's agree
@@ -72,9 +70,13 @@ def test_own_llama_matches_single_process(pools):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["hf-llama", "hf-qwen2"])
-def test_hugging_face_models_match_single_process(pools, kind):
-    assert pools(4).run(_check_dense, kind, [dict(tp=2, dp_shard=2)], timeout=500) == [True] * 4
+@pytest.mark.parametrize("kind, configs", [
+    ("hf-llama", [dict(tp=2, dp_shard=2), dict(cp=2, dp_shard=2)]),
+    ("hf-qwen2", [dict(tp=2, dp_shard=2)]),
+    ("hf-mixtral", [dict(dp_shard=4, ep=2)]),
+])
+def test_hugging_face_models_match_single_process(pools, kind, configs):
+    assert pools(4).run(_check_dense, kind, configs, timeout=500) == [True] * 4
 
 
 @pytest.mark.timeout(600)
@@ -85,6 +87,89 @@ def test_context_parallel_matches_single_process(pools):
 
 @pytest.mark.timeout(600)
 def test_expert_parallel_matches_single_process(pools):
-    """ep borrows its ranks from dp_shard: ep=2 (experts FSDP-sharded over efsdp=2), ep=4."""
-    configs = [dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=4)]
+    """ep borrows its ranks from dp_shard: ep=2 (experts FSDP-sharded over efsdp=2), ep=4;
+    and dp_shard=4 alone. The load-balancing loss is the whole batch's in every config."""
+    configs = [dict(dp_shard=4), dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=4)]
     assert pools(4).run(_check_dense, "mixtral", configs, timeout=500) == [True] * 4
+
+
+# ---- invalid configs: a clear error before any communication -------------------------------
+
+
+class _NoCommunication:
+    """Inside: creating a process group (meshes) or running any collective (c10d,
+    functional collectives, fusedpar's ops) raises instead."""
+
+    def __enter__(self):
+        from torch.distributed import distributed_c10d
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("communication started before the config error")
+
+        class Refuse(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional", "fusedpar"):
+                    refuse()
+                return func(*args, **(kwargs or {}))
+
+        self.saved = distributed_c10d._new_process_group_helper
+        distributed_c10d._new_process_group_helper = refuse
+        self.mode = Refuse()
+        self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        from torch.distributed import distributed_c10d
+
+        self.mode.__exit__(*exc)
+        distributed_c10d._new_process_group_helper = self.saved
+
+
+def _invalid_configs() -> dict:
+    from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    from tests.ops.collective_cases import capture_errors
+    from tests.parallel.parallel_cases import TINY
+
+    torch.set_num_threads(1)
+    llama, mixtral = make_model("llama"), make_model("mixtral")
+    six_heads = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 48, "num_heads": 6,
+                                                "num_kv_heads": 6}))
+    six_experts = MixtralForCausalLM(MixtralConfig(**TINY, num_experts=6, top_k=2))
+    cp_model = fusedpar.parallelize(copy.deepcopy(llama), {"cp": 2, "dp_shard": 2},
+                                    backend=TP_BACKEND)
+    cases = {
+        "product": (llama, {"tp": 2, "dp_shard": 3}),
+        "ep_fits": (mixtral, {"dp_shard": 4, "ep": 3}),
+        "heads": (six_heads, {"tp": 4}),
+        "kv_heads": (llama, {"tp": 4}),
+        "experts": (six_experts, {"dp_shard": 4, "ep": 4}),
+        "moe_tp": (mixtral, {"tp": 2, "dp_shard": 2}),
+        "ep_dense": (llama, {"dp_shard": 4, "ep": 2}),
+    }
+    calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
+             for name, (m, c) in cases.items()}
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    calls["sequence_cp"] = lambda: cp_model(input_ids=ids, labels=ids)
+    with _NoCommunication():
+        errors = capture_errors(calls)
+    dist.barrier()  # every rank is still in step
+    return errors
+
+
+@pytest.mark.timeout(300)
+def test_invalid_configs_fail_before_any_communication(pools):
+    expected = {
+        "product": "dp_replicate(1) * dp_shard(3) * cp(1) * tp(2) = 6 but world_size is 4",
+        "ep_fits": "ep=3 does not divide dp_shard(4) * cp(1) * tp(1) = 4",
+        "heads": "attention heads 6 is not divisible by tp=4",
+        "kv_heads": "KV heads 2 is not divisible by tp=4",
+        "experts": "6 experts are not divisible by ep=4",
+        "moe_tp": "tp=2 with an MoE model",
+        "ep_dense": "ep=2 but the model has no MoE blocks",
+        "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
+    }
+    for errors in pools(4).run(_invalid_configs, timeout=250):
+        for name, fragment in expected.items():
+            assert errors[name] is not None, f"{name}: no error"
+            kind, message = errors[name]
+            assert kind in ("ParallelConfigError", "ValueError") and fragment in message, (name, errors[name])

@@ -264,6 +264,40 @@ def _check_errors() -> list[str]:
     return messages
 
 
+def _check_compiled_sp_block() -> bool:
+    """A fusedpar.models Llama decoder layer under apply_tp with SP compiles with
+    ``torch.compile(block, fullgraph=True)`` (torchtitan compiles per block) and gives the
+    eager block's output and gradients."""
+    import torch._dynamo
+
+    from fusedpar.models import LlamaConfig, LlamaForCausalLM
+    from fusedpar.nn.linear import local
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                                         num_kv_heads=2, intermediate_size=64))
+    layer = model.model.layers[0]
+    compiled_block = apply_tp(copy.deepcopy(layer), tp_mesh(), sequence_parallel=True, backend="reference")
+    eager = apply_tp(layer, tp_mesh(), sequence_parallel=True, backend="reference")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2, 8, 32).chunk(world, dim=1)[rank]  # this rank's sequence shard
+    positions = torch.arange(8).expand(2, 8)
+    rope = model.model.rotary_emb(x, positions)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_block, fullgraph=True, backend="aot_eager")
+    for block, run in ((eager, eager), (compiled_block, compiled)):
+        xi = x.clone().requires_grad_()
+        out = run(xi, position_embeddings=rope)
+        (out * out).sum().backward()
+        block._result = (out.detach(), xi.grad)
+    close(compiled_block._result[0], eager._result[0], "compiled forward")
+    close(compiled_block._result[1], eager._result[1], "compiled input grad")
+    grads = {n: p.grad for n, p in eager.named_parameters()}
+    for n, p in compiled_block.named_parameters():
+        close(local(p.grad), local(grads[n]), f"compiled grad of {n}")
+    return True
+
+
 # ---- tests --------------------------------------------------------------------------------------
 
 
@@ -291,3 +325,8 @@ def test_apply_tp_explains_what_it_expects(pools):
     assert "post_attention_layernorm" in no_mlp
     assert "self_attn.num_heads=3" in odd_heads
     assert "already a ColumnParallelLinear" in twice
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_block_compiles_fullgraph(pools):
+    assert pools(2).run(_check_compiled_sp_block, timeout=250) == [True] * 2
