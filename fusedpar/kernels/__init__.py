@@ -10,7 +10,7 @@ kernel is missing from the list.
 
 import importlib
 
-FAMILIES = ["signal", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs", "flash_attn", "grouped_gemm", "moe_permute"]
+FAMILIES = ["signal", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs", "flash_attn", "grouped_gemm", "moe_permute", "moe_dispatch"]
 
 
 def aot_examples():

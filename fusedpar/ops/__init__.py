@@ -24,7 +24,8 @@ from .all_gather import all_gather, all_gather_loopback  # noqa: E402
 from .all_gather_matmul import all_gather_matmul, all_gather_matmul_loopback  # noqa: E402
 from .flash_attention import flash_attention  # noqa: E402
 from .grouped_mm import grouped_mm  # noqa: E402
-from .moe import moe_combine, moe_dispatch, topk_route  # noqa: E402
+from .moe import (moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback,  # noqa: E402
+                  topk_route)
 from .moe_experts import moe_experts, moe_experts_loopback  # noqa: E402
 from .matmul_reduce_scatter import matmul_reduce_scatter, matmul_reduce_scatter_loopback  # noqa: E402
 from .reduce_scatter import reduce_scatter, reduce_scatter_loopback  # noqa: E402
@@ -32,5 +33,5 @@ from .ring_attention import ring_attention, ring_attention_loopback, ring_attent
 
 __all__ = ["DISPATCHERS", "all_gather", "all_gather_loopback", "all_gather_matmul",
            "all_gather_matmul_loopback", "flash_attention", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
-           "reduce_scatter", "reduce_scatter_loopback", "ring_attention", "ring_attention_loopback", "ring_attention_with_lse", "grouped_mm", "moe_combine", "moe_dispatch",
+           "reduce_scatter", "reduce_scatter_loopback", "ring_attention", "ring_attention_loopback", "ring_attention_with_lse", "grouped_mm", "moe_combine", "moe_combine_loopback", "moe_dispatch", "moe_dispatch_loopback",
            "moe_experts", "moe_experts_loopback", "topk_route"]

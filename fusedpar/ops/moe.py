@@ -11,9 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm import counters, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
+from ..errors import FusedparTimeoutError
+from ..kernels import moe_dispatch as dispatch_kernels
 from ..kernels import moe_permute as permute_kernels
 from . import _collective as C
+from .all_gather import all_gather, all_gather_loopback
 from .backend import Backend, Dispatcher
 
 DROP_POLICIES = ("probs", "position")
@@ -215,22 +218,29 @@ def _all_to_all(x, send, recv, group):
 
 @dataclass
 class MoEHandle:
-    """What ``moe_combine`` needs to undo a ``moe_dispatch``: the local sort (``pos``), the
-    splits of both exchanges, and the source-major -> expert-major row order."""
+    """What ``moe_combine`` and the backward passes need to undo a ``moe_dispatch``."""
 
-    group: object
+    group: object              # the ep ProcessGroup (None for a loopback rank)
     pos: torch.Tensor          # int32 [T*k]: each copy's row in the local sorted buffer, -1 dropped
     k: int
     tokens: int
-    send: list                 # rows sent to each rank
-    recv: list                 # rows received from each rank
-    expert_order: torch.Tensor  # recv_x = received[expert_order]
-    source_order: torch.Tensor  # received = recv_x[source_order]
     weights: torch.Tensor
     backend: str
+    recv_rows: int             # rows of recv_x, flattened (E_local * W * M when padded)
+    max_tokens_per_rank: int | None = None
+    # reference backend
+    send: list | None = None                  # rows sent to each rank
+    recv: list | None = None                  # rows received from each rank
+    expert_order: torch.Tensor | None = None  # compact recv_x = received[expert_order]
+    source_order: torch.Tensor | None = None  # received = compact recv_x[source_order]
+    padded_rows: torch.Tensor | None = None   # with max_tokens_per_rank: compact row -> padded row
+    # triton backend
+    exchange: "Exchange | None" = None
 
 
-def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: int) -> None:
+def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: int,
+                  max_tokens_per_rank: int | None = None, check_values: bool = True) -> None:
+    """Shapes, dtypes and (``check_values``: a host read of ``topk_idx``) the expert ids."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"fusedpar.{op}: x must be a [tokens, hidden] tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -247,7 +257,11 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
     if num_experts < 1 or num_experts % world:
         raise ValueError(f"fusedpar.{op}: num_experts={num_experts} is not divisible by the ep "
                          f"group size {world}; each rank must hold the same number of experts")
-    if topk_idx.numel():
+    if max_tokens_per_rank is not None and (not isinstance(max_tokens_per_rank, int)
+                                            or max_tokens_per_rank < 1):
+        raise ValueError(f"fusedpar.{op}: max_tokens_per_rank={max_tokens_per_rank!r} must be a "
+                         "positive int (or None for an unpadded recv_x)")
+    if check_values and topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"fusedpar.{op}: topk_idx holds values in [{lo}, {hi}]; expert ids "
@@ -269,22 +283,57 @@ def _check_same_everywhere(op: str, group, values: list[int], names: str) -> Non
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
+def _capacity_error(max_tokens: int, what: str) -> ValueError:
+    return ValueError(f"fusedpar.moe_dispatch: max_tokens_per_rank={max_tokens} is too small: "
+                      f"{what}; raise it (each (local expert, source) block of recv_x holds "
+                      "max_tokens_per_rank rows, and no rank may pass more tokens)")
+
+
+@dataclass
+class RoutingCall:
+    """One rank's dispatch call (``group`` None: a loopback of ``world_size`` ranks)."""
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    num_experts: int
+    group: object
+    world_size: int
+    max_tokens_per_rank: int | None = None
+
+    def cache_key(self):
+        name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
+        return (name, self.x.device.type, self.x.dtype)
+
+    def describe(self):
+        return (f"x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, topk_idx "
+                f"{tuple(self.topk_idx.shape)}")
+
+
 class ReferenceDispatch(Backend):
     """Sort copies by expert, exchange the per-expert counts (``all_to_all_single``), then the
     rows (``all_to_all_single`` with uneven splits, read on the host), then reorder the
-    received rows from source-major to expert-major."""
+    received rows from source-major to expert-major (and pad them, with max_tokens_per_rank)."""
 
     name = "reference"
 
-    def run(self, call):
-        x, topk_idx, weights, num_experts, group = call
+    def run(self, call: RoutingCall):
+        x, topk_idx, weights, num_experts, group = (call.x, call.topk_idx, call.topk_weights,
+                                                    call.num_experts, call.group)
+        M = call.max_tokens_per_rank
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         local = num_experts // world
         _check_same_everywhere("moe_dispatch", group, [x.shape[1], topk_idx.shape[1], num_experts,
-                                                      _DTYPE_CODES.get(x.dtype, 9)],
-                               "hidden size, k, num_experts, dtype")
+                                                      _DTYPE_CODES.get(x.dtype, 9), M or 0],
+                               "hidden size, k, num_experts, dtype, max_tokens_per_rank")
         pos, counts = _sort(topk_idx, num_experts)
         recv_counts = _all_to_all(counts.view(world, local), [1] * world, [1] * world, group).cpu()
+        if M is not None:  # agreed by every rank, so every rank raises
+            worst = torch.tensor([x.shape[0], int(recv_counts.max()) if recv_counts.numel() else 0])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            if int(worst.max()) > M:
+                raise _capacity_error(M, f"a rank passes {int(worst[0])} tokens and some expert "
+                                         f"gets {int(worst[1])} copies from one rank")
         send = counts.view(world, local).sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
         sorted_x = _Permute.apply(x, pos, topk_idx.shape[1], sum(send))
@@ -292,9 +341,35 @@ class ReferenceDispatch(Backend):
         counters.record("moe_dispatch", self.name,
                         (sum(recv) - recv[rank]) * x.shape[1] * x.element_size())
         expert_order, source_order = _expert_major(recv_counts, x.device)
-        handle = MoEHandle(group, pos, topk_idx.shape[1], x.shape[0], send, recv, expert_order,
-                           source_order, weights, self.name)
-        return received[expert_order], recv_counts.sum(0).to(torch.int32).to(x.device), handle
+        per_expert = recv_counts.sum(0)
+        recv_x, padded_rows = received[expert_order], None
+        if M is not None:
+            padded_rows = _padded_rows(per_expert, world * M).to(x.device)
+            recv_x = x.new_zeros(local * world * M, x.shape[1]).index_put((padded_rows,), recv_x)
+        handle = MoEHandle(group, pos, topk_idx.shape[1], x.shape[0], weights, self.name,
+                           recv_x.shape[0], M, send, recv, expert_order, source_order, padded_rows)
+        if M is not None:
+            recv_x = recv_x.view(local, world * M, -1)
+        return recv_x, per_expert.to(torch.int32).to(x.device), handle
+
+    @staticmethod
+    def combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+        if handle.padded_rows is not None:
+            y = y[handle.padded_rows]
+        received = y[handle.source_order]
+        back = _AllToAll.apply(received, handle.recv, handle.send, handle.group)
+        rank = dist.get_rank(handle.group)
+        counters.record("moe_combine", handle.backend,
+                        (sum(handle.send) - handle.send[rank]) * y.shape[1] * y.element_size())
+        return _Unpermute.apply(back, handle.weights, handle.pos, handle.k)
+
+
+def _padded_rows(per_expert: torch.Tensor, block: int) -> torch.Tensor:
+    """Row of each compact (expert-major) row in the padded ``[E_local * block]`` layout."""
+    per_expert = per_expert.long()
+    expert = torch.repeat_interleave(torch.arange(per_expert.numel()), per_expert)
+    starts = per_expert.cumsum(0) - per_expert
+    return expert * block + torch.arange(expert.numel()) - starts[expert]
 
 
 def _sort(topk_idx, num_experts):
@@ -321,19 +396,243 @@ def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torc
     return expert_order.to(device), dest.to(device)
 
 
-DISPATCH = Dispatcher("moe_dispatch", [ReferenceDispatch()])
+# ---- the triton backend: symmetric memory, per-source flags -----------------------------------
+
+# the counts column of a rank whose topk_idx holds an id outside [-1, E) (checked on the device
+# with max_tokens_per_rank, where reading topk_idx on the host would synchronise)
+INVALID_IDS = 2**31 - 1
+EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class _RoutingCall(tuple):
-    def cache_key(self):
-        return (self[4].group_name, self[0].device.type, self[0].dtype)
+def _routes(table, rank, world, local, max_tokens, send_rows, recv_rows):
+    """Where every row goes, from every rank's per-expert counts (``table`` int32 [W, E]);
+    torch ops on the device, no host read. Returns int32 tables
 
-    def describe(self):
-        return f"x {tuple(self[0].shape)} {self[0].dtype}, topk_idx {tuple(self[1].shape)}"
+    - ``recv_src``: for each row of this rank's recv_x, ``(source rank, row in the source's
+      staged sorted copies)``, ordered by (local expert, source, token); rank -1 = padding;
+    - ``send_src``: for each of this rank's sorted copies, ``(owner rank, row in the owner's
+      recv_x)``; rank -1 = no copy (past the kept copies).
+
+    With ``max_tokens`` the owner's rows of expert e_l start at ``e_l * W * max_tokens``
+    (counts above it are cut here; the capacity check makes such a call fail)."""
+    W, L = world, local
+    counts = table.long().view(W, W, L)                                    # [src, owner, e_l]
+    flat = counts.reshape(W, W * L)
+    staged_start = (flat.cumsum(1) - flat).view(W, W, L)                   # row in src's sorted copies
+    fit = counts.clamp(max=max_tokens) if max_tokens else counts
+    seg = fit.permute(1, 2, 0)                                              # [owner, e_l, src]
+    if max_tokens:
+        block = torch.arange(L, device=table.device).view(1, L, 1) * (W * max_tokens)
+        dst_start = block + seg.cumsum(2) - seg
+    else:
+        per_owner = seg.reshape(W, L * W)
+        dst_start = (per_owner.cumsum(1) - per_owner).view(W, L, W)
+
+    def lookup(starts, sizes, n):
+        """For rows 0..n-1 of a layout cut into segments (starts non-decreasing): the
+        segment of each row and its offset in it (offset >= size: in no segment)."""
+        row = torch.arange(n, device=table.device)
+        j = (torch.searchsorted(starts, row, right=True) - 1).clamp(min=0)
+        off = row - starts[j]
+        return j, off, off < sizes[j]
+
+    j, off, valid = lookup(dst_start[rank].reshape(-1), seg[rank].reshape(-1), recv_rows)
+    recv_src = torch.stack([torch.where(valid, j % W, -1),
+                            staged_start[:, rank, :].t().reshape(-1)[j] + off])
+    j, off, valid = lookup(staged_start[rank].reshape(-1), fit[rank].reshape(-1), send_rows)
+    send_src = torch.stack([torch.where(valid, j // L, -1),
+                            dst_start[:, :, rank].reshape(-1)[j] + off])
+    return recv_src.to(torch.int32), send_src.to(torch.int32)
+
+
+@dataclass
+class Exchange:
+    """One rank's routes of one dispatch over symmetric memory (the triton backend)."""
+
+    views: object              # nbytes -> the symmetric buffer views of the call's ranks
+    index: int                 # this rank's position in views(...)
+    table: torch.Tensor        # int32 [W, E + 1]: every rank's per-expert counts, then its T
+    recv_src: torch.Tensor     # int32 [2, recv_rows]
+    send_src: torch.Tensor     # int32 [2, send_rows]
+    send_cap: int              # sorted rows any rank stages (the same on every rank)
+    recv_cap: int              # recv_x rows any rank holds (the same on every rank)
+    num_experts: int
+    k: int
+    max_tokens: int | None
+    overflow: torch.Tensor     # int32 [3]: [src, expert, count] of a capacity failure
+
+    @property
+    def recv_rows(self) -> int:
+        return self.recv_src.shape[1]
+
+    @property
+    def send_rows(self) -> int:
+        return self.send_src.shape[1]
+
+
+def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) -> list:
+    """One staged round (``_collective.run_staged``) moving rows in direction ``op``:
+    ``"moe_dispatch"`` stages sorted copies and pulls recv_x rows, ``"moe_combine"`` stages
+    recv_x-shaped rows and pulls each copy's row back. One entry per rank view."""
+    first = exchanges[0]
+    dispatching = op == "moe_dispatch"
+    cap = first.send_cap if dispatching else first.recv_cap
+    H, dtype = rows[0].shape[1], rows[0].dtype
+    bufs = first.views(max(cap, 1) * H * rows[0].element_size())
+    staged = [r[:cap].contiguous() for r in rows]  # more rows only in a call its capacity check fails
+    meta = symmetric.fingerprint(op, dtype, H, first.num_experts, first.k, first.max_tokens)
+    desc = symmetric.describe_words(0, dtype, (H, first.num_experts, first.k), 0)
+    by_rank = {buf.rank: ex for buf, ex in zip(bufs, exchanges)}
+
+    def pull(buf, _staged, epoch):
+        ex = by_rank[buf.rank]
+        C.TRITON_LAUNCHERS.wait_flags(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch,
+                                      buf.timeout_ns, layout.TIMEOUT_READY, meta)
+        if check_capacity:
+            dispatch_kernels.check_capacity(ex.table, ex.table.shape[1], ex.max_tokens, buf.pad_table,
+                                            buf.rank, epoch, ex.overflow)
+        src = ex.recv_src if dispatching else ex.send_src
+        out = rows[0].new_empty(src.shape[1], H)
+        stats = C.stats_tensor(out.device)
+        dispatch_kernels.pull_rows(out, src[0], src[1], buf.pad_table, buf.rank, stats)
+        counters.record(op, "triton", stats)
+        return out
+
+    try:
+        return C.run_staged(op, C.TRITON_LAUNCHERS, bufs, staged, meta, desc, pull)
+    except ValueError as e:  # fingerprints differed
+        raise ValueError(f"{e} (here: shape = (hidden size, num_experts, k))") from None
+    except FusedparTimeoutError:  # the status word also carries a capacity failure (code 4)
+        if not check_capacity or int(first.overflow[0]) < 0:
+            raise
+        src, expert, count = first.overflow.tolist()
+        E = first.num_experts
+        if expert == E and count == INVALID_IDS:
+            raise ValueError(f"fusedpar.moe_dispatch: rank {src}'s topk_idx holds expert ids "
+                             f"outside [0, {E}) (-1 marks a dropped copy)") from None
+        what = (f"rank {src} passed {count} tokens" if expert == E
+                else f"rank {src} routes {count} copies to expert {expert}")
+        raise _capacity_error(first.max_tokens, what) from None
+
+
+class _PullRows(torch.autograd.Function):
+    """A ``_pull`` round of one rank; its adjoint is the round in the other direction (the
+    routes are a partial permutation of rows)."""
+
+    @staticmethod
+    def forward(ctx, rows, exchange, op, check_capacity):
+        ctx.exchange, ctx.op = exchange, op
+        return _pull([exchange], [rows], op, check_capacity)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        other = "moe_combine" if ctx.op == "moe_dispatch" else "moe_dispatch"
+        return _pull([ctx.exchange], [grad.contiguous()], other)[0], None, None, None
+
+
+class TritonDispatch(Backend):
+    """Symmetric memory with per-source flags (``_collective.run_staged`` rounds):
+
+    1. counts: every rank's per-expert counts (and T) by the triton ``all_gather``, so every
+       rank holds the whole ``[W, E + 1]`` table on the device;
+    2. rows: every rank stages its expert-sorted copies; after every source's READY flag
+       (bounded waits, fingerprints of hidden size / E / k / dtype / max_tokens_per_rank
+       checked) one kernel pulls exactly this rank's rows from the sources' buffers into
+       recv_x, by routes computed on the device from the table (``_routes``).
+
+    ``moe_combine`` is one round the other way (owners stage their outputs; every rank pulls
+    its copies' rows back), then the weighted sum of the permutation kernels. Only routed
+    rows cross ranks; the pull kernel counts them. Without ``max_tokens_per_rank`` the sizes
+    of recv_x and of the staging buffers are read on the host from the table (one small
+    device-to-host copy); with it nothing is read on the host: capacity is checked on the
+    device and a violation fails the call on every rank when it finishes."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, call: RoutingCall) -> list[str]:
+        reasons = C.triton_reasons(call)
+        if call.x.dtype not in EXCHANGE_DTYPES:
+            reasons.append(f"dtype {call.x.dtype} (the exchange kernel takes float32, float16, bfloat16)")
+        return reasons
+
+    def run(self, call: RoutingCall):
+        group, device = call.group, call.x.device
+
+        def counts(header):
+            try:
+                return [all_gather(header[0], 0, group, backend="triton")]
+            except ValueError as e:
+                raise ValueError(f"fusedpar.moe_dispatch: ranks disagree on num_experts ({e})") from None
+
+        (recv_x, per_expert, handle), = self.run_views(
+            lambda nbytes: [get_buffer(group, nbytes, device)], counts, [dist.get_rank(group)],
+            [call], differentiable=True)
+        handle.group = group
+        return recv_x, per_expert, handle
+
+    def run_views(self, views, gather_counts, ranks, calls, differentiable=False):
+        """``(recv_x, tokens_per_expert, handle)`` for each rank in ``ranks`` (rank r's call
+        ``calls[i]``); ``views(nbytes)`` gives their symmetric buffers and
+        ``gather_counts(headers)`` every rank's header, stacked, for each of them."""
+        first = calls[0]
+        W, E, M = first.world_size, first.num_experts, first.max_tokens_per_rank
+        L, k = E // W, first.topk_idx.shape[1]
+        sorts = [_sort(c.topk_idx, E) for c in calls]
+        headers = []
+        for c, (_, per_expert) in zip(calls, sorts):
+            tokens = per_expert.new_full((1,), c.x.shape[0])
+            if M is not None:  # expert ids are checked here, on the device
+                bad = ((c.topk_idx < -1) | (c.topk_idx >= E)).any()
+                tokens = torch.where(bad, INVALID_IDS, tokens).to(torch.int32)
+            headers.append(torch.cat([per_expert, tokens]))
+        tables = [t.view(W, E + 1) for t in gather_counts(headers)]
+        overflow = torch.full((3,), -1, dtype=torch.int32, device=first.x.device)
+        if M is not None:
+            send_rows = [c.x.shape[0] * k for c in calls]
+            recv_rows = [L * W * M] * len(calls)
+            send_cap, recv_cap = M * k, L * W * M
+        else:  # the one host read of this backend
+            host = tables[0].cpu()[:, :E].long()
+            per_owner = host.view(W, W, L).sum((0, 2))
+            send_rows = [int(host[r].sum()) for r in ranks]
+            recv_rows = [int(per_owner[r]) for r in ranks]
+            send_cap, recv_cap = int(host.sum(1).max()), int(per_owner.max())
+        out = []
+        exchanges = []
+        for i, (r, c, table) in enumerate(zip(ranks, calls, tables)):
+            recv_src, send_src = _routes(table[:, :E], r, W, L, M, send_rows[i], recv_rows[i])
+            exchanges.append(Exchange(views, i, table, recv_src, send_src, send_cap, recv_cap, E, k, M,
+                                      overflow))
+        sorted_rows = []
+        for c, (pos, _), ex in zip(calls, sorts, exchanges):
+            permute = _Permute.apply if differentiable else _permute
+            sorted_rows.append(permute(c.x, pos, k, ex.send_rows))
+        if differentiable:
+            recvs = [_PullRows.apply(sorted_rows[0], exchanges[0], "moe_dispatch", M is not None)]
+        else:
+            recvs = _pull(exchanges, sorted_rows, "moe_dispatch", M is not None)
+        for r, c, (pos, _), ex, recv in zip(ranks, calls, sorts, exchanges, recvs):
+            seg = ex.table[:, r * L:(r + 1) * L].long()
+            per_expert = (seg.clamp(max=M) if M else seg).sum(0).to(torch.int32)
+            if M is not None:
+                recv = recv.view(L, W * M, -1)
+            handle = MoEHandle(None, pos, k, c.x.shape[0], c.topk_weights, self.name, ex.recv_rows, M,
+                               exchange=ex)
+            out.append((recv, per_expert, handle))
+        return out
+
+    @staticmethod
+    def combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+        back = _PullRows.apply(y.reshape(handle.recv_rows, y.shape[-1]), handle.exchange, "moe_combine", False)
+        return _Unpermute.apply(back, handle.weights, handle.pos, handle.k)
+
+
+DISPATCH = Dispatcher("moe_dispatch", [TritonDispatch(), ReferenceDispatch()])
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 num_experts: int, group=None, *, backend: str | None = None):
+                 num_experts: int, group=None, *, max_tokens_per_rank: int | None = None,
+                 backend: str | None = None):
     """Send each token's copies to the ranks owning their experts; the same as::
 
         copies = [(t, e) for t in range(T) for e in topk_idx[t] if e >= 0]   # on every rank
@@ -345,13 +644,30 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     ``moe_combine``). Returns ``(recv_x, tokens_per_expert int32 [E_local], handle)``; feed
     ``recv_x`` to a grouped GEMM with ``offs = tokens_per_expert.cumsum(0)`` and give its
     output and the handle to ``moe_combine``. Differentiable in ``x``. Only the routed
-    rows cross ranks (no padding). Backend: ``reference`` (counts and rows by
-    ``all_to_all_single``; the splits are read on the host).
+    rows cross ranks (no padding).
+
+    ``max_tokens_per_rank=M`` (DeepEP's low-latency layout): ``recv_x`` is ``[E_local, W*M, H]``;
+    expert e_l's ``tokens_per_expert[e_l]`` rows come first in ``recv_x[e_l]`` (same order as
+    above), the rest are zero (a grouped GEMM over ``recv_x.view(-1, H)`` may use
+    ``offs = (arange(E_local) + 1) * W * M``). Every rank must pass at most M tokens and send at
+    most M copies to one expert, else every rank raises ``ValueError`` (nothing is dropped).
+    On the triton backend nothing is read on the host then (sizes are fixed, expert ids and
+    capacity are checked on the device, the error surfaces when the call's flags finish).
+
+    Backends: ``triton`` (symmetric memory with per-source flags, see ``TritonDispatch``),
+    ``reference`` (counts and rows by ``all_to_all_single``; the splits are read on the host).
+    Every rank passes the same hidden size, k, num_experts, dtype and max_tokens_per_rank
+    (T may differ); a difference raises ``ValueError``.
     """
     group = resolve_group(group)
-    check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, dist.get_world_size(group))
-    call = _RoutingCall((x, topk_idx, topk_weights, num_experts, group))
-    return DISPATCH.select(call, backend or "").run(call)
+    world = dist.get_world_size(group)
+    check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank,
+                  check_values=max_tokens_per_rank is None)
+    call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
+    chosen = DISPATCH.select(call, backend or "")
+    if max_tokens_per_rank is not None and chosen.name != "triton":
+        check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world)
+    return chosen.run(call)
 
 
 def moe_combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
@@ -360,16 +676,60 @@ def moe_combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
 
         out[t] = sum over j with topk_idx[t, j] >= 0 of topk_weights[t, j] * y_row(t, j)
 
-    ``y [rows of recv_x, H']``. Differentiable in ``y`` and ``topk_weights`` (fp32 sums).
+    ``y``: one row per row of recv_x (``[rows, H']``, or recv_x's padded shape). Differentiable
+    in ``y`` and ``topk_weights`` (fp32 sums). Uses the dispatch's backend.
     """
     if not isinstance(handle, MoEHandle):
         raise TypeError("fusedpar.moe_combine: handle must be the third output of moe_dispatch")
-    if y.dim() != 2 or y.shape[0] != handle.expert_order.numel():
-        raise ValueError(f"fusedpar.moe_combine: y must be [{handle.expert_order.numel()}, hidden] "
-                         f"(one row per row of recv_x), got {tuple(y.shape)}")
-    received = y[handle.source_order]
-    back = _AllToAll.apply(received, handle.recv, handle.send, handle.group)
-    rank = dist.get_rank(handle.group)
-    counters.record("moe_combine", handle.backend,
-                    (sum(handle.send) - handle.send[rank]) * y.shape[1] * y.element_size())
-    return _Unpermute.apply(back, handle.weights, handle.pos, handle.k)
+    if y.dim() not in (2, 3) or y.numel() != handle.recv_rows * y.shape[-1] or (
+            y.dim() == 2 and y.shape[0] != handle.recv_rows):
+        raise ValueError(f"fusedpar.moe_combine: y must be [{handle.recv_rows}, hidden] (one row "
+                         f"per row of recv_x), got {tuple(y.shape)}")
+    return DISPATCH.backends[handle.backend].combine(y.reshape(handle.recv_rows, y.shape[-1]), handle)
+
+
+def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_experts: int, *,
+                          max_tokens_per_rank: int | None = None) -> list:
+    """Every rank's part of ``moe_dispatch`` in this process (rank r passes ``xs[r]``,
+    ``topk_idxs[r]``, ``topk_weights[r]``) over loopback symmetric buffers with the ``triton``
+    backend; returns each rank's ``(recv_x, tokens_per_expert, handle)``. Forward only: for
+    single-device benchmarks and tests of the protocol; ``moe_combine_loopback`` undoes it."""
+    world = len(xs)
+    op = "moe_dispatch_loopback"
+    if world < 1 or len(topk_idxs) != world or len(topk_weights) != world:
+        raise ValueError(f"fusedpar.{op}: xs, topk_idxs and topk_weights must hold one tensor per "
+                         f"simulated rank; got {len(xs)}, {len(topk_idxs)}, {len(topk_weights)}")
+    first = xs[0]
+    for r, (x, idx, w) in enumerate(zip(xs, topk_idxs, topk_weights)):
+        check_routing(op, x, idx, w, num_experts, world, max_tokens_per_rank,
+                      check_values=max_tokens_per_rank is None)
+        if (x.shape[1], x.dtype, x.device, idx.shape[1]) != (first.shape[1], first.dtype, first.device,
+                                                             topk_idxs[0].shape[1]):
+            raise ValueError(f"fusedpar.{op}: rank {r} passes x {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device} with k={idx.shape[1]}, rank 0 x {tuple(first.shape)} "
+                             f"{first.dtype} on {first.device} with k={topk_idxs[0].shape[1]}; the "
+                             "hidden size, dtype, device and k must match (T may differ)")
+    calls = [RoutingCall(x, idx, w, num_experts, None, world, max_tokens_per_rank)
+             for x, idx, w in zip(xs, topk_idxs, topk_weights)]
+    backend = DISPATCH.select(calls[0], "triton")
+    device = first.device
+    with torch.no_grad():
+        return backend.run_views(lambda nbytes: get_loopback_buffers(world, nbytes, device),
+                                 all_gather_loopback, list(range(world)), calls)
+
+
+def moe_combine_loopback(ys: list, handles: list) -> list:
+    """Every rank's part of ``moe_combine`` in this process: ``ys[r]`` holds one row per row
+    of rank r's recv_x, ``handles`` come from ``moe_dispatch_loopback``. Forward only."""
+    if not handles or len(ys) != len(handles) or any(
+            not isinstance(h, MoEHandle) or h.exchange is None or h.group is not None for h in handles):
+        raise ValueError("fusedpar.moe_combine_loopback: give one y per simulated rank and the "
+                         "handles moe_dispatch_loopback returned")
+    for r, (y, h) in enumerate(zip(ys, handles)):
+        if y.numel() != h.recv_rows * y.shape[-1] or y.shape[-1] != ys[0].shape[-1]:
+            raise ValueError(f"fusedpar.moe_combine_loopback: ys[{r}] must be [{h.recv_rows}, "
+                             f"{ys[0].shape[-1]}] (one row per row of recv_x), got {tuple(y.shape)}")
+    with torch.no_grad():
+        backs = _pull([h.exchange for h in handles], [y.reshape(h.recv_rows, y.shape[-1]) for y, h in zip(ys, handles)],
+                      "moe_combine")
+        return [_unpermute(b, h.pos, h.k, h.tokens, h.weights) for b, h in zip(backs, handles)]

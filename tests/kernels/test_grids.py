@@ -5,7 +5,7 @@ hold at most a few programs per SM (they loop over their work)."""
 import pytest
 import torch
 
-from fusedpar.kernels import ag_gemm, all_gather, reduce_scatter
+from fusedpar.kernels import ag_gemm, all_gather, moe_dispatch, reduce_scatter
 from fusedpar.kernels.signal import PROGRAMS_PER_SM, poison_grid
 
 SMS = 132  # H100 SXM
@@ -48,3 +48,8 @@ def test_persistent_gemm_grids_hold_one_program_per_sm():
             grid = ag_gemm.persistent_grid(tiles, cfg)
             _within_cuda_limits(grid)
             assert grid == (ag_gemm.SM_COUNT[arch],)
+
+
+@pytest.mark.parametrize("rows", [2**31 - 1, 2**20 + 3, 1])
+def test_moe_pull_rows_grid_is_legal(rows):
+    _within_cuda_limits(moe_dispatch.pull_rows_grid(rows, moe_dispatch.ROW_BLOCK_GPU["BLOCK_R"]))

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops.moe import moe_combine, moe_dispatch, topk_route
-from tests.ops.collective_cases import capture_errors
+from tests.ops.collective_cases import capture_errors, poison_symmetric, poisoned_allocations, subgroup
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -70,15 +70,28 @@ def _tokens(rank, T, H):
     return x
 
 
-def _check_dispatch_combine(T, H, k, E, mode):
+def _compact(recv_x, per_expert, M):
+    """recv_x's rows in (expert, source, token) order; with M, check the padding is zero."""
+    if M is None:
+        return recv_x
+    local, block, H = recv_x.shape
+    assert block == dist.get_world_size() * M
+    for e_l in range(local):
+        assert not recv_x[e_l, int(per_expert[e_l]):].any()  # padding rows stay zero
+    return torch.cat([recv_x[e_l, :int(per_expert[e_l])] for e_l in range(local)]).view(-1, H)
+
+
+def _check_dispatch_combine(T, H, k, E, mode, backend, M):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = E // world
     idx = _routing(rank, T, k, E, mode)
     w = (torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4  # exact in fp32
     x = _tokens(rank, T, H).requires_grad_()
     w.requires_grad_()
-    with fusedpar.comm.count_bytes() as counter:
-        recv_x, per_expert, handle = moe_dispatch(x, idx, w, E)
+    if backend == "triton":
+        poison_symmetric(dist.group.WORLD, 4096)
+    with fusedpar.comm.count_bytes() as counter, poisoned_allocations():
+        recv_x, per_expert, handle = moe_dispatch(x, idx, w, E, max_tokens_per_rank=M, backend=backend)
         out = moe_combine(recv_x, handle)  # identity experts
     kept = (idx >= 0).float()
     assert torch.equal(out, x.detach() * (w.detach() * kept).sum(1, keepdim=True))
@@ -91,19 +104,23 @@ def _check_dispatch_combine(T, H, k, E, mode):
             for t in range(T):
                 expected += [(src, t)] * int((src_idx[t] == e).sum())
         assert per_expert[e_l] == sum(1 for _ in expected) - int(per_expert[:e_l].sum())
-    assert [tuple(r) for r in recv_x[:, :2].long().tolist()] == expected
-    assert torch.equal(recv_x[:, 2:], _tokens(0, T, H)[[t for _, t in expected], 2:])
-    # bytes: only routed rows, to and from the other ranks
+    rows = _compact(recv_x.detach(), per_expert, M)
+    assert [tuple(r) for r in rows[:, :2].long().tolist()] == expected
+    assert torch.equal(rows[:, 2:], _tokens(0, T, H)[[t for _, t in expected], 2:])
+    # bytes: only routed rows, to and from the other ranks (triton: plus the counts table)
     sent_away = int(((idx >= 0) & (idx // local != rank)).sum())
     from_peers = sum(1 for src, _ in expected if src != rank)
-    assert counter.by_op() == {("moe_dispatch", "reference"): from_peers * H * 4,
-                               ("moe_combine", "reference"): sent_away * H * 4}
+    bytes_moved = {("moe_dispatch", backend): from_peers * H * 4, ("moe_combine", backend): sent_away * H * 4}
+    if backend == "triton":
+        bytes_moved[("all_gather", "triton")] = (world - 1) * (E + 1) * 4
+    assert counter.by_op() == bytes_moved
     # combine is the adjoint of dispatch: <dispatch(x), g> == <x, combine_unweighted(g)>
     g = torch.arange(recv_x.numel(), dtype=torch.float32).view_as(recv_x) % 5
     (out * 1.0).sum().backward()
     assert torch.equal(x.grad, (w.detach() * kept).sum(1, keepdim=True).expand_as(x))
     assert torch.equal(w.grad, x.detach().sum(1, keepdim=True).expand(T, k) * kept)
-    recv2, _, handle2 = moe_dispatch(x.detach(), idx, torch.ones(T, k), E)
+    recv2, _, handle2 = moe_dispatch(x.detach(), idx, torch.ones(T, k), E, max_tokens_per_rank=M,
+                                     backend=backend)
     sums = torch.stack([(recv2 * g).sum(), (x.detach() * moe_combine(g, handle2)).sum()])
     dist.all_reduce(sums)  # the adjoint identity holds over the whole group
     assert sums[0] == sums[1]
@@ -117,37 +134,65 @@ CASES = {
         (0, 3, 2, 4, "random")],
     4: [(9, 3, 2, 8, "random"), (10, 3, 1, 4, "one_expert"), (6, 3, 4, 8, "skip_last_expert")],
 }
+# (backend, max_tokens_per_rank as a function of T): every case runs with each
+VARIANTS = [("reference", None), ("reference", "T"), ("triton", None), ("triton", "T")]
 
 
-def _run_cases(cases):
-    for case in cases:
-        _check_dispatch_combine(*case)
+def _run_cases(cases, backend, padded):
+    for T, *rest in cases:
+        _check_dispatch_combine(T, *rest, backend, max(T, 1) if padded else None)
     return True
 
 
+@pytest.mark.parametrize("backend, padded", VARIANTS)
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_dispatch_combine_route_every_copy(pools, world):
-    assert pools(world).run(_run_cases, CASES[world]) == [True] * world
+def test_dispatch_combine_route_every_copy(pools, world, backend, padded):
+    assert pools(world).run(_run_cases, CASES[world], backend, padded) == [True] * world
 
 
-def _errors():
+def _errors(backend):
     x, w = torch.zeros(4, 3), torch.ones(4, 2)
     idx = torch.zeros(4, 2, dtype=torch.long)
     E = 2 * dist.get_world_size()
+
+    def fresh(call):  # a failed triton call retires its group's buffer: give each its own group
+        group = subgroup()
+        return lambda: call(group)
+
     return capture_errors({
-        "range": lambda: moe_dispatch(x, idx + E, w, E),
-        "dtype": lambda: moe_dispatch(x, idx.float(), w, E),
-        "weights": lambda: moe_dispatch(x, idx, w[:, :1], E),
-        "divisible": lambda: moe_dispatch(x, idx, w, E + 1),
-        "mismatch": lambda: moe_dispatch(torch.zeros(4, 3 + dist.get_rank()), idx, w, E),
+        "range": lambda: moe_dispatch(x, idx + E, w, E, backend=backend),
+        "dtype": lambda: moe_dispatch(x, idx.float(), w, E, backend=backend),
+        "weights": lambda: moe_dispatch(x, idx, w[:, :1], E, backend=backend),
+        "divisible": lambda: moe_dispatch(x, idx, w, E + 1, backend=backend),
+        "mismatch": fresh(lambda g: moe_dispatch(torch.zeros(4, 3 + dist.get_rank()), idx, w, E, g,
+                                                 backend=backend)),
+        # with max_tokens_per_rank the triton backend checks ids and capacity on the device
+        "range_padded": fresh(lambda g: moe_dispatch(x, idx - 2, w, E, g, max_tokens_per_rank=4,
+                                                     backend=backend)),
+        "tokens": fresh(lambda g: moe_dispatch(x, torch.arange(4).view(4, 1), w[:, :1], E, g,
+                                               max_tokens_per_rank=3, backend=backend)),
+        "copies": fresh(lambda g: moe_dispatch(x, idx, w, E, g, max_tokens_per_rank=4, backend=backend)),
     })
 
 
-def test_bad_inputs_raise_clear_errors(pools):
-    errors = pools(2).run(_errors)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bad_inputs_raise_clear_errors(pools, backend):
+    errors = pools(2).run(_errors, backend)
     for rank_errors in errors:
         assert "in [4, 4]; expert ids must be in [0, 4)" in rank_errors["range"][1]
         assert "int32 or int64" in rank_errors["dtype"][1]
         assert "topk_weights has shape (4, 1)" in rank_errors["weights"][1]
         assert "num_experts=5 is not divisible by the ep group size 2" in rank_errors["divisible"][1]
-        assert "every rank of the ep group must agree" in rank_errors["mismatch"][1]
+        assert rank_errors["tokens"][0] == rank_errors["copies"][0] == "ValueError"
+        assert "max_tokens_per_rank=3 is too small" in rank_errors["tokens"][1]
+        assert "max_tokens_per_rank=4 is too small" in rank_errors["copies"][1]
+        if backend == "reference":
+            assert "every rank of the ep group must agree" in rank_errors["mismatch"][1]
+            assert "topk_idx holds values in [-2, -2]" in rank_errors["range_padded"][1]
+        else:  # the same verdict on every rank, from the device-side checks
+            message = rank_errors["mismatch"][1]
+            assert "rank 0 shape (3, 4, 2) float32" in message and "rank 1 shape (4, 4, 2) float32" in message
+            assert "shape = (hidden size, num_experts, k)" in message
+            assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range_padded"][1]
+            assert "rank 0 passed 4 tokens" in rank_errors["tokens"][1]
+            assert "routes 8 copies to expert 0" in rank_errors["copies"][1]
