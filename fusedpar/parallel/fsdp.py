@@ -73,9 +73,11 @@ class FusedparReduceScatter(_Alloc, ReduceScatter):
 
 
 def fused_comms_available() -> bool:
+    """Whether this torch's FSDP2 takes custom collectives (torch >= 2.12)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return hasattr(FSDPModule, "set_custom_all_gather") and AllGather is not object
+    return (hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_custom_reduce_scatter")
+            and AllGather is not object)
 
 
 def shard_model(model: nn.Module, blocks: list[nn.Module], dp_mesh, mp_policy, *,
@@ -97,7 +99,8 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], dp_mesh, mp_policy, *
         if not fused_comms_available():
             if dist.get_rank() == 0:
                 warnings.warn(f"fusedpar: torch {torch.__version__} has no FSDPModule."
-                              "set_custom_all_gather; FSDP uses torch's own collectives", stacklevel=2)
+                              "set_custom_all_gather / set_custom_reduce_scatter; FSDP uses torch's "
+                              "own collectives", stacklevel=2)
             return model
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -39,22 +39,50 @@ def _fsdp_lower_bound(model, world: int) -> dict[str, int]:
     return {"all_gather": (world - 1) * gathered, "reduce_scatter": (world - 1) * scattered}
 
 
+#: bf16 parameters (FSDP2 param_dtype) with fp32 gradient reduction, against the fp32 single
+#: process: every loss within BF16_LOSS_RTOL relative, every gradient within BF16_GRAD_RTOL
+#: of its largest element (bf16 keeps 8 bits of mantissa: ~0.4% per rounding).
+BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-2, 5e-2
+
+
+def _assert_bf16_bound(got, want, what: str) -> None:
+    (losses, grads), (ref_losses, ref_grads) = got, want
+    loss_err = ((torch.stack(losses) - torch.stack(ref_losses)).abs() / torch.stack(ref_losses).abs()).max()
+    assert loss_err <= BF16_LOSS_RTOL, f"{what}: loss relative error {float(loss_err):.2e}"
+    for name, g in ref_grads.items():
+        err = float((grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err <= BF16_GRAD_RTOL, f"{what}: grad of {name}: error {err:.2e} of its max"
+
+
 def _check_dense(kind: str, configs: list[dict]) -> bool:
+    """Each config against the single process; an ``activation_checkpointing=True`` entry
+    also bit for bit against the entry before it (the same config without)."""
     torch.set_num_threads(1)
     data = batches()
     model = make_model(kind)
     want = reference_run(model, data)
-    losses = {}
+    losses, previous = {}, None
     for extra in configs:
-        cfg = ParallelConfig(**extra)
-        par = fusedpar.parallelize(copy.deepcopy(model), cfg, backend=TP_BACKEND)
+        options = dict(extra)
+        checkpointing = options.pop("activation_checkpointing", False)
+        cfg = ParallelConfig(**options)
+        par = fusedpar.parallelize(copy.deepcopy(model), cfg, backend=TP_BACKEND,
+                                   activation_checkpointing=checkpointing)
         dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
         counters = []
         got = parallel_run(par, data, dp_group, counters)
         if cfg.fsdp_comm == "fusedpar" and cfg.dp_shard == dist.get_world_size() and cfg.ep == 1:
             by_op = {op: n for (op, _), n in counters[0].by_op().items()}
             assert by_op == _fsdp_lower_bound(par, cfg.dp_shard), by_op  # one step, nothing else
+        if cfg.param_dtype == "bfloat16":
+            _assert_bf16_bound(got, want, f"{kind} {extra}")
+            continue
         assert_matches(got, want, f"{kind} {extra}")
+        if checkpointing:  # recomputation changes nothing
+            assert all(torch.equal(a, b) for a, b in zip(got[0], previous[0])), f"{kind} {extra}: losses"
+            for name, g in got[1].items():
+                assert torch.equal(g, previous[1][name]), f"{kind} {extra}: grad of {name}"
+        previous = got
         losses[str(extra)] = torch.stack(got[0])
     first = next(iter(losses.values()))
     for name, curve in losses.items():  # fusedpar's FSDP collectives and torch's agree
@@ -65,7 +93,8 @@ def _check_dense(kind: str, configs: list[dict]) -> bool:
 @pytest.mark.timeout(600)
 def test_own_llama_matches_single_process(pools):
     configs = [dict(dp_shard=4), dict(dp_shard=4, fsdp_comm="torch"), dict(tp=2, dp_shard=2),
-               dict(dp_replicate=2, dp_shard=2)]
+               dict(tp=2, dp_shard=2, activation_checkpointing=True),
+               dict(tp=2, dp_shard=2, param_dtype="bfloat16"), dict(dp_replicate=2, dp_shard=2)]
     assert pools(4).run(_check_dense, "llama", configs, timeout=500) == [True] * 4
 
 
@@ -173,3 +202,48 @@ def test_invalid_configs_fail_before_any_communication(pools):
             assert errors[name] is not None, f"{name}: no error"
             kind, message = errors[name]
             assert kind in ("ParallelConfigError", "ValueError") and fragment in message, (name, errors[name])
+
+
+# ---- torch without FSDP2's custom collectives (torch 2.11, the GPU image) -------------------
+
+
+def _without_custom_comms() -> list[str]:
+    """Parallelize with FSDPModule.set_custom_all_gather / set_custom_reduce_scatter taken
+    away: FSDP keeps torch's collectives (fusedpar's ops move nothing), the loss is the
+    single process's, and rank 0 prints one notice."""
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from fusedpar.comm import count_bytes
+
+    torch.set_num_threads(1)
+    data = batches(steps=1)
+    model = make_model("llama")
+    want = reference_run(model, data)[0][0]
+    saved = {n: FSDPModule.__dict__[n] for n in ("set_custom_all_gather", "set_custom_reduce_scatter")}
+    try:
+        for name in saved:
+            delattr(FSDPModule, name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            par = fusedpar.parallelize(copy.deepcopy(model), {"dp_shard": 2})
+    finally:
+        for name, method in saved.items():
+            setattr(FSDPModule, name, method)
+    ids, labels = fusedpar.parallel.shard_batch(data[0], par.fusedpar_mesh)
+    with count_bytes() as counter:
+        loss = par(input_ids=ids, labels=labels).loss
+        loss.backward()
+    assert counter.by_op() == {}, counter.by_op()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / 2, want, rtol=1e-5, atol=1e-6)
+    return [str(w.message) for w in caught if "fusedpar" in str(w.message)]
+
+
+@pytest.mark.timeout(300)
+def test_torch_without_custom_fsdp_collectives_falls_back_with_a_notice(pools):
+    notices = pools(2).run(_without_custom_comms, timeout=250)
+    assert len(notices[0]) == 1 and "FSDP uses torch's own collectives" in notices[0][0], notices
+    assert notices[1] == [], notices
