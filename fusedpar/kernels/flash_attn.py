@@ -20,13 +20,15 @@ Packed sequences (``cu_seqlens``, int32 cumulative ends, flash-attn's convention
 index ``b`` is document ``b``; query and key lengths are equal per document and masking
 never crosses documents.
 
-Ring forward (``ring_attn_fwd_kernel``, ring_attention's ``triton`` backend): a persistent
-forward whose tiles attend to the own K/V first, then to each peer's K/V read straight
-from the peer's symmetric data region after its READY flag (``signal.wait_ready_and_match``:
-wall-clock bounded, fingerprint checked); causal masking by global positions (zigzag or
-contiguous layout) with fully masked K/V blocks skipped. Each tile reads the peer K/V of
-its KV head, so a peer's K/V crosses the link once per query block and per query head of
-a GQA group (the in-kernel byte count says so).
+Ring forward (ring_attention's ``triton`` backend), two kernels per ring step:
+``ring_kv_copy_kernel`` waits for a peer's READY flag (``signal.wait_ready_and_match``:
+wall-clock bounded, fingerprint checked) and copies the K/V rows this rank's queries can
+see from the peer's symmetric data region into a local slot, counting the bytes, so each
+peer's K/V crosses the link once whatever the number of query blocks and GQA heads;
+``ring_attn_step_kernel`` folds one local K/V block into the online-softmax state
+(``m``, ``l``, ``acc`` in fp32 between steps; the last step writes out and lse), with
+causal masking by global positions (zigzag or contiguous layout) and fully masked K/V
+blocks skipped.
 
 Every grid keeps its long axis on axis 0 (flattened query block x batch x head).
 """
@@ -36,7 +38,8 @@ import triton
 import triton.language as tl
 
 from .ag_gemm import mma
-from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
+from .signal import (PER_CALL_ARGS, STATUS, data_ptr, pad_ptr, sm_count, spinning_grid,
+                     wait_ready_and_match)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -64,8 +67,10 @@ _RING_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)}
 _RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
-              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)}
+              256: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)}
 _TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "bwd": (_BWD_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
+# The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
+COPY_CONFIG = dict(BLOCK=1024, num_warps=4)
 # The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
 
@@ -291,66 +296,96 @@ def _global_pos(local, rank, world_size, chunk, ZIGZAG: tl.constexpr):
         return rank * chunk + local
 
 
-@triton.jit(do_not_specialize=PER_CALL_ARGS)
-def ring_attn_fwd_kernel(q_ptr, kv_ptr, o_ptr, lse_ptr, pad_table, stats_ptr, rank, world_size,
-                         epoch, meta, timeout_ns, sm_scale, batch, n_heads, kv_group, seqlen,
-                         head_dim, chunk, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
-                         stride_oh, CAUSAL: tl.constexpr, ZIGZAG: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         ELEM_BYTES: tl.constexpr, UPCAST: tl.constexpr):
-    n_kv_heads = n_heads // kv_group
-    stride_kh = head_dim
-    stride_ks = n_kv_heads * head_dim
-    stride_kb = tl.cast(seqlen, tl.int64) * stride_ks
-    kv_half = batch * stride_kb  # K, then V: every rank staged [2, B, S_local, H_kv, D]
-    m_blocks = tl.cdiv(seqlen, BLOCK_M)
+@triton.jit(do_not_specialize=PER_CALL_ARGS + ["src", "row_lo", "row_hi"])
+def ring_kv_copy_kernel(slot_ptr, pad_table, stats_ptr, rank, world_size, epoch, meta, timeout_ns,
+                        src, row_lo, row_hi, segments, seqlen, row_elems,
+                        BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    """Rows ``[row_lo, row_hi)`` of ``src``'s staged K/V (``segments`` = 2B runs of ``seqlen``
+    rows of ``row_elems`` elements) into the same places of ``slot``, once ``src`` is READY
+    with our fingerprint; adds the bytes copied to ``stats``. With no rows it only checks."""
+    ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
+    if ok:  # a failed wait is recorded: the attention steps see it and skip this source
+        peer = data_ptr(pad_table, src, slot_ptr.dtype.element_ty)
+        span = (row_hi - row_lo) * row_elems
+        pieces = tl.cdiv(span, BLOCK)
+        offs = tl.arange(0, BLOCK)
+        moved = tl.zeros([], tl.int64)
+        for t in range(tl.program_id(0), segments * pieces, tl.num_programs(0)):
+            within = (t % pieces) * BLOCK + offs
+            at = ((t // pieces).to(tl.int64) * seqlen + row_lo) * row_elems + within
+            inside = within < span
+            tl.store(slot_ptr + at, tl.load(peer + at, mask=inside), mask=inside)
+            moved += tl.sum(inside.to(tl.int64)) * ELEM_BYTES
+        if moved > 0:
+            tl.atomic_add(stats_ptr, moved)
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "src", "key_lo", "key_hi"])
+def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_table, rank,
+                          world_size, src, key_lo, key_hi, sm_scale, batch, n_heads, kv_group,
+                          seqlen, head_dim, chunk, m_blocks, stride_qb, stride_qs, stride_qh,
+                          stride_ob, stride_os, stride_oh, CAUSAL: tl.constexpr,
+                          ZIGZAG: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    """One ring step: fold keys ``[key_lo, key_hi)`` of ``src``'s K/V (local memory,
+    ``[2, B, S_local, H_kv, D]``) into the online-softmax state of this rank's queries,
+    kept in fp32 between steps (``acc [B, S, H, D]``, ``stat = [m, l]`` ``[2, B, H, S]``);
+    FIRST starts it, LAST writes ``out`` and the natural-log ``lse`` instead."""
+    pid = tl.program_id(0)  # (query block, batch, head) flattened on the long axis
+    m_block = pid % m_blocks
+    b = ((pid // m_blocks) // n_heads).to(tl.int64)
+    h = (pid // m_blocks) % n_heads
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen
     d_ok = offs_d < head_dim
-    qk_scale = sm_scale * 1.4426950408889634
-    for tile in range(tl.program_id(0), m_blocks * batch * n_heads, tl.num_programs(0)):
-        m_block = tile % m_blocks
-        b = (tile // m_blocks) // n_heads
-        h = (tile // m_blocks) % n_heads
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < seqlen
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
-                    + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        pos_q = _global_pos(offs_m, rank, world_size, chunk, ZIGZAG)
-        last_q = tl.max(tl.where(m_ok, pos_q, -1), 0)
+    row_mask = m_ok[:, None] & d_ok[None, :]
+    stat_rows = stat_ptr + (b * n_heads + h) * seqlen + offs_m
+    stat_half = batch * n_heads * tl.cast(seqlen, tl.int64)
+    acc_rows = acc_ptr + ((b * seqlen + offs_m[:, None]) * n_heads + h) * head_dim + offs_d[None, :]
+    if FIRST:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        moved = tl.zeros([], tl.int64)
-        for step in range(0, world_size):
-            src = (rank + world_size - step) % world_size  # own block first
-            ok = tl.full([], 1, tl.int1)
-            base = kv_ptr
-            if src != rank:
-                ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
-                base = data_ptr(pad_table, src, kv_ptr.dtype.element_ty)
-            if ok:
-                k_base = base + b * stride_kb + (h // kv_group) * stride_kh
-                for start_n in range(0, seqlen, BLOCK_N):
-                    cols = start_n + offs_n
-                    n_ok = cols < seqlen
-                    visible = n_ok[None, :]
-                    needed = True
-                    if CAUSAL:
-                        pos_k = _global_pos(cols, src, world_size, chunk, ZIGZAG)
-                        visible = visible & (pos_k[None, :] <= pos_q[:, None])
-                        needed = tl.min(tl.where(n_ok, pos_k, 2**30), 0) <= last_q  # skip masked blocks
-                    if needed:
-                        m_i, l_i, acc = _attend_block(q, k_base, k_base + kv_half, stride_ks, stride_ks,
-                                                      cols, n_ok, offs_d, d_ok, visible, m_i, l_i, acc,
-                                                      qk_scale, UPCAST)
-                        if src != rank:
-                            moved += tl.sum(n_ok.to(tl.int64)) * head_dim * (2 * ELEM_BYTES)
-        _store_rows(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, stride_os,
-                    lse_ptr + (b.to(tl.int64) * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok,
-                    m_i, l_i, acc)
-        if moved > 0:
-            tl.atomic_add(stats_ptr, moved)
+    else:
+        m_i = tl.load(stat_rows, mask=m_ok, other=float("-inf"))
+        l_i = tl.load(stat_rows + stat_half, mask=m_ok, other=0.0)
+        acc = tl.load(acc_rows, mask=row_mask, other=0.0)
+    failed = tl.zeros([], tl.int32)
+    if src != rank:  # the copy of src's K/V gave up (recorded): never read that slot
+        failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True)
+    if failed == 0:
+        n_kv_heads = n_heads // kv_group
+        stride_ks = n_kv_heads * head_dim
+        stride_kb = tl.cast(seqlen, tl.int64) * stride_ks
+        k_base = kv_ptr + b * stride_kb + (h // kv_group) * head_dim
+        v_base = k_base + batch * stride_kb  # K, then V
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+                    + offs_d[None, :], mask=row_mask, other=0.0)
+        pos_q = _global_pos(offs_m, rank, world_size, chunk, ZIGZAG)
+        last_q = tl.max(tl.where(m_ok, pos_q, -1), 0)
+        qk_scale = sm_scale * 1.4426950408889634  # exponents in base 2
+        for start_n in range(key_lo, key_hi, BLOCK_N):
+            cols = start_n + offs_n
+            n_ok = cols < key_hi
+            visible = n_ok[None, :]
+            needed = True
+            if CAUSAL:
+                pos_k = _global_pos(cols, src, world_size, chunk, ZIGZAG)
+                visible = visible & (pos_k[None, :] <= pos_q[:, None])
+                needed = tl.min(tl.where(n_ok, pos_k, 2**30), 0) <= last_q  # skip masked blocks
+            if needed:
+                m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
+                                              offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST)
+    if LAST:
+        _store_rows(o_ptr + b * stride_ob + h * stride_oh, stride_os,
+                    lse_ptr + (b * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc)
+    else:
+        tl.store(stat_rows, m_i, mask=m_ok)
+        tl.store(stat_rows + stat_half, l_i, mask=m_ok)
+        tl.store(acc_rows, acc, mask=row_mask)
 
 
 def interpreting() -> bool:
@@ -445,30 +480,60 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
             **common)
 
 
-def ring_attn_forward(q, kv_staged, out, lse, pad_table, rank: int, world_size: int, epoch: int,
-                      meta: int, timeout_ns: int, stats, causal: bool, sm_scale: float, zigzag: bool,
-                      config: dict | None = None) -> None:
-    """Attention of this rank's ``q [B, S_local, H, D]`` to every rank's K/V, read straight
-    from each rank's symmetric data region (``[2, B, S_local, H_kv, D]``, contiguous; this
-    rank's own is ``kv_staged``) once that rank's READY flag is at ``epoch`` and its
-    fingerprint equals ``meta``; fills ``out`` and ``lse`` (fp32 ``[B, H, S_local]``,
-    contiguous) and adds the bytes read from peers to ``stats``.
+def ring_copy_programs(pieces: int, sms: int | None) -> int:
+    """Programs of a K/V copy (it spins on a READY flag, so ``spinning_grid``); on a GPU at
+    most a quarter of the SMs: the attention of the previous ring step runs beside it."""
+    if sms is not None:
+        pieces = min(pieces, max(1, sms // 4))
+    return spinning_grid(pieces, sms)
 
-    Causal masking uses global positions (``zigzag`` or contiguous layout); K/V blocks
-    that no query of a tile can see are never loaded. The grid is capped
-    (``signal.spinning_grid``) and loops over tiles; what it waits on (peers staging and
-    signalling on their own devices) never needs this kernel's SMs. A failed wait is
-    recorded in this rank's STATUS words (the caller raises); the source is skipped."""
+
+def ring_kv_copy(slot, pad_table, rank: int, world_size: int, epoch: int, meta: int,
+                 timeout_ns: int, src: int, rows: tuple[int, int], stats) -> None:
+    """Copy rows ``rows = (lo, hi)`` (of S_local) of ``src``'s staged K/V (its symmetric
+    data region, ``[2, B, S_local, H_kv, D]`` like ``slot``) into ``slot`` once ``src``'s
+    READY flag is at ``epoch`` and its fingerprint equals ``meta`` (wall-clock bounded;
+    a failure is recorded in this rank's STATUS words and nothing is copied); adds the
+    bytes copied to ``stats``. ``lo == hi`` only checks. The grid is capped
+    (``ring_copy_programs``) and loops; what it waits on (a peer staging and signalling on
+    its own device) needs none of this device's SMs."""
+    lo, hi = rows
+    segments, seqlen = slot.shape[0] * slot.shape[1], slot.shape[2]
+    row_elems = slot.shape[3] * slot.shape[4]
+    pieces = segments * triton.cdiv(max(hi - lo, 1) * row_elems, COPY_CONFIG["BLOCK"])
+    ring_kv_copy_kernel[(ring_copy_programs(pieces, sm_count(slot.device)),)](
+        slot, pad_table, stats, rank, world_size, epoch, meta, timeout_ns, src, lo, hi,
+        segments, seqlen, row_elems, BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=slot.element_size(),
+        num_warps=COPY_CONFIG["num_warps"])
+
+
+def ring_attn_state(q):
+    """The fp32 state ring steps carry: ``(acc [B, S, H, D], stat [2, B, H, S])``."""
+    b, s, h, _ = q.shape
+    return (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+            torch.empty(2, b, h, s, dtype=torch.float32, device=q.device))
+
+
+def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, world_size: int, src: int,
+                   keys: tuple[int, int], causal: bool, sm_scale: float, zigzag: bool,
+                   first: bool, last: bool, config: dict | None = None) -> None:
+    """Fold keys ``keys = (lo, hi)`` of ``src``'s K/V (local: this rank's own, or a slot
+    ``ring_kv_copy`` filled; ``[2, B, S_local, H_kv, D]`` contiguous) into the attention
+    of this rank's ``q [B, S_local, H, D]``; ``state`` from ``ring_attn_state``. ``last``
+    writes ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_local]``, contiguous). Causal
+    masking uses global positions (``zigzag`` or contiguous layout); key blocks no query of
+    a tile can see are skipped. Skips a peer's K/V if this rank recorded a failure. One
+    program per (query block, batch, head); it waits on nothing."""
     batch, seqlen, n_heads, head_dim = q.shape
     cfg = attn_config(head_dim, q.device, "ring", config)
-    tiles = triton.cdiv(seqlen, cfg["BLOCK_M"]) * batch * n_heads
-    ring_attn_fwd_kernel[(spinning_grid(tiles, sm_count(q.device)),)](
-        q, kv_staged, out, lse, pad_table, stats, rank, world_size, epoch, meta, timeout_ns,
-        sm_scale, batch, n_heads, n_heads // kv_staged.shape[3], seqlen, head_dim,
-        seqlen // 2 if zigzag else seqlen, *_layout(q), *_layout(out), CAUSAL=causal,
-        ZIGZAG=zigzag, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim),
-        ELEM_BYTES=q.element_size(), UPCAST=interpreting(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
+    acc, stat = state
+    ring_attn_step_kernel[(m_blocks * batch * n_heads,)](
+        q, kv, acc, stat, out, lse, pad_table, rank, world_size, src, keys[0], keys[1], sm_scale,
+        batch, n_heads, n_heads // kv.shape[3], seqlen, head_dim, seqlen // 2 if zigzag else seqlen,
+        m_blocks, *_layout(q), *_layout(out), CAUSAL=causal, ZIGZAG=zigzag, FIRST=first, LAST=last,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim),
+        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _aot_examples():
@@ -490,11 +555,15 @@ def _aot_examples():
               "sm_scale": "fp32", "n_heads": i32, "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32,
               "head_dim": i32, "m_blocks": i32, **grad_strides,
               **{f"stride_dq{a}": i32 for a in "bsh"}, "stride_lb": i32, "stride_lh": i32}
-    ring_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32",
-                "pad_table": "*i64", "stats_ptr": "*i64", "rank": i32, "world_size": i32,
-                "epoch": i32, "meta": i32, "timeout_ns": "i64", "sm_scale": "fp32", "batch": i32,
-                "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32, "chunk": i32,
+    step_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "acc_ptr": "*fp32", "stat_ptr": "*fp32",
+                "o_ptr": "*bf16", "lse_ptr": "*fp32", "pad_table": "*i64", "rank": i32,
+                "world_size": i32, "src": i32, "key_lo": i32, "key_hi": i32, "sm_scale": "fp32",
+                "batch": i32, "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32,
+                "chunk": i32, "m_blocks": i32,
                 **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"}}
+    copy_sig = {"slot_ptr": "*bf16", "pad_table": "*i64", "stats_ptr": "*i64", "rank": i32,
+                "world_size": i32, "epoch": i32, "meta": i32, "timeout_ns": "i64", "src": i32,
+                "row_lo": i32, "row_hi": i32, "segments": i32, "seqlen": i32, "row_elems": i32}
     out = []
     for arch, fwd, bwd, ring in ((90, _FWD_SM90, _BWD_SM90, _RING_SM90),
                                  (80, _FWD_SM80, _BWD_SM80, _RING_SM80)):
@@ -507,10 +576,14 @@ def _aot_examples():
                 out.append((kernel, sig, consts, dict(num_warps=cfg["num_warps"],
                                                       num_stages=cfg["num_stages"], arch=arch)))
             cfg = ring[d]
-            out.append((ring_attn_fwd_kernel, ring_sig,
-                        dict(CAUSAL=True, ZIGZAG=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                             BLOCK_D=d, ELEM_BYTES=2, UPCAST=False),
-                        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch)))
+            for last in (False, True):  # a middle step (state in and out), the last step
+                out.append((ring_attn_step_kernel, step_sig,
+                            dict(CAUSAL=True, ZIGZAG=True, FIRST=False, LAST=last,
+                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d,
+                                 UPCAST=False),
+                            dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch)))
+        out.append((ring_kv_copy_kernel, copy_sig, dict(BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=2),
+                    dict(num_warps=COPY_CONFIG["num_warps"], arch=arch)))
     return out
 
 

@@ -81,18 +81,24 @@ class RingCall:
         on CPU (the interpreter is a test tool); the same on every rank."""
         return "triton" if self.q.device.type == "cuda" else "reference"
 
-    def block(self, src: int):
-        """``(query rows, key rows, causal)`` of this rank's block against ``src``'s K/V,
-        or None when causal masking hides all of it."""
+    def block(self, src: int, rank: int | None = None):
+        """``(query rows, key rows, causal)`` of ``rank``'s (default: this rank's) block
+        against ``src``'s K/V, or None when causal masking hides all of it."""
+        rank = self.rank if rank is None else rank
         every = slice(None)
         if not self.causal:
             return every, every, False
-        if src == self.rank:
+        if src == rank:
             return every, every, True
         if self.layout == "contiguous":
-            return (every, every, False) if src < self.rank else None
+            return (every, every, False) if src < rank else None
         half = self.q.shape[1] // 2
-        return (every, slice(0, half), False) if src < self.rank else (slice(half, None), every, False)
+        return (every, slice(0, half), False) if src < rank else (slice(half, None), every, False)
+
+    def key_rows(self, src: int, rank: int) -> tuple[int, int] | None:
+        """``(lo, hi)``: the rows of ``src``'s K/V that some query of ``rank`` sees, or None."""
+        block = self.block(src, rank)
+        return None if block is None else block[1].indices(self.q.shape[1])[:2]
 
     def chunks(self) -> list[tuple[slice, int]]:
         """``(local rows, global chunk index)`` of this rank's chunks, chunk size
@@ -179,8 +185,10 @@ def packed_reason(call: RingCall) -> list[str]:
 class Pipelined(Backend):
     """W steps around the ring: the K/V block received at step s is sent on at step s+1
     while the attention of step s runs (async P2P: gloo on CPU, NCCL on GPU). Backward:
-    K/V travel the ring again and each block's dK/dV accumulator (fp32) travels with it,
-    reaching its owner after W-1 hops; the owner's own block stays local."""
+    K/V travel the ring again and each block's dK/dV accumulator travels with it, reaching
+    its owner after W-1 hops; the owner's own block stays local. The accumulator travels in
+    the input dtype (each rank adds its part in fp32 and rounds once per hop), so a call
+    moves the lower bound (W-1) (|K/V| + |dK/dV|) of a ring."""
 
     name = "pipelined"
 
@@ -218,7 +226,7 @@ class Pipelined(Backend):
         bufs = [kv, torch.empty_like(kv)]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        travelling = [torch.zeros_like(own), torch.empty_like(own)]  # accumulators of others' K/V
+        travelling = [torch.zeros_like(kv), torch.empty_like(kv)]  # accumulators of others' K/V
         grad_requests = []
         for step in range(world):
             src, current = (rank - step) % world, bufs[step % 2]
@@ -226,7 +234,8 @@ class Pipelined(Backend):
                 kv_requests = C.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
             for request in grad_requests:  # this step's accumulator has arrived
                 request.wait()
-            acc = own if step == 0 else travelling[(step - 1) % 2]
+            # the partial dK/dV of src's block, added to in fp32 (in place when fp32)
+            acc = own if step == 0 else travelling[(step - 1) % 2].float()
             block = call.block(src)
             if block is not None:
                 rows, keys, causal = block
@@ -237,7 +246,8 @@ class Pipelined(Backend):
                 acc[0][:, keys] += bdk
                 acc[1][:, keys] += bdv
             if step > 0:  # pass the accumulator on; receive the next (own, after the last step)
-                grad_requests = C.exchange(acc, travelling[step % 2], left, right, call.group)
+                sending = acc.to(kv.dtype)  # dK/dV travel in the input dtype, like K/V
+                grad_requests = C.exchange(sending, travelling[step % 2], left, right, call.group)
             if step < world - 1:
                 for request in kv_requests:
                     request.wait()
@@ -245,16 +255,19 @@ class Pipelined(Backend):
             request.wait()
         if world > 1:
             own += travelling[(world - 1) % 2]
-        counters.record(OP, self.name, (world - 1) * (_nbytes(kv) + _nbytes(own)))
+        counters.record(OP, self.name, 2 * (world - 1) * _nbytes(kv))  # K/V, then dK/dV
         return dq.to(q.dtype), *_kv_grads(own, q.dtype)
 
 
 class TritonRing(Pipelined):
-    """One Triton kernel per rank: every rank stages its K/V in its symmetric buffer and
-    raises READY; the kernel attends to its own K/V first and then reads each peer's K/V
-    block straight from the peer's buffer as the peer's flag flips (bounded waits,
-    fingerprints checked), skipping causally masked blocks; the bytes it reads from peers
-    are counted in the kernel. The backward pass is the pipelined ring's."""
+    """Symmetric memory, each peer's K/V crossing the link once per call: every rank stages
+    its K/V in its symmetric buffer and raises READY; then, per ring step, a copy kernel
+    waits for the step's source (bounded, fingerprint checked) and copies the K/V rows this
+    rank's queries can see into one of two local slots (counting the bytes), while the
+    attention kernel of the previous step folds its slot into fp32 online-softmax state
+    (own K/V first; causally masked blocks are neither copied nor computed). On GPU the
+    copies run on a side stream, so step s+1's copy overlaps step s's attention. The
+    backward pass is the pipelined ring's (K/V and dK/dV once around the ring)."""
 
     name = "triton"
 
@@ -272,23 +285,72 @@ class TritonRing(Pipelined):
     def run_views(self, bufs, qs, kvs, call: RingCall):
         """``[(out, lse)]`` per rank view in ``bufs`` (one, or all W for loopback)."""
         meta = call.fingerprint()
-
         by_rank = {buf.rank: q for buf, q in zip(bufs, qs)}
 
         def attend(buf, staged, epoch):
             q = by_rank[buf.rank]
-            q = q if q.stride(-1) == 1 else q.contiguous()
-            b, s, h, _ = q.shape
-            out = torch.empty_like(q)
-            lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-            stats = C.stats_tensor(q.device)
-            kernels.ring_attn_forward(q, staged, out, lse, buf.pad_table, buf.rank, buf.world_size,
-                                      epoch, meta, buf.timeout_ns, stats, call.causal, call.scale,
-                                      call.layout == "zigzag")
-            counters.record(OP, self.name, stats)
-            return out, lse
+            return self._ring(call, buf, q if q.stride(-1) == 1 else q.contiguous(), staged, epoch, meta)
 
         return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, kvs, meta, call.description(), attend)
+
+    def _ring(self, call: RingCall, buf, q, own_kv, epoch: int, meta: int):
+        rank, world = buf.rank, buf.world_size
+        b, s, h, _ = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        state = kernels.ring_attn_state(q)
+        stats = C.stats_tensor(q.device)
+        peers = [(rank - step) % world for step in range(1, world)]
+        rows = {src: call.key_rows(src, rank) for src in range(world)}
+        steps = [rank] + [src for src in peers if rows[src]]  # the attention steps, in order
+        slots = [torch.empty_like(own_kv) for _ in range(min(2, len(peers)))]
+        side = _side_stream(q.device) if q.is_cuda else None
+
+        def copy(i):  # peer i's visible rows into slot i % 2 (no rows: check its fingerprint)
+            kernels.ring_kv_copy(slots[i % 2], buf.pad_table, rank, world, epoch, meta,
+                                 buf.timeout_ns, peers[i], rows[peers[i]] or (0, 0), stats)
+
+        def attend(src, kv):
+            kernels.ring_attn_step(q, kv, state, out, lse, buf.pad_table, rank, world, src,
+                                   rows[src], call.causal, call.scale, call.layout == "zigzag",
+                                   first=src == rank, last=src == steps[-1])
+
+        copied = [_after_main(side, copy, 0)] if peers else []
+        attend(rank, own_kv)
+        for i, src in enumerate(peers):
+            if i + 1 < len(peers):  # after the attention that last read slot (i+1) % 2
+                copied.append(_after_main(side, copy, i + 1))
+            if rows[src]:
+                if copied[i] is not None:
+                    torch.cuda.current_stream().wait_event(copied[i])
+                attend(src, slots[i % 2])
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)  # before DONE tells peers we are done
+        counters.record(OP, self.name, stats)
+        return out, lse
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _after_main(side, fn, *args):
+    """Run ``fn(*args)`` on ``side`` after everything queued so far on the current stream;
+    return an event marking its end (None without a side stream: it ran in order)."""
+    if side is None:
+        fn(*args)
+        return None
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+        done = torch.cuda.Event()
+        done.record(side)
+    return done
 
 
 def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:

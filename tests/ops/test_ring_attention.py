@@ -31,12 +31,22 @@ def _unshard(x, dim, layout):
     return fusedpar.ops.all_gather(x, dim, backend="reference")
 
 
-def _expected_bytes(backend, q, k, world):
-    """``(forward, backward)`` bytes this rank receives, fp32 inputs (triton: the forward
-    kernel counts what it reads, re-reads included: checked in test_loopback_bytes)."""
+def visible_kv_bytes(kv: int, world: int, rank: int, causal: bool, layout: str) -> int:
+    """The forward's lower bound for a rank that pulls K/V: the bytes of the peers' K/V rows
+    its queries can see, once (``kv``: one rank's K/V bytes). Causal, contiguous: the ranks
+    before it; zigzag: the first half of each rank before it and all of each rank after."""
+    if not causal:
+        return (world - 1) * kv
+    if layout == "contiguous":
+        return rank * kv
+    return rank * kv // 2 + (world - 1 - rank) * kv
+
+
+def _expected_bytes(backend, q, k, world, causal, layout):
+    """``(forward, backward)`` bytes this rank receives, fp32 inputs."""
     kv = 2 * k.numel() * 4
-    if backend == "triton":
-        return None, 2 * (world - 1) * kv
+    if backend == "triton":  # pulls what it needs; the backward is the pipelined ring's
+        return visible_kv_bytes(kv, world, dist.get_rank(), causal, layout), 2 * (world - 1) * kv
     if backend in ("pipelined", "allgather_kv"):  # K/V once around; dK/dV once back
         return (world - 1) * kv, 2 * (world - 1) * kv
     kv_rep = kv * max(1, world // k.shape[2])  # ulysses: K/V heads replicated to W
@@ -75,9 +85,8 @@ def _check_matches_full_attention(backend, shapes):
                 for t, r in zip((q, k, v), ref):
                     torch.testing.assert_close(t.grad.double(), _shard(r.grad, 1, layout, rank, world),
                                                atol=1e-4, rtol=0, msg=str(where))
-                expected_forward, expected_backward = _expected_bytes(backend, q, k, world)
-                assert backward.total() == expected_backward, where
-                assert forward.total() == (expected_forward or forward.total()), where
+                expected_forward, expected_backward = _expected_bytes(backend, q, k, world, causal, layout)
+                assert (forward.total(), backward.total()) == (expected_forward, expected_backward), where
     return True
 
 
@@ -91,29 +100,30 @@ def test_matches_full_sequence_attention(pools, world, backend):
     assert pools(world).run(_check_matches_full_attention, backend, shapes) == [True] * world
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_loopback_matches_full_attention(layout):
-    world, s = 4, 16
-    g = torch.Generator().manual_seed(3)
-    # 2 x 6 (batch, head) tiles: more than the interpreter's 8 programs, so they loop
-    q, k, v = (torch.randn(2, s, n, 24, generator=g) for n in (6, 3, 3))
-    ref_out, ref_lse = sdpa64(q, k, v, True)
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (2, "contiguous"), (4, "zigzag"),
+                                          (4, "contiguous")])
+def test_loopback_matches_full_attention_at_the_byte_lower_bound(world, layout):
+    """Several query blocks (S_local = 40 > the interpreter's 32-row blocks) and GQA (H=4,
+    H_kv=2): out and lse equal fp64 attention, and each peer's K/V rows that a rank's
+    queries see cross once: (W-1) x K/V bytes per rank without causal masking."""
+    s = 40 * world
+    g = torch.Generator().manual_seed(world)
+    q, k, v = (torch.randn(1, s, n, 24, generator=g) for n in (4, 2, 2))
     shard = ((lambda x, d, r: zigzag_shard(x, d, r, world)) if layout == "zigzag"
              else (lambda x, d, r: x.chunk(world, d)[r]))
-    results = fusedpar.ops.ring_attention_loopback(
-        *([shard(t, 1, r) for r in range(world)] for t in (q, k, v)), causal=True, layout=layout)
-    for r, (out, lse) in enumerate(results):
-        torch.testing.assert_close(out.double(), shard(ref_out, 1, r), atol=1e-5, rtol=0)
-        torch.testing.assert_close(lse.double(), shard(ref_lse, 2, r), atol=1e-5, rtol=0)
-
-
-def test_loopback_bytes_equal_the_kv_volume():
-    """One query block per (batch, head) and H == H_kv: every peer K/V element read once."""
-    world = 3
-    qs, ks, vs = ([torch.randn(2, 6, 2, 8) for _ in range(world)] for _ in range(3))
-    with fusedpar.comm.count_bytes() as counter:
-        fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=False)
-    assert counter.total() == world * (world - 1) * 2 * ks[0].numel() * 4
+    kv = 2 * k.numel() // world * 4
+    for causal in (True, False):
+        ref_out, ref_lse = sdpa64(q, k, v, causal)
+        with fusedpar.comm.count_bytes() as counter:
+            results = fusedpar.ops.ring_attention_loopback(
+                *([shard(t, 1, r) for r in range(world)] for t in (q, k, v)), causal=causal,
+                layout=layout)
+        for r, (out, lse) in enumerate(results):
+            torch.testing.assert_close(out.double(), shard(ref_out, 1, r), atol=1e-5, rtol=0)
+            torch.testing.assert_close(lse.double(), shard(ref_lse, 2, r), atol=1e-5, rtol=0)
+        expected = sum(visible_kv_bytes(kv, world, r, causal, layout) for r in range(world))
+        assert counter.total() == expected, (causal, counter.total(), expected)
+    assert expected == world * (world - 1) * kv  # the last case: not causal
 
 
 def _check_packed_documents():
@@ -221,21 +231,32 @@ def test_a_stalled_peer_times_out(pools):
 
 def _check_bf16():
     """bf16 inputs: every backend returns bf16 out (fp32 lse); blocks merge in fp32, so the
-    error is about one bf16 rounding of the output."""
+    error is about one bf16 rounding of the output. The rings' backward moves K/V and the
+    travelling dK/dV in bf16 (the lower bound, 2 (W-1) |K/V| bytes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(11)
     full = [torch.randn(1, 8 * world, n, 16, generator=g).bfloat16() for n in (2, 2, 2)]
-    ref_out, _ = sdpa64(*full, True)
-    expected = zigzag_shard(ref_out, 1, rank, world)
+    dout = torch.randn(1, 8 * world, 2, 16, generator=g).bfloat16()
+    ref = [t.double().requires_grad_() for t in full]
+    ref_out, _ = sdpa64(*ref, True)
+    ref_out.backward(dout.double())
+    expected = zigzag_shard(ref_out.detach(), 1, rank, world)
     errors = {}
     for backend in BACKENDS:
-        out, lse = fusedpar.ops.ring_attention_with_lse(*(zigzag_shard(t, 1, rank, world) for t in full),
-                                                        causal=True, backend=backend)
+        q, k, v = (zigzag_shard(t, 1, rank, world).requires_grad_() for t in full)
+        out, lse = fusedpar.ops.ring_attention_with_lse(q, k, v, causal=True, backend=backend)
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, backend
         errors[backend] = (out.double() - expected).abs().max().item()
+        if backend in ("pipelined", "triton"):
+            with fusedpar.comm.count_bytes() as moved:
+                out.backward(zigzag_shard(dout, 1, rank, world))
+            assert moved.total() == 2 * (world - 1) * 2 * k.numel() * 2, (backend, moved.total())
+            errors[backend + " grads"] = max(
+                ((t.grad.double() - zigzag_shard(r.grad, 1, rank, world)).abs().max()
+                 / r.grad.abs().max()).item() for t, r in zip((q, k, v), ref))
     return errors
 
 
-def test_bf16_outputs(pools):
+def test_bf16_outputs_and_ring_gradients(pools):
     for errors in pools(2).run(_check_bf16):
         assert all(err < 2e-2 for err in errors.values()), errors
