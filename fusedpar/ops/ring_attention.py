@@ -5,8 +5,9 @@ Layouts (``layout=``): ``"zigzag"`` (default): the global sequence is cut into `
 chunks and rank ``r`` holds chunks ``r`` and ``2W-1-r`` (``fusedpar.parallel.zigzag_shard``),
 so causal work is equal on every rank; ``"contiguous"``: rank ``r`` holds chunk ``r`` of W.
 
-Backends: ``triton`` (one kernel reads each peer's K/V from symmetric memory as its flag
-flips), ``pipelined`` (K/V around the ring by async P2P), ``ulysses`` (all-to-all heads <->
+Backends: ``triton`` (per ring step, a copy kernel pulls the visible rows of a peer's K/V
+from symmetric memory once its flag flips, while an attention kernel folds the previous
+step's block into fp32 state), ``pipelined`` (K/V around the ring by async P2P), ``ulysses`` (all-to-all heads <->
 sequence), ``allgather_kv`` (gather K/V; packed documents across ranks).
 
 Ring blocks: rank ``r`` attends its queries to the K/V of every source rank ``src``. For
@@ -573,8 +574,8 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     fp32 ``[B, H, S_local]``; both outputs are differentiable. Backends: ``pipelined``
     (K/V around the ring by async P2P, overlapped with the blocks), ``ulysses`` (all-to-all
     heads <-> sequence; needs ``H % W == 0``), ``allgather_kv`` (gather K/V, attend
-    locally), ``triton`` (one kernel reading peers' K/V from symmetric memory; its backward
-    is the pipelined one). The local blocks run the flash-attention kernel on GPU.
+    locally), ``triton`` (pulls each peer's K/V rows that this rank's queries see from
+    symmetric memory once, overlapped with the blocks; its backward is the pipelined one). The local blocks run the flash-attention kernel on GPU.
     Packed documents: ``cu_seqlens`` (int32 cumulative ends over the *global* sequence,
     in global order, identical on every rank; B = 1) confines attention to each document,
     also across ranks (``allgather_kv`` only). Every rank must pass the same shapes; a

@@ -53,3 +53,11 @@ def test_persistent_gemm_grids_hold_one_program_per_sm():
 @pytest.mark.parametrize("rows", [2**31 - 1, 2**20 + 3, 1])
 def test_moe_pull_rows_grid_is_legal(rows):
     _within_cuda_limits(moe_dispatch.pull_rows_grid(rows, moe_dispatch.ROW_BLOCK_GPU["BLOCK_R"]))
+
+
+@pytest.mark.parametrize("pieces", [1, 7, 2**31 - 1])
+def test_ring_attention_copy_grid_leaves_most_sms_to_the_attention(pieces):
+    from fusedpar.kernels.flash_attn import ring_copy_programs
+    grid = (ring_copy_programs(pieces, SMS),)
+    _within_cuda_limits(grid)
+    assert grid[0] <= max(1, SMS // 4)
