@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import resolve_group
-from ..ops.ring_attention import BACKENDS, LAYOUTS, ring_attention
+from ..ops.all_gather import all_gather
+from ..ops.ring_attention import BACKENDS, LAYOUTS, ring_attention, zigzag_order
 
 
 def choose_backend(heads: int, kv_heads: int, world: int) -> str | None:
@@ -69,6 +70,42 @@ class ContextParallelAttention(nn.Module):
         return ring_attention(q, k, v, group, causal=causal, softmax_scale=scale,
                               layout=self.layout, backend=backend)
 
+    def attend_padded(self, q, k, v, padding: torch.Tensor, causal: bool,
+                      scale: float | None) -> torch.Tensor:
+        """``attend`` with a key-padding mask ``padding [B, S_local]`` (True: a token, False:
+        padding; this rank's part in ``layout``), for left- or right-padded rows: the same as
+        ``attend`` on the full sequence where every token attends only to tokens. A padded
+        row runs as packed documents ``[its tokens]`` plus the padding before and after them
+        (``allgather_kv``, the backend of packed documents), so tokens never see padding;
+        padding positions attend among themselves (their outputs mean nothing, as in HF).
+        Rows without padding run as ``attend``. Rows with padding between tokens raise."""
+        group = resolve_group(self.group)
+        gather = None if q.is_cuda else "reference"
+        world = dist.get_world_size(group)
+        full = all_gather(padding.to(torch.int32), 1, group, backend=gather)  # rank order
+        if self.layout == "zigzag":  # to global order (the same on every rank)
+            chunks = full.chunk(2 * world, 1)
+            full = torch.cat([chunks[i] for i in zigzag_order(world)], 1)
+        seq = full.shape[1]
+        outs = []
+        for row, tokens in enumerate(full.bool().tolist()):
+            one = (q[row:row + 1], k[row:row + 1], v[row:row + 1])
+            if all(tokens):
+                outs.append(self.attend(*one, causal, scale))
+                continue
+            where = [i for i, t in enumerate(tokens) if t]
+            first, end = (where[0], where[-1] + 1) if where else (0, 0)
+            if end - first != len(where):
+                raise ValueError(
+                    f"fusedpar_cp attention: row {row} of the attention mask has padding between "
+                    f"tokens (tokens at global positions {first}..{end - 1}, {len(where)} of them); "
+                    "only left or right padding is supported: pack such sequences instead")
+            ends = sorted({0, first, end, seq})
+            cu = torch.tensor(ends, dtype=torch.int32, device=q.device)
+            outs.append(ring_attention(*one, group, causal=causal, softmax_scale=scale,
+                                       layout=self.layout, cu_seqlens=cu, backend="allgather_kv"))
+        return torch.cat(outs, 0)
+
     def extra_repr(self) -> str:
         return f"backend={self.backend or 'auto'}, layout={self.layout}"
 
@@ -89,8 +126,11 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
                                   dropout: float = 0.0, **kwargs):
     """``transformers`` attention function (``AttentionInterface`` signature): query
     ``[B, H, S_local, D]`` in, ``(out [B, S_local, H, D], None)`` out. Causal unless the
-    layer says ``is_causal=False``; masks cannot be applied to a split sequence, so a
-    padding mask is refused (pack documents without padding instead)."""
+    layer says ``is_causal=False``. ``attention_mask``: None, or this rank's 2-D padding mask
+    (``[B, S_local]``, what the ``"fusedpar_cp"`` mask function passes on when the model got
+    a padded ``attention_mask``, sharded like the input ids): left or right padding runs
+    with ``ContextParallelAttention.attend_padded``. A 4-D mask is refused: it cannot be
+    applied to a sequence split across ranks."""
     cp = _HF["module"]
     if cp is None:
         raise RuntimeError("fusedpar_cp attention: call fusedpar.nn.attention."
@@ -98,14 +138,25 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
     if dropout and module.training:
         raise ValueError(f"fusedpar_cp attention: attention dropout {dropout} is not supported; "
                          "set config.attention_dropout = 0")
-    if attention_mask is not None:
-        raise ValueError("fusedpar_cp attention: got an attention mask; a mask cannot be applied "
-                         "to a sequence split across ranks (causality is applied by the kernel): "
-                         "pass unpadded sequences and no attention_mask")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"fusedpar_cp attention: got a {attention_mask.dim()}-D attention mask of "
+                         f"shape {tuple(attention_mask.shape)}; only a 2-D padding mask [B, S_local] "
+                         "(this rank's part) can be applied to a sequence split across ranks "
+                         "(causality is applied by the kernel)")
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
-    out = cp.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                    bool(causal if causal is not None else True), scaling)
-    return out, None
+    causal = bool(causal if causal is not None else True)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if attention_mask is None:
+        return cp.attend(q, k, v, causal, scaling), None
+    return cp.attend_padded(q, k, v, attention_mask, causal, scaling), None
+
+
+def padding_mask_only(*args, attention_mask=None, **kwargs):
+    """The ``"fusedpar_cp"`` mask function: builds no mask (the attention applies causality
+    itself) but passes a 2-D padding mask on when it pads anything."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        return attention_mask
+    return None
 
 
 def register_with_transformers() -> bool:
@@ -120,8 +171,8 @@ def register_with_transformers() -> bool:
         return False
     interface.register("fusedpar_cp", hf_context_parallel_attention)
     masks = getattr(transformers, "AttentionMaskInterface", None)
-    if masks is not None:  # no mask tensor: the attention applies causality itself
-        masks.register("fusedpar_cp", lambda *args, **kwargs: None)
+    if masks is not None:
+        masks.register("fusedpar_cp", padding_mask_only)
     return True
 
 

@@ -75,3 +75,45 @@ def _hf_llama(cp_size_unused=None):
 def test_hugging_face_llama_with_fusedpar_cp(pools):
     pytest.importorskip("transformers")
     assert pools(2).run(_hf_llama) == [True, True]
+
+
+def _hf_llama_padded():
+    """A padded batch (right padding, left padding, none) against HF's own sdpa attention at
+    every token position; padding between tokens is refused."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fusedpar.nn.attention import set_hf_context_parallel_group
+    from fusedpar.parallel import zigzag_positions
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    s = 8 * world
+    ids = torch.randint(0, 64, (3, s))
+    mask = torch.ones(3, s, dtype=torch.long)
+    mask[0, s - 5:] = 0  # right padding, across the zigzag chunks of several ranks
+    mask[1, :3] = 0  # left padding
+    positions = torch.arange(s)[None].expand(3, -1)
+    expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    set_hf_context_parallel_group(None, backend="pipelined")  # the kernels are tested elsewhere
+    model.config._attn_implementation = "fusedpar_cp"
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = "fusedpar_cp"
+    shard = lambda x: zigzag_shard(x, 1, rank, world)  # noqa: E731
+    local_positions = zigzag_positions(s, rank, world)[None].expand(3, -1)
+    logits = model(shard(ids), attention_mask=shard(mask), position_ids=local_positions).logits
+    tokens = shard(mask).bool()
+    torch.testing.assert_close(logits[tokens], shard(expected)[tokens], atol=1e-4, rtol=1e-4)
+    holes = mask.clone()
+    holes[2, s // 2] = 0
+    with pytest.raises(ValueError, match="padding between tokens"):
+        model(shard(ids), attention_mask=shard(holes), position_ids=local_positions)
+    return True
+
+
+def test_hugging_face_padding_mask_matches_sdpa(pools):
+    pytest.importorskip("transformers")
+    assert pools(2).run(_hf_llama_padded) == [True, True]
