@@ -28,6 +28,7 @@ from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, reso
                     symmetric)
 from ..kernels import flash_attn as kernels
 from . import _collective as C
+from .all_gather_matmul import _side_stream  # the copy stream the fused all-gather uses
 from .backend import Backend, Dispatcher
 from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
                               check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
@@ -329,15 +330,6 @@ class TritonRing(Pipelined):
             torch.cuda.current_stream().wait_stream(side)  # before DONE tells peers we are done
         counters.record(OP, self.name, stats)
         return out, lse
-
-
-_side_streams: dict = {}
-
-
-def _side_stream(device: torch.device):
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
 
 
 def _after_main(side, fn, *args):
