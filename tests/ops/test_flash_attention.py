@@ -162,6 +162,10 @@ def test_gpu_ring_loopback_matches_flash_attention():
     from fusedpar.parallel import zigzag_shard
 
     parts = [[zigzag_shard(t, 1, r, world) for r in range(world)] for t in (q, k, v)]
-    for r, (out, lse) in enumerate(fusedpar.ops.ring_attention_loopback(*parts, causal=True)):
+    with fusedpar.comm.count_bytes() as moved:  # copies on the side stream, counted in-kernel
+        results = fusedpar.ops.ring_attention_loopback(*parts, causal=True)
+    kv = 2 * parts[1][0].numel() * 2
+    assert moved.total() == 3 * world * (world - 1) // 4 * kv  # causal zigzag: the visible rows
+    for r, (out, lse) in enumerate(results):
         torch.testing.assert_close(out.float(), zigzag_shard(whole, 1, r, world).float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, zigzag_shard(whole_lse, 2, r, world), atol=1e-3, rtol=0)
