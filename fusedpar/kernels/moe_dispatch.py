@@ -11,10 +11,10 @@ nothing here spins.
   lives. If this rank recorded a failure (a wait timed out, a fingerprint differed, a
   capacity was exceeded) it reads no peer at all and writes zeros. Adds the bytes read
   from peers to ``stats``.
-- ``check_capacity_kernel``: one program: every ``counts[src, expert]`` fits in
-  ``max_tokens_per_rank``; the first that does not is recorded as this rank's failure
-  (``CAPACITY_EXCEEDED``) and in ``overflow = [src, expert, count]``. Every rank holds the
-  same counts table, so every rank records the same failure.
+- ``check_capacity_kernel``: one program: every entry of the ``[W, E + 1]`` table (each
+  rank's per-expert counts and its token count) fits in ``max_tokens_per_rank``, else this
+  rank records ``CAPACITY_EXCEEDED``. Every rank holds the same table, so every rank fails
+  the same call (and pulls nothing).
 """
 
 import torch
@@ -54,22 +54,14 @@ def pull_rows_kernel(out_ptr, src_rank_ptr, src_row_ptr, pad_table, rank, rows, 
     tl.atomic_add(stats_ptr, from_peers * H * ELEM_BYTES)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "n", "E", "max_count"])
-def check_capacity_kernel(counts_ptr, n, E, max_count, pad_table, rank, epoch, overflow_ptr,
-                          BLOCK: tl.constexpr):
-    first = tl.full([], -1, tl.int64)
+@triton.jit(do_not_specialize=["rank", "epoch", "n", "max_count"])
+def check_capacity_kernel(counts_ptr, n, max_count, pad_table, rank, epoch, BLOCK: tl.constexpr):
+    over = tl.zeros([BLOCK], dtype=tl.int32)
     for b in range(0, tl.cdiv(n, BLOCK)):
         i = b * BLOCK + tl.arange(0, BLOCK)
-        c = tl.load(counts_ptr + i, mask=i < n, other=0)
-        over_at = tl.min(tl.where(c > max_count, i, n))
-        if (first < 0) & (over_at < n):
-            first = over_at.to(tl.int64)
-    if first >= 0:
-        src = (first // E).to(tl.int32)
-        record_failure(pad_ptr(pad_table, rank), CAPACITY_EXCEEDED, src, epoch)
-        tl.store(overflow_ptr, src)
-        tl.store(overflow_ptr + 1, (first % E).to(tl.int32))
-        tl.store(overflow_ptr + 2, tl.load(counts_ptr + first))
+        over += (tl.load(counts_ptr + i, mask=i < n, other=0) > max_count).to(tl.int32)
+    if tl.sum(over) > 0:
+        record_failure(pad_ptr(pad_table, rank), CAPACITY_EXCEEDED, rank, epoch)
 
 
 def pull_rows_grid(rows: int, block_r: int) -> tuple[int]:
@@ -90,12 +82,11 @@ def pull_rows(out: torch.Tensor, src_rank: torch.Tensor, src_row: torch.Tensor, 
         num_warps=NUM_WARPS, **cfg)
 
 
-def check_capacity(counts: torch.Tensor, num_experts: int, max_count: int, pad_table: torch.Tensor,
-                   rank: int, epoch: int, overflow: torch.Tensor) -> None:
-    """Record ``CAPACITY_EXCEEDED`` if any entry of the int32 ``[W, num_experts]`` counts table
-    is above ``max_count``; ``overflow`` int32 ``[3]`` gets ``[src, expert, count]``."""
-    check_capacity_kernel[(1,)](counts, counts.numel(), num_experts, max_count, pad_table, rank, epoch,
-                                overflow, BLOCK=CHECK_BLOCK)
+def check_capacity(counts: torch.Tensor, max_count: int, pad_table: torch.Tensor, rank: int,
+                   epoch: int) -> None:
+    """Record ``CAPACITY_EXCEEDED`` in this rank's status if any entry of the int32 counts
+    table is above ``max_count`` (the op reads which one from the table when it raises)."""
+    check_capacity_kernel[(1,)](counts, counts.numel(), max_count, pad_table, rank, epoch, BLOCK=CHECK_BLOCK)
 
 
 AOT_EXAMPLES = [
@@ -106,6 +97,6 @@ AOT_EXAMPLES = [
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4))
 ] + [
     (check_capacity_kernel,
-     {"counts_ptr": "*i32", "n": "i32", "E": "i32", "max_count": "i32", "pad_table": "*i64", "rank": "i32",
-      "epoch": "i32", "overflow_ptr": "*i32"}, {"BLOCK": CHECK_BLOCK}, {"num_warps": 4}),
+     {"counts_ptr": "*i32", "n": "i32", "max_count": "i32", "pad_table": "*i64", "rank": "i32", "epoch": "i32"},
+     {"BLOCK": CHECK_BLOCK}, {"num_warps": 4}),
 ]

@@ -16,7 +16,6 @@ from ..errors import FusedparTimeoutError
 from ..kernels import moe_dispatch as dispatch_kernels
 from ..kernels import moe_permute as permute_kernels
 from . import _collective as C
-from .all_gather import all_gather, all_gather_loopback
 from .backend import Backend, Dispatcher
 
 DROP_POLICIES = ("probs", "position")
@@ -133,12 +132,17 @@ def _kernels_run_on(device: torch.device) -> bool:
     return (device.type == "cuda") != permute_kernels.interpreting()
 
 
-def _permute(x, pos, k, rows):
+def _permute(x, pos, k, rows, weights=None):
+    """``out[pos[i]] = x[i // k] (* weights[i], in fp32)``: ``[rows, H]``, other rows zero."""
     if _kernels_run_on(x.device):
-        return permute_kernels.gather_rows(x.contiguous(), pos, k, rows)
+        w = None if weights is None else weights.reshape(-1).float().contiguous()
+        return permute_kernels.gather_rows(x.contiguous(), pos, k, rows, w)
     kept = pos >= 0
+    src = x[torch.arange(pos.numel(), device=x.device)[kept] // k]
+    if weights is not None:
+        src = (src.float() * weights.reshape(-1)[kept].float()[:, None]).to(x.dtype)
     out = x.new_zeros(rows, x.shape[1])
-    out[pos[kept].long()] = x[torch.arange(pos.numel(), device=x.device)[kept] // k]
+    out[pos[kept].long()] = src
     return out
 
 
@@ -182,11 +186,8 @@ class _Unpermute(torch.autograd.Function):
         y, weights, pos = ctx.saved_tensors
         k, kept = ctx.k, pos >= 0
         grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            w = torch.where(kept, weights.reshape(-1).float(), 0.0)
-            src = grad.repeat_interleave(k, 0).float() * w[:, None]
-            grad_y = grad.new_zeros(y.shape)
-            grad_y[pos[kept].long()] = src[kept].to(grad.dtype)
+        if ctx.needs_input_grad[0]:  # the permutation kernel: no host read of pos
+            grad_y = _permute(grad, pos, k, y.shape[0], weights)
         if ctx.needs_input_grad[1]:
             rows = y[pos.clamp(min=0).long()].float()
             dots = (rows * grad.repeat_interleave(k, 0).float()).sum(-1)
@@ -456,10 +457,12 @@ class Exchange:
     send_src: torch.Tensor     # int32 [2, send_rows]
     send_cap: int              # sorted rows any rank stages (the same on every rank)
     recv_cap: int              # recv_x rows any rank holds (the same on every rank)
-    num_experts: int
     k: int
     max_tokens: int | None
-    overflow: torch.Tensor     # int32 [3]: [src, expert, count] of a capacity failure
+
+    @property
+    def num_experts(self) -> int:
+        return self.table.shape[1] - 1
 
     @property
     def recv_rows(self) -> int:
@@ -470,10 +473,57 @@ class Exchange:
         return self.send_src.shape[1]
 
 
+def _group_views(group, device):
+    return lambda nbytes: [get_buffer(group, nbytes, device)]
+
+
+def _describe(dtype, H, E, k, M) -> list[int]:
+    return symmetric.describe_words(0, dtype, (H, E, k, M or 0), 0)
+
+
+def _run_round(op, bufs, xs, meta, desc, pull) -> list:
+    """``_collective.run_staged``, saying what the fingerprinted "shape" is on a mismatch."""
+    try:
+        return C.run_staged(op, C.TRITON_LAUNCHERS, bufs, xs, meta, desc, pull)
+    except ValueError as e:
+        raise ValueError(f"{e} (here: shape = (hidden size, num_experts, k, max_tokens_per_rank))") from None
+
+
+def _gather_counts(views, headers: list, meta: int, desc: list[int]) -> list:
+    """Every rank's header (int32 ``[E + 1]``: per-expert counts, then T) on every rank, as
+    ``[W, E + 1]``: one staged round of the all-gather pull kernel (whose waits check the
+    fingerprint of hidden size, E, k, dtype and max_tokens_per_rank). Metadata: its bytes are
+    not counted as moved rows."""
+    n = headers[0].numel()
+
+    def pull(buf, staged, epoch):
+        out = staged.new_empty(buf.world_size, n)
+        C.TRITON_LAUNCHERS.all_gather_pull(out, staged, buf.pad_table, buf.rank, buf.world_size, epoch, meta,
+                                           1, n, buf.timeout_ns, C.stats_tensor(out.device))
+        return out
+
+    return _run_round("moe_dispatch", views(n * 4), headers, meta, desc, pull)
+
+
+def _capacity_error_from(table: torch.Tensor, max_tokens: int):
+    """The error of a call whose capacity check failed (reads the table: error path only)."""
+    E = table.shape[1] - 1
+    over = (table > max_tokens).nonzero().tolist()
+    if not over:
+        return None
+    src, expert = over[0]
+    count = int(table[src, expert])
+    if expert == E and count == INVALID_IDS:
+        return ValueError(f"fusedpar.moe_dispatch: rank {src}'s topk_idx holds expert ids outside "
+                          f"[0, {E}) (-1 marks a dropped copy)")
+    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == E
+                           else f"rank {src} routes {count} copies to expert {expert}")
+
+
 def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) -> list:
-    """One staged round (``_collective.run_staged``) moving rows in direction ``op``:
-    ``"moe_dispatch"`` stages sorted copies and pulls recv_x rows, ``"moe_combine"`` stages
-    recv_x-shaped rows and pulls each copy's row back. One entry per rank view."""
+    """One staged round moving rows in direction ``op``: ``"moe_dispatch"`` stages sorted
+    copies and pulls recv_x rows, ``"moe_combine"`` stages recv_x-shaped rows and pulls each
+    copy's row back. One entry per rank view."""
     first = exchanges[0]
     dispatching = op == "moe_dispatch"
     cap = first.send_cap if dispatching else first.recv_cap
@@ -481,7 +531,6 @@ def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) ->
     bufs = first.views(max(cap, 1) * H * rows[0].element_size())
     staged = [r[:cap].contiguous() for r in rows]  # more rows only in a call its capacity check fails
     meta = symmetric.fingerprint(op, dtype, H, first.num_experts, first.k, first.max_tokens)
-    desc = symmetric.describe_words(0, dtype, (H, first.num_experts, first.k), 0)
     by_rank = {buf.rank: ex for buf, ex in zip(bufs, exchanges)}
 
     def pull(buf, _staged, epoch):
@@ -489,8 +538,7 @@ def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) ->
         C.TRITON_LAUNCHERS.wait_flags(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch,
                                       buf.timeout_ns, layout.TIMEOUT_READY, meta)
         if check_capacity:
-            dispatch_kernels.check_capacity(ex.table, ex.table.shape[1], ex.max_tokens, buf.pad_table,
-                                            buf.rank, epoch, ex.overflow)
+            dispatch_kernels.check_capacity(ex.table, ex.max_tokens, buf.pad_table, buf.rank, epoch)
         src = ex.recv_src if dispatching else ex.send_src
         out = rows[0].new_empty(src.shape[1], H)
         stats = C.stats_tensor(out.device)
@@ -499,53 +547,74 @@ def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) ->
         return out
 
     try:
-        return C.run_staged(op, C.TRITON_LAUNCHERS, bufs, staged, meta, desc, pull)
-    except ValueError as e:  # fingerprints differed
-        raise ValueError(f"{e} (here: shape = (hidden size, num_experts, k))") from None
-    except FusedparTimeoutError:  # the status word also carries a capacity failure (code 4)
-        if not check_capacity or int(first.overflow[0]) < 0:
+        return _run_round(op, bufs, staged, meta, _describe(dtype, H, first.num_experts, first.k,
+                                                            first.max_tokens), pull)
+    except FusedparTimeoutError:  # the status word also carries a capacity failure
+        error = _capacity_error_from(first.table, first.max_tokens) if check_capacity else None
+        if error is None:
             raise
-        src, expert, count = first.overflow.tolist()
-        E = first.num_experts
-        if expert == E and count == INVALID_IDS:
-            raise ValueError(f"fusedpar.moe_dispatch: rank {src}'s topk_idx holds expert ids "
-                             f"outside [0, {E}) (-1 marks a dropped copy)") from None
-        what = (f"rank {src} passed {count} tokens" if expert == E
-                else f"rank {src} routes {count} copies to expert {expert}")
-        raise _capacity_error(first.max_tokens, what) from None
+        raise error from None
 
 
-class _PullRows(torch.autograd.Function):
-    """A ``_pull`` round of one rank; its adjoint is the round in the other direction (the
-    routes are a partial permutation of rows)."""
+@torch.library.custom_op("fusedpar::moe_pull_rows", mutates_args=())
+def _moe_pull_rows_op(rows: torch.Tensor, recv_src: torch.Tensor, send_src: torch.Tensor,
+                      table: torch.Tensor, group_name: str, send_cap: int, recv_cap: int, k: int,
+                      max_tokens: int, op: str, check_capacity: bool) -> torch.Tensor:
+    """The exchange primitive of the triton backend (one ``_pull`` round of this rank);
+    ``max_tokens`` 0 = unpadded."""
+    exchange = Exchange(_group_views(resolve_group(group_name), rows.device), 0, table, recv_src,
+                        send_src, send_cap, recv_cap, k, max_tokens or None)
+    return _pull([exchange], [rows], op, check_capacity)[0]
 
-    @staticmethod
-    def forward(ctx, rows, exchange, op, check_capacity):
-        ctx.exchange, ctx.op = exchange, op
-        return _pull([exchange], [rows], op, check_capacity)[0]
 
-    @staticmethod
-    def backward(ctx, grad):
-        other = "moe_combine" if ctx.op == "moe_dispatch" else "moe_dispatch"
-        return _pull([ctx.exchange], [grad.contiguous()], other)[0], None, None, None
+@_moe_pull_rows_op.register_fake
+def _(rows, recv_src, send_src, table, group_name, send_cap, recv_cap, k, max_tokens, op, check_capacity):
+    routes = recv_src if op == "moe_dispatch" else send_src
+    return rows.new_empty(routes.shape[1], rows.shape[1])
+
+
+def _pull_rows_setup(ctx, inputs, output):
+    _, recv_src, send_src, table, *ctx.args = inputs
+    ctx.save_for_backward(recv_src, send_src, table)
+
+
+def _pull_rows_backward(ctx, grad):
+    """The routes are a partial permutation of rows: the adjoint is the other direction."""
+    group_name, send_cap, recv_cap, k, max_tokens, op, _ = ctx.args
+    other = "moe_combine" if op == "moe_dispatch" else "moe_dispatch"
+    grad_rows = _moe_pull_rows_op(grad.contiguous(), *ctx.saved_tensors, group_name, send_cap, recv_cap,
+                                  k, max_tokens, other, False)
+    return (grad_rows,) + (None,) * 10
+
+
+_moe_pull_rows_op.register_autograd(_pull_rows_backward, setup_context=_pull_rows_setup)
+
+
+def _pull_op(rows, exchange: Exchange, group, op: str, check_capacity: bool = False):
+    return _moe_pull_rows_op(rows, exchange.recv_src, exchange.send_src, exchange.table, group.group_name,
+                             exchange.send_cap, exchange.recv_cap, exchange.k, exchange.max_tokens or 0, op,
+                             check_capacity)
 
 
 class TritonDispatch(Backend):
     """Symmetric memory with per-source flags (``_collective.run_staged`` rounds):
 
-    1. counts: every rank's per-expert counts (and T) by the triton ``all_gather``, so every
-       rank holds the whole ``[W, E + 1]`` table on the device;
-    2. rows: every rank stages its expert-sorted copies; after every source's READY flag
-       (bounded waits, fingerprints of hidden size / E / k / dtype / max_tokens_per_rank
-       checked) one kernel pulls exactly this rank's rows from the sources' buffers into
-       recv_x, by routes computed on the device from the table (``_routes``).
+    1. counts: every rank stages its per-expert counts (and T); one all-gather pull kernel
+       waits for each source's READY flag (bounded, fingerprint of hidden size / E / k /
+       dtype / max_tokens_per_rank checked: no extra collective), so every rank holds the
+       whole ``[W, E + 1]`` table on the device;
+    2. rows: every rank stages its expert-sorted copies; after every source's READY flag one
+       kernel pulls exactly this rank's rows from the sources' buffers into recv_x, by routes
+       computed on the device from the table (``_routes``; the exchange is the custom op
+       ``torch.ops.fusedpar.moe_pull_rows``).
 
     ``moe_combine`` is one round the other way (owners stage their outputs; every rank pulls
-    its copies' rows back), then the weighted sum of the permutation kernels. Only routed
-    rows cross ranks; the pull kernel counts them. Without ``max_tokens_per_rank`` the sizes
-    of recv_x and of the staging buffers are read on the host from the table (one small
-    device-to-host copy); with it nothing is read on the host: capacity is checked on the
-    device and a violation fails the call on every rank when it finishes."""
+    its copies' rows back), then the weighted sum of the permutation kernels; each direction's
+    backward is the other direction. Only routed rows cross ranks; the pull kernel counts
+    them. Without ``max_tokens_per_rank`` the sizes of recv_x and of the staging buffers are
+    read on the host from the table (one small device-to-host copy); with it nothing is read
+    on the host: expert ids and capacity are checked on the device, and a violation fails the
+    call on every rank when it finishes."""
 
     name = "triton"
 
@@ -556,27 +625,17 @@ class TritonDispatch(Backend):
         return reasons
 
     def run(self, call: RoutingCall):
-        group, device = call.group, call.x.device
-
-        def counts(header):
-            try:
-                return [all_gather(header[0], 0, group, backend="triton")]
-            except ValueError as e:
-                raise ValueError(f"fusedpar.moe_dispatch: ranks disagree on num_experts ({e})") from None
-
-        (recv_x, per_expert, handle), = self.run_views(
-            lambda nbytes: [get_buffer(group, nbytes, device)], counts, [dist.get_rank(group)],
-            [call], differentiable=True)
-        handle.group = group
+        (recv_x, per_expert, handle), = self.run_views(_group_views(call.group, call.x.device),
+                                                       [dist.get_rank(call.group)], [call], call.group)
         return recv_x, per_expert, handle
 
-    def run_views(self, views, gather_counts, ranks, calls, differentiable=False):
+    def run_views(self, views, ranks, calls, group=None):
         """``(recv_x, tokens_per_expert, handle)`` for each rank in ``ranks`` (rank r's call
-        ``calls[i]``); ``views(nbytes)`` gives their symmetric buffers and
-        ``gather_counts(headers)`` every rank's header, stacked, for each of them."""
+        ``calls[i]``); ``views(nbytes)`` gives their symmetric buffers. With a ``group`` (one
+        rank) the rows move by the differentiable custom op, else (loopback) directly."""
         first = calls[0]
         W, E, M = first.world_size, first.num_experts, first.max_tokens_per_rank
-        L, k = E // W, first.topk_idx.shape[1]
+        L, k, H = E // W, first.topk_idx.shape[1], first.x.shape[1]
         sorts = [_sort(c.topk_idx, E) for c in calls]
         headers = []
         for c, (_, per_expert) in zip(calls, sorts):
@@ -585,8 +644,8 @@ class TritonDispatch(Backend):
                 bad = ((c.topk_idx < -1) | (c.topk_idx >= E)).any()
                 tokens = torch.where(bad, INVALID_IDS, tokens).to(torch.int32)
             headers.append(torch.cat([per_expert, tokens]))
-        tables = [t.view(W, E + 1) for t in gather_counts(headers)]
-        overflow = torch.full((3,), -1, dtype=torch.int32, device=first.x.device)
+        meta = symmetric.fingerprint("moe_dispatch", first.x.dtype, H, E, k, M)
+        tables = _gather_counts(views, headers, meta, _describe(first.x.dtype, H, E, k, M))
         if M is not None:
             send_rows = [c.x.shape[0] * k for c in calls]
             recv_rows = [L * W * M] * len(calls)
@@ -597,37 +656,34 @@ class TritonDispatch(Backend):
             send_rows = [int(host[r].sum()) for r in ranks]
             recv_rows = [int(per_owner[r]) for r in ranks]
             send_cap, recv_cap = int(host.sum(1).max()), int(per_owner.max())
-        out = []
-        exchanges = []
-        for i, (r, c, table) in enumerate(zip(ranks, calls, tables)):
-            recv_src, send_src = _routes(table[:, :E], r, W, L, M, send_rows[i], recv_rows[i])
-            exchanges.append(Exchange(views, i, table, recv_src, send_src, send_cap, recv_cap, E, k, M,
-                                      overflow))
-        sorted_rows = []
-        for c, (pos, _), ex in zip(calls, sorts, exchanges):
-            permute = _Permute.apply if differentiable else _permute
-            sorted_rows.append(permute(c.x, pos, k, ex.send_rows))
-        if differentiable:
-            recvs = [_PullRows.apply(sorted_rows[0], exchanges[0], "moe_dispatch", M is not None)]
+        exchanges = [Exchange(views, i, table, *_routes(table[:, :E], r, W, L, M, send_rows[i], recv_rows[i]),
+                              send_cap, recv_cap, k, M)
+                     for i, (r, table) in enumerate(zip(ranks, tables))]
+        if group is not None:
+            (pos, _), ex = sorts[0], exchanges[0]
+            recvs = [_pull_op(_Permute.apply(first.x, pos, k, ex.send_rows), ex, group, "moe_dispatch",
+                              M is not None)]
         else:
+            sorted_rows = [_permute(c.x, pos, k, ex.send_rows) for c, (pos, _), ex in zip(calls, sorts, exchanges)]
             recvs = _pull(exchanges, sorted_rows, "moe_dispatch", M is not None)
+        out = []
         for r, c, (pos, _), ex, recv in zip(ranks, calls, sorts, exchanges, recvs):
             seg = ex.table[:, r * L:(r + 1) * L].long()
             per_expert = (seg.clamp(max=M) if M else seg).sum(0).to(torch.int32)
             if M is not None:
-                recv = recv.view(L, W * M, -1)
-            handle = MoEHandle(None, pos, k, c.x.shape[0], c.topk_weights, self.name, ex.recv_rows, M,
+                recv = recv.view(L, W * M, H)
+            handle = MoEHandle(group, pos, k, c.x.shape[0], c.topk_weights, self.name, ex.recv_rows, M,
                                exchange=ex)
             out.append((recv, per_expert, handle))
         return out
 
     @staticmethod
     def combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
-        back = _PullRows.apply(y.reshape(handle.recv_rows, y.shape[-1]), handle.exchange, "moe_combine", False)
+        back = _pull_op(y, handle.exchange, handle.group, "moe_combine")
         return _Unpermute.apply(back, handle.weights, handle.pos, handle.k)
 
 
-DISPATCH = Dispatcher("moe_dispatch", [TritonDispatch(), ReferenceDispatch()])
+DISPATCH = Dispatcher("moe_dispatch", [ReferenceDispatch(), TritonDispatch()])
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -654,8 +710,10 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     On the triton backend nothing is read on the host then (sizes are fixed, expert ids and
     capacity are checked on the device, the error surfaces when the call's flags finish).
 
-    Backends: ``triton`` (symmetric memory with per-source flags, see ``TritonDispatch``),
-    ``reference`` (counts and rows by ``all_to_all_single``; the splits are read on the host).
+    Backends: ``reference`` (the default: counts and rows by ``all_to_all_single``; the splits
+    are read on the host), ``triton`` (symmetric memory with per-source flags, see
+    ``TritonDispatch``; ``backend="triton"`` or ``FUSEDPAR_BACKEND=triton`` until a GPU
+    benchmark shows it first).
     Every rank passes the same hidden size, k, num_experts, dtype and max_tokens_per_rank
     (T may differ); a difference raises ``ValueError``.
     """
@@ -715,16 +773,18 @@ def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_exp
     device = first.device
     with torch.no_grad():
         return backend.run_views(lambda nbytes: get_loopback_buffers(world, nbytes, device),
-                                 all_gather_loopback, list(range(world)), calls)
+                                 list(range(world)), calls)
 
 
 def moe_combine_loopback(ys: list, handles: list) -> list:
     """Every rank's part of ``moe_combine`` in this process: ``ys[r]`` holds one row per row
     of rank r's recv_x, ``handles`` come from ``moe_dispatch_loopback``. Forward only."""
     if not handles or len(ys) != len(handles) or any(
-            not isinstance(h, MoEHandle) or h.exchange is None or h.group is not None for h in handles):
+            not isinstance(h, MoEHandle) or h.exchange is None or h.group is not None
+            or h.exchange.index != r or h.exchange.table.shape[0] != len(handles)
+            for r, h in enumerate(handles)):
         raise ValueError("fusedpar.moe_combine_loopback: give one y per simulated rank and the "
-                         "handles moe_dispatch_loopback returned")
+                         "handles moe_dispatch_loopback returned, in rank order")
     for r, (y, h) in enumerate(zip(ys, handles)):
         if y.numel() != h.recv_rows * y.shape[-1] or y.shape[-1] != ys[0].shape[-1]:
             raise ValueError(f"fusedpar.moe_combine_loopback: ys[{r}] must be [{h.recv_rows}, "

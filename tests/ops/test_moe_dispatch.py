@@ -1,0 +1,119 @@
+"""The triton backend of moe_dispatch / moe_combine: no host reads with max_tokens_per_rank,
+and the loopback variants (every rank in one process). The routing cases of every backend
+are in test_moe.py."""
+
+import contextlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
+from tests.ops.test_moe import _check_provenance, _routing, _tokens
+
+pytestmark = [pytest.mark.timeout(300)]
+
+# every way Python code reads a tensor's values on the host (a device-to-host sync on CUDA)
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+MOE_FILES = ("fusedpar/ops/moe.py", "fusedpar/kernels/moe_dispatch.py", "fusedpar/kernels/moe_permute.py")
+
+
+@contextlib.contextmanager
+def no_host_reads(files=MOE_FILES):
+    """Make every host read of a tensor called from ``files`` raise (CPU tensors have no
+    sync to detect, so this catches the calls that would be one on CUDA)."""
+    saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+
+    def guard(name, original):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.endswith(files):
+                raise AssertionError(f"host read Tensor.{name} at {caller.f_code.co_filename}:"
+                                     f"{caller.f_lineno}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, guard(name, getattr(torch.Tensor, name)))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+
+
+def _padded_round_trip(T, H, k, E, M):
+    rank = dist.get_rank()
+    idx = _routing(rank, T, k, E, "random")
+    x = _tokens(rank, T, H).requires_grad_()
+    w = ((torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4).requires_grad_()
+    with no_host_reads():
+        recv_x, per_expert, handle = moe_dispatch(x, idx, w, E, max_tokens_per_rank=M, backend="triton")
+        out = moe_combine(recv_x * 2, handle)
+        out.sum().backward()
+    assert torch.equal(out, 2 * x.detach() * w.detach().sum(1, keepdim=True))
+    assert torch.equal(x.grad, 2 * w.detach().sum(1, keepdim=True).expand_as(x))
+    assert torch.equal(w.grad, 2 * x.detach().sum(1, keepdim=True).expand(T, k))
+    _check_provenance(recv_x.detach(), per_expert, rank, dist.get_world_size(), T, H, k, E, "random", M)
+    # the guard does catch a host read: the unpadded path reads the counts table once
+    try:
+        with no_host_reads():
+            moe_dispatch(x, idx, w, E, backend="triton")
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(200)
+def test_padded_dispatch_combine_and_backward_read_nothing_on_the_host(pools):
+    caught = pools(2).run(_padded_round_trip, 7, 3, 2, 4, 7)
+    assert all(c and c.startswith("host read Tensor.") and "moe.py" in c for c in caught)
+
+
+@pytest.mark.parametrize("world, T, k, E, M", [(2, 9, 2, 4, None), (4, 6, 4, 8, 6), (2, 0, 1, 4, 1)])
+def test_loopback_routes_every_copy(world, T, k, E, M):
+    H = 3
+    xs = [_tokens(r, T, H) for r in range(world)]
+    idxs = [_routing(r, T, k, E, "random") for r in range(world)]
+    ws = [(torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4 for _ in range(world)]
+    with fusedpar.comm.count_bytes() as counter:
+        results = moe_dispatch_loopback(xs, idxs, ws, E, max_tokens_per_rank=M)
+        outs = moe_combine_loopback([recv_x for recv_x, _, _ in results], [h for _, _, h in results])
+    routed_away = 0
+    for r, ((recv_x, per_expert, _), out) in enumerate(zip(results, outs)):
+        _check_provenance(recv_x, per_expert, r, world, T, H, k, E, "random", M)
+        assert torch.equal(out, xs[r] * ws[r].sum(1, keepdim=True))
+        routed_away += int((idxs[r] // (E // world) != r).sum())
+    assert counter.by_op() == {("moe_dispatch", "triton"): routed_away * H * 4,
+                               ("moe_combine", "triton"): routed_away * H * 4}
+
+
+def test_loopback_rejects_mismatched_ranks():
+    x, idx, w = torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
+    with pytest.raises(ValueError, match="the hidden size, dtype, device and k must match"):
+        moe_dispatch_loopback([x, torch.zeros(4, 5)], [idx, idx], [w, w], 4)
+    with pytest.raises(ValueError, match="one tensor per simulated rank; got 2, 1, 2"):
+        moe_dispatch_loopback([x, x], [idx], [w, w], 4)
+    (recv, _, handle), _ = moe_dispatch_loopback([x, x], [idx, idx], [w, w], 4)
+    with pytest.raises(ValueError, match="one y per simulated rank"):
+        moe_combine_loopback([recv], [handle])
+
+
+def test_the_exchange_is_a_custom_op_with_a_fake():
+    """``torch.ops.fusedpar.moe_pull_rows`` (the rows round both directions use) has a fake
+    impl: its output shape follows the routes, without a process group."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        rows = torch.empty(5, 3)
+        recv_src, send_src = torch.empty(2, 8, dtype=torch.int32), torch.empty(2, 5, dtype=torch.int32)
+        table = torch.empty(2, 5, dtype=torch.int32)
+        args = (recv_src, send_src, table, "no-such-group", 5, 8, 2, 0)
+        recv = torch.ops.fusedpar.moe_pull_rows(rows, *args, "moe_dispatch", False)
+        back = torch.ops.fusedpar.moe_pull_rows(recv, *args, "moe_combine", False)
+    assert recv.shape == (8, 3) and back.shape == (5, 3)
