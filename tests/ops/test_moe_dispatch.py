@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
+from tests.ops.collective_cases import timeout_case
 from tests.ops.test_moe import _check_provenance, _routing, _tokens
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -117,3 +118,19 @@ def test_the_exchange_is_a_custom_op_with_a_fake():
         recv = torch.ops.fusedpar.moe_pull_rows(rows, *args, "moe_dispatch", False)
         back = torch.ops.fusedpar.moe_pull_rows(recv, *args, "moe_combine", False)
     assert recv.shape == (8, 3) and back.shape == (5, 3)
+
+
+def _dispatch_padded(x, group):
+    E = 2 * dist.get_world_size(group)
+    idx = (torch.arange(x.shape[0]) % E).view(-1, 1)
+    return moe_dispatch(x, idx, torch.ones(x.shape[0], 1), E, group, max_tokens_per_rank=x.shape[0],
+                        backend="triton")
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_peer_times_out_instead_of_hanging(pools):
+    results = pools(2).run(timeout_case, _dispatch_padded, 1, "stall", 2.0)
+    assert results[1] is None
+    assert results[0]["elapsed"] < 2.0 * 3, results[0]
+    assert "fusedpar.moe_dispatch: rank 0" in results[0]["message"]
+    assert "READY[1] (rank 1)" in results[0]["message"], results[0]
