@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
-from tests.ops.collective_cases import timeout_case
+from tests.ops.collective_cases import requires_cuda, timeout_case
 from tests.ops.test_moe import _check_provenance, _routing, _tokens
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -76,26 +76,36 @@ def test_padded_dispatch_combine_and_backward_read_nothing_on_the_host(pools):
     assert all(c and c.startswith("host read Tensor.") and "moe.py" in c for c in caught)
 
 
-@pytest.mark.parametrize("world, T, k, E, M, dtype", [(2, 9, 2, 4, None, torch.float32),
-                                                      (4, 6, 4, 8, 6, torch.float32),
-                                                      (2, 0, 1, 4, 1, torch.float32),
-                                                      (2, 7, 2, 8, 7, torch.bfloat16)])
-def test_loopback_routes_every_copy(world, T, k, E, M, dtype):
+def _loopback_case(world, T, k, E, M, dtype, device="cpu"):
     H = 3
-    xs = [_tokens(r, T, H).to(dtype) for r in range(world)]  # small integers: exact in bf16
-    idxs = [_routing(r, T, k, E, "random") for r in range(world)]
-    ws = [(torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4 for _ in range(world)]
+    xs = [_tokens(r, T, H).to(dtype).to(device) for r in range(world)]  # small integers: exact in bf16
+    idxs = [_routing(r, T, k, E, "random").to(device) for r in range(world)]
+    ws = [((torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4).to(device) for _ in range(world)]
     with fusedpar.comm.count_bytes() as counter:
         results = moe_dispatch_loopback(xs, idxs, ws, E, max_tokens_per_rank=M)
         outs = moe_combine_loopback([recv_x for recv_x, _, _ in results], [h for _, _, h in results])
     routed_away = 0
     for r, ((recv_x, per_expert, _), out) in enumerate(zip(results, outs)):
         assert recv_x.dtype == out.dtype == dtype
-        _check_provenance(recv_x.float(), per_expert, r, world, T, H, k, E, "random", M)
+        _check_provenance(recv_x.float().cpu(), per_expert.cpu(), r, world, T, H, k, E, "random", M)
         assert torch.equal(out, (xs[r] * ws[r].sum(1, keepdim=True)).to(dtype))
         routed_away += int((idxs[r] // (E // world) != r).sum())
     nbytes = routed_away * H * xs[0].element_size()
     assert counter.by_op() == {("moe_dispatch", "triton"): nbytes, ("moe_combine", "triton"): nbytes}
+
+
+@pytest.mark.parametrize("world, T, k, E, M, dtype", [(2, 9, 2, 4, None, torch.float32),
+                                                      (4, 6, 4, 8, 6, torch.float32),
+                                                      (2, 0, 1, 4, 1, torch.float32),
+                                                      (2, 7, 2, 8, 7, torch.bfloat16)])
+def test_loopback_routes_every_copy(world, T, k, E, M, dtype):
+    _loopback_case(world, T, k, E, M, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", [None, 40])
+def test_loopback_on_gpu(M):
+    _loopback_case(4, 40, 2, 16, M, torch.bfloat16, "cuda")
 
 
 def test_loopback_rejects_mismatched_ranks():
