@@ -86,9 +86,11 @@ class ContextParallelAttention(nn.Module):
         if self.layout == "zigzag":  # to global order (the same on every rank)
             chunks = full.chunk(2 * world, 1)
             full = torch.cat([chunks[i] for i in zigzag_order(world)], 1)
-        seq = full.shape[1]
+        seq, rows = full.shape[1], full.bool().tolist()
+        if all(all(tokens) for tokens in rows):
+            return self.attend(q, k, v, causal, scale)
         outs = []
-        for row, tokens in enumerate(full.bool().tolist()):
+        for row, tokens in enumerate(rows):
             one = (q[row:row + 1], k[row:row + 1], v[row:row + 1])
             if all(tokens):
                 outs.append(self.attend(*one, causal, scale))
@@ -153,8 +155,10 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
 
 def padding_mask_only(*args, attention_mask=None, **kwargs):
     """The ``"fusedpar_cp"`` mask function: builds no mask (the attention applies causality
-    itself) but passes a 2-D padding mask on when it pads anything."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+    itself) but passes a 2-D padding mask on. Whether it pads anything is decided in the
+    attention, on the gathered mask: a rank's own part cannot tell (every rank must take
+    the same path)."""
+    if attention_mask is not None and attention_mask.dim() == 2:
         return attention_mask
     return None
 

@@ -98,8 +98,10 @@ def test_gpu_configs_cover_every_head_dim():
     """Every head dim up to 256 maps to a registered (AOT-compiled) GPU config."""
     for d in range(1, kernels.MAX_HEAD_DIM + 1):
         assert max(64, kernels.block_d(d)) in (64, 128, 256)
-    compiled = {(c["BLOCK_D"], opts["arch"], k.fn.__name__) for k, _, c, opts in kernels.AOT_EXAMPLES}
+    compiled = {(c.get("BLOCK_D"), opts["arch"], k.fn.__name__) for k, _, c, opts in kernels.AOT_EXAMPLES}
     for arch in (90, 80):
+        assert (None, arch, "ring_kv_copy_kernel") in compiled  # one config for every head dim
         for bd in (64, 128, 256):
-            for name in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"):
+            for name in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel",
+                         "ring_attn_step_kernel"):
                 assert (bd, arch, name) in compiled

@@ -77,6 +77,17 @@ def test_hugging_face_llama_with_fusedpar_cp(pools):
     assert pools(2).run(_hf_llama) == [True, True]
 
 
+def model_sdpa(model, ids, mask, positions):
+    """The model's logits with HF's own sdpa attention on the whole sequence."""
+    implementation = model.config._attn_implementation
+    for config in [model.config] + [layer.self_attn.config for layer in model.model.layers]:
+        config._attn_implementation = "sdpa"
+    logits = model(ids, attention_mask=mask, position_ids=positions).logits
+    for config in [model.config] + [layer.self_attn.config for layer in model.model.layers]:
+        config._attn_implementation = implementation
+    return logits
+
+
 def _hf_llama_padded():
     """A padded batch (right padding, left padding, none) against HF's own sdpa attention at
     every token position; padding between tokens is refused."""
@@ -97,13 +108,19 @@ def _hf_llama_padded():
     mask[0, s - 5:] = 0  # right padding, across the zigzag chunks of several ranks
     mask[1, :3] = 0  # left padding
     positions = torch.arange(s)[None].expand(3, -1)
-    expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    expected = model_sdpa(model, ids, mask, positions)
     set_hf_context_parallel_group(None, backend="pipelined")  # the kernels are tested elsewhere
     model.config._attn_implementation = "fusedpar_cp"
     for layer in model.model.layers:
         layer.self_attn.config._attn_implementation = "fusedpar_cp"
     shard = lambda x: zigzag_shard(x, 1, rank, world)  # noqa: E731
     local_positions = zigzag_positions(s, rank, world)[None].expand(3, -1)
+    logits = model(shard(ids), attention_mask=shard(mask), position_ids=local_positions).logits
+    tokens = shard(mask).bool()
+    torch.testing.assert_close(logits[tokens], shard(expected)[tokens], atol=1e-4, rtol=1e-4)
+    # padding only in rank 0's part: every rank still takes the same (padded) path
+    mask[0] = 1
+    expected = model_sdpa(model, ids, mask, positions)
     logits = model(shard(ids), attention_mask=shard(mask), position_ids=local_positions).logits
     tokens = shard(mask).bool()
     torch.testing.assert_close(logits[tokens], shard(expected)[tokens], atol=1e-4, rtol=1e-4)
