@@ -2,6 +2,12 @@
 SwiGLU -> grouped GEMM -> combine.
 
 Backends (priority order):
+- ``fused``: symmetric memory. Every rank stages its expert-sorted copies; the first
+  grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) reads each source's rows
+  straight from its buffer, its tiles waiting on that source's READY flag (own rank
+  first), then SwiGLU, then the second grouped GEMM writes its tiles straight into the
+  source ranks' buffers, where each rank reads its results back (no separate all-to-all).
+  The backward pass is the ``pipelined`` one (P2P).
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
   GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
@@ -21,12 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
 from ..errors import BackendNotSupportedError
+from ..kernels import grouped_gemm as kernels
+from . import _collective as C
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm
-from .moe import (_DTYPE_CODES, _all_to_all, _check_same_everywhere, _Permute, _sort, _Unpermute,
-                  check_routing, moe_combine, moe_dispatch, swiglu)
+from .moe import (_DTYPE_CODES, _all_to_all, _check_same_everywhere, _permute, _Permute, _sort,
+                  _unpermute, _Unpermute, check_routing, moe_combine, moe_dispatch, swiglu)
 
 OP = "moe_experts"
 
@@ -90,6 +98,15 @@ class _Plan:
     send: list
     recv: list
     offs: torch.Tensor  # int32 [W, E_local]
+    table: torch.Tensor | None = None  # fused: every rank's copies per expert (host, [W, E])
+    k: int = 0
+
+    @classmethod
+    def from_counts(cls, group, rank: int, send_counts: torch.Tensor, recv_counts: torch.Tensor):
+        """``send_counts[d, e]`` copies this rank sends to rank d's expert e, ``recv_counts[s,
+        e]`` it receives from rank s for its expert e (int ``[W, E_local]``)."""
+        return cls(group, rank, send_counts.shape[0], send_counts.sum(1).tolist(),
+                   recv_counts.sum(1).tolist(), recv_counts.cumsum(1).to(torch.int32))
 
     def send_rows(self, dst: int) -> slice:
         start = sum(self.send[:dst])
@@ -206,8 +223,7 @@ class Pipelined(Backend):
                                "hidden size, k, experts per rank, 2 x intermediate size, dtype")
         pos, counts = _sort(topk_idx, local * world)
         recv_counts = _all_to_all(counts.view(world, local), [1] * world, [1] * world, group)
-        plan = _Plan(group, rank, world, counts.view(world, local).sum(1).tolist(),
-                     recv_counts.sum(1).tolist(), recv_counts.cumsum(1).to(torch.int32))
+        plan = _Plan.from_counts(group, rank, counts.view(world, local), recv_counts)
         sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
         back = _ExpertPipeline.apply(sorted_x, w13, call.w2, plan)
         row_bytes = x.shape[1] * x.element_size()
@@ -216,7 +232,151 @@ class Pipelined(Backend):
         return _Unpermute.apply(back, call.topk_weights, pos, k)
 
 
-BACKENDS = Dispatcher(OP, [Pipelined(), Reference()])
+# ---- fused: symmetric memory ------------------------------------------------------------------
+
+
+def _groups(table: torch.Tensor, rank: int, local: int) -> list[list[int]]:
+    """The first GEMM's row blocks on ``rank``, own rank first: ``[src, expert, row in src's
+    staged copies, row in this rank's received rows, rows]`` (``table`` host int ``[W, E]``:
+    every rank's copies per expert; a rank's copies are sorted by destination, then expert)."""
+    world = table.shape[0]
+    starts = table.cumsum(1) - table  # row of (src, expert) in src's sorted copies
+    received = table[:, rank * local:(rank + 1) * local]
+    local_starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view(world, local)
+    out = []
+    for step in range(world):
+        src = (rank + step) % world
+        for e in range(local):
+            rows = int(received[src, e])
+            if rows:
+                out.append([src, e, int(starts[src, rank * local + e]), int(local_starts[src, e]), rows])
+    return out
+
+
+def _fused_forward(bufs, sorted_xs, w13s, w2s, table: torch.Tensor, meta: int, desc: list[int]):
+    """Every rank view's forward (one view per process, or all W in a loopback); returns
+    per view ``(back, received, h13, peer rows read)``: its copies' expert outputs in sorted
+    order, the rows it received (source-major) and their gate/up products.
+
+    Two epochs per call. Epoch 1: stage the sorted copies (after DONE of the last call),
+    READY; the pull GEMM reads each source's block once its READY flag is up; DONE. Epoch 2:
+    the push GEMM writes each source's results into the source's region 2 (past every
+    rank's staged copies; free, since the epoch-1 stage waited for every peer's DONE of the
+    last call), READY; each rank waits for every owner's READY and reads its region 2; DONE.
+    """
+    world, local = table.shape[0], w13s[0].shape[0]
+    hidden, dtype = sorted_xs[0].shape[1], sorted_xs[0].dtype
+    region2 = int(table.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
+    launchers = C.TRITON_LAUNCHERS
+    epochs = [buf.next_epoch() for buf in bufs]
+    for buf, x, epoch in zip(bufs, sorted_xs, epochs):
+        C.stage(launchers, buf, x, epoch, meta, desc)
+    states = []
+    for buf, x, w13, w2, epoch in zip(bufs, sorted_xs, w13s, w2s, epochs):
+        groups = _groups(table, buf.rank, local)
+        rows = [g[4] for g in groups]
+        received = x.new_empty(sum(rows), hidden)
+        h13 = x.new_empty(sum(rows), w13.shape[1])
+        group_table = torch.tensor(groups, dtype=torch.int32).reshape(-1, 5).to(x.device)
+        bands = kernels.grouped_mm_peers(x, w13.transpose(1, 2), h13, group_table, rows, buf.pad_table,
+                                         buf.rank, world, epoch, meta, buf.timeout_ns, pull=True,
+                                         ag=received)
+        peer_rows = sum(g[4] for g in groups if g[0] != buf.rank) * bands
+        states.append((received, h13, group_table, rows, peer_rows))
+    C.release(launchers, bufs, epochs, OP, [state[:2] for state in states])
+    epochs = [buf.next_epoch() for buf in bufs]
+    for buf, x, w2, epoch, (_, h13, group_table, rows, _) in zip(bufs, sorted_xs, w2s, epochs, states):
+        kernels.grouped_mm_peers(swiglu(h13).contiguous(), w2.transpose(1, 2), x, group_table, rows,
+                                 buf.pad_table, buf.rank, world, epoch, meta, buf.timeout_ns,
+                                 pull=False, c_offset=region2)
+        launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
+    outs = []
+    for buf, x, epoch, (received, h13, _, _, peer_rows) in zip(bufs, sorted_xs, epochs, states):
+        launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
+                             layout.TIMEOUT_READY, meta)
+        back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape).clone()
+        pushed_here = x.shape[0] - int(table[buf.rank].view(world, local)[buf.rank].sum())
+        outs.append((back, received, h13, (peer_rows + pushed_here) * hidden * x.element_size()))
+    C.release(launchers, bufs, epochs, OP, [out[0] for out in outs])  # NaN where a wait failed
+    return outs
+
+
+def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype) -> tuple[int, list[int]]:
+    return (symmetric.fingerprint(OP, dtype, hidden, tuple(w13.shape[1:]), num_experts, k),
+            symmetric.describe_words(0, dtype, (hidden, w13.shape[1], num_experts, k), 0))
+
+
+def _fused_nbytes(table: torch.Tensor, hidden: int, dtype: torch.dtype) -> int:
+    """Every rank's data region: its staged copies, then region 2 (the same size)."""
+    return 2 * int(table.sum(1).max()) * hidden * dtype.itemsize
+
+
+class _FusedExperts(_ExpertPipeline):
+    """The fused forward; the backward is ``_ExpertPipeline``'s (P2P over the group)."""
+
+    @staticmethod
+    def forward(ctx, sorted_x, w13, w2, plan: _Plan):
+        table, k = plan.table, plan.k
+        buf = get_buffer(plan.group, _fused_nbytes(table, sorted_x.shape[1], sorted_x.dtype),
+                         sorted_x.device)
+        meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
+        (back, received, h13, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13], [w2],
+                                                        table, meta, desc)
+        counters.record(OP, "fused", nbytes)
+        ctx.save_for_backward(received, h13, w13, w2)
+        ctx.plan = plan
+        return back
+
+
+class Fused(Backend):
+    """Symmetric memory, both grouped GEMMs fused with the exchange (module docstring)."""
+
+    name = "fused"
+
+    def not_supported_reasons(self, call: ExpertsCall) -> list[str]:
+        world = dist.get_world_size(call.group)
+        reasons = C.triton_reasons(C.CollectiveCall(OP, call.x, 0, world, call.group))
+        if call.x.dtype not in C.REDUCE_DTYPES:
+            reasons.append(f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}")
+        return reasons + Pipelined().not_supported_reasons(call)  # its backward
+
+    def run(self, call: ExpertsCall) -> torch.Tensor:
+        x, topk_idx, w13 = call.x, call.topk_idx, call.w13
+        group = call.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local, k = w13.shape[0], topk_idx.shape[1]
+        _check_same_everywhere(OP, group, [x.shape[1], k, local, w13.shape[1],
+                                           _DTYPE_CODES.get(x.dtype, 9)],
+                               "hidden size, k, experts per rank, 2 x intermediate size, dtype")
+        pos, counts = _sort(topk_idx, local * world)
+        table = torch.empty(world * counts.numel(), dtype=counts.dtype, device=counts.device)
+        C.all_gather_single(table, counts, group=group)
+        table = table.view(world, -1).cpu().long()  # sizes and offsets: one host read
+        plan = _Plan.from_counts(group, rank, table[rank].view(world, local),
+                                 table[:, rank * local:(rank + 1) * local].to(x.device))
+        plan.table, plan.k = table, k
+        sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
+        back = _FusedExperts.apply(sorted_x, w13, call.w2, plan)
+        return _Unpermute.apply(back, call.topk_weights, pos, k)
+
+
+def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
+    world, local, k = len(xs), w13s[0].shape[0], topk_idxs[0].shape[1]
+    hidden, dtype = xs[0].shape[1], xs[0].dtype
+    sorts = [_sort(idx, local * world) for idx in topk_idxs]
+    table = torch.stack([counts for _, counts in sorts]).cpu().long()
+    sorted_xs = [_permute(x.contiguous(), pos, k, int(table[r].sum()))
+                 for r, (x, (pos, _)) in enumerate(zip(xs, sorts))]
+    bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden, dtype), xs[0].device)
+    meta, desc = _fused_meta(hidden, w13s[0], local * world, k, dtype)
+    outs = _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc)
+    for _, _, _, nbytes in outs:
+        counters.record(OP, "fused", nbytes)
+    return [_unpermute(back, pos, k, x.shape[0], w)
+            for (back, *_), (pos, _), x, w in zip(outs, sorts, xs, topk_weights)]
+
+
+BACKENDS = Dispatcher(OP, [Fused(), Pipelined(), Reference()])
 
 
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -231,8 +391,11 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 
     ``w13 [E_local, 2I, H]`` / ``w2 [E_local, H, I]``: this rank's experts (global expert
     ``rank * E_local + e``). Gradients for x, w13, w2 and topk_weights.
-    Backends: ``pipelined`` (the exchange split by source rank, async P2P overlapping the
-    expert GEMMs, own tokens first) and ``reference`` (the unfused ops above).
+    Backends: ``fused`` (symmetric memory: the first grouped GEMM reads each source's rows
+    from its buffer as soon as its flag is up, own rank first; the second writes straight
+    into the source ranks' buffers; backward as ``pipelined``), ``pipelined`` (the exchange
+    split by source rank, async P2P overlapping the expert GEMMs, own tokens first) and
+    ``reference`` (the unfused ops above).
     """
     group = resolve_group(group)
     check_expert_weights(OP, x, w13, w2)
@@ -248,7 +411,8 @@ def moe_experts_loopback(xs: list, topk_idxs: list, topk_weights: list, w13s: li
     ``topk_idxs[r]``, ``topk_weights[r]`` and holds experts ``w13s[r]`` / ``w2s[r]``; returns
     each rank's output, the same as ``experts_dense(xs[r], topk_idxs[r], topk_weights[r],
     cat(w13s), cat(w2s))``. Forward only; for single-device benchmarks and tests.
-    Backend: ``reference``, the unfused ops over loopback symmetric buffers::
+    Backends: ``fused`` (the default; loopback symmetric buffers, see ``moe_experts``) and
+    ``reference``, the unfused ops over loopback symmetric buffers::
 
         dispatched = moe_dispatch_loopback(xs, topk_idxs, topk_weights, E)
         ys = [grouped_mm(swiglu(grouped_mm(recv_x, w13.transpose(1, 2), offs)),
@@ -269,9 +433,12 @@ def moe_experts_loopback(xs: list, topk_idxs: list, topk_weights: list, w13s: li
         if w13.shape != w13s[0].shape:
             raise ValueError(f"fusedpar.{op}: w13s[{r}] is {tuple(w13.shape)} but w13s[0] "
                              f"{tuple(w13s[0].shape)}; every rank holds as many experts of one size")
-    if backend not in (None, "", "reference"):
-        raise BackendNotSupportedError(f"fusedpar.{op}: backend={backend!r}; the loopback runs "
+    if backend not in (None, "", "fused", "reference"):
+        raise BackendNotSupportedError(f"fusedpar.{op}: backend={backend!r}; choose 'fused' or "
                                        "'reference' (the unfused ops)")
+    if backend in (None, "", "fused"):
+        with torch.no_grad():
+            return _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s)
     dispatched = moe_dispatch_loopback(xs, topk_idxs, topk_weights, w13s[0].shape[0] * world)
     ys = []
     with torch.no_grad():
