@@ -234,8 +234,9 @@ def _expert_param(local_experts: torch.Tensor, group) -> nn.Parameter:
 
     device_type = local_experts.device.type if not local_experts.is_meta else \
         ("cuda" if torch.cuda.is_available() else "cpu")
-    mesh = tp_device_mesh(group if isinstance(group, (tuple, DeviceMesh)) else resolve_group(group).group_name,
-                          device_type)
+    if not isinstance(group, (tuple, DeviceMesh)):
+        group = resolve_group(group).group_name  # a mesh is made from the group, once
+    mesh = tp_device_mesh(group, device_type)
     return nn.Parameter(DTensor.from_local(local_experts, mesh, [Shard(0)], run_check=False))
 
 

@@ -3,7 +3,9 @@ batches, and the single-process reference they must match."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,23 @@ from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, Mixtra
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 4, 5, 1e-2
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
             intermediate_size=64)
+
+
+@contextlib.contextmanager
+def reference_backends(on: bool = True):
+    """Inside (when ``on``): every fusedpar op runs its ``reference`` backend
+    (``FUSEDPAR_BACKEND``). The fused backends are tested op by op in tests/ops; under the
+    Triton interpreter they would make each whole-model step cost seconds."""
+    saved = os.environ.get("FUSEDPAR_BACKEND")
+    if on:
+        os.environ["FUSEDPAR_BACKEND"] = "reference"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("FUSEDPAR_BACKEND", None)
+        else:
+            os.environ["FUSEDPAR_BACKEND"] = saved
 
 
 def make_model(kind: str, seed: int = 0):
@@ -75,8 +94,6 @@ def parallel_run(model, data, dp_group=None, counters: list | None = None):
     """The same on a parallelized model fed :func:`fusedpar.parallel.shard_batch`; the loss
     of a step is averaged over the data-parallel ranks. ``counters``: a list that gets the
     ``fusedpar.comm`` byte counter of the first step's forward + backward."""
-    import contextlib
-
     from fusedpar.comm import count_bytes
     from fusedpar.parallel import shard_batch
 

@@ -1,7 +1,9 @@
 """``fusedpar.parallelize`` on 4 CPU ranks against the single-process model: the loss and
 every gradient after one step and the loss after 5 AdamW steps (fp32: rtol 1e-5, atol
 1e-6), for fusedpar's own Llama and tiny Hugging Face models built from a config.
-One pool run checks several configs (spawn and warm-up are paid once)."""
+One pool run checks several configs (spawn and warm-up are paid once). fusedpar's ops run
+their reference backends (the fused ones are tested op by op in tests/ops) except in the
+dp_shard=4 config, where FSDP2's collectives run on the backends fusedpar picks."""
 
 import copy
 import math
@@ -12,12 +14,10 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.parallel import ParallelConfig, get_submesh
-from tests.parallel.parallel_cases import assert_matches, batches, make_model, parallel_run, reference_run
+from tests.parallel.parallel_cases import (assert_matches, batches, make_model, parallel_run,
+                                           reference_backends, reference_run)
 
 pytest.importorskip("transformers")  # the HF cases; the test dependencies include it
-
-TP_BACKEND = "reference"  # the fused TP ops' backends are tested in tests/ops; keep CI fast
-
 
 def _fsdp_lower_bound(model, world: int) -> dict[str, int]:
     """Bytes per step of ZeRO-3 over ``world`` ranks: every unit's shard all-gathered in
@@ -56,7 +56,8 @@ def _assert_bf16_bound(got, want, what: str) -> None:
 
 def _check_dense(kind: str, configs: list[dict]) -> bool:
     """Each config against the single process; an ``activation_checkpointing=True`` entry
-    also bit for bit against the entry before it (the same config without)."""
+    also bit for bit against the entry before it (the same config without). fusedpar's
+    ops run their reference backends except in an entry with ``fused_backends=True``."""
     torch.set_num_threads(1)
     data = batches()
     model = make_model(kind)
@@ -65,12 +66,13 @@ def _check_dense(kind: str, configs: list[dict]) -> bool:
     for extra in configs:
         options = dict(extra)
         checkpointing = options.pop("activation_checkpointing", False)
+        fused = options.pop("fused_backends", False)
         cfg = ParallelConfig(**options)
-        par = fusedpar.parallelize(copy.deepcopy(model), cfg, backend=TP_BACKEND,
-                                   activation_checkpointing=checkpointing)
-        dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
-        counters = []
-        got = parallel_run(par, data, dp_group, counters)
+        with reference_backends(not fused):
+            par = fusedpar.parallelize(copy.deepcopy(model), cfg, activation_checkpointing=checkpointing)
+            dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
+            counters = []
+            got = parallel_run(par, data, dp_group, counters)
         if cfg.fsdp_comm == "fusedpar" and cfg.dp_shard == dist.get_world_size() and cfg.ep == 1:
             by_op = {op: n for (op, _), n in counters[0].by_op().items()}
             assert by_op == _fsdp_lower_bound(par, cfg.dp_shard), by_op  # one step, nothing else
@@ -92,7 +94,8 @@ def _check_dense(kind: str, configs: list[dict]) -> bool:
 
 @pytest.mark.timeout(600)
 def test_own_llama_matches_single_process(pools):
-    configs = [dict(dp_shard=4), dict(dp_shard=4, fsdp_comm="torch"), dict(tp=2, dp_shard=2),
+    configs = [dict(dp_shard=4, fused_backends=True), dict(dp_shard=4, fsdp_comm="torch"),
+               dict(tp=2, dp_shard=2),
                dict(tp=2, dp_shard=2, activation_checkpointing=True),
                dict(tp=2, dp_shard=2, param_dtype="bfloat16"), dict(dp_replicate=2, dp_shard=2)]
     assert pools(4).run(_check_dense, "llama", configs, timeout=500) == [True] * 4
@@ -164,8 +167,7 @@ def _invalid_configs() -> dict:
     six_heads = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 48, "num_heads": 6,
                                                 "num_kv_heads": 6}))
     six_experts = MixtralForCausalLM(MixtralConfig(**TINY, num_experts=6, top_k=2))
-    cp_model = fusedpar.parallelize(copy.deepcopy(llama), {"cp": 2, "dp_shard": 2},
-                                    backend=TP_BACKEND)
+    cp_model = fusedpar.parallelize(copy.deepcopy(llama), {"cp": 2, "dp_shard": 2}, backend="reference")
     cases = {
         "product": (llama, {"tp": 2, "dp_shard": 3}),
         "ep_fits": (mixtral, {"dp_shard": 4, "ep": 3}),
