@@ -103,12 +103,12 @@ def test_matches_full_sequence_attention(pools, world, backend):
 @pytest.mark.parametrize("world,layout", [(2, "zigzag"), (2, "contiguous"), (4, "zigzag"),
                                           (4, "contiguous")])
 def test_loopback_matches_full_attention_at_the_byte_lower_bound(world, layout):
-    """Several query blocks (S_local = 40 > the interpreter's 32-row blocks) and GQA (H=4,
-    H_kv=2): out and lse equal fp64 attention, and each peer's K/V rows that a rank's
-    queries see cross once: (W-1) x K/V bytes per rank without causal masking."""
+    """Several query blocks (S_local = 40 > the interpreter's 32-row blocks), GQA (H=4,
+    H_kv=2), B=2 at W=2: out and lse equal fp64 attention, and each peer's K/V rows that a
+    rank's queries see cross once: (W-1) x K/V bytes per rank without causal masking."""
     s = 40 * world
     g = torch.Generator().manual_seed(world)
-    q, k, v = (torch.randn(1, s, n, 24, generator=g) for n in (4, 2, 2))
+    q, k, v = (torch.randn(2 if world == 2 else 1, s, n, 24, generator=g) for n in (4, 2, 2))
     shard = ((lambda x, d, r: zigzag_shard(x, d, r, world)) if layout == "zigzag"
              else (lambda x, d, r: x.chunk(world, d)[r]))
     kv = 2 * k.numel() // world * 4
