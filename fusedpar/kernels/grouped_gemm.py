@@ -195,6 +195,11 @@ def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, groups_ptr, pad_table, 
         first += group_tiles
 
 
+def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
+    """The peers kernel spins on flags: a capped grid looping over its tiles (axis 0)."""
+    return (spinning_grid(tiles, sms),)
+
+
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: torch.Tensor,
                      rows: list[int], pad_table: torch.Tensor, rank: int, world_size: int, epoch: int,
                      meta: int, timeout_ns: int, *, pull: bool, ag: torch.Tensor | None = None,
@@ -223,8 +228,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: 
     tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * bands
     if tiles == 0:
         return bands
-    grid = (spinning_grid(tiles, sm_count(like.device)),)
-    grouped_mm_peers_kernel[grid](
+    grouped_mm_peers_kernel[peers_grid(tiles, sm_count(like.device))](
         a, b, c, c if ag is None else ag, groups, pad_table, rank, world_size, epoch, meta,
         timeout_ns, groups.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],

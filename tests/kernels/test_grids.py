@@ -5,7 +5,7 @@ hold at most a few programs per SM (they loop over their work)."""
 import pytest
 import torch
 
-from fusedpar.kernels import ag_gemm, all_gather, moe_dispatch, reduce_scatter
+from fusedpar.kernels import ag_gemm, all_gather, grouped_gemm, moe_dispatch, reduce_scatter
 from fusedpar.kernels.signal import PROGRAMS_PER_SM, poison_grid
 
 SMS = 132  # H100 SXM
@@ -61,3 +61,10 @@ def test_ring_attention_copy_grid_leaves_most_sms_to_the_attention(pieces):
     grid = (ring_copy_programs(pieces, SMS),)
     _within_cuda_limits(grid)
     assert grid[0] <= max(1, SMS // 4)
+
+
+@pytest.mark.parametrize("tiles", [1, 2**31 - 1])
+def test_grouped_mm_peers_grid_is_capped_and_legal(tiles):
+    grid = grouped_gemm.peers_grid(tiles, SMS)
+    _within_cuda_limits(grid)
+    assert grid[0] <= PROGRAMS_PER_SM * SMS
