@@ -108,6 +108,20 @@ def test_loopback_on_gpu(M):
     _loopback_case(4, 40, 2, 16, M, torch.bfloat16, "cuda")
 
 
+@pytest.mark.parametrize("M", [None, 5])
+def test_loopback_ranks_with_different_token_counts(M):
+    Ts, k, E = [5, 0, 3], 2, 6
+    xs = [_tokens(r, T, 4) for r, T in enumerate(Ts)]
+    idxs = [_routing(r, T, k, E, "random") for r, T in enumerate(Ts)]
+    ws = [torch.full((T, k), 0.5) for T in Ts]
+    results = moe_dispatch_loopback(xs, idxs, ws, E, max_tokens_per_rank=M)
+    outs = moe_combine_loopback([recv_x for recv_x, _, _ in results], [h for _, _, h in results])
+    for r, ((_, per_expert, _), out) in enumerate(zip(results, outs)):
+        assert torch.equal(out, xs[r])  # two copies of weight 1/2
+        mine = range(2 * r, 2 * r + 2)
+        assert per_expert.tolist() == [sum(int((i == e).sum()) for i in idxs) for e in mine]
+
+
 def test_loopback_rejects_mismatched_ranks():
     x, idx, w = torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
     with pytest.raises(ValueError, match="the hidden size, dtype, device and k must match"):
