@@ -1,7 +1,7 @@
 """The expert-parallel SwiGLU expert MLP (``moe_experts``): dispatch -> grouped GEMM ->
 SwiGLU -> grouped GEMM -> combine.
 
-Backends (priority order):
+Backends (``pipelined`` is the default; ``fused`` runs when asked for):
 - ``fused``: symmetric memory. Every rank stages its expert-sorted copies; the first
   grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) reads each source's rows
   straight from its buffer, its tiles waiting on that source's READY flag (own rank
@@ -376,7 +376,9 @@ def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
             for (back, *_), (pos, _), x, w in zip(outs, sorts, xs, topk_weights)]
 
 
-BACKENDS = Dispatcher(OP, [Fused(), Pipelined(), Reference()])
+# fused is chosen only when asked for (backend= or FUSEDPAR_BACKEND) until GPU timings back
+# it: without a copy engine its pull GEMM reads each peer row once per N tile band
+BACKENDS = Dispatcher(OP, [Pipelined(), Fused(), Reference()])
 
 
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -393,8 +395,9 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     ``rank * E_local + e``). Gradients for x, w13, w2 and topk_weights.
     Backends: ``fused`` (symmetric memory: the first grouped GEMM reads each source's rows
     from its buffer as soon as its flag is up, own rank first; the second writes straight
-    into the source ranks' buffers; backward as ``pipelined``), ``pipelined`` (the exchange
-    split by source rank, async P2P overlapping the expert GEMMs, own tokens first) and
+    into the source ranks' buffers; backward as ``pipelined``; only when asked for),
+    ``pipelined`` (the default: the exchange split by source rank, async P2P overlapping the
+    expert GEMMs, own tokens first) and
     ``reference`` (the unfused ops above).
     """
     group = resolve_group(group)

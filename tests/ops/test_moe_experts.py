@@ -75,7 +75,7 @@ def _chosen():
 
 
 def test_backend_selection(pools):
-    assert pools(2).run(_chosen) == [("fused", "reference")] * 2  # fused: interpreter + /dev/shm
+    assert pools(2).run(_chosen) == [("pipelined", "reference")] * 2
 
 
 def _errors():
