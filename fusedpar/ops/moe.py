@@ -683,7 +683,16 @@ class TritonDispatch(Backend):
         return _Unpermute.apply(back, handle.weights, handle.pos, handle.k)
 
 
-DISPATCH = Dispatcher("moe_dispatch", [ReferenceDispatch(), TritonDispatch()])
+TRITON = TritonDispatch()
+DISPATCH = Dispatcher("moe_dispatch", [ReferenceDispatch(), TRITON])
+
+
+def _default_backend(call: RoutingCall) -> str:
+    """``max_tokens_per_rank`` asks for no host read: then triton, where it runs, unless
+    ``FUSEDPAR_BACKEND`` forces a backend (its reasons are the same on every rank)."""
+    if call.max_tokens_per_rank is None or DISPATCH.forced_name(""):
+        return ""
+    return "" if TRITON.not_supported_reasons(call) else "triton"
 
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -710,10 +719,11 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     On the triton backend nothing is read on the host then (sizes are fixed, expert ids and
     capacity are checked on the device, the error surfaces when the call's flags finish).
 
-    Backends: ``reference`` (the default: counts and rows by ``all_to_all_single``; the splits
-    are read on the host), ``triton`` (symmetric memory with per-source flags, see
-    ``TritonDispatch``; ``backend="triton"`` or ``FUSEDPAR_BACKEND=triton`` until a GPU
-    benchmark shows it first).
+    Backends: ``reference`` (counts and rows by ``all_to_all_single``; the splits are read on
+    the host), ``triton`` (symmetric memory with per-source flags, see ``TritonDispatch``).
+    By default ``triton`` runs the calls with ``max_tokens_per_rank`` (where it can) and
+    ``reference`` the others, until a GPU benchmark says otherwise; ``backend=`` or
+    ``FUSEDPAR_BACKEND`` choose.
     Every rank passes the same hidden size, k, num_experts, dtype and max_tokens_per_rank
     (T may differ); a difference raises ``ValueError``.
     """
@@ -722,7 +732,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank,
                   check_values=max_tokens_per_rank is None)
     call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
-    chosen = DISPATCH.select(call, backend or "")
+    chosen = DISPATCH.select(call, backend or _default_backend(call))
     if max_tokens_per_rank is not None and chosen.name != "triton":
         check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world)
     return chosen.run(call)

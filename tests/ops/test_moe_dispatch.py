@@ -54,7 +54,8 @@ def _padded_round_trip(T, H, k, E, M):
     x = _tokens(rank, T, H).requires_grad_()
     w = ((torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4).requires_grad_()
     with no_host_reads():
-        recv_x, per_expert, handle = moe_dispatch(x, idx, w, E, max_tokens_per_rank=M, backend="triton")
+        recv_x, per_expert, handle = moe_dispatch(x, idx, w, E, max_tokens_per_rank=M)  # triton
+        assert handle.backend == "triton"
         out = moe_combine(recv_x * 2, handle)
         out.sum().backward()
     assert torch.equal(out, 2 * x.detach() * w.detach().sum(1, keepdim=True))
