@@ -42,7 +42,7 @@ def _fsdp_lower_bound(model, world: int) -> dict[str, int]:
 #: bf16 parameters (FSDP2 param_dtype) with fp32 gradient reduction, against the fp32 single
 #: process: every loss within BF16_LOSS_RTOL relative, every gradient within BF16_GRAD_RTOL
 #: of its largest element (bf16 keeps 8 bits of mantissa: ~0.4% per rounding).
-BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-2, 5e-2
+BF16_LOSS_RTOL, BF16_GRAD_RTOL = 2e-3, 5e-2  # measured: 1.9e-4, 1.6e-2
 
 
 def _assert_bf16_bound(got, want, what: str) -> None:
@@ -119,9 +119,10 @@ def test_context_parallel_matches_single_process(pools):
 
 @pytest.mark.timeout(600)
 def test_expert_parallel_matches_single_process(pools):
-    """ep borrows its ranks from dp_shard: ep=2 (experts FSDP-sharded over efsdp=2), ep=4;
-    and dp_shard=4 alone. The load-balancing loss is the whole batch's in every config."""
-    configs = [dict(dp_shard=4), dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=4)]
+    """ep borrows its ranks from dp_shard (x cp): ep=2 (experts FSDP-sharded over efsdp=2),
+    ep=4, ep=2 with cp=2; and dp_shard=4 alone. The load-balancing loss is the whole batch's in every config."""
+    configs = [dict(dp_shard=4), dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=4),
+               dict(cp=2, dp_shard=2, ep=2)]
     assert pools(4).run(_check_dense, "mixtral", configs, timeout=500) == [True] * 4
 
 
