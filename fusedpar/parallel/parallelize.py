@@ -9,7 +9,8 @@ Plain-PyTorch (torchtitan-style) equivalent, for ``mesh = config.build_mesh()``:
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)})
     # 2. CP: ContextParallelAttention in each attention, batch zigzag-sharded in forward
-    # 3. EP: ExpertParallelMoE in each MoE block (experts FSDP-sharded over "efsdp")
+    # 3. EP: ExpertParallelMoE in each fusedpar MoE block, ExpertParallelExperts as each HF
+    #    block's experts: DTensors Shard(0) on the ep axis, FSDP-sharded over "efsdp"
     # 4. activation checkpointing per block (optional)
     for block in model.model.layers:                       # 5. FSDP2, per block then root
         fully_shard(block, mesh=mesh["dp_replicate", "dp_shard_cp"], mp_policy=mp)
@@ -20,7 +21,9 @@ The model's ``forward(input_ids, labels=None, position_ids=None)`` is replaced b
 takes this data-parallel rank's batch (:func:`shard_batch`; the same on every rank of a
 tp/cp group), shards the sequence for CP itself, keeps the logits split over the
 vocabulary (``output.logits`` is ``[B, S_local, V/tp]``) and returns the mean token loss
-over the whole sequence, computed by a vocab-parallel cross-entropy.
+over the whole sequence, computed by a vocab-parallel cross-entropy; fusedpar's MoE blocks
+add the load-balancing loss of the whole global batch (see ``_global_aux_loss``), so the
+loss and every gradient are the single process's on the global batch.
 """
 
 from __future__ import annotations
