@@ -44,3 +44,4 @@ OK = 0
 TIMEOUT_READY = 1
 TIMEOUT_DONE = 2
 META_MISMATCH = 3
+CAPACITY_EXCEEDED = 4  # moe_dispatch: a routing count above max_tokens_per_rank

@@ -228,6 +228,12 @@ class SymmetricBuffer:
             desc = slice(layout.DESC, layout.DESC + layout.DESC_WORDS)
             mine, theirs = self.pad()[desc].tolist(), self.pad(src)[desc].tolist()
             raise ValueError(mismatch_message(op, self.rank, src, self.group_name, mine, theirs))
+        if code == layout.CAPACITY_EXCEEDED:
+            self.failure = f"{op}: capacity exceeded"
+            raise ValueError(
+                f"fusedpar.{op}: the routing table exchanged at epoch {epoch} holds a count above "
+                "max_tokens_per_rank (tokens of a rank, or copies routed to one expert) or an "
+                "expert id out of range; nothing was dropped: raise max_tokens_per_rank")
         flag = {layout.TIMEOUT_READY: "READY", layout.TIMEOUT_DONE: "DONE"}.get(code, str(code))
         self.failure = f"{op}: timed out waiting for rank {src}"
         raise FusedparTimeoutError(

@@ -21,12 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..comm import layout
 from .ag_gemm import interpreting
 from .signal import PAD_BYTES, STATUS, pad_ptr, record_failure
 
-# STATUS code of a (source, expert) count above max_tokens_per_rank (comm.layout's codes
-# stop at 3); the op explains it when the buffer raises it.
-CAPACITY_EXCEEDED = tl.constexpr(4)
+CAPACITY_EXCEEDED = tl.constexpr(layout.CAPACITY_EXCEEDED)
 
 ROW_BLOCK_GPU = dict(BLOCK_R=16, BLOCK_H=256)
 ROW_BLOCK_INTERPRETER = dict(BLOCK_R=64, BLOCK_H=64)

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
-from ..errors import FusedparTimeoutError
 from ..kernels import moe_dispatch as dispatch_kernels
 from ..kernels import moe_permute as permute_kernels
 from . import _collective as C
@@ -549,7 +548,7 @@ def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) ->
     try:
         return _run_round(op, bufs, staged, meta, _describe(dtype, H, first.num_experts, first.k,
                                                             first.max_tokens), pull)
-    except FusedparTimeoutError:  # the status word also carries a capacity failure
+    except ValueError:  # a capacity failure: say which rank and expert
         error = _capacity_error_from(first.table, first.max_tokens) if check_capacity else None
         if error is None:
             raise

@@ -147,3 +147,16 @@ def test_a_failed_call_returns_nan_and_raises_at_its_end():
         C.run_staged("all_gather", C.TRITON_LAUNCHERS, bufs, xs, 7, desc, pull)
     assert torch.equal(outs[0], torch.stack(xs))
     assert outs[1].isnan().all()
+
+
+def test_a_recorded_capacity_failure_raises_a_value_error_naming_the_fix():
+    """What a CUDA moe_dispatch with max_tokens_per_rank raises at the next call when its
+    device-side check failed (on CPU the op adds which rank and expert)."""
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    buf.next_epoch()
+    buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor([layout.CAPACITY_EXCEEDED, 0, 1])
+    with pytest.raises(ValueError, match="above max_tokens_per_rank .* raise max_tokens_per_rank"):
+        buf.finish("moe_dispatch")
+    with pytest.raises(FusedparError, match="unusable after an earlier failure"):
+        buf.next_epoch()
