@@ -120,3 +120,36 @@ def test_loopback_matches_dense_loop(backend, world, k, skew):
     # each crossing copy there and back (reference: the counts' all_gather is not rows)
     rows = sum(n for (op, _), n in counter.by_op().items() if op != "all_gather")
     assert rows == 2 * crossing * H * 4, counter.by_op()
+
+
+def _fused_with_a_stalled_peer(T):
+    """Rank 1 takes part in every collective, then stalls for 2T before staging its copies:
+    rank 0's pull GEMM gives up on it after T; rank 1 then waits in vain for rank 0's results."""
+    import time
+
+    from fusedpar.ops import _collective as C
+    from tests.ops.collective_cases import subgroup
+
+    group = subgroup()  # a failed call retires its buffer: a group of its own
+    torch.manual_seed(0)
+    x, w13, w2 = torch.randn(5, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
+    idx, w, _ = topk_route(torch.randn(5, 4), 2)
+    stage = C.stage
+    if dist.get_rank() == 1:
+        C.stage = lambda *args: (time.sleep(2 * T), stage(*args))[1]
+    start = time.monotonic()
+    try:
+        with env(FUSEDPAR_TIMEOUT=T):
+            moe_experts(x, idx, w, w13, w2, group, backend="fused")
+        return None
+    except fusedpar.FusedparTimeoutError as e:
+        return time.monotonic() - start, str(e)
+    finally:
+        C.stage = stage
+
+
+def test_fused_a_stalled_peer_fails_within_the_timeout(pools):
+    T = 1.5
+    (elapsed, error), other = pools(2).run(_fused_with_a_stalled_peer, T)
+    assert T <= elapsed <= 1.5 * T + 3 and "READY[1]" in error, (elapsed, error)
+    assert other is not None and "READY[0]" in other[1], other  # no hang on the other side either
