@@ -153,3 +153,25 @@ def test_fused_a_stalled_peer_fails_within_the_timeout(pools):
     (elapsed, error), other = pools(2).run(_fused_with_a_stalled_peer, T)
     assert T <= elapsed <= 1.5 * T + 3 and "READY[1]" in error, (elapsed, error)
     assert other is not None and "READY[0]" in other[1], other  # no hang on the other side either
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_loopback_bf16_on_gpu(backend):
+    """The compiled kernels (GPU configs): bf16 within 2x the error of plain torch in bf16."""
+    from fusedpar.ops.moe_experts import moe_experts_loopback
+
+    world, T, H, I, E_local, k = 4, 300, 256, 192, 2, 2
+    E = E_local * world
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda") * H ** -0.5
+    w2 = torch.randn(E, H, I, generator=g, device="cuda") * I ** -0.5
+    xs = [torch.randn(T, H, generator=g, device="cuda") for _ in range(world)]
+    routes = [topk_route(torch.randn(T, E, generator=g, device="cuda"), k) for _ in range(world)]
+    ys = moe_experts_loopback([x.bfloat16() for x in xs], [i for i, _, _ in routes],
+                              [w.bfloat16() for _, w, _ in routes], list(w13.bfloat16().chunk(world)),
+                              list(w2.bfloat16().chunk(world)), backend=backend)
+    for x, (idx, w, _), y in zip(xs, routes, ys):
+        exact = experts_dense(x.double(), idx, w.double(), w13.double(), w2.double())
+        torch_bf16 = experts_dense(x.bfloat16(), idx, w.bfloat16(), w13.bfloat16(), w2.bfloat16())
+        assert (y.double() - exact).abs().max() <= 2 * (torch_bf16.double() - exact).abs().max()
