@@ -1,14 +1,17 @@
 """moe_experts (the expert-parallel SwiGLU MLP) against the single-process dense loop."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.ops.moe import experts_dense, topk_route
 from fusedpar.comm import resolve_group
-from fusedpar.ops.moe_experts import BACKENDS, ExpertsCall, moe_experts
-from tests.ops.collective_cases import capture_errors, env
+from fusedpar.ops import _collective as C
+from fusedpar.ops.moe import experts_dense, topk_route
+from fusedpar.ops.moe_experts import BACKENDS, ExpertsCall, moe_experts, moe_experts_loopback
+from tests.ops.collective_cases import capture_errors, env, subgroup
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -101,8 +104,6 @@ def test_bad_inputs_raise_clear_errors(pools):
 @pytest.mark.parametrize("backend, world, k, skew", [("fused", 4, 2, False), ("fused", 3, 1, True),
                                                      ("reference", 4, 2, False)])
 def test_loopback_matches_dense_loop(backend, world, k, skew):
-    from fusedpar.ops.moe_experts import moe_experts_loopback
-
     T, H, I, E_local = 5, 8, 6, 2
     E = E_local * world
     torch.manual_seed(1)
@@ -125,11 +126,6 @@ def test_loopback_matches_dense_loop(backend, world, k, skew):
 def _fused_with_a_stalled_peer(T):
     """Rank 1 takes part in every collective, then stalls for 2T before staging its copies:
     rank 0's pull GEMM gives up on it after T; rank 1 then waits in vain for rank 0's results."""
-    import time
-
-    from fusedpar.ops import _collective as C
-    from tests.ops.collective_cases import subgroup
-
     group = subgroup()  # a failed call retires its buffer: a group of its own
     torch.manual_seed(0)
     x, w13, w2 = torch.randn(5, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
@@ -159,8 +155,6 @@ def test_fused_a_stalled_peer_fails_within_the_timeout(pools):
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_loopback_bf16_on_gpu(backend):
     """The compiled kernels (GPU configs): bf16 within 2x the error of plain torch in bf16."""
-    from fusedpar.ops.moe_experts import moe_experts_loopback
-
     world, T, H, I, E_local, k = 4, 300, 256, 192, 2, 2
     E = E_local * world
     g = torch.Generator(device="cuda").manual_seed(0)
