@@ -16,8 +16,10 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   pass is the same pipeline over the output gradients.
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``).
-Both move exactly the routed rows, there and back (no padding). ``moe_experts_loopback``
-runs every rank's part in one process (the unfused ops over loopback symmetric buffers).
+Every backend moves only the routed rows, there and back (no padding); the fused pull
+GEMM reads a peer's rows once per N tile band of the first GEMM (once when 2I fits one
+band), and counts what it reads. ``moe_experts_loopback`` runs every rank's part in one
+process (fused, or the unfused ops, over loopback symmetric buffers).
 """
 
 from __future__ import annotations
