@@ -595,16 +595,26 @@ def _cp_ep_rows(group, device, selected: list[str]):
                                     checks, counter.total(), 2 * (CP_SIZE - 1) * kv_bytes))
         (x, weights, w13, w2, g), idx, expected, copies_in, copies_out = _ep_case(rank, EP_SIZE,
                                                                                  device)
-        if "reference" in selected:
+        from fusedpar.ops.moe_experts import ExpertsCall
+
+        call = ExpertsCall(x, idx, weights, w13, w2, sub)
+        for name, reasons in DISPATCHERS["moe_experts"].availability(call).items():
+            if name not in selected:
+                continue
+            if reasons:
+                skipped.append({"section": "cp/ep", "op": EP_OP, "backend": name,
+                                "reasons": reasons})
+                continue
             leaves = [t.clone().requires_grad_() for t in (x, weights, w13, w2)]
             with fusedpar.comm.count_bytes() as counter:
-                y = fusedpar.ops.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], sub)
+                y = fusedpar.ops.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], sub,
+                                             backend=name)
                 (y * g).sum().backward()
             names = ("input grad", "topk_weights grad", "grad of w13", "grad of w2")
             checks = [("output", y.detach(), expected[0])]
             checks += [(n, t.grad, e) for n, t, e in zip(names, leaves, expected[1:])]
             row_bytes = EP_HIDDEN * x.element_size()
-            local.append(_error_row(EP_OP, "reference", f"({EP_TOKENS}, {EP_HIDDEN})", checks,
+            local.append(_error_row(EP_OP, name, f"({EP_TOKENS}, {EP_HIDDEN})", checks,
                                     counter.total(), (copies_in + copies_out) * row_bytes))
     gathered = [None] * world  # the other ranks contribute nothing but take part
     dist.all_gather_object(gathered, (local, skipped), group=group)
@@ -723,7 +733,10 @@ def _legend(result: dict) -> list[str]:
         "and w2 grads; lower bound:",
         "    the token copies routed across ranks, in (dispatch) and back (combine): "
         "(copies in + out)*H of the forward,",
-        "    which is what the moe ops count (their backward exchanges are not counted)."
+        "    which is what the moe ops count (their backward exchanges are not counted); the "
+        "fused backend's first GEMM",
+        "    re-reads a peer's rows once per N tile band where it pulls them (no copy engine: "
+        "CPU, loopback).",
     ]
     block_n = result.get("pull_block_n")
     if block_n:

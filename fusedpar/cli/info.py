@@ -100,7 +100,8 @@ def _triton_info() -> dict:
 
 def _representative_call(op: str, device):
     """A small float32 call of ``op`` as a loopback of INFO_WORLD ranks (group=None), or
-    None for an op that cannot be evaluated without a process group (moe_dispatch)."""
+    None for an op that cannot be evaluated without a process group (moe_dispatch,
+    moe_experts: their calls exchange routing counts)."""
     from fusedpar.ops.flash_attention import AttentionCall
     from fusedpar.ops.grouped_mm import GroupedCall
     from fusedpar.ops.ring_attention import RingCall

@@ -83,7 +83,7 @@ def test_check_two_ranks_all_correct():
     cp_ep_rows = sections["context / expert parallel"]
     assert [r[:2] for r in cp_ep_rows] == [(CP_OP, b) for b in ("triton", "pipelined", "ulysses",
                                                                "allgather_kv")] \
-        + [(EP_OP, "reference")], res.stdout
+        + [(EP_OP, b) for b in ("pipelined", "fused", "reference")], res.stdout
     for r in cp_ep_rows:
         m = re.fullmatch(r"yes \(max err (\S+)\)", r[4])
         assert m and float(m.group(1)) <= 1e-5, r
@@ -91,9 +91,10 @@ def test_check_two_ranks_all_correct():
     kv_bytes = 2 * 1 * 8 * 2 * 16 * 4  # k and v parts [1, 8, 2, 16] fp32
     assert all(_bytes(r[6]) == 2 * kv_bytes for r in cp_ep_rows[:4])
     assert cp_ep_rows[1][5] == f"{3 * kv_bytes:,}"  # pipelined: K/V ring again in backward
-    assert cp_ep_rows[4][7] == "1.00"  # moe_experts: exactly the routed copies
+    assert cp_ep_rows[4][7] == cp_ep_rows[6][7] == "1.00"  # moe_experts: exactly the routed copies
+    assert float(cp_ep_rows[5][7]) > 1  # fused: the pull-mode GEMM re-reads rows per N band
     assert len(dist_rows) == 60 and len(tp_rows) == 3 and len(lb_rows) == 24
-    assert "OK: all 92 results match the reference (84 bit for bit, 8 within atol 1e-05)" \
+    assert "OK: all 94 results match the reference (84 bit for bit, 10 within atol 1e-05)" \
         in res.stdout
     assert "BLOCK_N = 32 here" in res.stdout  # the pull-mode re-read rule is explained
     assert not set(glob.glob("/dev/shm/fusedpar_*")) - before
