@@ -45,6 +45,7 @@ constexpr int32_t OK = 0;
 constexpr int32_t TIMEOUT_READY = 1;
 constexpr int32_t TIMEOUT_DONE = 2;
 constexpr int32_t META_MISMATCH = 3;
+constexpr int32_t CAPACITY_EXCEEDED = 4;  // moe_dispatch (Triton) only: a count above max_tokens_per_rank
 
 static_assert(DONE == MAX_WORLD, "DONE = MAX_WORLD");
 static_assert(META == 2 * MAX_WORLD, "META = 2 * MAX_WORLD");

@@ -70,6 +70,15 @@ class ExpertsCall:
     def cache_key(self) -> tuple:
         return (self.group.group_name, self.x.device.type, self.x.dtype)
 
+    def agree(self) -> tuple[int, int, int, int]:
+        """Check (one tiny all-gather) that every rank passed the same sizes and dtype;
+        returns ``(world, rank, experts per rank, k)``."""
+        local, k = self.w13.shape[0], self.topk_idx.shape[1]
+        _check_same_everywhere(OP, self.group, [self.x.shape[1], k, local, self.w13.shape[1],
+                                                _DTYPE_CODES.get(self.x.dtype, 9)],
+                               "hidden size, k, experts per rank, 2 x intermediate size, dtype")
+        return dist.get_world_size(self.group), dist.get_rank(self.group), local, k
+
     def describe(self) -> str:
         return (f"x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, topk_idx "
                 f"{tuple(self.topk_idx.shape)}, w13 {tuple(self.w13.shape)}")
@@ -216,13 +225,8 @@ class Pipelined(Backend):
         return []
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
-        x, topk_idx, w13 = call.x, call.topk_idx, call.w13
-        group = call.group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        local, k = w13.shape[0], topk_idx.shape[1]
-        _check_same_everywhere(OP, group, [x.shape[1], k, local, w13.shape[1],
-                                           _DTYPE_CODES.get(x.dtype, 9)],
-                               "hidden size, k, experts per rank, 2 x intermediate size, dtype")
+        x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
+        world, rank, local, k = call.agree()
         pos, counts = _sort(topk_idx, local * world)
         recv_counts = _all_to_all(counts.view(world, local), [1] * world, [1] * world, group)
         plan = _Plan.from_counts(group, rank, counts.view(world, local), recv_counts)
@@ -343,13 +347,8 @@ class Fused(Backend):
         return reasons + Pipelined().not_supported_reasons(call)  # its backward
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
-        x, topk_idx, w13 = call.x, call.topk_idx, call.w13
-        group = call.group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        local, k = w13.shape[0], topk_idx.shape[1]
-        _check_same_everywhere(OP, group, [x.shape[1], k, local, w13.shape[1],
-                                           _DTYPE_CODES.get(x.dtype, 9)],
-                               "hidden size, k, experts per rank, 2 x intermediate size, dtype")
+        x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
+        world, rank, local, k = call.agree()
         pos, counts = _sort(topk_idx, local * world)
         table = torch.empty(world * counts.numel(), dtype=counts.dtype, device=counts.device)
         C.all_gather_single(table, counts, group=group)

@@ -44,17 +44,7 @@ def _save_then_continue_steps(path: str) -> list[float]:
         assert p.placements == dict(model.named_parameters())[n].placements, n
         assert torch.equal(full(p), saved[n]), f"{n} differs after the DCP round trip"
 
-    losses = []
-    for m, o in ((model, opt), (fresh, fresh_opt)):
-        curve = []
-        for ids, labels in data[SAVE_AT:]:
-            ids, labels = fusedpar.parallel.shard_batch((ids, labels), m.fusedpar_mesh)
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            curve.append(float(loss))
-        losses.append(curve)
+    losses = [_train(m, o, data[SAVE_AT:]) for m, o in ((model, opt), (fresh, fresh_opt))]
     assert losses[0] == losses[1], losses  # identical, not just close
 
     # the full state dict loads into the plain Hugging Face model and gives its loss
@@ -86,15 +76,7 @@ def _load_resharded_steps(path: str) -> list[float]:
     model = fusedpar.parallelize(make_model("llama", seed=7), {"dp_shard": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     checkpoint.load(path, model, opt)
-    curve = []
-    for ids, labels in data[SAVE_AT:]:
-        ids, labels = fusedpar.parallel.shard_batch((ids, labels), model.fusedpar_mesh)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        curve.append(float(loss))
-    return curve
+    return _train(model, opt, data[SAVE_AT:])
 
 
 @pytest.mark.timeout(600)
