@@ -12,8 +12,9 @@ Mixtral-8x7B-like shapes: H=4096, I=14336, 8 experts (one per simulated rank), t
 TFLOP/s counts ``2 * 3 * H * I`` per routed copy. Target (recorded, never asserted): the
 fused backend >= 1.15x the unfused sequence. Each case is checked once against the dense
 expert loop in fp32 before it is timed. Skips without a GPU: no number is ever printed for
-a machine that did not run it. On a GPU the fused pull GEMM reads each peer row once per
-N tile band (the loopback has no copy engine), which the row's bytes_moved shows.
+a machine that did not run it. The loopback runs the fused backend's GPU path: the copy
+engine brings each source's rows once (bytes_moved = lower bound) while the first grouped
+GEMM starts on the rows already there.
 
 ``test_loopback_volume`` (no timing; CPU too, W=4): the rows crossing ranks are exactly
 the routed copies whose expert lives on another rank, there and back (the lower bound).
@@ -115,8 +116,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loopback_volume(local_device, backend):
     """Tiny fp32 case: outputs match the dense loop and the rows counted crossing ranks
-    (there and back; the counts table is not rows) are the lower bound. 2I = 16 fits one
-    N tile band of the interpreter, so the fused pull GEMM reads each peer row once."""
+    (there and back; the counts table is not rows) are the lower bound."""
     world, local = 4, 2  # W=8 costs 30 s in the Triton interpreter
     case = _case(world, 3, 16, 8, local, 2, torch.float32, local_device, seed=1)
     with fusedpar.comm.count_bytes() as counter:

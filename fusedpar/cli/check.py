@@ -733,10 +733,7 @@ def _legend(result: dict) -> list[str]:
         "and w2 grads; lower bound:",
         "    the token copies routed across ranks, in (dispatch) and back (combine): "
         "(copies in + out)*H of the forward,",
-        "    which is what the moe ops count (their backward exchanges are not counted); the "
-        "fused backend's first GEMM",
-        "    re-reads a peer's rows once per N tile band where it pulls them (no copy engine: "
-        "CPU, loopback).",
+        "    which is what the moe ops count (their backward exchanges are not counted).",
     ]
     block_n = result.get("pull_block_n")
     if block_n:

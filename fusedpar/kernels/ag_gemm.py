@@ -30,10 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..comm import layout
-from .signal import PER_CALL_ARGS, data_ptr, pad_ptr, wait_flag, wait_ready_and_match
-
-GATHERED = tl.constexpr(layout.GATHERED)
+from .signal import GATHERED, PER_CALL_ARGS, data_ptr, pad_ptr, wait_flag, wait_ready_and_match
 
 # GPU configs, chosen so that the variants the launchers produce (unit-stride B or Bᵀ, aligned
 # pointers; tests/kernels/test_aot.py prints registers and spills) compile without spills:

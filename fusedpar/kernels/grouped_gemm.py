@@ -13,14 +13,14 @@ host loop and no device-to-host sync).
   zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
 
 - ``grouped_mm_peers_kernel`` (the fused expert MLP of ``ops/moe_experts.py``): groups
-  are blocks of rows that live in the ranks' symmetric data regions, listed in a table of
-  ``(src, expert, peer_row, local_row, rows)`` ordered own rank first. ``PULL``: A rows come
-  from rank ``src``'s region (``peer_row``), each program waiting for ``src``'s READY flag
-  (and fingerprint) when it reaches its first tile of that source, so a source's tokens
-  are multiplied as soon as they land; C goes to ``c[local_row]`` and the n-tile-0 tiles
-  store the A rows they read into ``ag[local_row]``. Push (``PULL=False``): A is local
-  (``a[local_row]``), C tiles go straight into rank ``src``'s region at ``peer_row``.
-  A failed wait (recorded in STATUS) makes the program skip that source's tiles.
+  are blocks of rows listed in a table of ``(src, expert, peer_row, local_row, rows)``,
+  ordered own rank first; A rows are local (``a[local_row]``). Gather mode
+  (``PUSH=False``): the sources' rows were copied into ``a`` by a producer that raises this
+  rank's ``GATHERED + src`` flag after each source's block (the copy engine on a GPU), and
+  each program waits for that flag when it reaches its first tile of ``src``, so a source's
+  tokens are multiplied as soon as they land; C goes to ``c[local_row]``. A failed wait
+  (recorded in STATUS) makes the program skip that source's tiles. Push (``PUSH=True``): C
+  tiles go straight into rank ``src``'s region at ``peer_row``.
 
 Accumulation is fp32 (fp32 inputs use exact fp32 products, no TF32); any strides.
 The first two kernels wait on nothing: their grid is capped at NUM_PROGRAMS (the SM
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .ag_gemm import gemm_config, grouped_tile, interpreting, mma
-from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
+from .signal import GATHERED, data_ptr, pad_ptr, sm_count, spinning_grid, wait_flag
 
 # 16-bit inputs; ptxas reports no spills for either kernel with unit inner strides (what the
 # JIT specializes for row-major operands): sm_90 one warpgroup on 64x128 tiles (128x128 on
@@ -135,13 +135,14 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E,
                    stride_cn, BLOCK_M, BLOCK_N)
 
 
-@triton.jit(do_not_specialize=PER_CALL_ARGS + ["num_groups", "c_offset"])
-def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, groups_ptr, pad_table, rank, world_size,
-                            epoch, meta, timeout_ns, num_groups, N, K, c_offset,
-                            stride_be, stride_bk, stride_bn,
+# meta is not an argument: the READY waits (with the fingerprints) ran before the gather
+@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_groups", "c_offset"])
+def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, groups_ptr, pad_table, rank, world_size, epoch,
+                            timeout_ns, num_groups, N, K, c_offset, stride_be, stride_bk, stride_bn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, PULL: tl.constexpr, UPCAST: tl.constexpr):
+                            GROUP_M: tl.constexpr, PUSH: tl.constexpr, UPCAST: tl.constexpr):
     n_tiles = tl.cdiv(N, BLOCK_N)
+    my_pad = pad_ptr(pad_table, rank)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
     first = tl.zeros([], tl.int32)  # index of the current group's first tile in that list
     checked = tl.full([], -1, tl.int32)  # the source whose flag this program checked last
@@ -154,20 +155,17 @@ def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, groups_ptr, pad_table, 
         rows = tl.load(groups_ptr + g * 5 + 4)
         m_tiles = tl.cdiv(rows, BLOCK_M)
         group_tiles = m_tiles * n_tiles
-        if PULL:
-            a_base = data_ptr(pad_table, src, c_ptr.dtype.element_ty) + peer_row * K
-            c_base = c_ptr + local_row * N
-        else:
-            a_base = a_ptr + local_row * K
+        a_base = a_ptr + local_row * K
+        if PUSH:
             c_base = data_ptr(pad_table, src, a_ptr.dtype.element_ty) + c_offset + peer_row * N
+        else:
+            c_base = c_ptr + local_row * N
         b_base = b_ptr + tl.cast(expert, tl.int64) * stride_be
         while tile < first + group_tiles:
-            if PULL:
+            if not PUSH:
                 if src != checked:
                     checked = src
-                    ok = tl.full([], 1, tl.int1)
-                    if src != rank:
-                        ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
+                    ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
             if ok:
                 pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
                 rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -179,18 +177,14 @@ def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, ag_ptr, groups_ptr, pad_table, 
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     k_ok = rk < K - k0
-                    a_mask = row_ok[:, None] & k_ok[None, :]
-                    a = tl.load(a_base + a_rows[:, None] + (k0 + rk)[None, :], mask=a_mask, other=0.0)
+                    a = tl.load(a_base + a_rows[:, None] + (k0 + rk)[None, :],
+                                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                     b = tl.load(b_base + (k0 + rk)[:, None].to(tl.int64) * stride_bk
                                 + rn[None, :].to(tl.int64) * stride_bn,
                                 mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                    if PULL:
-                        if pid_n == 0:
-                            tl.store(ag_ptr + local_row * K + a_rows[:, None] + (k0 + rk)[None, :],
-                                     a, mask=a_mask)
                     acc = mma(a, b, acc, UPCAST)
                 tl.store(c_base + rm.to(tl.int64)[:, None] * N + rn[None, :],
-                         acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                         acc.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             tile += tl.num_programs(0)
         first += group_tiles
 
@@ -202,39 +196,33 @@ def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
 
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: torch.Tensor,
                      rows: list[int], pad_table: torch.Tensor, rank: int, world_size: int, epoch: int,
-                     meta: int, timeout_ns: int, *, pull: bool, ag: torch.Tensor | None = None,
-                     c_offset: int = 0) -> int:
+                     timeout_ns: int, *, push: bool, c_offset: int = 0) -> None:
     """One launch over the row blocks in ``groups`` (int32 ``[G, 5]``: src, expert,
     peer_row, local_row, rows; ``rows``: the last column, on the host).
 
-    ``pull``: ``c[local_row:+rows] = src's region[peer_row:+rows] @ b[expert]`` (region
-    rows ``[., K]``, contiguous), waiting for each peer source's READY flag, with ``ag``
-    receiving the A rows read; ``a`` is unused. Push: ``src's region[c_offset + (peer_row:
-    +rows) * N] = a[local_row:+rows] @ b[expert]``; ``c`` is unused (only its dtype).
-    ``a``, ``c``, ``ag`` contiguous; ``b [E, K, N]`` any strides. Returns how many times
-    each A row is read (the N tile bands).
-    Waits: the READY flags it spins on are raised by the peers' one-program signal kernels,
-    launched before this kernel (on the peers' own devices, or earlier in the stream in a
-    loopback), so they need no SM this kernel holds; the grid is ``spinning_grid``-capped.
+    Gather (not ``push``): ``c[local_row:+rows] = a[local_row:+rows] @ b[expert]``, each
+    source's tiles waiting for this rank's ``GATHERED + src`` flag to reach ``epoch`` (the
+    producer copied that source's rows into ``a`` first). Push: ``src's region[c_offset +
+    (peer_row:+rows) * N] = a[local_row:+rows] @ b[expert]``; ``c`` is unused. ``a`` and
+    ``c`` contiguous; ``b [E, K, N]`` any strides.
+    Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
+    on a side stream) or, without one, before this launch in stream order; neither needs an SM
+    this kernel holds, and the grid is ``spinning_grid``-capped.
     """
     K, N = b.shape[1], b.shape[2]
-    like = c if pull else a
-    push = None
-    if not pull and not interpreting() and like.dtype != torch.float32:
-        push = PUSH_CONFIG_SM90 if torch.cuda.get_device_capability(like.device)[0] >= 9 \
+    push_cfg = None
+    if push and not interpreting() and a.dtype != torch.float32:
+        push_cfg = PUSH_CONFIG_SM90 if torch.cuda.get_device_capability(a.device)[0] >= 9 \
             else PUSH_CONFIG_SM80
-    cfg = grouped_config(like, push)
-    bands = triton.cdiv(N, cfg["BLOCK_N"])
-    tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * bands
+    cfg = grouped_config(a, push_cfg)
+    tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
-        return bands
-    grouped_mm_peers_kernel[peers_grid(tiles, sm_count(like.device))](
-        a, b, c, c if ag is None else ag, groups, pad_table, rank, world_size, epoch, meta,
-        timeout_ns, groups.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], PULL=pull, UPCAST=interpreting(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    return bands
+        return
+    grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
+        a, b, c, groups, pad_table, rank, world_size, epoch, timeout_ns, groups.shape[0], N, K,
+        c_offset, b.stride(0), b.stride(1), b.stride(2), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PUSH=push,
+        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def grouped_config(a: torch.Tensor, config: dict | None = None) -> dict:
@@ -299,10 +287,10 @@ _ROWS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
           "N": "i32", "E": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
           "stride_cm": "i32"}
-_PEERS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ag_ptr": "*bf16",
-              "groups_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
-              "epoch": "i32", "meta": "i32", "timeout_ns": "i64", "num_groups": "i32", "N": "i32",
-              "K": "i32", "c_offset": "i32", "stride_be": "i32", "stride_bn": "i32"}
+_PEERS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32",
+              "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
+              "timeout_ns": "i64", "num_groups": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
+              "stride_be": "i32", "stride_bn": "i32"}
 # b = w.transpose(1, 2) of row-major expert weights: unit stride along K
 _PEERS_UNIT = {"stride_bk": 1}
 
@@ -318,6 +306,6 @@ AOT_EXAMPLES = [
     for cfg, arch in ((GPU_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))
     for kernel, sig, unit in ((grouped_mm_rows_kernel, _ROWS_SIG, _ROWS_UNIT),
                               (grouped_mm_k_kernel, _K_SIG, _K_UNIT),
-                              (grouped_mm_peers_kernel, _PEERS_SIG, dict(_PEERS_UNIT, PULL=True)))
-] + [_example(grouped_mm_peers_kernel, _PEERS_SIG, dict(_PEERS_UNIT, PULL=False), cfg, arch)
+                              (grouped_mm_peers_kernel, _PEERS_SIG, dict(_PEERS_UNIT, PUSH=False)))
+] + [_example(grouped_mm_peers_kernel, _PEERS_SIG, dict(_PEERS_UNIT, PUSH=True), cfg, arch)
      for cfg, arch in ((PUSH_CONFIG_SM90, 90), (PUSH_CONFIG_SM80, 80))]

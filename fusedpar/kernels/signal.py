@@ -28,6 +28,7 @@ DONE = tl.constexpr(layout.DONE)
 META = tl.constexpr(layout.META)
 STATUS = tl.constexpr(layout.STATUS)
 DEADLINE = tl.constexpr(layout.DEADLINE)
+GATHERED = tl.constexpr(layout.GATHERED)
 PAD_BYTES = tl.constexpr(layout.PAD_BYTES)
 # Decided when the kernels are decorated, exactly as triton decides to interpret them.
 USE_GLOBALTIMER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")

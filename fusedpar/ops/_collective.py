@@ -13,6 +13,7 @@ rank returns as soon as its own pulls are done.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -228,6 +229,69 @@ def run_staged(op: str, launchers, bufs, xs, meta: int, desc: list[int], pull) -
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
     release(launchers, bufs, epochs, op, outs)
     return outs
+
+
+_side_streams: dict = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The high-priority stream the copy-engine copies of the fused ops run on (one per device)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device, priority=-1)
+    return _side_streams[device]
+
+
+def write_flag(pad: torch.Tensor, word: int, value: int) -> None:
+    """A stream-ordered flag write that needs no SM (cuStreamWriteValue32), so it lands
+    while a persistent GEMM holds every SM; a plain memset under CUDA-graph capture."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    flags = pad.view(torch.uint32)
+    if torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(flags, offset=word, val=value, count=1)
+    else:
+        _SymmetricMemory.stream_write_value32(flags, word, value)
+
+
+@contextlib.contextmanager
+def gathering(buf, blocks, epoch: int, meta: int, copy_engine: bool):
+    """Copy each source's staged rows into a local tensor, raising this rank's
+    ``GATHERED + src`` flag after each; the body launches the consumer, which waits on those
+    flags. ``blocks``: ``[(src, local tensor, src's staged rows)]``, own rank first, then in
+    the order the consumer reaches them.
+
+    The own block is copied first, then one program waits for every peer's READY flag and
+    checks its fingerprint, so a failure is in STATUS before the consumer starts. With
+    ``copy_engine`` (CUDA) the peers' copies and flag writes run on ``side_stream`` (copy
+    engine, ``stream_write_value32``): they need no SM, so the consumer can hold every SM
+    and spin on the flags while they land; the current stream waits for the side stream when
+    the body is done. Without one (CPU, loopback) they run in stream order before the body.
+    The copies cannot be made conditional on a device value (a stream wait on a memory value
+    has no timeout), so after a failed wait they bring unsynchronised rows: ``release``
+    NaN-fills the call's outputs."""
+    def copy(src, dst, rows):
+        dst.copy_(rows)
+        if copy_engine:
+            write_flag(buf.pad(), layout.GATHERED + src, epoch)
+        else:
+            buf.pad()[layout.GATHERED + src:][:1].fill_(epoch)
+
+    own = [block for block in blocks if block[0] == buf.rank]
+    for block in own:
+        copy(*block)
+    signal_kernels.wait_flags(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch,
+                              buf.timeout_ns, layout.TIMEOUT_READY, meta)
+    main = torch.cuda.current_stream() if copy_engine else None
+    side = side_stream(buf.device) if copy_engine else None
+    if side is not None:
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for block in blocks:
+            if block[0] != buf.rank:
+                copy(*block)
+    yield
+    if side is not None:
+        main.wait_stream(side)
 
 
 class SymmetricBackend(Backend):

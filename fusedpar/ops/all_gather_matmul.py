@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
 from ..kernels import ag_gemm as ag_gemm_kernels
-from ..kernels import signal as signal_kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
 
@@ -129,27 +128,6 @@ class Pipelined(Backend):
         return (call.unflatten(gathered, world) if call.return_a else None), outs
 
 
-_side_streams: dict = {}
-
-
-def _side_stream(device: torch.device):
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device, priority=-1)
-    return _side_streams[device]
-
-
-def _write_flag(pad: torch.Tensor, word: int, value: int) -> None:
-    """A stream-ordered flag write that needs no SM (cuStreamWriteValue32), so it lands
-    while the persistent GEMM holds every SM; a plain memset under CUDA-graph capture."""
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    flags = pad.view(torch.uint32)
-    if torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags, offset=word, val=value, count=1)
-    else:
-        _SymmetricMemory.stream_write_value32(flags, word, value)
-
-
 class Triton(Backend):
     """One persistent Triton GEMM over the gathered rows in rank-rotated shard order (own
     shard first), each tile waiting on its shard's flag.
@@ -201,30 +179,16 @@ class Triton(Backend):
         return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, call.description(), gemm)
 
     def _copy_engine_gemm(self, buf, staged, b, epoch, meta, gathered, out):
-        """The persistent GEMM holds every SM and spins on GATHERED flags, so what it waits
-        for must need no SM: the READY wait (one program) runs on the main stream *before*
-        the GEMM is launched, and the side stream's copies and flag writes use the copy engine.
-        A failed wait is recorded in STATUS before the GEMM starts, and every GEMM wait
-        sees it: no tile computes on data that was not synchronised. The copies themselves
-        cannot be made conditional on a device value (a stream wait on a memory value has no
-        timeout), so what they bring is NaN-filled at the end of the call (``C.release``)."""
-        rank, world = buf.rank, buf.world_size
-        m = staged.shape[0]
-        main, side = torch.cuda.current_stream(), _side_stream(staged.device)
-        gathered[rank * m:(rank + 1) * m].copy_(staged)
-        _write_flag(buf.pad(), layout.GATHERED + rank, epoch)
-        signal_kernels.wait_flags(buf.pad_table, layout.READY, rank, world, epoch, buf.timeout_ns,
-                                  layout.TIMEOUT_READY, meta)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for step in range(1, world):
-                src = (rank + step) % world
-                gathered[src * m:(src + 1) * m].copy_(
-                    buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
-                _write_flag(buf.pad(), layout.GATHERED + src, epoch)
-        ag_gemm_kernels.ag_gemm(staged, b, out, gathered, buf.pad_table, rank, world, epoch, meta,
-                                buf.timeout_ns, pull=False, store_a=False)
-        main.wait_stream(side)
+        """The persistent GEMM holds every SM and spins on GATHERED flags, which the copy
+        engine raises (``C.gathering``), after the one-program READY wait ran before the
+        launch: no tile computes on data that was not synchronised."""
+        rank, world, m = buf.rank, buf.world_size, staged.shape[0]
+        sources = [(rank + step) % world for step in range(world)]
+        blocks = [(src, gathered[src * m:(src + 1) * m],
+                   buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged)) for src in sources]
+        with C.gathering(buf, blocks, epoch, meta, copy_engine=True):
+            ag_gemm_kernels.ag_gemm(staged, b, out, gathered, buf.pad_table, rank, world, epoch,
+                                    meta, buf.timeout_ns, pull=False, store_a=False)
 
 
 BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])

@@ -2,12 +2,13 @@
 SwiGLU -> grouped GEMM -> combine.
 
 Backends (``pipelined`` is the default; ``fused`` runs when asked for):
-- ``fused``: symmetric memory. Every rank stages its expert-sorted copies; the first
-  grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) reads each source's rows
-  straight from its buffer, its tiles waiting on that source's READY flag (own rank
-  first), then SwiGLU, then the second grouped GEMM writes its tiles straight into the
-  source ranks' buffers, where each rank reads its results back (no separate all-to-all).
-  The backward pass is the ``pipelined`` one (P2P).
+- ``fused``: symmetric memory. Every rank stages its expert-sorted copies; each source's
+  block of rows for this rank's experts is copied once into a local buffer (the copy
+  engine on a side stream on a GPU, raising a per-source GATHERED flag), while the first
+  grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) multiplies each source's
+  rows as soon as its flag is up (own rank first); then SwiGLU, then the second grouped
+  GEMM writes its tiles straight into the source ranks' buffers, where each rank reads its
+  results back (no separate all-to-all). The backward pass is the ``pipelined`` one (P2P).
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
   GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
@@ -16,9 +17,8 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   pass is the same pipeline over the output gradients.
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``).
-Every backend moves only the routed rows, there and back (no padding); the fused pull
-GEMM reads a peer's rows once per N tile band of the first GEMM (once when 2I fits one
-band), and counts what it reads. ``moe_experts_loopback`` runs every rank's part in one
+Every backend moves only the routed rows, once there and once back (no padding), and
+counts them. ``moe_experts_loopback`` runs every rank's part in one
 process (fused, or the unfused ops, over loopback symmetric buffers).
 """
 
@@ -261,40 +261,53 @@ def _groups(table: torch.Tensor, rank: int, local: int) -> list[list[int]]:
 
 def _fused_forward(bufs, sorted_xs, w13s, w2s, table: torch.Tensor, meta: int, desc: list[int]):
     """Every rank view's forward (one view per process, or all W in a loopback); returns
-    per view ``(back, received, h13, peer rows read)``: its copies' expert outputs in sorted
-    order, the rows it received (source-major) and their gate/up products.
+    per view ``(back, received, h13, bytes from peers)``: its copies' expert outputs in
+    sorted order, the rows it received (source-major) and their gate/up products.
 
     Two epochs per call. Epoch 1: stage the sorted copies (after DONE of the last call),
-    READY; the pull GEMM reads each source's block once its READY flag is up; DONE. Epoch 2:
-    the push GEMM writes each source's results into the source's region 2 (past every
-    rank's staged copies; free, since the epoch-1 stage waited for every peer's DONE of the
-    last call), READY; each rank waits for every owner's READY and reads its region 2; DONE.
+    READY; ``C.gathering`` copies each source's block of rows for this rank's experts (one
+    contiguous block per source) into ``received`` and raises GATHERED per source (the copy
+    engine on a GPU), while the gather GEMM multiplies each source's rows once its flag is
+    up, own rank first; DONE. Epoch 2: the push GEMM writes each source's results into the
+    source's region 2 (past every rank's staged copies; free, since the epoch-1 stage waited
+    for every peer's DONE of the last call), READY; each rank waits for every owner's READY
+    and reads its region 2; DONE. Each routed row crosses once each way.
     """
     world, local = table.shape[0], w13s[0].shape[0]
     hidden, dtype = sorted_xs[0].shape[1], sorted_xs[0].dtype
     region2 = int(table.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
+    starts = table.cumsum(1) - table  # row of (src, expert) in src's sorted copies
     launchers = C.TRITON_LAUNCHERS
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, epoch in zip(bufs, sorted_xs, epochs):
         C.stage(launchers, buf, x, epoch, meta, desc)
     states = []
-    for buf, x, w13, w2, epoch in zip(bufs, sorted_xs, w13s, w2s, epochs):
-        groups = _groups(table, buf.rank, local)
+    for buf, x, w13, epoch in zip(bufs, sorted_xs, w13s, epochs):
+        rank = buf.rank
+        groups = _groups(table, rank, local)
         rows = [g[4] for g in groups]
+        per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
         received = x.new_empty(sum(rows), hidden)
         h13 = x.new_empty(sum(rows), w13.shape[1])
+        blocks = []
+        for src in ((rank + step) % world for step in range(world)):
+            n, first = per_source[src], int(starts[src, rank * local])
+            at = sum(per_source[:src])
+            staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
+            if n:
+                blocks.append((src, received[at:at + n], staged.view(n, hidden)))
         group_table = torch.tensor(groups, dtype=torch.int32).reshape(-1, 5).to(x.device)
-        bands = kernels.grouped_mm_peers(x, w13.transpose(1, 2), h13, group_table, rows, buf.pad_table,
-                                         buf.rank, world, epoch, meta, buf.timeout_ns, pull=True,
-                                         ag=received)
-        peer_rows = sum(g[4] for g in groups if g[0] != buf.rank) * bands
+        with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
+            kernels.grouped_mm_peers(received, w13.transpose(1, 2), h13, group_table, rows,
+                                     buf.pad_table, rank, world, epoch, buf.timeout_ns, push=False)
+        peer_rows = sum(per_source) - per_source[rank]
         states.append((received, h13, group_table, rows, peer_rows))
     C.release(launchers, bufs, epochs, OP, [state[:2] for state in states])
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, w2, epoch, (_, h13, group_table, rows, _) in zip(bufs, sorted_xs, w2s, epochs, states):
         kernels.grouped_mm_peers(swiglu(h13).contiguous(), w2.transpose(1, 2), x, group_table, rows,
-                                 buf.pad_table, buf.rank, world, epoch, meta, buf.timeout_ns,
-                                 pull=False, c_offset=region2)
+                                 buf.pad_table, buf.rank, world, epoch, buf.timeout_ns, push=True,
+                                 c_offset=region2)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []
     for buf, x, epoch, (received, h13, _, _, peer_rows) in zip(bufs, sorted_xs, epochs, states):
@@ -377,8 +390,7 @@ def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
             for (back, *_), (pos, _), x, w in zip(outs, sorts, xs, topk_weights)]
 
 
-# fused is chosen only when asked for (backend= or FUSEDPAR_BACKEND) until GPU timings back
-# it: without a copy engine its pull GEMM reads each peer row once per N tile band
+# fused is chosen only when asked for (backend= or FUSEDPAR_BACKEND) until GPU timings back it
 BACKENDS = Dispatcher(OP, [Pipelined(), Fused(), Reference()])
 
 
@@ -394,8 +406,8 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 
     ``w13 [E_local, 2I, H]`` / ``w2 [E_local, H, I]``: this rank's experts (global expert
     ``rank * E_local + e``). Gradients for x, w13, w2 and topk_weights.
-    Backends: ``fused`` (symmetric memory: the first grouped GEMM reads each source's rows
-    from its buffer as soon as its flag is up, own rank first; the second writes straight
+    Backends: ``fused`` (symmetric memory: the first grouped GEMM multiplies each source's
+    rows as soon as the copy engine has brought them, own rank first; the second writes straight
     into the source ranks' buffers; backward as ``pipelined``; only when asked for),
     ``pipelined`` (the default: the exchange split by source rank, async P2P overlapping the
     expert GEMMs, own tokens first) and

@@ -28,7 +28,6 @@ from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, reso
                     symmetric)
 from ..kernels import flash_attn as kernels
 from . import _collective as C
-from .all_gather_matmul import _side_stream  # the copy stream the fused all-gather uses
 from .backend import Backend, Dispatcher
 from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
                               check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
@@ -306,7 +305,7 @@ class TritonRing(Pipelined):
         rows = {src: call.key_rows(src, rank) for src in range(world)}
         steps = [rank] + [src for src in peers if rows[src]]  # the attention steps, in order
         slots = [torch.empty_like(own_kv) for _ in range(min(2, len(peers)))]
-        side = _side_stream(q.device) if q.is_cuda else None
+        side = C.side_stream(q.device) if q.is_cuda else None
 
         def copy(i):  # peer i's visible rows into slot i % 2 (no rows: check its fingerprint)
             kernels.ring_kv_copy(slots[i % 2], buf.pad_table, rank, world, epoch, meta,

@@ -1,9 +1,13 @@
-"""The grouped GEMM kernels against a loop of fp64 matmuls, exact on small integers."""
+"""The grouped GEMM kernels against a loop of fp64 matmuls, exact on small integers; the
+fused expert MLP's gather GEMM when a source's rows never arrive."""
+
+import time
 
 import pytest
 import torch
 
-from fusedpar.kernels.grouped_gemm import grouped_mm_k, grouped_mm_rows
+from fusedpar.comm import layout
+from fusedpar.kernels.grouped_gemm import grouped_mm_k, grouped_mm_peers, grouped_mm_rows
 
 
 def _ints(*shape, seed):
@@ -53,3 +57,37 @@ def test_fp16_within_torch_error():
     torch_out = torch.cat([a[:10].float() @ b[0].float(), a[10:].float() @ b[2].float()]).half()
     torch_err = (torch_out.double() - exact).abs().max()
     assert (c.double() - exact).abs().max() <= 2 * torch_err
+
+
+def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback):
+    """Rank 1 of 3 multiplies its received blocks in source order 1 (own), 2, 0, each
+    source's tiles after its GATHERED flag; source 2's copy never lands: its tiles are
+    skipped (its rows keep their NaN), the timeout names source 2, and the kernel returns.
+    Rows encode their source, so a block read from the wrong place cannot pass."""
+    world, me, late, K, N = 3, 1, 2, 33, 20
+    buf = loopback(world)[me]
+    sizes = {1: [3, 0], 2: [5, 2], 0: [1, 4]}  # rows per (source, expert), empty group included
+    groups, at = [], 0
+    for src in (1, 2, 0):
+        for expert, rows in enumerate(sizes[src]):
+            groups.append([src, expert, 0, at, rows])
+            at += rows
+    table = torch.tensor(groups, dtype=torch.int32)
+    source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
+    a = _ints(at, K, seed=3) + 10 * source[:, None]
+    b = _ints(2, K, N, seed=4)
+    c = torch.full((at, N), float("nan"))
+    pad = buf.pad()
+    pad[layout.GATHERED:layout.GATHERED + world] = 1
+    pad[layout.GATHERED + late] = 0
+    pad[layout.DEADLINE] = 1  # this call's deadline has passed: a missing flag fails at once
+    start = time.monotonic()
+    grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
+                     buf.timeout_ns, push=False)
+    assert time.monotonic() - start < 20
+    assert pad[layout.STATUS:layout.STATUS + 3].tolist() == [layout.TIMEOUT_READY, late, 1]
+    expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
+    expected = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert]).float()
+    own, late_rows = source == me, source == late
+    assert torch.equal(c[own], expected[own])
+    assert c[late_rows].isnan().all()
