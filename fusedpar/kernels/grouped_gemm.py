@@ -40,8 +40,9 @@ from .signal import GATHERED, data_ptr, pad_ptr, sm_count, spinning_grid, wait_f
 GPU_CONFIG_SM90 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
 GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
 # The peers kernel's push variant (C tiles into a peer's region) spills with those: 236 B on
-# sm_90 under triton 3.6 (two warpgroups on 128x128 fit: 126 registers), 80 B on sm_80.
-PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_M=128, num_warps=8)
+# sm_90 under triton 3.6, 80 B on sm_80. On sm_90 two warpgroups on 128x64 fit both B layouts
+# (128x128 spills 288 B under triton 3.6 with the backward's unit-N-stride B).
+PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_M=128, BLOCK_N=64, num_warps=8)
 PUSH_CONFIG_SM80 = dict(GPU_CONFIG_SM80, BLOCK_M=64)
 
 
@@ -290,9 +291,10 @@ _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i3
 _PEERS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32",
               "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
               "timeout_ns": "i64", "num_groups": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
-              "stride_be": "i32", "stride_bn": "i32"}
-# b = w.transpose(1, 2) of row-major expert weights: unit stride along K
-_PEERS_UNIT = {"stride_bk": 1}
+              "stride_be": "i32"}
+# b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
+# (unit stride along K), the weights themselves in the backward (unit stride along N)
+_PEERS_UNIT = (("stride_bk", "stride_bn"), ("stride_bn", "stride_bk"))  # (unit stride, the other)
 
 
 def _example(kernel, sig, unit, cfg, arch):
@@ -305,7 +307,10 @@ AOT_EXAMPLES = [
     _example(kernel, sig, unit, cfg, arch)
     for cfg, arch in ((GPU_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))
     for kernel, sig, unit in ((grouped_mm_rows_kernel, _ROWS_SIG, _ROWS_UNIT),
-                              (grouped_mm_k_kernel, _K_SIG, _K_UNIT),
-                              (grouped_mm_peers_kernel, _PEERS_SIG, dict(_PEERS_UNIT, PUSH=False)))
-] + [_example(grouped_mm_peers_kernel, _PEERS_SIG, dict(_PEERS_UNIT, PUSH=True), cfg, arch)
-     for cfg, arch in ((PUSH_CONFIG_SM90, 90), (PUSH_CONFIG_SM80, 80))]
+                              (grouped_mm_k_kernel, _K_SIG, _K_UNIT))
+] + [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{other: "i32"}), {unit: 1, "PUSH": push},
+              cfg, arch)
+     for push, configs in ((False, ((GPU_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))),
+                           (True, ((PUSH_CONFIG_SM90, 90), (PUSH_CONFIG_SM80, 80))))
+     for cfg, arch in configs
+     for unit, other in _PEERS_UNIT]

@@ -8,7 +8,9 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) multiplies each source's
   rows as soon as its flag is up (own rank first); then SwiGLU, then the second grouped
   GEMM writes its tiles straight into the source ranks' buffers, where each rank reads its
-  results back (no separate all-to-all). The backward pass is the ``pipelined`` one (P2P).
+  results back (no separate all-to-all). The backward pass is the same exchange over the
+  output gradients (gather GEMM with w2, the SwiGLU vector-Jacobian product, push GEMM
+  with w13); the weight gradients are computed where the experts live.
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
   GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
@@ -259,36 +261,41 @@ def _groups(table: torch.Tensor, rank: int, local: int) -> list[list[int]]:
     return out
 
 
-def _fused_forward(bufs, sorted_xs, w13s, w2s, table: torch.Tensor, meta: int, desc: list[int]):
-    """Every rank view's forward (one view per process, or all W in a loopback); returns
-    per view ``(back, received, h13, bytes from peers)``: its copies' expert outputs in
-    sorted order, the rows it received (source-major) and their gate/up products.
+def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.Tensor, meta: int,
+                    desc: list[int]):
+    """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
+    their experts, which compute ``middle(rows @ first_b[e]) @ second_b[e]`` and write the
+    results straight back; one view per process, or all W in a loopback. The forward is
+    ``first_b = w13ᵀ, middle = swiglu, second_b = w2ᵀ``; the backward ``w2``, the SwiGLU
+    vector-Jacobian product, ``w13``. Returns per view ``(back, received, first product,
+    middle's output, bytes from peers)``: the results of its own rows in their order, the
+    rows it received (source-major) and what its first GEMM and ``middle`` made of them.
 
-    Two epochs per call. Epoch 1: stage the sorted copies (after DONE of the last call),
-    READY; ``C.gathering`` copies each source's block of rows for this rank's experts (one
+    Two epochs per call. Epoch 1: stage the rows (after DONE of the last call), READY;
+    ``C.gathering`` copies each source's block of rows for this rank's experts (one
     contiguous block per source) into ``received`` and raises GATHERED per source (the copy
     engine on a GPU), while the gather GEMM multiplies each source's rows once its flag is
     up, own rank first; DONE. Epoch 2: the push GEMM writes each source's results into the
-    source's region 2 (past every rank's staged copies; free, since the epoch-1 stage waited
+    source's region 2 (past every rank's staged rows; free, since the epoch-1 stage waited
     for every peer's DONE of the last call), READY; each rank waits for every owner's READY
     and reads its region 2; DONE. Each routed row crosses once each way.
     """
-    world, local = table.shape[0], w13s[0].shape[0]
-    hidden, dtype = sorted_xs[0].shape[1], sorted_xs[0].dtype
+    world, local = table.shape[0], first_bs[0].shape[0]
+    hidden, dtype = outgoing[0].shape[1], outgoing[0].dtype
     region2 = int(table.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
     starts = table.cumsum(1) - table  # row of (src, expert) in src's sorted copies
     launchers = C.TRITON_LAUNCHERS
     epochs = [buf.next_epoch() for buf in bufs]
-    for buf, x, epoch in zip(bufs, sorted_xs, epochs):
+    for buf, x, epoch in zip(bufs, outgoing, epochs):
         C.stage(launchers, buf, x, epoch, meta, desc)
     states = []
-    for buf, x, w13, epoch in zip(bufs, sorted_xs, w13s, epochs):
+    for buf, x, first_b, epoch in zip(bufs, outgoing, first_bs, epochs):
         rank = buf.rank
         groups = _groups(table, rank, local)
         rows = [g[4] for g in groups]
         per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
         received = x.new_empty(sum(rows), hidden)
-        h13 = x.new_empty(sum(rows), w13.shape[1])
+        product = x.new_empty(sum(rows), first_b.shape[2])
         blocks = []
         for src in ((rank + step) % world for step in range(world)):
             n, first = per_source[src], int(starts[src, rank * local])
@@ -298,26 +305,34 @@ def _fused_forward(bufs, sorted_xs, w13s, w2s, table: torch.Tensor, meta: int, d
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
         group_table = torch.tensor(groups, dtype=torch.int32).reshape(-1, 5).to(x.device)
         with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
-            kernels.grouped_mm_peers(received, w13.transpose(1, 2), h13, group_table, rows,
-                                     buf.pad_table, rank, world, epoch, buf.timeout_ns, push=False)
+            kernels.grouped_mm_peers(received, first_b, product, group_table, rows, buf.pad_table,
+                                     rank, world, epoch, buf.timeout_ns, push=False)
         peer_rows = sum(per_source) - per_source[rank]
-        states.append((received, h13, group_table, rows, peer_rows))
+        states.append((received, product, group_table, rows, peer_rows))
     C.release(launchers, bufs, epochs, OP, [state[:2] for state in states])
     epochs = [buf.next_epoch() for buf in bufs]
-    for buf, x, w2, epoch, (_, h13, group_table, rows, _) in zip(bufs, sorted_xs, w2s, epochs, states):
-        kernels.grouped_mm_peers(swiglu(h13).contiguous(), w2.transpose(1, 2), x, group_table, rows,
-                                 buf.pad_table, buf.rank, world, epoch, buf.timeout_ns, push=True,
-                                 c_offset=region2)
+    mids = [middle(state[1]).contiguous() for middle, state in zip(middles, states)]
+    for buf, x, mid, second_b, epoch, (_, _, group_table, rows, _) in zip(
+            bufs, outgoing, mids, second_bs, epochs, states):
+        kernels.grouped_mm_peers(mid, second_b, x, group_table, rows, buf.pad_table, buf.rank,
+                                 world, epoch, buf.timeout_ns, push=True, c_offset=region2)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []
-    for buf, x, epoch, (received, h13, _, _, peer_rows) in zip(bufs, sorted_xs, epochs, states):
+    for buf, x, epoch, mid, (received, product, _, _, peer_rows) in zip(bufs, outgoing, epochs, mids,
+                                                                        states):
         launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
                              layout.TIMEOUT_READY, meta)
         back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape).clone()
         pushed_here = x.shape[0] - int(table[buf.rank].view(world, local)[buf.rank].sum())
-        outs.append((back, received, h13, (peer_rows + pushed_here) * hidden * x.element_size()))
+        outs.append((back, received, product, mid,
+                     (peer_rows + pushed_here) * hidden * x.element_size()))
     C.release(launchers, bufs, epochs, OP, [out[0] for out in outs])  # NaN where a wait failed
     return outs
+
+
+def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc):
+    return _fused_exchange(bufs, sorted_xs, [w.transpose(1, 2) for w in w13s], [swiglu] * len(bufs),
+                           [w.transpose(1, 2) for w in w2s], table, meta, desc)
 
 
 def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype) -> tuple[int, list[int]]:
@@ -330,8 +345,10 @@ def _fused_nbytes(table: torch.Tensor, hidden: int, dtype: torch.dtype) -> int:
     return 2 * int(table.sum(1).max()) * hidden * dtype.itemsize
 
 
-class _FusedExperts(_ExpertPipeline):
-    """The fused forward; the backward is ``_ExpertPipeline``'s (P2P over the group)."""
+class _FusedExperts(torch.autograd.Function):
+    """The fused expert MLP; its backward is the same exchange over the output gradients
+    (``_fused_exchange`` with w2, the SwiGLU vector-Jacobian product and w13), the weight
+    gradients computed where the experts live."""
 
     @staticmethod
     def forward(ctx, sorted_x, w13, w2, plan: _Plan):
@@ -339,12 +356,37 @@ class _FusedExperts(_ExpertPipeline):
         buf = get_buffer(plan.group, _fused_nbytes(table, sorted_x.shape[1], sorted_x.dtype),
                          sorted_x.device)
         meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
-        (back, received, h13, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13], [w2],
-                                                        table, meta, desc)
+        (back, received, h13, _, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
+                                                           [w2], table, meta, desc)
         counters.record(OP, "fused", nbytes)
         ctx.save_for_backward(received, h13, w13, w2)
-        ctx.plan = plan
+        ctx.plan, ctx.meta, ctx.desc = plan, meta, desc
         return back
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_back):
+        received, h13, w13, w2 = ctx.saved_tensors
+        plan = ctx.plan
+        act, swiglu_vjp = torch.func.vjp(swiglu, h13)
+        # a fingerprint of its own: a rank still in the forward pass cannot pass for one here
+        meta = symmetric.fingerprint("backward", ctx.meta)
+        buf = get_buffer(plan.group, _fused_nbytes(plan.table, grad_back.shape[1], grad_back.dtype),
+                         grad_back.device)
+        (grad_sorted, grad_received, _, dh13, _), = _fused_exchange(
+            [buf], [grad_back.contiguous()], [w2], [lambda grad_act: swiglu_vjp(grad_act)[0]], [w13],
+            plan.table, meta, ctx.desc)
+        grad_w13 = torch.zeros_like(w13) if ctx.needs_input_grad[1] else None
+        grad_w2 = torch.zeros_like(w2) if ctx.needs_input_grad[2] else None
+        for src in range(plan.world):  # the received rows are source-major, expert-sorted within
+            rows, offs = plan.recv_rows(src), plan.offs[src]
+            if rows.stop == rows.start:
+                continue
+            if grad_w2 is not None:
+                grad_w2.add_(grouped_mm(grad_received[rows].t(), act[rows], offs))
+            if grad_w13 is not None:
+                grad_w13.add_(grouped_mm(dh13[rows].t(), received[rows], offs))
+        return grad_sorted, grad_w13, grad_w2, None
 
 
 class Fused(Backend):
@@ -357,7 +399,7 @@ class Fused(Backend):
         reasons = C.triton_reasons(C.CollectiveCall(OP, call.x, 0, world, call.group))
         if call.x.dtype not in C.REDUCE_DTYPES:
             reasons.append(f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}")
-        return reasons + Pipelined().not_supported_reasons(call)  # its backward
+        return reasons
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
@@ -384,7 +426,7 @@ def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
     bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden, dtype), xs[0].device)
     meta, desc = _fused_meta(hidden, w13s[0], local * world, k, dtype)
     outs = _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc)
-    for _, _, _, nbytes in outs:
+    for *_, nbytes in outs:
         counters.record(OP, "fused", nbytes)
     return [_unpermute(back, pos, k, x.shape[0], w)
             for (back, *_), (pos, _), x, w in zip(outs, sorts, xs, topk_weights)]
@@ -408,7 +450,8 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     ``rank * E_local + e``). Gradients for x, w13, w2 and topk_weights.
     Backends: ``fused`` (symmetric memory: the first grouped GEMM multiplies each source's
     rows as soon as the copy engine has brought them, own rank first; the second writes straight
-    into the source ranks' buffers; backward as ``pipelined``; only when asked for),
+    into the source ranks' buffers; the backward the same over the gradients; only when
+    asked for),
     ``pipelined`` (the default: the exchange split by source rank, async P2P overlapping the
     expert GEMMs, own tokens first) and
     ``reference`` (the unfused ops above).
