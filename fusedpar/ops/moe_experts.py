@@ -166,6 +166,21 @@ def _pipeline(plan: _Plan, outgoing: torch.Tensor, incoming: torch.Tensor, compu
     return returned
 
 
+def _weight_grad_buffers(ctx, w13, w2):
+    """Zeroed gradients of w13 and w2 (None where autograd does not need one)."""
+    need_w13, need_w2 = ctx.needs_input_grad[1:3]
+    return (torch.zeros_like(w13) if need_w13 else None), (torch.zeros_like(w2) if need_w2 else None)
+
+
+def _add_weight_grads(grad_w13, grad_w2, offs, x_rows, act, dy, dh13) -> None:
+    """Add one source's rows' share to the expert weight gradients (rows grouped by expert,
+    group ends ``offs``): ``dw2 += dyᵀ act``, ``dw13 += dh13ᵀ x``."""
+    if grad_w2 is not None:
+        grad_w2.add_(grouped_mm(dy.t(), act, offs))
+    if grad_w13 is not None:
+        grad_w13.add_(grouped_mm(dh13.t(), x_rows, offs))
+
+
 class _ExpertPipeline(torch.autograd.Function):
     """``sorted_x`` (this rank's copies, sorted by destination rank and expert) -> the expert
     MLP outputs of those copies, computed on the ranks owning the experts."""
@@ -193,20 +208,15 @@ class _ExpertPipeline(torch.autograd.Function):
     def backward(ctx, grad_back):
         received, h13, w13, w2 = ctx.saved_tensors
         plan = ctx.plan
-        need_w13, need_w2 = ctx.needs_input_grad[1:3]
-        grad_w13 = torch.zeros_like(w13) if need_w13 else None
-        grad_w2 = torch.zeros_like(w2) if need_w2 else None
+        grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
 
         def experts_backward(src, dy):
             if dy.shape[0] == 0:
                 return dy.new_empty(0, w13.shape[2])
             offs, rows = plan.offs[src], plan.recv_rows(src)
             act, swiglu_vjp = torch.func.vjp(swiglu, h13[rows])
-            if need_w2:
-                grad_w2.add_(grouped_mm(dy.t(), act, offs))
             (dh13,) = swiglu_vjp(grouped_mm(dy, w2, offs))
-            if need_w13:
-                grad_w13.add_(grouped_mm(dh13.t(), received[rows], offs))
+            _add_weight_grads(grad_w13, grad_w2, offs, received[rows], act, dy, dh13)
             return grouped_mm(dh13, w13, offs)
 
         # every rank runs the exchange, whatever it needs, so the ranks stay in step
@@ -345,6 +355,11 @@ def _fused_nbytes(table: torch.Tensor, hidden: int, dtype: torch.dtype) -> int:
     return 2 * int(table.sum(1).max()) * hidden * dtype.itemsize
 
 
+def _fused_buffer(plan: _Plan, rows: torch.Tensor):
+    """The group's symmetric buffer, large enough for an exchange of ``rows``."""
+    return get_buffer(plan.group, _fused_nbytes(plan.table, rows.shape[1], rows.dtype), rows.device)
+
+
 class _FusedExperts(torch.autograd.Function):
     """The fused expert MLP; its backward is the same exchange over the output gradients
     (``_fused_exchange`` with w2, the SwiGLU vector-Jacobian product and w13), the weight
@@ -353,8 +368,7 @@ class _FusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sorted_x, w13, w2, plan: _Plan):
         table, k = plan.table, plan.k
-        buf = get_buffer(plan.group, _fused_nbytes(table, sorted_x.shape[1], sorted_x.dtype),
-                         sorted_x.device)
+        buf = _fused_buffer(plan, sorted_x)
         meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
         (back, received, h13, _, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
                                                            [w2], table, meta, desc)
@@ -371,21 +385,16 @@ class _FusedExperts(torch.autograd.Function):
         act, swiglu_vjp = torch.func.vjp(swiglu, h13)
         # a fingerprint of its own: a rank still in the forward pass cannot pass for one here
         meta = symmetric.fingerprint("backward", ctx.meta)
-        buf = get_buffer(plan.group, _fused_nbytes(plan.table, grad_back.shape[1], grad_back.dtype),
-                         grad_back.device)
+        buf = _fused_buffer(plan, grad_back)
         (grad_sorted, grad_received, _, dh13, _), = _fused_exchange(
             [buf], [grad_back.contiguous()], [w2], [lambda grad_act: swiglu_vjp(grad_act)[0]], [w13],
             plan.table, meta, ctx.desc)
-        grad_w13 = torch.zeros_like(w13) if ctx.needs_input_grad[1] else None
-        grad_w2 = torch.zeros_like(w2) if ctx.needs_input_grad[2] else None
+        grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
         for src in range(plan.world):  # the received rows are source-major, expert-sorted within
-            rows, offs = plan.recv_rows(src), plan.offs[src]
-            if rows.stop == rows.start:
-                continue
-            if grad_w2 is not None:
-                grad_w2.add_(grouped_mm(grad_received[rows].t(), act[rows], offs))
-            if grad_w13 is not None:
-                grad_w13.add_(grouped_mm(dh13[rows].t(), received[rows], offs))
+            rows = plan.recv_rows(src)
+            if rows.stop > rows.start:
+                _add_weight_grads(grad_w13, grad_w2, plan.offs[src], received[rows], act[rows],
+                                  grad_received[rows], dh13[rows])
         return grad_sorted, grad_w13, grad_w2, None
 
 
