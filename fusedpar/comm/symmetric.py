@@ -105,6 +105,7 @@ class SymmetricBuffer:
         self.failure: str | None = None
         self._keepalive = keepalive  # torch symm_mem handle: owns the mappings
         self._pending_status = None  # (op, event, pinned host copy) on CUDA
+        self.in_call = False  # between next_epoch and finish
         self._watchdog: threading.Timer | None = None
 
     @property
@@ -157,6 +158,14 @@ class SymmetricBuffer:
                 f"symmetric buffer of group {self.group_name!r} is unusable after an earlier "
                 f"failure ({self.failure}); re-create the process group"
             )
+        if self.in_call:
+            # an exception between next_epoch and finish: this rank's flags are a call behind
+            self.failure = f"the call of epoch {self.epoch} stopped before its end"
+            raise FusedparError(
+                f"symmetric buffer of group {self.group_name!r}: the call of epoch {self.epoch} "
+                "raised before it finished, so this rank's flags no longer agree with its peers'; "
+                "re-create the process group")
+        self.in_call = True
         self.epoch += 1
         if self.epoch >= 2**31 - 1:
             raise FusedparError("epoch counter exhausted; re-create the process group")
@@ -190,6 +199,7 @@ class SymmetricBuffer:
         (``release`` poisons them on the device). ``FUSEDPAR_SYNC_ERRORS=1`` waits here and
         raises at the end of the failed call (for debugging).
         """
+        self.in_call = False
         status = self.pad()[layout.STATUS : layout.STATUS + 3]
         if self.device.type == "cpu":
             if self._watchdog is not None:
@@ -434,11 +444,14 @@ _loopbacks: dict[tuple, list[SymmetricBuffer]] = {}
 
 
 def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> list[SymmetricBuffer]:
-    """All ``world_size`` segments in this process, as one view per simulated rank."""
+    """All ``world_size`` segments in this process, as one view per simulated rank. A
+    loopback group has no peers to agree with, so after a failure (raised, or a call that
+    stopped midway) it starts afresh instead of staying unusable."""
     key = (world_size, device.type, device.index)
     views = _loopbacks.get(key)
-    if views is None or views[0].capacity < nbytes:
-        for view in views or ():
+    broken = views is not None and any(view.failure or view.in_call for view in views)
+    if views is None or broken or views[0].capacity < nbytes:
+        for view in () if broken else views or ():
             view.synchronize()
         size = layout.PAD_BYTES + _round_capacity(nbytes)
         segments = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(world_size)]

@@ -24,6 +24,9 @@ NUM_WARPS = 8
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
 def all_gather_pull_kernel(out_ptr, x_ptr, pad_table, rank, world_size, epoch, meta, outer, inner,
                            timeout_ns, stats_ptr, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    # int64 offsets: outer/inner arrive as i32 when they fit, or as constexpr 1
+    outer = tl.cast(outer, tl.int64)
+    inner = tl.cast(inner, tl.int64)
     n = outer * inner
     blocks = tl.cdiv(n, BLOCK)
     checked = tl.full([], -1, tl.int64)  # the step whose flag this program checked last
@@ -70,7 +73,7 @@ def all_gather_pull(out: torch.Tensor, x: torch.Tensor, pad_table: torch.Tensor,
 AOT_EXAMPLES = [
     (all_gather_pull_kernel,
      {"out_ptr": f"*{t}", "x_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "meta": "i32", "outer": "i64", "inner": "i64", "timeout_ns": "i64", "stats_ptr": "*i64"},
+      "meta": "i32", "outer": "i32", "inner": "i32", "timeout_ns": "i64", "stats_ptr": "*i64"},
      {"BLOCK": BLOCK, "ELEM_BYTES": nbytes}, {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4), ("i32", 4), ("i64", 8))
 ]

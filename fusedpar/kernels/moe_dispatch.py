@@ -91,7 +91,7 @@ def check_capacity(counts: torch.Tensor, max_count: int, pad_table: torch.Tensor
 AOT_EXAMPLES = [
     (pull_rows_kernel,
      {"out_ptr": f"*{t}", "src_rank_ptr": "*i32", "src_row_ptr": "*i32", "pad_table": "*i64", "rank": "i32",
-      "rows": "i64", "H": "i32", "stats_ptr": "*i64"},
+      "rows": "i32", "H": "i32", "stats_ptr": "*i64"},
      dict(ROW_BLOCK_GPU, ELEM_BYTES=nbytes), {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4))
 ] + [

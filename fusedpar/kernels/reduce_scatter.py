@@ -28,6 +28,9 @@ NUM_WARPS = 8
 def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta, outer, inner,
                                timeout_ns, stats_ptr, divisor, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr,
                                WAIT_SELF: tl.constexpr = False):
+    # int64 offsets: outer/inner arrive as i32 when they fit, or as constexpr 1
+    outer = tl.cast(outer, tl.int64)
+    inner = tl.cast(inner, tl.int64)
     n = outer * inner
     ok = tl.full([], 1, tl.int1)
     first = tl.full([], 1, tl.int1)
@@ -73,7 +76,7 @@ def reduce_scatter_pull(out: torch.Tensor, pad_table: torch.Tensor, rank: int, w
 AOT_EXAMPLES = [
     (reduce_scatter_pull_kernel,
      {"out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "meta": "i32", "outer": "i64", "inner": "i64", "timeout_ns": "i64", "stats_ptr": "*i64", "divisor": "fp32"},
+      "meta": "i32", "outer": "i32", "inner": "i32", "timeout_ns": "i64", "stats_ptr": "*i64", "divisor": "fp32"},
      {"BLOCK": BLOCK, "ELEM_BYTES": nbytes, "WAIT_SELF": wait_self}, {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4)) for wait_self in (False, True)
 ]

@@ -103,6 +103,41 @@ def test_recorded_failures_raise_once_then_the_buffer_refuses_work():
         buf.next_epoch()
 
 
+def test_a_call_that_raised_midway_leaves_the_buffer_unusable():
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    buf.next_epoch()
+    buf.finish("all_gather")
+    buf.next_epoch()  # ... and an exception before finish
+    with pytest.raises(FusedparError, match="epoch 2 raised before it finished"):
+        buf.next_epoch()
+    with pytest.raises(FusedparError, match="unusable after an earlier failure"):
+        buf.next_epoch()
+
+
+def test_loopback_group_starts_afresh_after_a_call_that_raised_midway(monkeypatch):
+    import fusedpar
+    import importlib
+
+    all_gather_ops = importlib.import_module("fusedpar.ops.all_gather")
+
+    xs = [torch.full((3, 5), float(r)) for r in range(2)]
+    fusedpar.ops.all_gather_loopback(xs, 0, backend="triton")
+    views = get_loopback_buffers(2, 60, torch.device("cpu"))
+
+    def broken_pull(*args, **kwargs):
+        raise RuntimeError("pull kernel failed to compile")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(all_gather_ops.BACKENDS.backends["triton"], "pull", broken_pull)
+        with pytest.raises(RuntimeError, match="compile"):
+            fusedpar.ops.all_gather_loopback(xs, 0, backend="triton")
+    assert all(view.in_call for view in views)
+    outs = fusedpar.ops.all_gather_loopback(xs, 0, backend="triton")  # fresh buffers, no timeout
+    assert get_loopback_buffers(2, 60, torch.device("cpu"))[0] is not views[0]
+    assert all(torch.equal(out, torch.cat(xs)) for out in outs)
+
+
 def test_fingerprints_separate_inputs():
     a = symmetric.fingerprint("all_gather", torch.float32, (4, 6), 0, "")
     assert a == symmetric.fingerprint("all_gather", torch.float32, (4, 6), 0, "")

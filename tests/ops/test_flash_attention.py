@@ -133,7 +133,7 @@ def test_gpu_bf16_within_twice_sdpa_error(d, causal):
     dout = torch.randn(q.shape, generator=g, device="cuda")
 
     def grads(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         out.backward(dout.to(dtype))
         return [out.float()] + [t.grad.float() for t in leaves]
