@@ -35,9 +35,10 @@ from .ag_gemm import gemm_config, grouped_tile, interpreting, mma
 from .signal import GATHERED, data_ptr, pad_ptr, sm_count, spinning_grid, wait_flag
 
 # 16-bit inputs; ptxas reports no spills for either kernel with unit inner strides (what the
-# JIT specializes for row-major operands): sm_90 one warpgroup on 64x128 tiles (128x128 on
-# two warpgroups spills ~150 B), sm_80 128x128x32 on 8 warps. fp32 uses ag_gemm's FMA config.
-GPU_CONFIG_SM90 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+# JIT specializes for row-major operands): sm_90 128x128x64 on two warpgroups (~200
+# registers; 128x256 or one warpgroup on 128x128 spill), sm_80 128x128x32 on 8 warps. fp32
+# uses ag_gemm's FMA config.
+GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
 # The peers kernel's push variant (C tiles into a peer's region) spills with those: 236 B on
 # sm_90 under triton 3.6, 80 B on sm_80. On sm_90 two warpgroups on 128x64 fit both B layouts
@@ -54,19 +55,24 @@ def tile_product(a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_a
     ``m_end``, columns at ``N`` and the K tail."""
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
     row_ok = rm < m_end
     col_ok = rn < N
-    a_rows = rm.to(tl.int64) * stride_am
-    b_cols = rn.to(tl.int64) * stride_bn
+    # pointers built once and advanced per K step: int64 offsets recomputed in the loop
+    # cost the registers that larger tiles need
+    ks = (k_lo + rk).to(tl.int64)
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn
+    a_step = tl.cast(stride_ak, tl.int64) * BLOCK_K
+    b_step = tl.cast(stride_bk, tl.int64) * BLOCK_K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < k_hi
-        a = tl.load(a_ptr + a_rows[:, None] + rk[None, :].to(tl.int64) * stride_ak,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * stride_bk + b_cols[None, :],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k_ok = rk < k_hi - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = mma(a, b, acc, UPCAST)
+        a_ptrs += a_step
+        b_ptrs += b_step
     return acc
 
 
@@ -169,21 +175,13 @@ def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, groups_ptr, pad_table, rank, wo
                     ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
             if ok:
                 pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
-                rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                m0 = pid_m * BLOCK_M
+                acc = tile_product(a_base, b_base, m0, pid_n * BLOCK_N, rows, N, 0, K, K, 1,
+                                   stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                rm = m0 + tl.arange(0, BLOCK_M)
                 rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                rk = tl.arange(0, BLOCK_K)
                 row_ok = rm < rows
                 col_ok = rn < N
-                a_rows = rm.to(tl.int64) * K
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    k_ok = rk < K - k0
-                    a = tl.load(a_base + a_rows[:, None] + (k0 + rk)[None, :],
-                                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_base + (k0 + rk)[:, None].to(tl.int64) * stride_bk
-                                + rn[None, :].to(tl.int64) * stride_bn,
-                                mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                    acc = mma(a, b, acc, UPCAST)
                 tl.store(c_base + rm.to(tl.int64)[:, None] * N + rn[None, :],
                          acc.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             tile += tl.num_programs(0)
