@@ -133,3 +133,35 @@ def test_per_call_arguments_are_not_specialised(compiled):
     for rows in compiled.values():
         specialised = [(r["name"], r["specialised_per_call"]) for r in rows if r.get("specialised_per_call")]
         assert not specialised, specialised
+
+
+def test_scalar_ints_are_compiled_as_the_jit_types_them():
+    """The JIT types a Python int as i32 whenever it fits, so a size or stride declared i64
+    here would compile a variant no realistic launch runs (an all_gather pull kernel that
+    compiled here as i64 failed to compile on the GPU as i32). Only ``timeout_ns``
+    (nanoseconds: past 2**31 for any timeout over 2.1 s) is i64 at run time."""
+    wide = sorted({(kernel.fn.__name__, arg) for _, kernel, sig, *_ in aot_examples()
+                   for arg, kind in sig.items() if kind == "i64" and arg != "timeout_ns"})
+    assert not wide, f"scalar ints declared i64 (the JIT passes i32): {wide}"
+
+
+def _not_specialised(kernel) -> set[str]:
+    if hasattr(kernel, "params"):  # compiled mode's JITFunction
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    return set(kernel.kwargs.get("do_not_specialize") or ())  # the interpreter's wrapper
+
+
+def test_specialisable_ints_are_never_used_as_tensors():
+    """An int argument the JIT may specialise arrives as a plain constexpr 1 when it is 1
+    (a row count, a unit stride), which has no ``.to``; widen it with ``tl.cast`` instead
+    (the pull kernels did ``outer.to(tl.int64)`` and failed to compile for one-row inputs)."""
+    jitted = _jit_functions()
+    misuse = []
+    for _, kernel, sig, *_ in aot_examples():
+        ints = {arg for arg, kind in sig.items() if kind in ("i32", "i64")}
+        ints -= _not_specialised(kernel)
+        for node in ast.walk(jitted[kernel.fn.__name__]):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in ints and node.attr != "dtype":
+                misuse.append((kernel.fn.__name__, f"{node.value.id}.{node.attr}"))
+    assert not misuse, sorted(set(misuse))
