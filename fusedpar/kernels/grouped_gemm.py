@@ -176,14 +176,10 @@ def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, groups_ptr, pad_table, rank, wo
             if ok:
                 pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
                 m0 = pid_m * BLOCK_M
-                acc = tile_product(a_base, b_base, m0, pid_n * BLOCK_N, rows, N, 0, K, K, 1,
+                n0 = pid_n * BLOCK_N
+                acc = tile_product(a_base, b_base, m0, n0, rows, N, 0, K, K, 1,
                                    stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-                rm = m0 + tl.arange(0, BLOCK_M)
-                rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                row_ok = rm < rows
-                col_ok = rn < N
-                tl.store(c_base + rm.to(tl.int64)[:, None] * N + rn[None, :],
-                         acc.to(a_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
 
