@@ -33,6 +33,7 @@ constexpr int32_t DONE = 256;
 constexpr int32_t META = 512;
 constexpr int32_t STATUS = 516;
 constexpr int32_t DEADLINE = 520;      // local: epoch whose time ran out (interpreter watchdog only)
+constexpr int32_t EPOCH = 524;         // local: device-held epoch (CUDA graphs; Triton kernels only)
 constexpr int32_t DESC = 528;          // owner's input description, read after a META mismatch
 constexpr int32_t DESC_WORDS = 16;
 constexpr int32_t GATHERED = 768;      // local flags of the fused all-gather + matmul
@@ -51,7 +52,8 @@ static_assert(DONE == MAX_WORLD, "DONE = MAX_WORLD");
 static_assert(META == 2 * MAX_WORLD, "META = 2 * MAX_WORLD");
 static_assert(STATUS == 2 * MAX_WORLD + 4, "STATUS = 2 * MAX_WORLD + 4");
 static_assert(PAD_BYTES == 4 * PAD_WORDS, "PAD_BYTES = 4 * PAD_WORDS");
-static_assert(STATUS + 4 <= DEADLINE && DEADLINE < DESC, "STATUS, DEADLINE, DESC overlap");
+static_assert(STATUS + 4 <= DEADLINE && DEADLINE < EPOCH && EPOCH < DESC,
+              "STATUS, DEADLINE, EPOCH, DESC overlap");
 static_assert(DESC + DESC_WORDS <= GATHERED, "DESC overlaps GATHERED");
 
 }  // namespace layout

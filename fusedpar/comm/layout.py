@@ -13,6 +13,10 @@ array with fixed word offsets, so kernels need no world-size arithmetic to find 
 - ``DEADLINE``: local only: the epoch whose call has run out of time. The Triton interpreter
   has no clock, so a host watchdog thread writes it when ``FUSEDPAR_TIMEOUT`` has passed since
   the call began; a wait that sees it give up. (Compiled kernels read ``%globaltimer``.)
+- ``EPOCH``: local only: the epoch of this rank's current call when its buffer keeps epochs
+  on the device (``SymmetricBuffer.use_device_epochs``: what a CUDA-graph replay needs, as a
+  replay cannot take a new epoch from the host). Each call adds one to it on the device, and
+  the kernels read an ``epoch`` argument ``<= 0`` as ``EPOCH + epoch``.
 - ``DESC .. DESC+DESC_WORDS``: the owner's input description for the staged epoch
   (``[op, dtype, ndim, dim, shape...]``, written by the host with ``META``), read only to
   say *what* differed after a fingerprint mismatch.
@@ -32,6 +36,7 @@ DONE = MAX_WORLD
 META = 2 * MAX_WORLD
 STATUS = 2 * MAX_WORLD + 4
 DEADLINE = 2 * MAX_WORLD + 8
+EPOCH = 2 * MAX_WORLD + 12
 DESC = 2 * MAX_WORLD + 16
 DESC_WORDS = 16
 GATHERED = 3 * MAX_WORLD

@@ -62,9 +62,15 @@ def describe_words(op_code: int, dtype: torch.dtype, shape, dim: int) -> list[in
     return words + [0] * (layout.DESC_WORDS - len(words))
 
 
+# ``DESC[0]`` of a call captured in a CUDA graph (see ``SymmetricBuffer.publish``)
+UNRECORDED = -1
+
+
 def describe_input(words: list[int]) -> str:
     """The inverse of ``describe_words`` for an error message: ``"shape (4, 8) bfloat16, dim 0"``."""
-    _, dtype_code, ndim, dim, *shape = words
+    op_code, dtype_code, ndim, dim, *shape = words
+    if op_code == UNRECORDED:
+        return "inputs not recorded (a call captured in a CUDA graph)"
     dtype = str(_DTYPE_CODES[dtype_code]).replace("torch.", "") if 0 <= dtype_code < len(_DTYPE_CODES) else "?"
     return f"shape {tuple(shape[:ndim])} {dtype}, dim {dim}"
 
@@ -106,6 +112,8 @@ class SymmetricBuffer:
         self._keepalive = keepalive  # torch symm_mem handle: owns the mappings
         self._pending_status = None  # (op, event, pinned host copy) on CUDA
         self.in_call = False  # between next_epoch and finish
+        self.device_epochs = False  # see use_device_epochs
+        self._captured_op: str | None = None  # the last op finished under CUDA-graph capture
         self._watchdog: threading.Timer | None = None
 
     @property
@@ -139,20 +147,28 @@ class SymmetricBuffer:
         return view
 
     # ---- protocol -------------------------------------------------------------------
-    def next_epoch(self) -> int:
-        """Start a call: a new epoch for its flags. On CPU this also arms the watchdog that
-        writes the epoch into ``DEADLINE`` when ``FUSEDPAR_TIMEOUT`` has passed (the
-        interpreter's clock); ``finish`` disarms it.
+    def next_epoch(self, graphable: bool = False) -> int:
+        """Start a call and return the epoch its kernels take. On CPU this also arms the
+        watchdog that writes the epoch into ``DEADLINE`` when ``FUSEDPAR_TIMEOUT`` has passed
+        (the interpreter's clock); ``finish`` disarms it.
 
-        CUDA-graph capture is refused: the epoch lives on the host, so a captured graph would
-        replay one frozen epoch and every wait after the first replay would pass at once."""
-        if capturing(self.device):
+        ``graphable``: every kernel of the call reads a relative epoch (``<= 0``, see
+        ``kernels.signal``). Only such a call may be captured in a CUDA graph: capturing one
+        moves the buffer to device-held epochs (``use_device_epochs``), as a replay cannot
+        take a new epoch from the host. On device-held epochs a graphable call returns 0 and
+        adds one to the device word; any other call reads the word on the host (a sync) and
+        takes the next absolute epoch."""
+        capture = capturing(self.device)
+        if capture and not graphable:
             raise FusedparError(
-                f"fusedpar ops on symmetric memory (group {self.group_name!r}) cannot be captured "
-                "in a CUDA graph: their flags carry a host-side epoch that a replay would freeze. "
-                "Capture only the compute, or use backend='reference' / 'pipelined' inside the graph"
+                f"this fusedpar op on symmetric memory (group {self.group_name!r}) cannot be captured "
+                "in a CUDA graph: its kernels take the epoch from the host, which a replay would "
+                "freeze. Graph-capturable: moe_dispatch / moe_combine with max_tokens_per_rank and "
+                "the triton all_gather / reduce_scatter; capture only the compute around the others, "
+                "or use backend='reference' / 'pipelined' inside the graph"
             )
-        self._check_pending()
+        if not capture:  # no host query of an event while a stream captures
+            self._check_pending()
         if self.failure:
             raise FusedparError(
                 f"symmetric buffer of group {self.group_name!r} is unusable after an earlier "
@@ -166,11 +182,38 @@ class SymmetricBuffer:
                 "raised before it finished, so this rank's flags no longer agree with its peers'; "
                 "re-create the process group")
         self.in_call = True
-        self.epoch += 1
-        if self.epoch >= 2**31 - 1:
-            raise FusedparError("epoch counter exhausted; re-create the process group")
+        if capture:
+            self.device_epochs = True
+        epoch = self._advance_epoch(graphable)
         if self.device.type == "cpu":
             self._arm_watchdog(self.epoch)
+        return epoch
+
+    def use_device_epochs(self) -> None:
+        """From now on keep the epoch count in this rank's ``EPOCH`` pad word, where calls
+        replayed from a CUDA graph advance it. Capturing a graphable call does this itself;
+        every rank of the group must switch at the same call (they do when every rank
+        captures the same graph)."""
+        self.device_epochs = True
+
+    def _advance_epoch(self, graphable: bool) -> int:
+        if not self.device_epochs:
+            self.epoch += 1
+            if self.epoch >= 2**31 - 1:
+                raise FusedparError("epoch counter exhausted; re-create the process group")
+            return self.epoch
+        word = self.pad()[layout.EPOCH : layout.EPOCH + 1]
+        if graphable:
+            # the host's count is a floor: the word starts from it when the buffer switches,
+            # and in a graph the floor is a constant every replay applies again
+            word.clamp_(min=self.epoch).add_(1)
+            if self.device.type == "cpu":
+                self.epoch = int(word)  # free on CPU: the watchdog needs the epoch
+            return 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a graph replayed on any stream has advanced the word
+        self.epoch = max(self.epoch, int(word)) + 1
+        word.fill_(self.epoch)
         return self.epoch
 
     def _arm_watchdog(self, epoch: int) -> None:
@@ -183,9 +226,14 @@ class SymmetricBuffer:
 
     def publish(self, meta: int, desc: list[int]) -> None:
         """Write this rank's input fingerprint and description (``layout.META``/``DESC``)
-        before its READY signal, so peers can check the first and explain with the second."""
+        before its READY signal, so peers can check the first and explain with the second.
+        Under CUDA-graph capture the description is marked unrecorded instead (a copy from
+        host memory would be read at every replay; the fingerprint is still written)."""
         pad = self.pad()
         pad[layout.META] = meta
+        if capturing(self.device):
+            pad[layout.DESC] = UNRECORDED
+            return
         pad[layout.DESC : layout.DESC + layout.DESC_WORDS].copy_(
             torch.tensor(desc, dtype=torch.int32), non_blocking=True)
 
@@ -198,13 +246,19 @@ class SymmetricBuffer:
         buffer (or ``synchronize``) raises, while the failed call's outputs are NaN
         (``release`` poisons them on the device). ``FUSEDPAR_SYNC_ERRORS=1`` waits here and
         raises at the end of the failed call (for debugging).
+
+        Under CUDA-graph capture nothing is read back: a failure in a replay NaN-fills that
+        replay's outputs (``release``), and ``synchronize`` raises it, as does a later call.
         """
         self.in_call = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         status = self.pad()[layout.STATUS : layout.STATUS + 3]
+        if capturing(self.device):
+            self._captured_op = op
+            return
         if self.device.type == "cpu":
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-                self._watchdog = None
             self._raise_if_failed(op, status.tolist())
             return
         host = torch.empty(3, dtype=torch.int32, pin_memory=True)
@@ -216,10 +270,14 @@ class SymmetricBuffer:
             self.synchronize()
 
     def synchronize(self) -> None:
-        """Wait for the last call and raise what it recorded (CUDA; a no-op on CPU)."""
+        """Wait for the last call and raise what it recorded (CUDA; a no-op on CPU). After
+        CUDA-graph replays this waits for the device and reads the status words."""
         if self._pending_status is not None:
             self._pending_status[1].synchronize()
         self._check_pending()
+        if self._captured_op is not None and not self.failure:
+            torch.cuda.synchronize(self.device)
+            self._raise_if_failed(self._captured_op, self.pad()[layout.STATUS : layout.STATUS + 3].tolist())
 
     def _check_pending(self) -> None:
         if self._pending_status is None:
@@ -255,6 +313,8 @@ class SymmetricBuffer:
 
     def wait_done_on_host(self) -> None:
         """Block until every peer has finished reading this rank's data (bounded)."""
+        if self.device_epochs:
+            self.epoch = max(self.epoch, int(self.pad()[layout.EPOCH]))
         if self.epoch == 0:
             return
         deadline = time.monotonic() + timeout_seconds()
@@ -451,6 +511,10 @@ def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> 
     views = _loopbacks.get(key)
     broken = views is not None and any(view.failure or view.in_call for view in views)
     if views is None or broken or views[0].capacity < nbytes:
+        if capturing(device):
+            raise FusedparError(
+                f"the loopback buffers of {world_size} ranks must be (re)made for {nbytes} bytes "
+                "during CUDA-graph capture; run one eager call first or set FUSEDPAR_SYMM_BYTES")
         for view in () if broken else views or ():
             view.synchronize()
         size = layout.PAD_BYTES + _round_capacity(nbytes)

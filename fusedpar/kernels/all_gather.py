@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
+from .signal import PER_CALL_ARGS, call_epoch, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 
 # 512 elements on 8 warps: larger blocks or fewer warps spill on sm_80 (int64 offsets;
@@ -28,6 +28,7 @@ def all_gather_pull_kernel(out_ptr, x_ptr, pad_table, rank, world_size, epoch, m
     outer = tl.cast(outer, tl.int64)
     inner = tl.cast(inner, tl.int64)
     n = outer * inner
+    epoch = call_epoch(pad_table, rank, epoch)
     blocks = tl.cdiv(n, BLOCK)
     checked = tl.full([], -1, tl.int64)  # the step whose flag this program checked last
     ok = tl.full([], 0, tl.int1)

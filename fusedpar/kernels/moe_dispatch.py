@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..comm import layout
 from .ag_gemm import interpreting
-from .signal import PAD_BYTES, STATUS, pad_ptr, record_failure
+from .signal import PAD_BYTES, STATUS, call_epoch, pad_ptr, record_failure
 
 CAPACITY_EXCEEDED = tl.constexpr(layout.CAPACITY_EXCEEDED)
 
@@ -60,7 +60,7 @@ def check_capacity_kernel(counts_ptr, n, max_count, pad_table, rank, epoch, BLOC
         i = b * BLOCK + tl.arange(0, BLOCK)
         over += (tl.load(counts_ptr + i, mask=i < n, other=0) > max_count).to(tl.int32)
     if tl.sum(over) > 0:
-        record_failure(pad_ptr(pad_table, rank), CAPACITY_EXCEEDED, rank, epoch)
+        record_failure(pad_ptr(pad_table, rank), CAPACITY_EXCEEDED, rank, call_epoch(pad_table, rank, epoch))
 
 
 def pull_rows_grid(rows: int, block_r: int) -> tuple[int]:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .signal import PER_CALL_ARGS, data_ptr, sm_count, spinning_grid, wait_ready_and_match
+from .signal import PER_CALL_ARGS, call_epoch, data_ptr, sm_count, spinning_grid, wait_ready_and_match
 
 
 # 512 elements on 8 warps: larger blocks or fewer warps spill on sm_80 (int64 offsets;
@@ -32,6 +32,7 @@ def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta
     outer = tl.cast(outer, tl.int64)
     inner = tl.cast(inner, tl.int64)
     n = outer * inner
+    epoch = call_epoch(pad_table, rank, epoch)
     ok = tl.full([], 1, tl.int1)
     first = tl.full([], 1, tl.int1)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):

@@ -13,6 +13,11 @@ that sees it gives up. Either way the bound is wall-clock time, whatever a poll 
 Every argument that changes from call to call (rank, world size, epoch, fingerprint,
 timeout) is ``do_not_specialize``: one binary serves every call (an int equal to 1, or
 divisible by 16, would otherwise compile a new one mid-training).
+
+An ``epoch`` argument ``<= 0`` is relative (``call_epoch``): the call's epoch is this rank's
+device-held ``EPOCH`` word plus it. That is how a call captured in a CUDA graph gets a new
+epoch on each replay (``SymmetricBuffer.use_device_epochs``); the host passes 0 for the
+call's epoch and -1 for the previous one.
 """
 
 import os
@@ -28,6 +33,7 @@ DONE = tl.constexpr(layout.DONE)
 META = tl.constexpr(layout.META)
 STATUS = tl.constexpr(layout.STATUS)
 DEADLINE = tl.constexpr(layout.DEADLINE)
+EPOCH = tl.constexpr(layout.EPOCH)
 GATHERED = tl.constexpr(layout.GATHERED)
 PAD_BYTES = tl.constexpr(layout.PAD_BYTES)
 # Decided when the kernels are decorated, exactly as triton decides to interpret them.
@@ -41,6 +47,15 @@ PER_CALL_ARGS = ["rank", "world_size", "epoch", "meta", "timeout_ns"]
 def pad_ptr(pad_table, rank):
     """Rank ``rank``'s signal pad, as an int32 pointer valid in this process."""
     return tl.load(pad_table + rank).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def call_epoch(pad_table, rank, epoch):
+    """The epoch ``epoch`` stands for: itself, or, if ``<= 0``, rank ``rank``'s device-held
+    ``EPOCH`` word plus it (see the module docstring)."""
+    if epoch <= 0:
+        epoch = tl.load(pad_ptr(pad_table, rank) + EPOCH, volatile=True) + epoch
+    return epoch
 
 
 @triton.jit
@@ -123,6 +138,7 @@ def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, timeout_ns,
     """One program: wait until ``pad[word_base + src] >= epoch`` for every peer ``src``;
     with ``meta >= 0`` also check each peer's published fingerprint."""
     my_pad = pad_ptr(pad_table, rank)
+    epoch = call_epoch(pad_table, rank, epoch)
     for src in range(0, world_size):
         if src != rank:
             if wait_flag(my_pad, word_base + src, src, epoch, timeout_ns, code):
@@ -134,6 +150,7 @@ def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, timeout_ns,
 def signal_peers_kernel(pad_table, word_base, rank, world_size, epoch, meta):
     """One program: publish ``meta`` (if >= 0), then set ``peer_pad[word_base + rank] = epoch``
     on every peer with release semantics, so what this rank wrote before is visible first."""
+    epoch = call_epoch(pad_table, rank, epoch)
     if meta >= 0:
         tl.atomic_xchg(pad_ptr(pad_table, rank) + META, meta, sem="relaxed", scope="sys")
     for peer in range(0, world_size):

@@ -178,8 +178,9 @@ def stats_tensor(device) -> torch.Tensor:
 
 
 def wait_peers_done(launchers, buf, epoch: int) -> None:
-    """Step 1: wait until every peer has finished reading our data region of the last call."""
-    if epoch > 1:
+    """Step 1: wait until every peer has finished reading our data region of the last call
+    (``epoch`` 0, relative: always, as the device holds the epoch)."""
+    if epoch != 1:
         launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch - 1,
                              buf.timeout_ns, layout.TIMEOUT_DONE)
 
@@ -217,14 +218,17 @@ def release(launchers, bufs, epochs, op: str, outs) -> None:
         buf.finish(op)
 
 
-def run_staged(op: str, launchers, bufs, xs, meta: int, desc: list[int], pull) -> list[torch.Tensor]:
+def run_staged(op: str, launchers, bufs, xs, meta: int, desc: list[int], pull,
+               graphable: bool = False) -> list[torch.Tensor]:
     """Run steps 1-4 above for each rank view in ``bufs`` (one, or all W for loopback).
 
     Each phase runs for every view before the next phase starts, so one process can play
     all ranks: by the time any view waits, every view has signalled.
-    ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel.
+    ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel. ``graphable``: the
+    launchers and ``pull`` take relative epochs (``SymmetricBuffer.next_epoch``), so the
+    call may be captured in a CUDA graph.
     """
-    epochs = [b.next_epoch() for b in bufs]
+    epochs = [b.next_epoch(graphable) for b in bufs]
     staged = [stage(launchers, buf, x, epoch, meta, desc) for buf, x, epoch in zip(bufs, xs, epochs)]
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
     release(launchers, bufs, epochs, op, outs)
@@ -311,7 +315,8 @@ class SymmetricBackend(Backend):
     def run_views(self, bufs, xs, call: CollectiveCall) -> list[torch.Tensor]:
         meta = call.fingerprint()
         return run_staged(call.op, self.launchers, bufs, xs, meta, call.description(),
-                          lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta))
+                          lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta),
+                          graphable=self.launchers is TRITON_LAUNCHERS)  # the CUDA kernels take absolute epochs
 
     def pull(self, call, buf, staged, epoch, meta) -> torch.Tensor:
         raise NotImplementedError

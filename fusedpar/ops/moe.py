@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
 from ..kernels import moe_dispatch as dispatch_kernels
 from ..kernels import moe_permute as permute_kernels
+from ..errors import FusedparError
 from . import _collective as C
 from .backend import Backend, Dispatcher
 
@@ -483,7 +484,7 @@ def _describe(dtype, H, E, k, M) -> list[int]:
 def _run_round(op, bufs, xs, meta, desc, pull) -> list:
     """``_collective.run_staged``, saying what the fingerprinted "shape" is on a mismatch."""
     try:
-        return C.run_staged(op, C.TRITON_LAUNCHERS, bufs, xs, meta, desc, pull)
+        return C.run_staged(op, C.TRITON_LAUNCHERS, bufs, xs, meta, desc, pull, graphable=True)
     except ValueError as e:
         raise ValueError(f"{e} (here: shape = (hidden size, num_experts, k, max_tokens_per_rank))") from None
 
@@ -694,6 +695,16 @@ def _default_backend(call: RoutingCall) -> str:
     return "" if TRITON.not_supported_reasons(call) else "triton"
 
 
+def _check_capturable(x: torch.Tensor, max_tokens_per_rank: int | None, backend: str | None) -> None:
+    """Only the triton backend with ``max_tokens_per_rank`` reads nothing on the host
+    (``backend`` None: not chosen yet)."""
+    if isinstance(x, torch.Tensor) and symmetric.capturing(x.device) and (backend not in (None, "triton") or max_tokens_per_rank is None):
+        raise FusedparError(
+            f"fusedpar.moe_dispatch: a CUDA graph can capture only the triton backend with "
+            f"max_tokens_per_rank (got backend {backend!r}, max_tokens_per_rank="
+            f"{max_tokens_per_rank}): the others read the routing counts on the host")
+
+
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, group=None, *, max_tokens_per_rank: int | None = None,
                  backend: str | None = None):
@@ -716,7 +727,11 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     ``offs = (arange(E_local) + 1) * W * M``). Every rank must pass at most M tokens and send at
     most M copies to one expert, else every rank raises ``ValueError`` (nothing is dropped).
     On the triton backend nothing is read on the host then (sizes are fixed, expert ids and
-    capacity are checked on the device, the error surfaces when the call's flags finish).
+    capacity are checked on the device, the error surfaces when the call's flags finish), so
+    dispatch and combine can be captured in a CUDA graph (after one eager call, which makes
+    the symmetric buffer): the buffer then keeps its epochs on the device, and a failure in
+    a replay NaN-fills that replay's outputs and raises at the buffer's ``synchronize()`` or
+    its next eager call. Capturing any other dispatch raises ``FusedparError``.
 
     Backends: ``reference`` (counts and rows by ``all_to_all_single``; the splits are read on
     the host), ``triton`` (symmetric memory with per-source flags, see ``TritonDispatch``).
@@ -726,12 +741,14 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     Every rank passes the same hidden size, k, num_experts, dtype and max_tokens_per_rank
     (T may differ); a difference raises ``ValueError``.
     """
+    _check_capturable(x, max_tokens_per_rank, backend)
     group = resolve_group(group)
     world = dist.get_world_size(group)
     check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank,
                   check_values=max_tokens_per_rank is None)
     call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
     chosen = DISPATCH.select(call, backend or _default_backend(call))
+    _check_capturable(x, max_tokens_per_rank, chosen.name)
     if max_tokens_per_rank is not None and chosen.name != "triton":
         check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world)
     return chosen.run(call)
@@ -767,6 +784,7 @@ def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_exp
         raise ValueError(f"fusedpar.{op}: xs, topk_idxs and topk_weights must hold one tensor per "
                          f"simulated rank; got {len(xs)}, {len(topk_idxs)}, {len(topk_weights)}")
     first = xs[0]
+    _check_capturable(first, max_tokens_per_rank, "triton")
     for r, (x, idx, w) in enumerate(zip(xs, topk_idxs, topk_weights)):
         check_routing(op, x, idx, w, num_experts, world, max_tokens_per_rank,
                       check_values=max_tokens_per_rank is None)

@@ -115,6 +115,51 @@ def test_a_call_that_raised_midway_leaves_the_buffer_unusable():
         buf.next_epoch()
 
 
+def test_device_held_epochs_continue_the_host_count_and_return_relative_epochs():
+    """On device-held epochs a graphable call advances the EPOCH word (from the host's count,
+    a floor) and returns 0; any other call reads the word and takes the next absolute epoch.
+    A buffer starts on host epochs and leaves the word alone."""
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    word = lambda: int(buf.pad()[layout.EPOCH])  # noqa: E731
+
+    def call(graphable):
+        epoch = buf.next_epoch(graphable)
+        buf.finish("op")
+        return epoch
+
+    assert [call(True), call(False), call(True)] == [1, 2, 3] and word() == 0
+    buf.use_device_epochs()
+    assert [call(True), word(), call(True), word()] == [0, 4, 0, 5]
+    buf.pad()[layout.EPOCH] = 9  # two calls replayed from a graph the host never saw
+    assert [call(False), word(), call(True), word()] == [10, 10, 0, 11]
+    assert buf.epoch == 11
+
+
+def test_under_capture_only_graphable_calls_run_and_they_switch_to_device_epochs(monkeypatch):
+    """What a CUDA-graph capture does to a buffer (capture faked on CPU): a call whose kernels
+    take absolute epochs is refused, a graphable one moves the buffer to device-held epochs;
+    the description is marked unrecorded and nothing is read back until ``synchronize``."""
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    buf.next_epoch()
+    buf.finish("all_gather")
+    monkeypatch.setattr(symmetric, "capturing", lambda device: True)
+    with pytest.raises(FusedparError, match="cannot be captured in a CUDA graph.*moe_dispatch"):
+        buf.next_epoch()
+    assert not buf.in_call and not buf.device_epochs
+    assert buf.next_epoch(graphable=True) == 0 and buf.device_epochs
+    assert int(buf.pad()[layout.EPOCH]) == 2
+    buf.publish(7, symmetric.describe_words(0, torch.float32, (4, 8), 0))
+    assert int(buf.pad()[layout.META]) == 7 and int(buf.pad()[layout.DESC]) == symmetric.UNRECORDED
+    buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor([layout.META_MISMATCH, 1, 2],
+                                                                 dtype=torch.int32)
+    buf.finish("moe_dispatch")  # captured: raises nothing
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with pytest.raises(ValueError, match="moe_dispatch: rank 0 and rank 1 .* inputs not recorded"):
+        buf.synchronize()
+
+
 def test_loopback_group_starts_afresh_after_a_call_that_raised_midway(monkeypatch):
     import fusedpar
     import importlib

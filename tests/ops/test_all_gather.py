@@ -177,6 +177,42 @@ def test_gpu_loopback_matches_cat(backend):
                     assert torch.equal(out, torch.cat(xs, dim)), (world, dtype, shape, dim)
 
 
+@requires_cuda
+def test_gpu_triton_collectives_replay_from_a_cuda_graph():
+    """The triton all_gather and reduce_scatter take relative epochs: one capture of both,
+    replayed with new inputs, gives the right outputs each time; the cuda backend (absolute
+    epochs from the host) refuses to be captured."""
+    world = 4
+    xs = [torch.empty(8, 5, device="cuda") for _ in range(world)]
+
+    def fill(salt):
+        for r, x in enumerate(xs):
+            x.copy_(rank_data((8, 5), torch.float32, r, salt))
+
+    def step():
+        return (fusedpar.ops.all_gather_loopback(xs, 1, backend="triton"),
+                fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0))
+
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gathered, reduced = step()
+    for salt in range(1, 4):
+        fill(salt)
+        graph.replay()
+        total = sum(xs)
+        assert all(torch.equal(out, torch.cat(xs, 1)) for out in gathered), salt
+        assert all(torch.equal(out, total[2 * r:2 * r + 2]) for r, out in enumerate(reduced)), salt
+    with pytest.raises(fusedpar.FusedparError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fusedpar.ops.all_gather_loopback(xs, 1, backend="cuda")
+
+
 def _gpu_single_rank(backend):
     x = rank_data((5, 3, 7), torch.bfloat16, 0).cuda()
     out = fusedpar.ops.all_gather(x, 1, backend=backend)

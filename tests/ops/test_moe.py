@@ -81,15 +81,15 @@ def _compact(recv_x, per_expert, world, M):
     return torch.cat([recv_x[e_l, :int(per_expert[e_l])] for e_l in range(local)]).view(-1, H)
 
 
-def _check_provenance(recv_x, per_expert, rank, world, T, H, k, E, mode, M):
+def _check_provenance(recv_x, per_expert, rank, world, T, H, k, E, mode, M, routings=None):
     """Exactly the copies routed to ``rank``'s experts, by (expert, source, token); returns
-    them as ``[(source, token)]``."""
+    them as ``[(source, token)]``. ``routings``: every rank's topk_idx, if not ``_routing``'s."""
     local = E // world
     expected = []
     for e_l in range(local):
         e = rank * local + e_l
         for src in range(world):
-            src_idx = _routing(src, T, k, E, mode)
+            src_idx = _routing(src, T, k, E, mode) if routings is None else routings[src]
             for t in range(T):
                 expected += [(src, t)] * int((src_idx[t] == e).sum())
         assert per_expert[e_l] == len(expected) - int(per_expert[:e_l].sum())

@@ -10,8 +10,11 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.comm import get_buffer, get_loopback_buffers, layout
+from fusedpar.kernels import moe_dispatch as dispatch_kernels
+from fusedpar.ops import _collective as C
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
-from tests.ops.collective_cases import requires_cuda, timeout_case
+from tests.ops.collective_cases import requires_cuda, subgroup, timeout_case
 from tests.ops.test_moe import _check_provenance, _routing, _tokens
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -109,6 +112,135 @@ def test_loopback_on_gpu(M):
     _loopback_case(4, 40, 2, 16, M, torch.bfloat16, "cuda")
 
 
+EPOCH_LAUNCHERS = [(C.TRITON_LAUNCHERS, name) for name in ("wait_flags", "signal_peers", "all_gather_pull")] + [
+    (dispatch_kernels, "check_capacity")]
+
+
+@contextlib.contextmanager
+def scalar_arguments():
+    """Record the non-tensor arguments of every launch that takes an epoch, in order: what a
+    CUDA graph freezes at capture."""
+    launches = []
+
+    def recording(launch):
+        def launch_and_record(*args, **kwargs):
+            launches.append(tuple(a for a in [*args, *kwargs.values()] if not isinstance(a, torch.Tensor)))
+            return launch(*args, **kwargs)
+        return launch_and_record
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in EPOCH_LAUNCHERS]
+    for owner, name, launch in saved:
+        setattr(owner, name, recording(launch))
+    try:
+        yield launches
+    finally:
+        for owner, name, launch in saved:
+            setattr(owner, name, launch)
+
+
+def _round_trip_loopback(world, T, k, E, M, salt):
+    """One padded dispatch + combine of every rank (salted data); checks and returns outputs."""
+    xs = [_tokens(r, T, 3) + 100 * salt for r in range(world)]
+    idxs = [_routing(r + salt, T, k, E, "random") for r in range(world)]
+    ws = [torch.full((T, k), 0.25 * (salt + 1)) for _ in range(world)]
+    results = moe_dispatch_loopback(xs, idxs, ws, E, max_tokens_per_rank=M)
+    outs = moe_combine_loopback([recv_x * 2 for recv_x, _, _ in results], [h for _, _, h in results])
+    for r, out in enumerate(outs):
+        assert torch.equal(out, 2 * xs[r] * ws[r].sum(1, keepdim=True))
+    return results
+
+
+def test_loopback_on_device_held_epochs_launches_the_same_arguments_every_call():
+    """What lets a CUDA graph replay dispatch + combine (GPU test below): on device-held epochs
+    every scalar a kernel takes is the same in every call, while the rows stay right; on host
+    epochs they differ. A call needing an absolute epoch (all_gather_matmul) fits in between."""
+    world, T, k, E, M = 2, 6, 2, 4, 6
+    views = get_loopback_buffers(world, 1 << 16, torch.device("cpu"))
+    host_calls = []
+    for salt in range(3):
+        with scalar_arguments() as launches:
+            _round_trip_loopback(world, T, k, E, M, salt)
+        host_calls.append(launches)
+    assert host_calls[1] != host_calls[2] and len(host_calls[1]) == len(host_calls[2])  # epochs count up
+    for view in views:
+        view.use_device_epochs()
+    per_call = []
+    for salt in range(3):
+        a = [torch.full((4, 8), float(r + salt)) for r in range(world)]
+        (gathered, (out,)), _ = fusedpar.ops.all_gather_matmul_loopback(a, [torch.eye(8)])
+        assert torch.equal(out, torch.cat(a))
+        with scalar_arguments() as launches:
+            _round_trip_loopback(world, T, k, E, M, salt)
+        per_call.append(launches)
+    assert per_call[0] == per_call[1] == per_call[2] and len(per_call[0]) == len(host_calls[2])
+    assert get_loopback_buffers(world, 1 << 16, torch.device("cpu"))[0] is views[0]
+    epochs = [int(v.pad()[layout.EPOCH]) for v in views]
+    assert epochs == [v.epoch for v in views] and len(set(epochs)) == 1
+    for v in views:  # the kernels raised the flags to the device-held epoch
+        peer = 1 - v.rank
+        assert [int(v.pad()[layout.READY + peer]), int(v.pad()[layout.DONE + peer])] == epochs
+
+
+@requires_cuda
+def test_cuda_graph_replays_padded_dispatch_and_combine():
+    """Capture the loopback dispatch + combine with max_tokens_per_rank once and replay it with
+    new routing each time: rows, counts and outputs are right after every replay, and an
+    eager call between replays (same buffers, device-held epochs) agrees."""
+    world, T, H, k, E = 4, 48, 16, 2, 8
+    device = torch.device("cuda")
+    xs = [_tokens(r, T, H).to(device) for r in range(world)]
+    idxs = [torch.empty(T, k, dtype=torch.int64, device=device) for _ in range(world)]
+    ws = [torch.empty(T, k, device=device) for _ in range(world)]
+
+    def route(salt):
+        routings = [(_routing(r, T, k, E, "random") + salt) % E for r in range(world)]
+        for idx, w, routing in zip(idxs, ws, routings):
+            idx.copy_(routing)
+            w.fill_(0.25 * (salt + 1))
+        return routings
+
+    def step():
+        results = moe_dispatch_loopback(xs, idxs, ws, E, max_tokens_per_rank=T)
+        outs = moe_combine_loopback([recv_x * 2 for recv_x, _, _ in results], [h for _, _, h in results])
+        return [(recv_x, per_expert) for recv_x, per_expert, _ in results], outs
+
+    def check(routings, received, outs):
+        for r, ((recv_x, per_expert), out) in enumerate(zip(received, outs)):
+            _check_provenance(recv_x.cpu(), per_expert.cpu(), r, world, T, H, k, E, None, T, routings)
+            assert torch.equal(out, 2 * xs[r] * ws[r].sum(1, keepdim=True))
+
+    route(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels, makes the loopback buffers
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        received, outs = step()
+    views = get_loopback_buffers(world, 1, device)
+    assert all(view.device_epochs for view in views)
+    for salt in range(1, 4):
+        routings = route(salt)
+        graph.replay()
+        check(routings, received, outs)
+        views[0].synchronize()  # raises what a replay recorded
+        if salt == 2:
+            check(routings, *step())
+    # the host's count stopped at the warm-up; three replays and one eager step of 3 calls each
+    assert int(views[0].pad()[layout.EPOCH]) == views[0].epoch + 4 * 3
+
+
+@requires_cuda
+def test_capturing_a_dispatch_that_reads_the_host_raises():
+    x = torch.ones(4, 8, device="cuda")
+    idx, w = torch.zeros(4, 1, dtype=torch.int64, device="cuda"), torch.ones(4, 1, device="cuda")
+    moe_dispatch_loopback([x, x], [idx, idx], [w, w], 4)  # eager: fine
+    with pytest.raises(fusedpar.FusedparError, match="only the triton backend with max_tokens_per_rank"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            moe_dispatch_loopback([x, x], [idx, idx], [w, w], 4)
+
+
 @pytest.mark.parametrize("M", [None, 5])
 def test_loopback_ranks_with_different_token_counts(M):
     Ts, k, E = [5, 0, 3], 2, 6
@@ -163,3 +295,45 @@ def test_a_stalled_peer_times_out_instead_of_hanging(pools):
     assert results[0]["elapsed"] < 2.0 * 3, results[0]
     assert "fusedpar.moe_dispatch: rank 0" in results[0]["message"]
     assert "READY[1] (rank 1)" in results[0]["message"], results[0]
+
+
+def _device_epoch_rounds(T, H, k, E, M):
+    """Host epochs, then device-held ones (what capturing a graph switches to): padded
+    dispatch + combine, the triton all_gather (both take relative epochs) and
+    all_gather_matmul (reads the device epoch on the host) share the group's buffer."""
+    group, rank, world = subgroup(), dist.get_rank(), dist.get_world_size()
+    buf = get_buffer(group, 1, torch.device("cpu"))
+    for salt in range(4):
+        if salt == 1:
+            buf.use_device_epochs()
+        x = _tokens(rank, T, H) + 100 * salt
+        w = torch.full((T, k), 0.25 * (salt + 1))
+        recv_x, per_expert, handle = moe_dispatch(x, _routing(rank + salt, T, k, E, "random"), w, E, group,
+                                                  max_tokens_per_rank=M, backend="triton")
+        assert torch.equal(moe_combine(recv_x * 2, handle), 2 * x * w.sum(1, keepdim=True))
+        expected = torch.cat([_tokens(r, T, H) + 100 * salt for r in range(world)])
+        assert torch.equal(fusedpar.ops.all_gather(x, 0, group, backend="triton"), expected)
+        _, (out,) = fusedpar.ops.all_gather_matmul(x, [torch.eye(H)], 0, group, backend="triton")
+        assert torch.equal(out, expected)
+    return buf.device_epochs, buf.epoch, int(buf.pad()[layout.EPOCH])
+
+
+@pytest.mark.timeout(200)
+def test_ranks_on_device_held_epochs_exchange_the_right_rows(pools):
+    # per round: dispatch and combine (2 calls each: counts and rows; combine 1), all_gather, all_gather_matmul
+    assert pools(2).run(_device_epoch_rounds, 5, 3, 2, 4, 5) == [(True, 4 * 5, 4 * 5)] * 2
+
+
+def _dispatch_on_device_epochs(x, group):
+    get_buffer(group, 1, x.device).use_device_epochs()
+    return _dispatch_padded(x, group)
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_peer_times_out_on_device_held_epochs(pools):
+    """Relative epochs are waited for, not passed: the wait of a call a peer never makes
+    times out and names the device-held epoch."""
+    results = pools(2).run(timeout_case, _dispatch_on_device_epochs, 1, "stall", 2.0)
+    assert results[1] is None
+    assert results[0]["elapsed"] < 2.0 * 3, results[0]
+    assert "READY[1] (rank 1) to reach epoch 3" in results[0]["message"], results[0]

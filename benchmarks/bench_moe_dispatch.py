@@ -1,0 +1,112 @@
+"""moe_dispatch + moe_combine: every rank of a W=8 expert-parallel token exchange in one
+process on one GPU (loopback symmetric buffers, docs/design.md §6), with identity experts::
+
+    dispatched = moe_dispatch_loopback(xs, topk_idxs, topk_weights, E, max_tokens_per_rank=M)
+    outs = moe_combine_loopback([recv_x for recv_x, _, _ in dispatched], handles)
+
+three ways:
+
+- ``unpadded``: ``M=None``; the sizes come from the exchanged counts, read on the host
+  (one small device-to-host copy per dispatch);
+- ``padded``: ``M=T`` (DeepEP's low-latency layout): nothing is read on the host;
+- ``padded_graph``: the padded round trip captured once in a CUDA graph and replayed (the
+  buffers keep their epochs on the device), so no kernel launch costs host time.
+
+Decode-sized batches of DeepSeek-V3-like shapes: H=7168, 256 experts (32 per simulated
+rank), top-8, bf16, router logits drawn at random. No target: the rows say what the graph
+and the padding buy at these sizes. Each case is checked once against ``x * sum(weights)``
+before it is timed. Skips without a GPU: no number is ever printed for a machine that did
+not run it.
+"""
+
+import pytest
+import torch
+
+from fusedpar.ops.moe import moe_combine_loopback, moe_dispatch_loopback, topk_route
+
+from common import DTYPE, W_LOOPBACK, counted, name, or_skip, rel_err
+
+OP = "moe_dispatch"
+HIDDEN, EXPERTS, TOP_K = 7168, 256, 8
+TOKENS = [32, 128]  # per simulated rank
+MODES = ["unpadded", "padded", "padded_graph"]  # the baseline first
+_medians: dict = {}
+
+
+def _case(world, tokens, device, seed=0):
+    """Every simulated rank's ``(x, topk_idx, topk_weights)``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    xs, idxs, weights = [], [], []
+    for _ in range(world):
+        xs.append(torch.randn(tokens, HIDDEN, generator=g, device=device).to(DTYPE))
+        idx, w, _ = topk_route(torch.randn(tokens, EXPERTS, generator=g, device=device), TOP_K)
+        idxs.append(idx)
+        weights.append(w)
+    return xs, idxs, weights
+
+
+def _round_trip(xs, idxs, weights, max_tokens):
+    dispatched = moe_dispatch_loopback(xs, idxs, weights, EXPERTS, max_tokens_per_rank=max_tokens)
+    return moe_combine_loopback([recv_x for recv_x, _, _ in dispatched], [h for _, _, h in dispatched])
+
+
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch advises);
+    the returned function replays it and returns the captured outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+
+    def replay():
+        graph.replay()
+        return outs
+    return replay
+
+
+def _fn(mode, case):
+    tokens = case[0][0].shape[0]
+    if mode == "unpadded":
+        return lambda: _round_trip(*case, None)
+    padded = lambda: _round_trip(*case, tokens)  # noqa: E731
+    return padded if mode == "padded" else _graphed(padded)
+
+
+def _lower_bound(idxs, local, element_size) -> int:
+    """Bytes received from peers over all simulated ranks: every copy routed to an expert of
+    another rank crosses once there and once back."""
+    crossing = sum(int(((idx // local != r) & (idx >= 0)).sum()) for r, idx in enumerate(idxs))
+    return 2 * crossing * HIDDEN * element_size
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("mode", MODES)
+def test_loopback(benchmark, gpu, gpu_times, record_row, synced, mode, tokens):
+    world = W_LOOPBACK
+    case = _case(world, tokens, gpu)
+    fn = _fn(mode, case)
+    outs, moved = or_skip(counted, fn)
+    err = max(rel_err(out, x.float() * w.sum(1, keepdim=True)) for out, x, w in zip(outs, case[0], case[2]))
+    assert err < 1e-2, f"{mode}: relative error {err}"
+    median, p20, p80 = gpu_times(fn)
+    key = (world, tokens)
+    _medians[key, mode] = median
+    notes = {"top_k": TOP_K, "experts": EXPERTS}
+    if mode != "unpadded" and (key, "unpadded") in _medians:
+        notes["x_unpadded"] = f"{_medians[key, 'unpadded'] / median:.2f}"
+    if mode == "padded_graph" and (key, "padded") in _medians:
+        notes["x_padded"] = f"{_medians[key, 'padded'] / median:.2f}"
+    shape = (world, tokens, HIDDEN)
+    copies = world * tokens * TOP_K
+    element_size = case[0][0].element_size()
+    record_row(OP, mode, shape, DTYPE, world, median, p20, p80,
+               algo_bytes=2 * copies * HIDDEN * element_size,
+               bytes_moved=None if mode == "padded_graph" else moved,  # a replay runs no Python to count
+               lower_bound=_lower_bound(case[1], EXPERTS // world, element_size), **notes)
+    benchmark.group = f"{OP} loopback {name(shape)}"
+    benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)
