@@ -182,7 +182,7 @@ def test_loopback_on_device_held_epochs_launches_the_same_arguments_every_call()
 
 
 @requires_cuda
-def test_cuda_graph_replays_padded_dispatch_and_combine():
+def test_gpu_cuda_graph_replays_padded_dispatch_and_combine():
     """Capture the loopback dispatch + combine with max_tokens_per_rank once and replay it with
     new routing each time: rows, counts and outputs are right after every replay, and an
     eager call between replays (same buffers, device-held epochs) agrees."""
@@ -231,8 +231,47 @@ def test_cuda_graph_replays_padded_dispatch_and_combine():
     assert int(views[0].pad()[layout.EPOCH]) == views[0].epoch + 4 * 3
 
 
+def _gpu_graph_one_rank(T, H, k, E):
+    """One rank on torch symmetric memory: dispatch, combine and their backward (the custom
+    op both directions use) captured in one CUDA graph and replayed with new routing."""
+    x = _tokens(0, T, H).cuda().requires_grad_()
+    idx = torch.empty(T, k, dtype=torch.int64, device="cuda")
+    w = torch.empty(T, k, device="cuda")
+
+    def step():
+        recv_x, _, handle = moe_dispatch(x, idx, w, E, max_tokens_per_rank=T, backend="triton")
+        out = moe_combine(recv_x * 3, handle)
+        return out, torch.autograd.grad(out.sum(), x)[0]
+
+    idx.copy_(_routing(0, T, k, E, "random"))
+    w.fill_(0.5)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, grad = step()
+    results = []
+    for salt in range(1, 4):
+        idx.copy_((_routing(0, T, k, E, "random") + salt) % E)
+        w.fill_(0.25 * salt)
+        graph.replay()
+        results.append(torch.equal(out, 3 * x.detach() * 0.25 * salt * k)
+                       and torch.equal(grad, torch.full_like(x, 3 * 0.25 * salt * k)))
+    buf = fusedpar.comm.get_buffer(dist.group.WORLD, 1, x.device)
+    buf.synchronize()
+    return results, buf.backend, buf.device_epochs
+
+
 @requires_cuda
-def test_capturing_a_dispatch_that_reads_the_host_raises():
+def test_gpu_cuda_graph_captures_dispatch_combine_and_backward_on_one_rank(pools):
+    assert pools(1).run(_gpu_graph_one_rank, 16, 8, 2, 4) == [([True] * 3, "torch", True)]
+
+
+@requires_cuda
+def test_gpu_capturing_a_dispatch_that_reads_the_host_raises():
     x = torch.ones(4, 8, device="cuda")
     idx, w = torch.zeros(4, 1, dtype=torch.int64, device="cuda"), torch.ones(4, 1, device="cuda")
     moe_dispatch_loopback([x, x], [idx, idx], [w, w], 4)  # eager: fine
