@@ -496,8 +496,19 @@ def get_buffer(group, nbytes: int, device: torch.device) -> SymmetricBuffer:
     else:
         segments, keep = _torch_segments(group, size, device)
         new = SymmetricBuffer(segments, rank, "torch", group.group_name, keepalive=keep)
+    _retire(buf)
     _buffers[key] = new
     return new
+
+
+# Replaced buffers that a CUDA graph may still use: a replay writes to the addresses it was
+# captured with, so their memory stays allocated until release_buffers().
+_captured_retired: list[SymmetricBuffer] = []
+
+
+def _retire(buf: SymmetricBuffer | None) -> None:
+    if buf is not None and buf.device_epochs:
+        _captured_retired.append(buf)
 
 
 _loopbacks: dict[tuple, list[SymmetricBuffer]] = {}
@@ -518,6 +529,8 @@ def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> 
         for view in () if broken else views or ():
             view.synchronize()
         size = layout.PAD_BYTES + _round_capacity(nbytes)
+        for view in views or ():
+            _retire(view)
         segments = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(world_size)]
         buf = SymmetricBuffer(segments, 0, "loopback", f"loopback{world_size}")
         views = [buf.as_rank(r) for r in range(world_size)]
@@ -526,8 +539,10 @@ def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> 
 
 
 def release_buffers() -> None:
-    """Drop every cached buffer (e.g. before destroying the process groups)."""
+    """Drop every cached buffer (e.g. before destroying the process groups), and those kept
+    for CUDA graphs: a graph captured with them must not be replayed after this."""
     for buf in [*_buffers.values(), *(v for views in _loopbacks.values() for v in views)]:
         buf.synchronize()
     _buffers.clear()
     _loopbacks.clear()
+    _captured_retired.clear()

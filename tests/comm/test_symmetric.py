@@ -160,6 +160,23 @@ def test_under_capture_only_graphable_calls_run_and_they_switch_to_device_epochs
         buf.synchronize()
 
 
+def test_buffers_a_graph_may_use_stay_allocated_until_released():
+    """A replay writes to the addresses it was captured with: a grown buffer that ran on
+    device-held epochs is kept (not one that never did) until release_buffers()."""
+    cpu = torch.device("cpu")
+    symmetric.release_buffers()
+    plain = get_loopback_buffers(2, 1 << 20, cpu)
+    kept = get_loopback_buffers(2, 2 << 20, cpu)
+    for view in kept:
+        view.use_device_epochs()
+    get_loopback_buffers(2, 4 << 20, cpu)
+    retired = symmetric._captured_retired
+    assert [v.rank for v in retired] == [0, 1] and all(v in retired for v in kept)
+    assert not any(v in retired for v in plain)
+    symmetric.release_buffers()
+    assert not symmetric._captured_retired
+
+
 def test_loopback_group_starts_afresh_after_a_call_that_raised_midway(monkeypatch):
     import fusedpar
     import importlib
