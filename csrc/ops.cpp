@@ -52,9 +52,10 @@ void check_group(const at::Tensor& pad_table, int64_t rank, int64_t world_size,
               pad_table.sizes());
 }
 
+// An epoch <= 0 is relative to the rank's device-held EPOCH word (CUDA graphs).
 void check_epoch(int64_t epoch, const char* op) {
-  TORCH_CHECK(epoch >= 1 && epoch <= kInt32Max, "fusedpar::", op,
-              ": 'epoch' must be in [1, 2^31-1], got ", epoch);
+  TORCH_CHECK(epoch >= -kInt32Max && epoch <= kInt32Max, "fusedpar::", op,
+              ": 'epoch' must be in [-(2^31-1), 2^31-1], got ", epoch);
 }
 
 void check_timeout_ns(int64_t timeout_ns, const char* op) {
@@ -117,7 +118,7 @@ void cuda_wait_flags(const at::Tensor& pad_table, int64_t word_base, int64_t ran
   const c10::cuda::CUDAGuard guard(pad_table.device());
   C10_CUDA_CHECK(launch_wait_flags(table_ptr(pad_table), static_cast<int32_t>(word_base),
                                    static_cast<int32_t>(rank), static_cast<int32_t>(world_size),
-                                   static_cast<uint32_t>(epoch), timeout_ns,
+                                   static_cast<int32_t>(epoch), timeout_ns,
                                    static_cast<int32_t>(code),
                                    c10::cuda::getCurrentCUDAStream().stream()));
 }
@@ -135,7 +136,7 @@ void cuda_signal_peers(const at::Tensor& pad_table, int64_t word_base, int64_t r
   C10_CUDA_CHECK(launch_signal_peers(table_ptr(pad_table), static_cast<int32_t>(word_base),
                                      static_cast<int32_t>(rank),
                                      static_cast<int32_t>(world_size),
-                                     static_cast<uint32_t>(epoch), meta,
+                                     static_cast<int32_t>(epoch), meta,
                                      c10::cuda::getCurrentCUDAStream().stream()));
 }
 
@@ -165,7 +166,7 @@ void cuda_all_gather_pull(const at::Tensor& out, const at::Tensor& x, const at::
   const c10::cuda::CUDAGuard guard(pad_table.device());
   C10_CUDA_CHECK(launch_all_gather_pull(
       out.data_ptr(), x.const_data_ptr(), table_ptr(pad_table), static_cast<int32_t>(rank),
-      static_cast<int32_t>(world_size), static_cast<uint32_t>(epoch), meta, outer, row_bytes,
+      static_cast<int32_t>(world_size), static_cast<int32_t>(epoch), meta, outer, row_bytes,
       timeout_ns, stats_ptr(stats), sm_count(pad_table.device().index()),
       c10::cuda::getCurrentCUDAStream().stream()));
 }
@@ -203,7 +204,7 @@ void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table
   const c10::cuda::CUDAGuard guard(pad_table.device());
   C10_CUDA_CHECK(launch_reduce_scatter_pull(
       out.data_ptr(), table_ptr(pad_table), static_cast<int32_t>(rank),
-      static_cast<int32_t>(world_size), static_cast<uint32_t>(epoch), meta, outer, inner, kind,
+      static_cast<int32_t>(world_size), static_cast<int32_t>(epoch), meta, outer, inner, kind,
       timeout_ns, stats_ptr(stats), static_cast<float>(divisor), sm_count(pad_table.device().index()),
       c10::cuda::getCurrentCUDAStream().stream()));
 }

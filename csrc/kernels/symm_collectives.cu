@@ -11,6 +11,7 @@
 namespace fusedpar {
 namespace {
 
+using layout::EPOCH;
 using layout::META;
 using layout::META_MISMATCH;
 using layout::PAD_BYTES;
@@ -110,15 +111,23 @@ __device__ bool wait_ready_and_meta(uint32_t* own_pad, const uint32_t* peer_pad,
   return true;
 }
 
+// The epoch an `epoch` argument stands for: itself, or, when <= 0 (a call on device-held
+// epochs, e.g. replayed from a CUDA graph), this rank's EPOCH word plus it.
+__device__ __forceinline__ uint32_t call_epoch(const uint32_t* own_pad, int32_t epoch) {
+  return epoch > 0 ? static_cast<uint32_t>(epoch)
+                   : ld_relaxed_sys(own_pad + EPOCH) + static_cast<uint32_t>(epoch);
+}
+
 __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------------------
 // wait / signal
 
 __global__ void wait_flags_kernel(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                                  int32_t world_size, uint32_t epoch, int64_t timeout_ns,
+                                  int32_t world_size, int32_t epoch_arg, int64_t timeout_ns,
                                   uint32_t code) {
   uint32_t* own = pad_of(pad_table, rank);
+  const uint32_t epoch = call_epoch(own, epoch_arg);
   for (int src = threadIdx.x; src < world_size; src += blockDim.x) {
     if (src == rank) continue;
     wait_flag(own, word_base + src, epoch, timeout_ns, code, static_cast<uint32_t>(src));
@@ -126,9 +135,10 @@ __global__ void wait_flags_kernel(const int64_t* pad_table, int32_t word_base, i
 }
 
 __global__ void signal_peers_kernel(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                                    int32_t world_size, uint32_t epoch, int64_t meta) {
+                                    int32_t world_size, int32_t epoch_arg, int64_t meta) {
+  uint32_t* own = pad_of(pad_table, rank);
+  const uint32_t epoch = call_epoch(own, epoch_arg);
   if (threadIdx.x == 0 && meta >= 0) {
-    uint32_t* own = pad_of(pad_table, rank);
     *reinterpret_cast<volatile uint32_t*>(own + META) = static_cast<uint32_t>(meta);
   }
   // Everything written before this point (earlier stream work, the META store above)
@@ -183,7 +193,7 @@ __device__ void copy_block_share(char* dst, const char* src, int64_t outer, int6
 // grid = (blocks per source, W): blockIdx.y = s handles src = (rank + s) % W; s = 0 is the
 // local shard (no wait), s >= 1 pull from peers in rank-rotated order.
 __global__ void all_gather_pull_kernel(char* out, const char* x, const int64_t* pad_table,
-                                       int32_t rank, int32_t world_size, uint32_t epoch,
+                                       int32_t rank, int32_t world_size, int32_t epoch_arg,
                                        int64_t meta, int64_t outer, int64_t row_bytes,
                                        int64_t timeout_ns, unsigned long long* stats) {
   __shared__ int go;
@@ -195,7 +205,7 @@ __global__ void all_gather_pull_kernel(char* out, const char* x, const int64_t* 
     uint32_t* own = pad_of(pad_table, rank);
     const uint32_t* peer = pad_of(pad_table, src);
     if (threadIdx.x == 0) {
-      bool ok = wait_ready_and_meta(own, peer, src, epoch, meta, timeout_ns);
+      bool ok = wait_ready_and_meta(own, peer, src, call_epoch(own, epoch_arg), meta, timeout_ns);
       go = (ok && !status_set(own)) ? 1 : 0;
     }
     __syncthreads();
@@ -305,13 +315,14 @@ __device__ void reduce_units(typename K::storage* out, const int64_t* pad_table,
 
 template <typename K>
 __global__ void reduce_scatter_pull_kernel(typename K::storage* out, const int64_t* pad_table,
-                                           int32_t rank, int32_t world_size, uint32_t epoch,
+                                           int32_t rank, int32_t world_size, int32_t epoch_arg,
                                            int64_t meta, int64_t outer, int64_t inner,
                                            int64_t timeout_ns, unsigned long long* stats,
                                            float divisor) {
   using S = typename K::storage;
   constexpr int VEC = 16 / sizeof(S);
   uint32_t* own = pad_of(pad_table, rank);
+  const uint32_t epoch = call_epoch(own, epoch_arg);
 
   // One thread per peer waits (in parallel); every source must be ready before the
   // fixed-order sum starts.
@@ -371,7 +382,7 @@ int one_block_threads(int32_t world_size) {
 // launchers
 
 cudaError_t launch_wait_flags(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                              int32_t world_size, uint32_t epoch, int64_t timeout_ns,
+                              int32_t world_size, int32_t epoch, int64_t timeout_ns,
                               int32_t code, cudaStream_t stream) {
   wait_flags_kernel<<<1, one_block_threads(world_size), 0, stream>>>(
       pad_table, word_base, rank, world_size, epoch, timeout_ns, static_cast<uint32_t>(code));
@@ -379,7 +390,7 @@ cudaError_t launch_wait_flags(const int64_t* pad_table, int32_t word_base, int32
 }
 
 cudaError_t launch_signal_peers(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                                int32_t world_size, uint32_t epoch, int64_t meta,
+                                int32_t world_size, int32_t epoch, int64_t meta,
                                 cudaStream_t stream) {
   signal_peers_kernel<<<1, one_block_threads(world_size), 0, stream>>>(
       pad_table, word_base, rank, world_size, epoch, meta);
@@ -387,7 +398,7 @@ cudaError_t launch_signal_peers(const int64_t* pad_table, int32_t word_base, int
 }
 
 cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_table,
-                                   int32_t rank, int32_t world_size, uint32_t epoch,
+                                   int32_t rank, int32_t world_size, int32_t epoch,
                                    int64_t meta, int64_t outer, int64_t row_bytes,
                                    int64_t timeout_ns, unsigned long long* stats,
                                    int32_t sm_count, cudaStream_t stream) {
@@ -400,7 +411,7 @@ cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_
 }
 
 cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int32_t rank,
-                                       int32_t world_size, uint32_t epoch, int64_t meta,
+                                       int32_t world_size, int32_t epoch, int64_t meta,
                                        int64_t outer, int64_t inner, ScalarKind kind,
                                        int64_t timeout_ns, unsigned long long* stats,
                                        float divisor, int32_t sm_count, cudaStream_t stream) {

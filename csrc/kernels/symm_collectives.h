@@ -9,6 +9,7 @@
 //   META          31-bit fingerprint of the owner's staged input
 //   STATUS..+3    local only: [code, src, epoch, 0] of the first failure
 // Flags carry epochs and only grow: "flag reached epoch" means flag >= epoch (unsigned).
+// An `epoch` argument <= 0 is relative: this rank's EPOCH word plus it (CUDA graphs).
 // Every spin-wait is bounded by `timeout_ns` of wall-clock time (%globaltimer); then the waiting thread
 // records STATUS in its OWN pad (atomicCAS on STATUS+0 from 0: the first failure wins)
 // and gives up. Every wait first checks STATUS+0 and gives up at once when it is set.
@@ -33,7 +34,7 @@ constexpr int32_t DONE = 256;
 constexpr int32_t META = 512;
 constexpr int32_t STATUS = 516;
 constexpr int32_t DEADLINE = 520;      // local: epoch whose time ran out (interpreter watchdog only)
-constexpr int32_t EPOCH = 524;         // local: device-held epoch (CUDA graphs; Triton kernels only)
+constexpr int32_t EPOCH = 524;         // local: device-held epoch (CUDA graphs)
 constexpr int32_t DESC = 528;          // owner's input description, read after a META mismatch
 constexpr int32_t DESC_WORDS = 16;
 constexpr int32_t GATHERED = 768;      // local flags of the fused all-gather + matmul
@@ -64,13 +65,13 @@ enum class ScalarKind : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // One block. Waits until own pad (pad_table[rank]) word `word_base + src` >= epoch for
 // every src != rank; on timeout records status (code, src, epoch).
 cudaError_t launch_wait_flags(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                              int32_t world_size, uint32_t epoch, int64_t timeout_ns,
+                              int32_t world_size, int32_t epoch, int64_t timeout_ns,
                               int32_t code, cudaStream_t stream);
 
 // One block. If meta >= 0, stores own pad[META] = meta; then, after a system-scope fence,
 // release-stores pad_p[word_base + rank] = epoch for every peer p != rank.
 cudaError_t launch_signal_peers(const int64_t* pad_table, int32_t word_base, int32_t rank,
-                                int32_t world_size, uint32_t epoch, int64_t meta,
+                                int32_t world_size, int32_t epoch, int64_t meta,
                                 cudaStream_t stream);
 
 // out: [outer, W, row_bytes] bytes; x: [outer, row_bytes] bytes (the local shard).
@@ -79,7 +80,7 @@ cudaError_t launch_signal_peers(const int64_t* pad_table, int32_t word_base, int
 // the check), then copy src's data region ([outer, row_bytes]) into out[o, src, :].
 // stats[0] += bytes read from peers. sm_count sizes the grid (<= 0: a default).
 cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_table,
-                                   int32_t rank, int32_t world_size, uint32_t epoch,
+                                   int32_t rank, int32_t world_size, int32_t epoch,
                                    int64_t meta, int64_t outer, int64_t row_bytes,
                                    int64_t timeout_ns, unsigned long long* stats,
                                    int32_t sm_count, cudaStream_t stream);
@@ -90,7 +91,7 @@ cudaError_t launch_all_gather_pull(void* out, const void* x, const int64_t* pad_
 // of staged_src[o, rank, i]. Waits READY / checks META for every
 // src != rank first. stats[0] += bytes read from peers.
 cudaError_t launch_reduce_scatter_pull(void* out, const int64_t* pad_table, int32_t rank,
-                                       int32_t world_size, uint32_t epoch, int64_t meta,
+                                       int32_t world_size, int32_t epoch, int64_t meta,
                                        int64_t outer, int64_t inner, ScalarKind kind,
                                        int64_t timeout_ns, unsigned long long* stats,
                                        float divisor, int32_t sm_count, cudaStream_t stream);

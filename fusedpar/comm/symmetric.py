@@ -164,7 +164,7 @@ class SymmetricBuffer:
                 f"this fusedpar op on symmetric memory (group {self.group_name!r}) cannot be captured "
                 "in a CUDA graph: its kernels take the epoch from the host, which a replay would "
                 "freeze. Graph-capturable: moe_dispatch / moe_combine with max_tokens_per_rank and "
-                "the triton all_gather / reduce_scatter; capture only the compute around the others, "
+                "the triton and cuda all_gather / reduce_scatter; capture only the compute around the others, "
                 "or use backend='reference' / 'pipelined' inside the graph"
             )
         if not capture:  # no host query of an event while a stream captures

@@ -316,7 +316,7 @@ class SymmetricBackend(Backend):
         meta = call.fingerprint()
         return run_staged(call.op, self.launchers, bufs, xs, meta, call.description(),
                           lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta),
-                          graphable=self.launchers is TRITON_LAUNCHERS)  # the CUDA kernels take absolute epochs
+                          graphable=True)  # both launcher sets take relative epochs
 
     def pull(self, call, buf, staged, epoch, meta) -> torch.Tensor:
         raise NotImplementedError

@@ -178,10 +178,11 @@ def test_gpu_loopback_matches_cat(backend):
 
 
 @requires_cuda
-def test_gpu_triton_collectives_replay_from_a_cuda_graph():
-    """The triton all_gather and reduce_scatter take relative epochs: one capture of both,
-    replayed with new inputs, gives the right outputs each time; the cuda backend (absolute
-    epochs from the host) refuses to be captured."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_collectives_replay_from_a_cuda_graph(backend):
+    """The all_gather and reduce_scatter kernels take relative epochs: one capture of both,
+    replayed with new inputs, gives the right outputs each time; an op whose kernels take
+    absolute epochs from the host (matmul_reduce_scatter) refuses to be captured."""
     world = 4
     xs = [torch.empty(8, 5, device="cuda") for _ in range(world)]
 
@@ -190,14 +191,15 @@ def test_gpu_triton_collectives_replay_from_a_cuda_graph():
             x.copy_(rank_data((8, 5), torch.float32, r, salt))
 
     def step():
-        return (fusedpar.ops.all_gather_loopback(xs, 1, backend="triton"),
-                fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0))
+        return (fusedpar.ops.all_gather_loopback(xs, 1, backend=backend),
+                fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=backend))
 
     fill(0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step()
+        fusedpar.ops.matmul_reduce_scatter_loopback(xs, [torch.eye(5, device="cuda")] * world)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -210,7 +212,7 @@ def test_gpu_triton_collectives_replay_from_a_cuda_graph():
         assert all(torch.equal(out, total[2 * r:2 * r + 2]) for r, out in enumerate(reduced)), salt
     with pytest.raises(fusedpar.FusedparError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            fusedpar.ops.all_gather_loopback(xs, 1, backend="cuda")
+            fusedpar.ops.matmul_reduce_scatter_loopback(xs, [torch.eye(5, device="cuda")] * world)
 
 
 def _gpu_single_rank(backend):
