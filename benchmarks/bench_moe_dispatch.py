@@ -52,13 +52,10 @@ def _round_trip(xs, idxs, weights, max_tokens):
 
 
 def _graphed(fn):
-    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as torch advises);
-    the returned function replays it and returns the captured outputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
+    """``fn`` captured in a CUDA graph after one eager call (it compiles the kernels and makes
+    the loopback buffers); the returned function replays it and returns the captured outputs."""
+    fn()
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = fn()

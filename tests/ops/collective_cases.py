@@ -108,3 +108,17 @@ def timeout_case(op, stall_rank, mode, timeout_s):
         except fusedpar.FusedparTimeoutError as e:
             return {"elapsed": time.monotonic() - start, "message": str(e)}
         raise AssertionError("the op returned although a peer never called it")
+
+
+def captured(step):
+    """``(graph, outputs)``: ``step()`` captured in a CUDA graph after a warm-up call on a side
+    stream (as torch advises); replaying the graph refills the captured outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -6,6 +6,7 @@ import fusedpar
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     capture_errors,
+    captured,
     DTYPES,
     chosen_backend,
     env,
@@ -195,15 +196,8 @@ def test_gpu_collectives_replay_from_a_cuda_graph(backend):
                 fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=backend))
 
     fill(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-        fusedpar.ops.matmul_reduce_scatter_loopback(xs, [torch.eye(5, device="cuda")] * world)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gathered, reduced = step()
+    fusedpar.ops.matmul_reduce_scatter_loopback(xs, [torch.eye(5, device="cuda")] * world)  # compiled
+    graph, (gathered, reduced) = captured(step)
     for salt in range(1, 4):
         fill(salt)
         graph.replay()

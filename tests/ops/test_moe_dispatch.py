@@ -14,7 +14,7 @@ from fusedpar.comm import get_buffer, get_loopback_buffers, layout
 from fusedpar.kernels import moe_dispatch as dispatch_kernels
 from fusedpar.ops import _collective as C
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
-from tests.ops.collective_cases import requires_cuda, subgroup, timeout_case
+from tests.ops.collective_cases import captured, requires_cuda, subgroup, timeout_case
 from tests.ops.test_moe import _check_provenance, _routing, _tokens
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -210,14 +210,7 @@ def test_gpu_cuda_graph_replays_padded_dispatch_and_combine():
             assert torch.equal(out, 2 * xs[r] * ws[r].sum(1, keepdim=True))
 
     route(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles the kernels, makes the loopback buffers
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        received, outs = step()
+    graph, (received, outs) = captured(step)
     views = get_loopback_buffers(world, 1, device)
     assert all(view.device_epochs for view in views)
     for salt in range(1, 4):
@@ -245,14 +238,7 @@ def _gpu_graph_one_rank(T, H, k, E):
 
     idx.copy_(_routing(0, T, k, E, "random"))
     w.fill_(0.5)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, grad = step()
+    graph, (out, grad) = captured(step)
     results = []
     for salt in range(1, 4):
         idx.copy_((_routing(0, T, k, E, "random") + salt) % E)
