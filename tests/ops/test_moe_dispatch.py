@@ -150,7 +150,16 @@ def _round_trip_loopback(world, T, k, E, M, salt):
     return results
 
 
-def test_loopback_on_device_held_epochs_launches_the_same_arguments_every_call():
+@pytest.fixture
+def fresh_loopback_buffers():
+    """Loopback buffers no other test has touched, dropped afterwards (this test moves them to
+    device-held epochs)."""
+    fusedpar.comm.release_buffers()
+    yield
+    fusedpar.comm.release_buffers()
+
+
+def test_loopback_on_device_held_epochs_launches_the_same_arguments_every_call(fresh_loopback_buffers):
     """What lets a CUDA graph replay dispatch + combine (GPU test below): on device-held epochs
     every scalar a kernel takes is the same in every call, while the rows stay right; on host
     epochs they differ. A call needing an absolute epoch (all_gather_matmul) fits in between."""
