@@ -48,18 +48,23 @@ def test_matches_sdpa_on_the_full_sequence(pools, heads, kv_heads, backend):
     assert pools(2).run(_sdpa_drop_in, heads, kv_heads) == [backend] * 2
 
 
-def _hf_llama(cp_size_unused=None):
+def _tiny_llama(attn_implementation: str):
+    """A two-layer Llama (GQA 4/2 heads) with seeded weights, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = attn_implementation
+    return LlamaForCausalLM(config).eval()
+
+
+def _hf_llama(cp_size_unused=None):
     from fusedpar.nn.attention import set_hf_context_parallel_group
     from fusedpar.parallel import zigzag_positions
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).eval()
+    model = _tiny_llama("eager")
     ids = torch.randint(0, 64, (1, 8 * world))
     expected = model(ids).logits
     set_hf_context_parallel_group(None, backend="pipelined")  # the kernels are tested elsewhere
@@ -91,17 +96,11 @@ def model_sdpa(model, ids, mask, positions):
 def _hf_llama_padded():
     """A padded batch (right padding, left padding, none) against HF's own sdpa attention at
     every token position; padding between tokens is refused."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fusedpar.nn.attention import set_hf_context_parallel_group
     from fusedpar.parallel import zigzag_positions
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
+    model = _tiny_llama("sdpa")
     s = 8 * world
     ids = torch.randint(0, 64, (3, s))
     mask = torch.ones(3, s, dtype=torch.long)
