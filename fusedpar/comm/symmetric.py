@@ -230,9 +230,11 @@ class SymmetricBuffer:
         Under CUDA-graph capture the description is marked unrecorded instead (a copy from
         host memory would be read at every replay; the fingerprint is still written)."""
         pad = self.pad()
-        pad[layout.META] = meta
+        # fill_ (a kernel taking the scalar), not item assignment (a host-to-device copy,
+        # which a CUDA graph cannot capture)
+        pad[layout.META : layout.META + 1].fill_(meta)
         if capturing(self.device):
-            pad[layout.DESC] = UNRECORDED
+            pad[layout.DESC : layout.DESC + 1].fill_(UNRECORDED)
             return
         pad[layout.DESC : layout.DESC + layout.DESC_WORDS].copy_(
             torch.tensor(desc, dtype=torch.int32), non_blocking=True)
