@@ -473,13 +473,21 @@ def _round_capacity(nbytes: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
+def _device_key(device: torch.device) -> tuple:
+    """``cuda`` and ``cuda:<current>`` are one device: one cache entry."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device.type, device.index
+
+
 def get_buffer(group, nbytes: int, device: torch.device) -> SymmetricBuffer:
     """The group's symmetric buffer on ``device``, holding at least ``nbytes`` of data.
 
     Allocated on first use and grown (collectively: every rank asks for the same size)
     when a call needs more; never allocated during CUDA-graph capture.
     """
-    key = (group.group_name, device.type, device.index)
+    key = (group.group_name, *_device_key(device))
     buf = _buffers.get(key)
     if buf is not None and buf.capacity >= nbytes:
         return buf
@@ -520,7 +528,7 @@ def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> 
     """All ``world_size`` segments in this process, as one view per simulated rank. A
     loopback group has no peers to agree with, so after a failure (raised, or a call that
     stopped midway) it starts afresh instead of staying unusable."""
-    key = (world_size, device.type, device.index)
+    key = (world_size, *_device_key(device))
     views = _loopbacks.get(key)
     broken = views is not None and any(view.failure or view.in_call for view in views)
     if views is None or broken or views[0].capacity < nbytes:

@@ -22,6 +22,14 @@ host loop and no device-to-host sync).
   (recorded in STATUS) makes the program skip that source's tiles. Push (``PUSH=True``): C
   tiles go straight into rank ``src``'s region at ``peer_row``.
 
+The rows and peers kernels read A and B through TMA descriptors (``TMA``: Hopper's bulk
+tensor copies, host-built ``TensorDescriptor`` s) where the GPU has them and the operands'
+layouts allow (unit inner stride, 16-byte aligned base and strides): a tile's rows past
+its group's end then hold the next group's rows (the store masks them) and the K tail
+reads as zeros; on the H100 that is 1.3x the pointer loads (benchmarks/results/grouped_mm.csv).
+Elsewhere (sm_80, odd strides) they use pointer loads. The interpreter takes the TMA path
+wherever the layouts allow, so CPU tests cover both.
+
 Accumulation is fp32 (fp32 inputs use exact fp32 products, no TF32); any strides.
 The first two kernels wait on nothing: their grid is capped at NUM_PROGRAMS (the SM
 count) only because they are persistent.
@@ -30,21 +38,41 @@ count) only because they are persistent.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .ag_gemm import gemm_config, grouped_tile, interpreting, mma
-from .signal import GATHERED, data_ptr, pad_ptr, sm_count, spinning_grid, wait_flag
+from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, spinning_grid,
+                     wait_flag)
 
-# 16-bit inputs; ptxas reports no spills for either kernel with unit inner strides (what the
-# JIT specializes for row-major operands): sm_90 128x128x64 on two warpgroups (~200
-# registers; 128x256 or one warpgroup on 128x128 spill), sm_80 128x128x32 on 8 warps. fp32
-# uses ag_gemm's FMA config.
-GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
-# The peers kernel's push variant (C tiles into a peer's region) spills with those: 236 B on
-# sm_90 under triton 3.6, 80 B on sm_80. On sm_90 two warpgroups on 128x64 fit both B layouts
-# (128x128 spills 288 B under triton 3.6 with the backward's unit-N-stride B).
-PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_M=128, BLOCK_N=64, num_warps=8)
+# 16-bit inputs; ptxas reports no spills for any variant with unit inner strides (what the
+# JIT specializes for row-major operands). sm_90: TMA loads on 128x256x64 tiles, two
+# warpgroups, 4 stages (a sweep on the H100 over 128/256 tiles, 3-4 stages, 4-8 warps and
+# warp specialisation: 0.68 ms where 128x128x64 took 0.76 and pointer loads 0.88 on the
+# benchmark's uniform case). Pointer loads (the k-grouped wgrad kernel, whose ragged K needs
+# masks, and operands TMA cannot cover) fit 128x128x64 (128x256 spills). sm_80: 128x128x32
+# on 8 warps. fp32 uses ag_gemm's FMA config.
+GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
+                       TMA=True)
+POINTER_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_N=128, TMA=False)
+GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3,
+                       TMA=False)
+# The peers kernel's push variant (C tiles into a peer's region through computed pointers)
+# spills on those: 236 B on sm_90 under triton 3.6, 80 B on sm_80. Two warpgroups on 128x64
+# fit both B layouts on sm_90, with TMA or pointer loads (128x128 spills 40-112 B with TMA,
+# 288 B with pointer loads under triton 3.6 with the backward's unit-N-stride B).
+PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_N=64)
+PUSH_POINTER_CONFIG_SM90 = dict(POINTER_CONFIG_SM90, BLOCK_N=64)
 PUSH_CONFIG_SM80 = dict(GPU_CONFIG_SM80, BLOCK_M=64)
+
+
+def gpu_config(major: int, tma: bool, push: bool) -> dict:
+    """The 16-bit launch config on a GPU of compute capability ``major``: TMA loads where the
+    GPU has them and ``tma``; ``push``: the peers kernel's push variant."""
+    if major < 9:
+        return PUSH_CONFIG_SM80 if push else GPU_CONFIG_SM80
+    if tma:
+        return PUSH_CONFIG_SM90 if push else GPU_CONFIG_SM90
+    return PUSH_POINTER_CONFIG_SM90 if push else POINTER_CONFIG_SM90
 
 
 @triton.jit
@@ -77,6 +105,25 @@ def tile_product(a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_a
 
 
 @triton.jit
+def tile_product_tma(a_desc, b_desc, m0, n0, expert, k_hi, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """``a[m0:m0+BLOCK_M, :k_hi] @ b[expert][:k_hi, n0:n0+BLOCK_N]`` in fp32 through TMA
+    descriptors: ``a_desc`` over ``a [rows, K]``, ``b_desc`` over ``b [E, K, N]`` or, with
+    B_KMAJOR, over its transpose ``[E, N, K]``. Rows, columns and K past the arrays' ends
+    read as zeros."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_hi, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        if B_KMAJOR:
+            b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+        acc = mma(a, b, acc, UPCAST)
+    return acc
+
+
+@triton.jit
 def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
@@ -88,11 +135,13 @@ def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
 
 
 @triton.jit
-def grouped_mm_rows_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, K, E,
+def grouped_mm_rows_kernel(a, b, c_ptr, offs_ptr, T, N, K, E,
                            stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                            stride_cm, stride_cn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+                           GROUP_M: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+                           UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused)."""
     step = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
@@ -111,9 +160,13 @@ def grouped_mm_rows_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, K, E,
             m0 = start + pid_m * BLOCK_M
             n0 = pid_n * BLOCK_N
             k_hi = tl.where(g < E, K, 0)  # the zero group multiplies nothing
-            acc = tile_product(a_ptr, b_ptr + tl.cast(g, tl.int64) * stride_be, m0, n0, end, N,
-                               0, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
-                               BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+            if TMA:
+                acc = tile_product_tma(a, b, m0, n0, g, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       B_KMAJOR, UPCAST)
+            else:
+                acc = tile_product(a, b + tl.cast(g, tl.int64) * stride_be, m0, n0, end, N,
+                                   0, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
             store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
             tile += step
         first += group_tiles
@@ -144,10 +197,12 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E,
 
 # meta is not an argument: the READY waits (with the fingerprints) ran before the gather
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_groups", "c_offset"])
-def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, groups_ptr, pad_table, rank, world_size, epoch,
+def grouped_mm_peers_kernel(a, b, c_ptr, groups_ptr, pad_table, rank, world_size, epoch,
                             timeout_ns, num_groups, N, K, c_offset, stride_be, stride_bk, stride_bn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, PUSH: tl.constexpr, UPCAST: tl.constexpr):
+                            GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
+                            B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     my_pad = pad_ptr(pad_table, rank)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
@@ -162,23 +217,28 @@ def grouped_mm_peers_kernel(a_ptr, b_ptr, c_ptr, groups_ptr, pad_table, rank, wo
         rows = tl.load(groups_ptr + g * 5 + 4)
         m_tiles = tl.cdiv(rows, BLOCK_M)
         group_tiles = m_tiles * n_tiles
-        a_base = a_ptr + local_row * K
         if PUSH:
-            c_base = data_ptr(pad_table, src, a_ptr.dtype.element_ty) + c_offset + peer_row * N
+            c_base = data_ptr(pad_table, src, c_ptr.dtype.element_ty) + c_offset + peer_row * N
         else:
             c_base = c_ptr + local_row * N
-        b_base = b_ptr + tl.cast(expert, tl.int64) * stride_be
         while tile < first + group_tiles:
             if not PUSH:
                 if src != checked:
                     checked = src
                     ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
+                    if TMA:
+                        fence_async_proxy()  # the rows seen landed, before TMA reads them
             if ok:
                 pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
                 m0 = pid_m * BLOCK_M
                 n0 = pid_n * BLOCK_N
-                acc = tile_product(a_base, b_base, m0, n0, rows, N, 0, K, K, 1,
-                                   stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                if TMA:
+                    acc = tile_product_tma(a, b, local_row.to(tl.int32) + m0, n0, expert, K,
+                                           BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
+                else:
+                    acc = tile_product(a + local_row * K, b + tl.cast(expert, tl.int64) * stride_be,
+                                       m0, n0, rows, N, 0, K, K, 1, stride_bk, stride_bn,
+                                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
                 store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
@@ -205,28 +265,49 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: 
     this kernel holds, and the grid is ``spinning_grid``-capped.
     """
     K, N = b.shape[1], b.shape[2]
-    push_cfg = None
-    if push and not interpreting() and a.dtype != torch.float32:
-        push_cfg = PUSH_CONFIG_SM90 if torch.cuda.get_device_capability(a.device)[0] >= 9 \
-            else PUSH_CONFIG_SM80
-    cfg = grouped_config(a, push_cfg)
+    cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push)
     tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
     grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
-        a, b, c, groups, pad_table, rank, world_size, epoch, timeout_ns, groups.shape[0], N, K,
-        c_offset, b.stride(0), b.stride(1), b.stride(2), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PUSH=push,
-        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        a_arg, b_arg, c, groups, pad_table, rank, world_size, epoch, timeout_ns, groups.shape[0],
+        N, K, c_offset, b.stride(0), b.stride(1), b.stride(2), PUSH=push, TMA=cfg["TMA"],
+        B_KMAJOR=kmajor, **_launch_options(cfg))
 
 
-def grouped_config(a: torch.Tensor, config: dict | None = None) -> dict:
-    """Blocks and launch options for ``a``'s dtype and GPU (queried at launch)."""
-    base = {}
+def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
+                   push: bool = False) -> dict:
+    """Blocks and launch options for ``a``'s dtype and GPU (queried at launch): the TMA
+    config where the GPU has TMA and ``tma``, else the pointer-load one; ``push``: the peers
+    kernel's push variant. The interpreter takes the TMA path when ``tma``."""
+    base = {"TMA": tma and interpreting()}
     if not interpreting() and a.dtype != torch.float32:
-        major = torch.cuda.get_device_capability(a.device)[0]
-        base = GPU_CONFIG_SM90 if major >= 9 else GPU_CONFIG_SM80
+        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, push)
     return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover ``t``: unit inner stride, 16-byte aligned base and
+    outer strides, no empty dimension."""
+    size = t.element_size()
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
+
+
+def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
+              push: bool = False) -> tuple[dict, object, object, bool]:
+    """``(config, a, b, b_kmajor)`` for the rows and peers kernels: TMA descriptors over
+    ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
+    as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
+    has TMA and the layouts allow, else the tensors themselves and the pointer-load config."""
+    cfg = grouped_config(a, config, push=push)
+    kmajor = b.stride(2) != 1
+    b_view = b.transpose(1, 2) if kmajor else b
+    if cfg["TMA"] and _tma_ready(a) and _tma_ready(b_view):
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        return (cfg, TensorDescriptor.from_tensor(a, [bm, bk]),
+                TensorDescriptor.from_tensor(b_view, [1, bn, bk] if kmajor else [1, bk, bn]), kmajor)
+    return grouped_config(a, config, tma=False, push=push), a, b, False
 
 
 def _launch_options(cfg: dict) -> dict:
@@ -246,15 +327,16 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
     """
     T, K = a.shape
     E, N = b.shape[0], b.shape[2]
-    cfg = grouped_config(a, config)
-    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + E + 1) * n_tiles
     if T == 0 or N == 0:
         return
+    cfg, a_arg, b_arg, kmajor = _operands(a, b, config)
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + E + 1) * n_tiles
     grid = (min(bound, cfg["NUM_PROGRAMS"]),)
     grouped_mm_rows_kernel[grid](
-        a, b, c, offs, T, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        b.stride(2), c.stride(0), c.stride(1), **_launch_options(cfg))
+        a_arg, b_arg, c, offs, T, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        b.stride(2), c.stride(0), c.stride(1), TMA=cfg["TMA"], B_KMAJOR=kmajor,
+        **_launch_options(cfg))
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
@@ -264,7 +346,7 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
     ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[E]``.
     """
     M, N, E = a.shape[0], b.shape[1], offs.shape[0]
-    cfg = grouped_config(a, config)
+    cfg = grouped_config(a, config, tma=False)  # ragged K: masked pointer loads
     tiles = E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
@@ -276,35 +358,47 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
 _ROWS_UNIT = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
 _K_UNIT = {"stride_am": 1, "stride_bn": 1, "stride_cn": 1}  # a = x.t() of a row-major x
-_ROWS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
+_ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
              "N": "i32", "K": "i32", "E": "i32", "stride_am": "i32", "stride_be": "i32",
              "stride_bk": "i32", "stride_cm": "i32"}
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
           "N": "i32", "E": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
           "stride_cm": "i32"}
-_PEERS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32",
+_PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32",
               "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
               "timeout_ns": "i64", "num_groups": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
               "stride_be": "i32"}
 # b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
 # (unit stride along K), the weights themselves in the backward (unit stride along N)
-_PEERS_UNIT = (("stride_bk", "stride_bn"), ("stride_bn", "stride_bk"))  # (unit stride, the other)
+_B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
 
 
-def _example(kernel, sig, unit, cfg, arch):
-    consts = dict({k: v for k, v in cfg.items() if k.isupper()}, UPCAST=False, **unit)
+def _example(kernel, sig, consts, cfg, arch, kmajor=False):
+    """One variant: with TMA in ``cfg``, ``a``/``b`` are descriptors of the launcher's blocks."""
+    if cfg["TMA"]:
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        sig = dict(sig, a=f"tensordesc<bf16[{bm},{bk}]>",
+                   b=f"tensordesc<bf16[1,{bn},{bk}]>" if kmajor else f"tensordesc<bf16[1,{bk},{bn}]>")
+    consts = dict({k: v for k, v in cfg.items() if k.isupper() and k != "TMA"}, UPCAST=False, **consts)
+    if kernel is not grouped_mm_k_kernel:  # the kernels that take descriptors
+        consts.update(TMA=cfg["TMA"], B_KMAJOR=kmajor and cfg["TMA"])
     return kernel, sig, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
                                  "arch": arch}
 
 
-AOT_EXAMPLES = [
-    _example(kernel, sig, unit, cfg, arch)
-    for cfg, arch in ((GPU_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))
-    for kernel, sig, unit in ((grouped_mm_rows_kernel, _ROWS_SIG, _ROWS_UNIT),
-                              (grouped_mm_k_kernel, _K_SIG, _K_UNIT))
-] + [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{other: "i32"}), {unit: 1, "PUSH": push},
-              cfg, arch)
-     for push, configs in ((False, ((GPU_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))),
-                           (True, ((PUSH_CONFIG_SM90, 90), (PUSH_CONFIG_SM80, 80))))
-     for cfg, arch in configs
-     for unit, other in _PEERS_UNIT]
+def _peers_examples(push: bool, tma: bool, major: int) -> list:
+    """Both B layouts of the fused expert MLP (``_B_UNIT``)."""
+    cfg = gpu_config(major, tma, push)
+    return [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{_B_UNIT[kmajor][1]: "i32"}),
+                     {_B_UNIT[kmajor][0]: 1, "PUSH": push}, cfg, major * 10, kmajor)
+            for kmajor in (True, False)]
+
+
+AOT_EXAMPLES = (
+    [_example(grouped_mm_rows_kernel, _ROWS_SIG, _ROWS_UNIT, gpu_config(major, tma, False), major * 10,
+              kmajor)
+     for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))]
+    + [_example(grouped_mm_k_kernel, _K_SIG, _K_UNIT, cfg, arch)
+       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))]
+    + [example for push in (False, True) for major, tma in ((9, True), (9, False), (8, False))
+       for example in _peers_examples(push, tma, major)])

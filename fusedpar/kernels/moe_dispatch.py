@@ -5,7 +5,8 @@ outputs for combine) at the start of its data region and raised READY; the waits
 ``signal.wait_flags`` program, fingerprints checked) ran before these kernels launch, so
 nothing here spins.
 
-- ``pull_rows_kernel``: ``out[r] = rows of rank src_rank[r], row src_row[r]`` (zero where
+- ``pull_rows_kernel`` (a 2-D grid, as ``moe_permute``'s row kernels): ``out[r] = rows of
+  rank src_rank[r], row src_row[r]`` (zero where
   ``src_rank[r] < 0``: padding, dropped copies). One kernel serves both directions; the
   route tables (computed on the device from the exchanged counts) say where each row
   lives. If this rank recorded a failure (a wait timed out, a fingerprint differed, a
@@ -22,13 +23,11 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .ag_gemm import interpreting
+from .moe_permute import ROW_BLOCK_GPU, row_blocks, rows_grid
 from .signal import PAD_BYTES, STATUS, call_epoch, pad_ptr, record_failure
 
 CAPACITY_EXCEEDED = tl.constexpr(layout.CAPACITY_EXCEEDED)
 
-ROW_BLOCK_GPU = dict(BLOCK_R=16, BLOCK_H=256)
-ROW_BLOCK_INTERPRETER = dict(BLOCK_R=64, BLOCK_H=64)
 NUM_WARPS = 4
 CHECK_BLOCK = 1024
 
@@ -38,19 +37,19 @@ def pull_rows_kernel(out_ptr, src_rank_ptr, src_row_ptr, pad_table, rank, rows, 
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ELEM_BYTES: tl.constexpr):
     failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True) != 0
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_range = r < rows
     src = tl.load(src_rank_ptr + r, mask=in_range, other=-1)
     keep = (src >= 0) & (failed == 0)
     src_row = tl.load(src_row_ptr + r, mask=keep, other=0).to(tl.int64)
     # each row's source data region, as a pointer valid in this process
     base = (tl.load(pad_table + src, mask=keep, other=0) + PAD_BYTES).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = (h < H)[None, :]
-        vals = tl.load(base[:, None] + src_row[:, None] * H + h[None, :], mask=keep[:, None] & h_ok, other=0)
-        tl.store(out_ptr + r[:, None] * H + h[None, :], vals, mask=in_range[:, None] & h_ok)
-    from_peers = tl.sum((keep & (src != rank)).to(tl.int64))
-    tl.atomic_add(stats_ptr, from_peers * H * ELEM_BYTES)
+    h_ok = (h < H)[None, :]
+    vals = tl.load(base[:, None] + src_row[:, None] * H + h[None, :], mask=keep[:, None] & h_ok, other=0)
+    tl.store(out_ptr + r[:, None] * H + h[None, :], vals, mask=in_range[:, None] & h_ok)
+    if tl.program_id(1) == 0:  # the column blocks' first counts the whole rows
+        from_peers = tl.sum((keep & (src != rank)).to(tl.int64))
+        tl.atomic_add(stats_ptr, from_peers * H * ELEM_BYTES)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "n", "max_count"])
@@ -63,10 +62,6 @@ def check_capacity_kernel(counts_ptr, n, max_count, pad_table, rank, epoch, BLOC
         record_failure(pad_ptr(pad_table, rank), CAPACITY_EXCEEDED, rank, call_epoch(pad_table, rank, epoch))
 
 
-def pull_rows_grid(rows: int, block_r: int) -> tuple[int]:
-    return (max(1, triton.cdiv(rows, block_r)),)
-
-
 def pull_rows(out: torch.Tensor, src_rank: torch.Tensor, src_row: torch.Tensor, pad_table: torch.Tensor,
               rank: int, stats: torch.Tensor) -> None:
     """``out[r] = peer src_rank[r]'s staged row src_row[r]`` (zero where ``src_rank[r] < 0``);
@@ -75,8 +70,8 @@ def pull_rows(out: torch.Tensor, src_rank: torch.Tensor, src_row: torch.Tensor, 
     rows, H = out.shape
     if rows == 0 or H == 0:
         return
-    cfg = ROW_BLOCK_INTERPRETER if interpreting() else ROW_BLOCK_GPU
-    pull_rows_kernel[pull_rows_grid(rows, cfg["BLOCK_R"])](
+    cfg = row_blocks()
+    pull_rows_kernel[rows_grid(rows, H, cfg)](
         out, src_rank, src_row, pad_table, rank, rows, H, stats, ELEM_BYTES=out.element_size(),
         num_warps=NUM_WARPS, **cfg)
 

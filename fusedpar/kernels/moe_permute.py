@@ -9,8 +9,10 @@ contiguous buffer, and the inverse: a weighted sum of each token's k rows.
   copies stay in token order. Copies with expert ``-1`` (dropped) get position ``-1``.
 - ``gather_rows_kernel``: ``out[pos[i]] = x[i // k] (* w[i])`` for every kept copy ``i``.
 - ``combine_rows_kernel``: ``out[t] = sum_j w[t, j] * y[pos[t*k + j]]`` in fp32: each
-  program owns whole output rows, so no atomics and a deterministic sum.
-No program waits on another; the sort is a single program (its cost is T*k*E/BLOCK steps).
+  program owns its output tile, so no atomics and a deterministic sum.
+The row kernels take a 2-D grid (row blocks x column blocks of BLOCK_H): a decode-sized
+batch (32 tokens of H=7168) still spreads over dozens of SMs. No program waits on another;
+the sort is a single program (its cost is T*k*E/BLOCK steps).
 """
 
 import torch
@@ -23,6 +25,17 @@ SORT_BLOCK = 64  # copies per step of the sort ([SORT_BLOCK, E_PAD] one-hot tile
 SORT_WARPS = 8
 ROW_BLOCK_GPU = dict(BLOCK_R=16, BLOCK_H=256)
 ROW_BLOCK_INTERPRETER = dict(BLOCK_R=64, BLOCK_H=64)
+
+
+def row_blocks() -> dict:
+    """BLOCK_R x BLOCK_H of the row-copy kernels here and in ``moe_dispatch``."""
+    return ROW_BLOCK_INTERPRETER if interpreting() else ROW_BLOCK_GPU
+
+
+def rows_grid(rows: int, H: int, cfg: dict) -> tuple[int, int]:
+    """Row blocks on axis 0 (up to 2**31 - 1), column blocks on axis 1 (65535 at most: H up
+    to 16M at BLOCK_H=256)."""
+    return max(1, triton.cdiv(rows, cfg["BLOCK_R"])), max(1, triton.cdiv(H, cfg["BLOCK_H"]))
 
 
 @triton.jit
@@ -51,44 +64,37 @@ def sort_by_expert_kernel(idx_ptr, pos_ptr, counts_ptr, n, E,
 def gather_rows_kernel(x_ptr, pos_ptr, w_ptr, out_ptr, n, H, k,
                        WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pos = tl.load(pos_ptr + i, mask=i < n, other=-1)
     keep = pos >= 0
     src = (i // k).to(tl.int64) * H
     dst = pos.to(tl.int64) * H
+    mask = keep[:, None] & (h < H)[None, :]
+    row = tl.load(x_ptr + src[:, None] + h[None, :], mask=mask, other=0.0)
     if WEIGHTED:
         w = tl.load(w_ptr + i, mask=keep, other=0.0)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        mask = keep[:, None] & (h < H)[None, :]
-        row = tl.load(x_ptr + src[:, None] + h[None, :], mask=mask, other=0.0)
-        if WEIGHTED:
-            row = (row.to(tl.float32) * w[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + dst[:, None] + h[None, :], row, mask=mask)
+        row = (row.to(tl.float32) * w[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + dst[:, None] + h[None, :], row, mask=mask)
 
 
 @triton.jit
 def combine_rows_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, T, H, k,
                         WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = t < T
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-        for j in range(0, k):
-            pos = tl.load(pos_ptr + t * k + j, mask=t_ok, other=-1)
-            keep = pos >= 0
-            row = tl.load(y_ptr + pos.to(tl.int64)[:, None] * H + h[None, :],
-                          mask=keep[:, None] & (h < H)[None, :], other=0.0).to(tl.float32)
-            if WEIGHTED:
-                w = tl.load(w_ptr + t * k + j, mask=t_ok & keep, other=0.0)
-                row = row * w[:, None]
-            acc += row
-        tl.store(out_ptr + t.to(tl.int64)[:, None] * H + h[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (h < H)[None, :])
-
-
-def _row_blocks() -> dict:
-    return ROW_BLOCK_INTERPRETER if interpreting() else ROW_BLOCK_GPU
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for j in range(0, k):
+        pos = tl.load(pos_ptr + t * k + j, mask=t_ok, other=-1)
+        keep = pos >= 0
+        row = tl.load(y_ptr + pos.to(tl.int64)[:, None] * H + h[None, :],
+                      mask=keep[:, None] & (h < H)[None, :], other=0.0).to(tl.float32)
+        if WEIGHTED:
+            w = tl.load(w_ptr + t * k + j, mask=t_ok & keep, other=0.0)
+            row = row * w[:, None]
+        acc += row
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * H + h[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (h < H)[None, :])
 
 
 def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +118,8 @@ def gather_rows(x: torch.Tensor, pos: torch.Tensor, k: int, rows: int,
     out = x.new_zeros(rows, H)  # rows past the kept copies (padding) stay zero
     n = pos.numel()
     if n and H:
-        cfg = _row_blocks()
-        gather_rows_kernel[(triton.cdiv(n, cfg["BLOCK_R"]),)](
+        cfg = row_blocks()
+        gather_rows_kernel[rows_grid(n, H, cfg)](
             x, pos, weights if weights is not None else x, out, n, H, k,
             WEIGHTED=weights is not None, **cfg)
     return out
@@ -126,8 +132,8 @@ def combine_rows(y: torch.Tensor, pos: torch.Tensor, k: int, tokens: int,
     H = y.shape[1]
     out = torch.empty(tokens, H, dtype=out_dtype or y.dtype, device=y.device)
     if tokens and H:
-        cfg = _row_blocks()
-        combine_rows_kernel[(triton.cdiv(tokens, cfg["BLOCK_R"]),)](
+        cfg = row_blocks()
+        combine_rows_kernel[rows_grid(tokens, H, cfg)](
             y, pos, weights if weights is not None else y, out, tokens, H, k,
             WEIGHTED=weights is not None, **cfg)
     elif tokens:

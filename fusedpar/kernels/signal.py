@@ -36,8 +36,9 @@ DEADLINE = tl.constexpr(layout.DEADLINE)
 EPOCH = tl.constexpr(layout.EPOCH)
 GATHERED = tl.constexpr(layout.GATHERED)
 PAD_BYTES = tl.constexpr(layout.PAD_BYTES)
-# Decided when the kernels are decorated, exactly as triton decides to interpret them.
-USE_GLOBALTIMER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# Whether the kernels are compiled (not interpreted): decided when they are decorated, exactly
+# as triton decides to interpret them.
+COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 # the per-call arguments of every kernel that waits (see the module docstring)
 PER_CALL_ARGS = ["rank", "world_size", "epoch", "meta", "timeout_ns"]
@@ -72,9 +73,19 @@ def now_ns():
 
 
 @triton.jit
+def fence_async_proxy():
+    """Order the global memory this thread saw through an acquire before its later TMA loads
+    (the async proxy reads memory apart from the generic loads the acquire ordered;
+    sm_90, compiled kernels only: the interpreter has one proxy)."""
+    if COMPILED:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def clock_start():
     """What ``time_is_up`` measures from: the timer now (compiled) or 0 (interpreter)."""
-    if USE_GLOBALTIMER:
+    if COMPILED:
         start = now_ns()
     else:
         start = tl.full([], 0, tl.int64)
@@ -84,7 +95,7 @@ def clock_start():
 @triton.jit
 def time_is_up(my_pad, start, epoch, timeout_ns):
     """Whether this wait has run out of time (see the module docstring)."""
-    if USE_GLOBALTIMER:
+    if COMPILED:
         up = now_ns() - start > timeout_ns
     else:
         up = tl.atomic_add(my_pad + DEADLINE, 0, sem="relaxed", scope="sys") >= epoch
@@ -168,7 +179,7 @@ INTERPRETER_PROGRAMS = 8
 def sm_count(device: torch.device) -> int | None:
     """The SM count of a CUDA device (asked at launch, never at import); None when the
     kernels run in the interpreter."""
-    if not USE_GLOBALTIMER or device.type != "cuda":
+    if not COMPILED or device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -5,7 +5,7 @@ hold at most a few programs per SM (they loop over their work)."""
 import pytest
 import torch
 
-from fusedpar.kernels import ag_gemm, all_gather, grouped_gemm, moe_dispatch, reduce_scatter
+from fusedpar.kernels import ag_gemm, all_gather, grouped_gemm, moe_permute, reduce_scatter
 from fusedpar.kernels.signal import PROGRAMS_PER_SM, poison_grid
 
 SMS = 132  # H100 SXM
@@ -50,9 +50,9 @@ def test_persistent_gemm_grids_hold_one_program_per_sm():
             assert grid == (ag_gemm.SM_COUNT[arch],)
 
 
-@pytest.mark.parametrize("rows", [2**31 - 1, 2**20 + 3, 1])
-def test_moe_pull_rows_grid_is_legal(rows):
-    _within_cuda_limits(moe_dispatch.pull_rows_grid(rows, moe_dispatch.ROW_BLOCK_GPU["BLOCK_R"]))
+@pytest.mark.parametrize("rows, H", [(2**31 - 1, 7168), (2**20 + 3, 65535 * 256), (1, 1), (0, 0)])
+def test_moe_row_kernel_grids_are_legal(rows, H):
+    _within_cuda_limits(moe_permute.rows_grid(rows, H, moe_permute.ROW_BLOCK_GPU))
 
 
 @pytest.mark.parametrize("pieces", [1, 7, 2**31 - 1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.grouped_gemm import grouped_mm_k, grouped_mm_peers, grouped_mm_rows
+from fusedpar.kernels.grouped_gemm import _operands, grouped_mm_k, grouped_mm_peers, grouped_mm_rows
 
 
 def _ints(*shape, seed):
@@ -15,16 +15,23 @@ def _ints(*shape, seed):
     return torch.randint(-4, 5, shape, generator=g).float()
 
 
-# (group sizes, K, N): ragged, empty groups first / middle / last, a trailing tail of rows
-CASES = [([5, 0, 37, 1], 45, 33, 0), ([0, 0, 9], 7, 70, 4), ([64], 3, 5, 0), ([0, 3, 0], 66, 1, 9)]
+# (group sizes, K, N, tail rows): ragged, empty groups first / middle / last, a trailing tail
+# of rows. fp32 rows of K (N) elements are 16-byte aligned when K (N) is a multiple of 4: the
+# first cases take the TMA path, the others the pointer loads
+TMA_CASES = [([5, 0, 37, 1], 44, 36, 3), ([0, 70, 0], 100, 8, 0)]
+POINTER_CASES = [([5, 0, 37, 1], 45, 33, 0), ([0, 0, 9], 7, 70, 4), ([64], 3, 5, 0),
+                 ([0, 3, 0], 66, 1, 9)]
 
 
-@pytest.mark.parametrize("sizes, K, N, tail", CASES)
-def test_rows_grouped(sizes, K, N, tail):
+@pytest.mark.parametrize("b_kmajor", [False, True], ids=["b_unit_n", "b_unit_k"])
+@pytest.mark.parametrize("sizes, K, N, tail", TMA_CASES + POINTER_CASES)
+def test_rows_grouped(sizes, K, N, tail, b_kmajor):
     T = sum(sizes) + tail
-    a, b = _ints(T, K, seed=1), _ints(len(sizes), K, N, seed=2)
+    a = _ints(T, K, seed=1)
+    b = _ints(len(sizes), N, K, seed=2).transpose(1, 2) if b_kmajor else _ints(len(sizes), K, N, seed=2)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     c = torch.full((T, N), float("nan"))
+    assert _operands(a, b)[0]["TMA"] == ((sizes, K, N, tail) in TMA_CASES)
     grouped_mm_rows(a, b, offs, c)
     expected = torch.zeros(T, N, dtype=torch.float64)
     start = 0
@@ -59,12 +66,13 @@ def test_fp16_within_torch_error():
     assert (c.double() - exact).abs().max() <= 2 * torch_err
 
 
-def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback):
+@pytest.mark.parametrize("K", [33, 36], ids=["pointer", "tma"])
+def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     """Rank 1 of 3 multiplies its received blocks in source order 1 (own), 2, 0, each
     source's tiles after its GATHERED flag; source 2's copy never lands: its tiles are
     skipped (its rows keep their NaN), the timeout names source 2, and the kernel returns.
     Rows encode their source, so a block read from the wrong place cannot pass."""
-    world, me, late, K, N = 3, 1, 2, 33, 20
+    world, me, late, N = 3, 1, 2, 20
     buf = loopback(world)[me]
     sizes = {1: [3, 0], 2: [5, 2], 0: [1, 4]}  # rows per (source, expert), empty group included
     groups, at = [], 0
@@ -76,6 +84,7 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback):
     source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
     a = _ints(at, K, seed=3) + 10 * source[:, None]
     b = _ints(2, K, N, seed=4)
+    assert _operands(a, b)[0]["TMA"] == (K % 4 == 0)  # fp32 rows of 16-byte multiples
     c = torch.full((at, N), float("nan"))
     pad = buf.pad()
     pad[layout.GATHERED:layout.GATHERED + world] = 1
