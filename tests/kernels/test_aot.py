@@ -77,7 +77,7 @@ def test_every_variant_compiles(compiled):
 @pytest.mark.timeout(900)
 def test_gpu_paths_do_not_spill(compiled):
     """A spill on a GPU fast path costs local-memory traffic in the inner loop; only variants
-    that say why (``spills_ok``: the loopback benchmark path) may spill."""
+    that say why (``spills_ok``) may spill."""
     for rows in compiled.values():
         assert all(r.get("spill_bytes") is not None for r in rows), "ptxas printed no spill counts"
         spilling = [(r["name"], r["arch"], r["triton"], r["config"], r["spill_bytes"])
