@@ -135,7 +135,7 @@ class Triton(Backend):
     On GPU the producer is the copy engine: a side stream copies each peer's staged shard
     from its symmetric buffer into the local gathered buffer and then writes the shard's
     GATHERED flag with ``stream_write_value32``; the GEMM keeps every SM. Without a copy
-    engine (the CPU interpreter) the GEMM pulls A tiles straight from the peers'
+    engine (CPU interpreter, loopback) the GEMM pulls A tiles straight from the peers'
     buffers once their READY flags flip (it re-reads a shard once per N tile band, which
     the byte count reports). Further Bs reuse the gathered A with a plain matmul.
     """
@@ -244,10 +244,8 @@ def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tens
                                gather_dim: int = 0, *, return_A: bool = True):
     """Every rank's part of ``all_gather_matmul`` in this process (rank r's shard is
     ``a_shards[r]``; every rank multiplies by the same ``Bs``) over a loopback buffer, with
-    the ``triton`` backend as a real group runs it: on a GPU the copy engine brings each
-    peer's shard, in the interpreter the GEMM pulls tiles from the peers' buffers. Returns
-    each rank's ``(A_gathered or None, outs)``. For single-device benchmarks and tests of the
-    protocol."""
+    the ``triton`` backend pulling tiles from the peers' buffers. Returns each rank's
+    ``(A_gathered or None, outs)``. For single-device benchmarks and tests of the protocol."""
     if not a_shards:
         raise ValueError(f"fusedpar.{OP}_loopback: a_shards must hold one tensor per simulated rank")
     first = a_shards[0]
@@ -260,7 +258,7 @@ def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tens
     backend = BACKENDS.select(call, "triton")
     rows = [MatmulCall(OP, a, call.dim, world, None, Bs).rows().contiguous() for a in a_shards]
     bufs = get_loopback_buffers(world, rows[0].numel() * rows[0].element_size(), first.device)
-    results = backend.run_views(bufs, rows, call, copy_engine=first.is_cuda)
+    results = backend.run_views(bufs, rows, call, copy_engine=False)
     return [((call.unflatten(g, world) if return_A else None), [call.unflatten(o, world) for o in outs])
             for g, outs in results]
 
