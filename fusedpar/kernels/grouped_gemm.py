@@ -303,14 +303,14 @@ def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
     as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
     has TMA and the layouts allow, else the tensors themselves and the pointer-load config."""
-    cfg = grouped_config(a, config, push=push)
     kmajor = b.stride(2) != 1
     b_view = b.transpose(1, 2) if kmajor else b
-    if cfg["TMA"] and _tma_ready(a) and _tma_ready(b_view):
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        return (cfg, TensorDescriptor.from_tensor(a, [bm, bk]),
-                TensorDescriptor.from_tensor(b_view, [1, bn, bk] if kmajor else [1, bk, bn]), kmajor)
-    return grouped_config(a, config, tma=False, push=push), a, b, False
+    cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view), push=push)
+    if not cfg["TMA"]:
+        return cfg, a, b, False
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    return (cfg, TensorDescriptor.from_tensor(a, [bm, bk]),
+            TensorDescriptor.from_tensor(b_view, [1, bn, bk] if kmajor else [1, bk, bn]), kmajor)
 
 
 def _launch_options(cfg: dict) -> dict:
