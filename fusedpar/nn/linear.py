@@ -500,6 +500,32 @@ class _Handles:
         self.handles, self.modules = [], []
 
 
+class _ParameterSwap:
+    """The hooks of :func:`sync_replicated_grads` on one module: ``pre`` puts
+    ``copy_to_tp(p)`` in place of each trainable parameter, ``post`` (also after a forward
+    that raised) puts the Parameters back. The swapped-out Parameters live on this object,
+    not in a closure's default argument: dynamo in torch 2.11 does not replay mutations of
+    such a default, so a compiled block kept the swapped tensors as its parameters and its
+    norms got no gradient. An object also follows ``copy.deepcopy`` of the model."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        self.saved: list[dict[str, nn.Parameter]] = []
+
+    def pre(self, module, args):
+        swapped = {}
+        if torch.is_grad_enabled():
+            for pname, p in list(module._parameters.items()):
+                if p is not None and p.requires_grad:
+                    swapped[pname] = p
+                    module._parameters[pname] = copy_to_tp(p, self.group_name)
+        self.saved.append(swapped)
+
+    def post(self, module, args, output):
+        if self.saved:
+            module._parameters.update(self.saved.pop())
+
+
 def sync_replicated_grads(module: nn.Module, group=None) -> _Handles:
     """Make the gradients of ``module``'s parameters (and its submodules') the sum over
     ``group``, for modules whose weights are replicated but that run on different data on
@@ -528,22 +554,8 @@ def sync_replicated_grads(module: nn.Module, group=None) -> _Handles:
             raise ValueError(f"sync_replicated_grads: {type(sub).__name__} is already synced over "
                              f"group {sub._fusedpar_synced_over!r}")
         sub._fusedpar_synced_over = name
-        saved: list[dict[str, nn.Parameter]] = []
-
-        def pre(mod, args, saved=saved):
-            swapped = {}
-            if torch.is_grad_enabled():
-                for pname, p in list(mod._parameters.items()):
-                    if p is not None and p.requires_grad:
-                        swapped[pname] = p
-                        mod._parameters[pname] = copy_to_tp(p, name)
-            saved.append(swapped)
-
-        def post(mod, args, output, saved=saved):
-            if saved:  # always_call: also restores after a forward that raised
-                mod._parameters.update(saved.pop())
-
-        handles.append(sub.register_forward_pre_hook(pre))
-        handles.append(sub.register_forward_hook(post, always_call=True))
+        swap = _ParameterSwap(name)
+        handles.append(sub.register_forward_pre_hook(swap.pre))
+        handles.append(sub.register_forward_hook(swap.post, always_call=True))
         modules.append(sub)
     return _Handles(handles, modules)
