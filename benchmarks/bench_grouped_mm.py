@@ -7,6 +7,9 @@ routed tokens, bf16, with uniform routing (512 tokens per expert) and skewed rou
 ``2 * T * K * N``. Targets (recorded, never asserted): >= 1.0x ``torch._grouped_mm`` and
 >= 1.3x the loop. Each case is checked once against the loop in fp32 before it is timed.
 Skips without a GPU: no numbers are ever printed for a machine that did not run them.
+
+``test_grouped_mm_masked``: the masked layout of a padded MoE layer (``masked_m=``; no
+target) next to the same GEMMs over the whole padding.
 """
 
 import pytest
@@ -82,5 +85,48 @@ def test_grouped_mm(benchmark, gpu, gpu_times, record_row, report_target, synced
     record_row(OP, backend, shape, DTYPE, 1, median, p20, p80,
                algo_bytes=(a.numel() + b.numel() + TOKENS * N) * a.element_size(), **notes)
     benchmark.group = f"{OP} {name(shape)} {routing}"
+    benchmark.extra_info.update(tflops=tflops)
+    benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)
+
+
+# ---- the masked layout (moe_dispatch's max_tokens_per_rank; DeepGEMM's masked GEMM) ---------
+# 32 local experts, blocks of P = 8 ranks x 128 tokens = 1024 rows, about a tenth of them
+# routed (a decode step): the masked kernel multiplies only each block's first rows; the
+# baselines multiply the whole padding (torch.bmm, or grouped_mm's offs over full blocks).
+MASKED_EXPERTS, MASKED_P = 32, 1024
+MASKED_BACKENDS = ["torch.bmm", "fusedpar.triton full blocks", "fusedpar.triton masked"]
+
+
+def _masked_case(device):
+    g = torch.Generator(device=device)
+    g.manual_seed(1)
+    a = torch.randn(MASKED_EXPERTS, MASKED_P, K, generator=g, device=device).to(DTYPE)
+    b = (torch.randn(MASKED_EXPERTS, K, N, generator=g, device=device) * K ** -0.5).to(DTYPE)
+    counts = torch.randint(0, MASKED_P // 5, (MASKED_EXPERTS,), generator=g, device=device)
+    return a, b, counts.to(torch.int32)
+
+
+@pytest.mark.parametrize("backend", MASKED_BACKENDS)
+def test_grouped_mm_masked(benchmark, gpu, gpu_times, record_row, synced, backend):
+    a, b, counts = _masked_case(gpu)
+    if backend == "torch.bmm":
+        fn = lambda: torch.bmm(a, b)  # noqa: E731
+    elif backend == "fusedpar.triton masked":
+        fn = lambda: fusedpar.ops.grouped_mm(a, b, masked_m=counts, backend="triton")  # noqa: E731
+    else:
+        full = torch.arange(1, MASKED_EXPERTS + 1, device=gpu, dtype=torch.int32) * MASKED_P
+        fn = lambda: fusedpar.ops.grouped_mm(a.view(-1, K), b, full, backend="triton").view(a.shape[0], MASKED_P, N)  # noqa: E731
+    keep = (torch.arange(MASKED_P, device=gpu)[None, :] < counts[:, None])[..., None]
+    expected = torch.where(keep, torch.bmm(a.float(), b.float()), 0.0)
+    err = rel_err(torch.where(keep, fn().float(), 0.0), expected)
+    assert err < 2e-2, f"{backend}: relative error {err}"
+    median, p20, p80 = gpu_times(fn)
+    routed = int(counts.sum())
+    tflops = 2 * routed * K * N / (median * 1e-3) / 1e12  # the routed rows' work only
+    shape = (MASKED_EXPERTS, MASKED_P, K, N)
+    record_row(OP, backend, shape, DTYPE, 1, median, p20, p80,
+               algo_bytes=(routed * K + b.numel() + routed * N) * a.element_size(),
+               routing="masked", routed_rows=routed, tflops=f"{tflops:.1f}")
+    benchmark.group = f"{OP} masked {name(shape)}"
     benchmark.extra_info.update(tflops=tflops)
     benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)

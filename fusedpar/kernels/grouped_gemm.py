@@ -138,31 +138,43 @@ def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
 
 
 @triton.jit
-def grouped_mm_rows_kernel(a, b, c_ptr, offs_ptr, T, N, K, E,
+def grouped_mm_rows_kernel(a, b, c_ptr, offs_ptr, T, N, K, E, pad_rows,
                            stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                            stride_cm, stride_cn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-                           UPCAST: tl.constexpr):
-    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused)."""
+                           MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused).
+    ``MASKED``: ``offs_ptr`` holds row counts and group g owns rows ``g * pad_rows`` onward
+    (the first ``min(count, pad_rows)`` multiplied, the rest zeros); ``pad_rows`` is unused
+    otherwise. Either way the rows form segments (multiplied, or zeros: ``k_hi = 0``)."""
     step = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
-    first = tl.zeros([], tl.int32)  # index of the current group's first tile in that list
+    first = tl.zeros([], tl.int32)  # index of the current segment's first tile in that list
     start = tl.zeros([], tl.int32)
-    # groups 0..E-1, then group E: the rows past offs[-1], which get zeros
-    for g in range(0, E + 1):
-        if g < E:
-            end = tl.load(offs_ptr + g)
+    # MASKED: 2 segments per group (its rows, its padding); else groups 0..E-1, then the rows
+    # past offs[-1] (zeros)
+    for s in range(0, 2 * E if MASKED else E + 1):
+        if MASKED:
+            g = s // 2
+            count = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+            start = g * pad_rows + tl.where(s % 2 == 1, count, 0)
+            end = tl.where(s % 2 == 0, g * pad_rows + count, (g + 1) * pad_rows)
+            k_hi = tl.where(s % 2 == 0, K, 0)
         else:
-            end = T
+            g = s
+            if g < E:
+                end = tl.load(offs_ptr + g)
+            else:
+                end = T
+            k_hi = tl.where(g < E, K, 0)  # the zero segment multiplies nothing
         m_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)
         group_tiles = m_tiles * n_tiles
         while tile < first + group_tiles:
             pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
             m0 = start + pid_m * BLOCK_M
             n0 = pid_n * BLOCK_N
-            k_hi = tl.where(g < E, K, 0)  # the zero group multiplies nothing
             if TMA:
                 acc = tile_product_tma(a, b, m0, n0, g, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
                                        B_KMAJOR, UPCAST)
@@ -177,18 +189,23 @@ def grouped_mm_rows_kernel(a, b, c_ptr, offs_ptr, T, N, K, E,
 
 
 @triton.jit
-def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E,
+def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows,
                         stride_am, stride_ak, stride_bk, stride_bn,
                         stride_ce, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+                        GROUP_M: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``."""
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     group_tiles = m_tiles * n_tiles
     for tile in range(tl.program_id(0), E * group_tiles, tl.num_programs(0)):
         g = tile // group_tiles
-        k_lo = tl.where(g > 0, tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0)
-        k_hi = tl.load(offs_ptr + g)
+        if MASKED:
+            k_lo = g * pad_rows
+            k_hi = k_lo + tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+        else:
+            k_lo = tl.where(g > 0, tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0)
+            k_hi = tl.load(offs_ptr + g)
         pid_m, pid_n = grouped_tile(tile - g * group_tiles, m_tiles, n_tiles, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -320,13 +337,15 @@ def _launch_options(cfg: dict) -> dict:
 
 
 def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
-                    config: dict | None = None) -> None:
+                    config: dict | None = None, *, pad_rows: int | None = None) -> None:
     """``c[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g]``, zeros past ``offs[-1]``.
+    With ``pad_rows`` (P), ``offs`` holds counts instead: ``c[g*P:g*P+n] = a[g*P:g*P+n] @
+    b[g]`` with ``n = min(offs[g], P)``, zeros in the rest of ``c[g*P:(g+1)*P]``.
 
     ``a [T, K]``, ``b [E, K, N]``, ``c [T, N]`` (any strides), ``offs`` int32 ``[E]``
-    (non-decreasing, ``offs[-1] <= T``: the caller checks). The grid is a bound on the tile
-    count that needs no look at ``offs`` (``(cdiv(T, BLOCK_M) + E + 1) * n_tiles``), capped
-    at NUM_PROGRAMS.
+    (non-decreasing, ``offs[-1] <= T``: the caller checks; with P, ``T = E * P``). The grid
+    is a bound on the tile count that needs no look at ``offs`` (``(cdiv(T, BLOCK_M) + 2E)
+    * n_tiles``: every segment adds at most one partial tile), capped at NUM_PROGRAMS.
     """
     T, K = a.shape
     E, N = b.shape[0], b.shape[2]
@@ -334,17 +353,19 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
         return
     cfg, a_arg, b_arg, kmajor = _operands(a, b, config)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + E + 1) * n_tiles
+    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
     grid = (min(bound, cfg["NUM_PROGRAMS"]),)
     grouped_mm_rows_kernel[grid](
-        a_arg, b_arg, c, offs, T, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        b.stride(2), c.stride(0), c.stride(1), TMA=cfg["TMA"], B_KMAJOR=kmajor,
-        **_launch_options(cfg))
+        a_arg, b_arg, c, offs, T, N, K, E, pad_rows or 0, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), b.stride(2), c.stride(0), c.stride(1), TMA=cfg["TMA"], B_KMAJOR=kmajor,
+        MASKED=pad_rows is not None, **_launch_options(cfg))
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
-                 config: dict | None = None) -> None:
+                 config: dict | None = None, *, pad_rows: int | None = None) -> None:
     """``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]`` (zeros for an empty group).
+    With ``pad_rows`` (P), ``offs`` holds counts and group g's K range is
+    ``g*P : g*P + min(offs[g], P)``.
 
     ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[E]``.
     """
@@ -354,18 +375,18 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
     if tiles == 0:
         return
     grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
-        a, b, c, offs, M, N, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c.stride(0), c.stride(1), c.stride(2), **_launch_options(cfg))
+        a, b, c, offs, M, N, E, pad_rows or 0, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None, **_launch_options(cfg))
 
 
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
 _ROWS_UNIT = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
 _K_UNIT = {"stride_am": 1, "stride_bn": 1, "stride_cn": 1}  # a = x.t() of a row-major x
 _ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
-             "N": "i32", "K": "i32", "E": "i32", "stride_am": "i32", "stride_be": "i32",
+             "N": "i32", "K": "i32", "E": "i32", "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32",
              "stride_bk": "i32", "stride_cm": "i32"}
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
-          "N": "i32", "E": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
+          "N": "i32", "E": "i32", "pad_rows": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
           "stride_cm": "i32"}
 _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32",
               "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
@@ -401,10 +422,11 @@ def _peers_examples(push: bool, tma: bool, major: int) -> list:
 
 
 AOT_EXAMPLES = (
-    [_example(grouped_mm_rows_kernel, _ROWS_SIG, _ROWS_UNIT, gpu_config(major, tma, False), major * 10,
-              kmajor)
-     for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))]
-    + [_example(grouped_mm_k_kernel, _K_SIG, _K_UNIT, cfg, arch)
-       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80))]
+    [_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked),
+              gpu_config(major, tma, False), major * 10, kmajor)
+     for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))
+     for masked in (False, True)]
+    + [_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
+       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
     + [example for push in (False, True) for major, tma in ((9, True), (9, False), (8, False))
        for example in _peers_examples(push, tma, major)])

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import resolve_group
-from ..ops.moe import experts_dense, topk_route
+from ..ops.moe import expert_counts, experts_dense, topk_route
 from ..ops.moe_experts import moe_experts
 from .linear import local, tp_device_mesh
 
@@ -42,7 +42,7 @@ def load_balancing_loss(logits: torch.Tensor, topk_idx: torch.Tensor, group: str
     average is the single-process gradient)."""
     experts = logits.shape[-1]
     probs = (logits if logits.dtype == torch.float64 else logits.float()).softmax(dim=-1)
-    counts = torch.bincount(topk_idx[topk_idx >= 0], minlength=experts).to(probs.dtype)
+    counts = expert_counts(topk_idx, experts, probs.dtype)
     prob_sum = probs.sum(dim=0)
     stats = torch.cat([counts, prob_sum.detach(), prob_sum.new_full((1,), probs.shape[0])])
     stats = torch.ops._c10d_functional.wait_tensor(
@@ -131,10 +131,15 @@ class ExpertParallelMoE(nn.Module):
     is this rank's tokens' share (sum it over the group, as data parallelism does).
     ``forward(x [..., H]) -> (y, aux_loss)`` with ``aux_loss`` over this rank's tokens (or
     see :func:`set_aux_loss_group`).
+
+    ``max_tokens_per_rank``: at most that many tokens per rank and call (``x``'s rows); the
+    exchange then keeps its sizes on the device (``moe_experts(..., max_tokens_per_rank=)``),
+    so the whole block, backward included, can be captured in a CUDA graph.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2,
-                 group=None, *, renormalize: bool = True, device=None, dtype=None):
+                 group=None, *, renormalize: bool = True, max_tokens_per_rank: int | None = None,
+                 device=None, dtype=None):
         super().__init__()
         pg = resolve_group(group)
         world = dist.get_world_size(pg)
@@ -148,6 +153,7 @@ class ExpertParallelMoE(nn.Module):
         self.group_name = pg.group_name
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.max_tokens_per_rank = max_tokens_per_rank
         self.aux_group, self.aux_grad_scale = None, 1.0  # see set_aux_loss_group
         self.num_local_experts = num_experts // world
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
@@ -159,7 +165,8 @@ class ExpertParallelMoE(nn.Module):
         MoEBlock.reset_parameters(self)
 
     @classmethod
-    def from_module(cls, block: nn.Module, group=None) -> "ExpertParallelMoE":
+    def from_module(cls, block: nn.Module, group=None, *,
+                    max_tokens_per_rank: int | None = None) -> "ExpertParallelMoE":
         """This rank's share of ``block``: a :class:`MoEBlock`, or a Hugging Face
         ``MixtralSparseMoeBlock`` (transformers 5: ``gate.weight [E, H]``,
         ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, SiLU; found by
@@ -168,7 +175,8 @@ class ExpertParallelMoE(nn.Module):
         num_experts, two_i, hidden = w13.shape
         pg = resolve_group(group)
         out = cls(hidden, two_i // 2, num_experts, top_k, group,
-                  renormalize=getattr(block, "renormalize", True), device=w13.device, dtype=w13.dtype)
+                  renormalize=getattr(block, "renormalize", True),
+                  max_tokens_per_rank=max_tokens_per_rank, device=w13.device, dtype=w13.dtype)
         with torch.no_grad():
             out.router.weight.copy_(router)
             local(out.w13).copy_(w13.chunk(dist.get_world_size(pg))[dist.get_rank(pg)])
@@ -181,13 +189,15 @@ class ExpertParallelMoE(nn.Module):
                              f"{self.hidden_size}")
         flat = x.reshape(-1, self.hidden_size)
         topk_idx, topk_weights, aux_loss = _route(self, flat)
-        y = moe_experts(flat, topk_idx, topk_weights, local(self.w13), local(self.w2), self.group_name)
+        y = moe_experts(flat, topk_idx, topk_weights, local(self.w13), local(self.w2), self.group_name,
+                        max_tokens_per_rank=self.max_tokens_per_rank)
         return y.view(x.shape), aux_loss
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts} ({self.num_local_experts} here), "
-                f"top_k={self.top_k}, group={self.group_name!r}")
+                f"top_k={self.top_k}, group={self.group_name!r}" +
+                (f", max_tokens_per_rank={self.max_tokens_per_rank}" if self.max_tokens_per_rank else ""))
 
 
 class ExpertParallelExperts(nn.Module):
@@ -199,9 +209,11 @@ class ExpertParallelExperts(nn.Module):
 
     ``gate_up_proj`` / ``down_proj``: DTensors ``Shard(0)`` of HF's global ``[E, 2I, H]`` /
     ``[E, H, I]`` on the ep mesh (see :class:`ExpertParallelMoE`), under HF's names. The
-    block keeps HF's router (``gate``), which routes this rank's tokens."""
+    block keeps HF's router (``gate``), which routes this rank's tokens.
+    ``max_tokens_per_rank``: as in :class:`ExpertParallelMoE`."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group=None):
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group=None, *,
+                 max_tokens_per_rank: int | None = None):
         super().__init__()
         pg = resolve_group(group)
         world = dist.get_world_size(pg)
@@ -209,20 +221,22 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"ExpertParallelExperts: {gate_up_proj.shape[0]} experts are not "
                              f"divisible by the ep group size {world}; pick an ep size that divides it")
         self.group_name = pg.group_name
-        self.num_experts = gate_up_proj.shape[0]
+        self.num_experts, self.max_tokens_per_rank = gate_up_proj.shape[0], max_tokens_per_rank
         rank = dist.get_rank(pg)
         self.gate_up_proj = _expert_param(gate_up_proj.detach().chunk(world)[rank].clone(), group)
         self.down_proj = _expert_param(down_proj.detach().chunk(world)[rank].clone(), group)
 
     @classmethod
-    def from_module(cls, block: nn.Module, group=None) -> "ExpertParallelExperts":
+    def from_module(cls, block: nn.Module, group=None, *,
+                    max_tokens_per_rank: int | None = None) -> "ExpertParallelExperts":
         """This rank's experts of a Hugging Face ``MixtralSparseMoeBlock`` (SwiGLU, stacked)."""
         _, w13, w2, _ = _moe_weights(block)
-        return cls(w13, w2, group)
+        return cls(w13, w2, group, max_tokens_per_rank=max_tokens_per_rank)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return moe_experts(hidden_states, top_k_index, top_k_weights, local(self.gate_up_proj),
-                           local(self.down_proj), self.group_name)
+                           local(self.down_proj), self.group_name,
+                           max_tokens_per_rank=self.max_tokens_per_rank)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, group={self.group_name!r}"

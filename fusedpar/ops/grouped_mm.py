@@ -13,64 +13,108 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class GroupedCall:
-    """One call: ``a`` 2-D; ``b`` 3-D (groups of rows of ``a``) or 2-D (groups along K)."""
+    """One call: ``a`` 2-D and ``b`` 3-D (groups of rows of ``a``), ``a`` and ``b`` 2-D
+    (groups along K) or ``a`` and ``b`` 3-D (batched). ``offs``: cumulative group ends;
+    ``masked_m``: counts of equal-size groups instead (one of the two, never both; the
+    batched form takes only ``masked_m``)."""
 
-    def __init__(self, a, b, offs):
-        self.a, self.b, self.offs = a, b, offs
+    def __init__(self, a, b, offs, masked_m):
+        self.a, self.b, self.offs, self.masked_m = a, b, offs, masked_m
         self.x = a  # what the shared availability checks look at
 
     @property
     def k_grouped(self) -> bool:
         return self.b.dim() == 2
 
+    @property
+    def batched(self) -> bool:
+        return self.a.dim() == 3
+
+    @property
+    def groups(self) -> int:
+        return (self.masked_m if self.offs is None else self.offs).shape[0]
+
     def cache_key(self) -> tuple:
         return (self.a.device.type, self.a.dtype, self.k_grouped)
 
     def describe(self) -> str:
         return (f"a {tuple(self.a.shape)} x b {tuple(self.b.shape)} {self.a.dtype} on "
-                f"{self.a.device.type}, {self.offs.numel()} groups")
+                f"{self.a.device.type}, {self.groups} groups")
 
     def out_shape(self) -> tuple:
         if self.k_grouped:
-            return (self.offs.shape[0], self.a.shape[0], self.b.shape[1])
-        return (self.a.shape[0], self.b.shape[2])
+            return (self.groups, self.a.shape[0], self.b.shape[1])
+        return (*self.a.shape[:-1], self.b.shape[2])
 
 
-def check_inputs(a, b, offs) -> GroupedCall:
-    """Shapes, dtypes and devices (no look at the values of ``offs``)."""
-    for name, t in (("a", a), ("b", b), ("offs", offs)):
+def check_inputs(a, b, offs, masked_m=None) -> GroupedCall:
+    """Shapes, dtypes and devices (no look at the values of ``offs`` / ``masked_m``)."""
+    for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fusedpar.{OP}: {name} must be a Tensor, got {type(t).__name__}")
-    if a.dim() != 2 or b.dim() not in (2, 3):
-        raise ValueError(f"fusedpar.{OP}: expected a 2-D and b 2-D or 3-D, got a {tuple(a.shape)} "
-                         f"and b {tuple(b.shape)}")
-    if offs.dim() != 1 or offs.dtype != torch.int32:
-        raise TypeError(f"fusedpar.{OP}: offs must be a 1-D int32 tensor of cumulative group "
-                        f"ends, got {offs.dtype} of shape {tuple(offs.shape)}; use "
-                        "counts.cumsum(0).to(torch.int32)")
+    if (a.dim(), b.dim()) not in ((2, 3), (2, 2), (3, 3)):
+        raise ValueError(f"fusedpar.{OP}: expected a 2-D and b 2-D or 3-D, or both 3-D, got a "
+                         f"{tuple(a.shape)} and b {tuple(b.shape)}")
+    if (offs is None) == (masked_m is None):
+        raise ValueError(f"fusedpar.{OP}: give offs (cumulative group ends) or masked_m (rows per "
+                         "equal-size group), exactly one of them")
+    if a.dim() == 3 and offs is not None:
+        raise ValueError(f"fusedpar.{OP}: a 3-D a is batched (group g is a[g]): pass masked_m "
+                         "(rows of a[g] to multiply), not offs")
+    for name, t in (("offs", offs), ("masked_m", masked_m)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            fix = "counts.cumsum(0).to(torch.int32)" if name == "offs" else "counts.to(torch.int32)"
+            raise TypeError(f"fusedpar.{OP}: {name} must be a 1-D int32 tensor, got {what}; use {fix}")
+        if t.device != a.device:
+            raise ValueError(f"fusedpar.{OP}: a and {name} must be on one device, got {a.device} "
+                             f"and {t.device}")
     if a.dtype != b.dtype:
         raise TypeError(f"fusedpar.{OP}: a is {a.dtype} but b is {b.dtype}; cast them to one dtype")
     if a.dtype not in DTYPES:
         raise TypeError(f"fusedpar.{OP}: dtype {a.dtype} is not supported; use fp32, fp16 or bf16")
-    if not a.device == b.device == offs.device:
-        raise ValueError(f"fusedpar.{OP}: a, b and offs must be on one device, got {a.device}, "
-                         f"{b.device}, {offs.device}")
-    if b.dim() == 3:
-        if b.shape[1] != a.shape[1]:
-            raise ValueError(f"fusedpar.{OP}: K mismatch: a is {tuple(a.shape)} (K={a.shape[1]}) "
-                             f"but b is {tuple(b.shape)} (K={b.shape[1]})")
-        if offs.shape[0] != b.shape[0]:
-            raise ValueError(f"fusedpar.{OP}: offs has {offs.shape[0]} group ends but b has "
-                             f"{b.shape[0]} groups")
-    elif b.shape[0] != a.shape[1]:
-        raise ValueError(f"fusedpar.{OP}: K mismatch: a is {tuple(a.shape)} (K={a.shape[1]}) but "
-                         f"b is {tuple(b.shape)} (K={b.shape[0]})")
-    return GroupedCall(a, b, offs)
+    if a.device != b.device:
+        raise ValueError(f"fusedpar.{OP}: a and b must be on one device, got {a.device} and {b.device}")
+    k_a, k_b = a.shape[-1], (b.shape[0] if b.dim() == 2 else b.shape[1])
+    if k_a != k_b:
+        raise ValueError(f"fusedpar.{OP}: K mismatch: a is {tuple(a.shape)} (K={k_a}) but b is "
+                         f"{tuple(b.shape)} (K={k_b})")
+    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"fusedpar.{OP}: batched a has {a.shape[0]} groups but b {b.shape[0]}")
+    call = GroupedCall(a, b, offs, masked_m)
+    if b.dim() == 3 and (offs is not None or masked_m is not None) and call.groups != b.shape[0]:
+        what = f"offs has {call.groups} group ends" if offs is not None else \
+            f"masked_m has {call.groups} counts"
+        raise ValueError(f"fusedpar.{OP}: {what} but b has {b.shape[0]} groups")
+    if masked_m is not None and a.dim() == 2 and (not masked_m.numel() or k_a % masked_m.numel()):
+        raise ValueError(f"fusedpar.{OP}: masked_m splits K={k_a} into {masked_m.numel()} equal "
+                         "groups; K must be a multiple of the group count")
+    return call
+
+
+def pad_rows(call: GroupedCall) -> int | None:
+    """With ``masked_m``: the size of every group (rows of ``a[g]``, or its share of K)."""
+    if call.masked_m is None:
+        return None
+    return call.a.shape[1] if call.batched else call.a.shape[1] // call.groups
 
 
 def check_offs(call: GroupedCall) -> None:
-    """Group ends non-decreasing, from 0 up to the grouped extent. On a CPU tensor a clear
-    error now; on CUDA a device-side assert, so no host sync."""
+    """Group ends non-decreasing, from 0 up to the grouped extent (or with ``masked_m``,
+    counts from 0 to the group size). On a CPU tensor a clear error now; on CUDA a
+    device-side assert, so no host sync."""
+    if call.masked_m is not None:
+        counts, size = call.masked_m, pad_rows(call)
+        bad = (counts < 0) | (counts > size)
+        if counts.device.type == "cuda":
+            torch._assert_async(~bad.any(), f"fusedpar.{OP}: masked_m must be in [0, {size}]")
+        elif bad.any():
+            g = int(bad.nonzero()[0])
+            raise ValueError(f"fusedpar.{OP}: masked_m[{g}] = {int(counts[g])}: each group holds "
+                             f"{size} rows, so counts must be in [0, {size}]")
+        return
     offs, extent = call.offs, call.a.shape[1] if call.k_grouped else call.a.shape[0]
     what = "K" if call.k_grouped else "rows of a"
     if offs.numel() == 0:
@@ -87,6 +131,15 @@ def check_offs(call: GroupedCall) -> None:
                          f"offs = {offs.tolist()}")
 
 
+def _ranges(call: GroupedCall) -> list[tuple[int, int]]:
+    """Each group's ``(start, end)`` along the grouped extent (a host read)."""
+    if call.offs is not None:
+        ends = call.offs.tolist()
+        return list(zip([0] + ends[:-1], ends))
+    size = pad_rows(call)
+    return [(g * size, g * size + n) for g, n in enumerate(call.masked_m.tolist())]
+
+
 class Reference(Backend):
     """A loop of matmuls (reads ``offs`` on the host)."""
 
@@ -95,13 +148,15 @@ class Reference(Backend):
     def run(self, call: GroupedCall) -> torch.Tensor:
         a, b = call.a, call.b
         out = a.new_zeros(call.out_shape())
-        start = 0
-        for g, end in enumerate(call.offs.tolist()):
+        if call.batched:  # rows g*P.. of the flattened batch, P = a.shape[1]
+            a, flat = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
+        else:
+            flat = out
+        for g, (start, end) in enumerate(_ranges(call)):
             if call.k_grouped:
-                out[g] = a[:, start:end] @ b[start:end]
+                flat[g] = a[:, start:end] @ b[start:end]
             else:
-                out[start:end] = a[start:end] @ b[g]
-            start = end
+                flat[start:end] = a[start:end] @ b[g]
         return out
 
 
@@ -124,10 +179,13 @@ class Triton(Backend):
 
     def run(self, call: GroupedCall) -> torch.Tensor:
         out = torch.empty(call.out_shape(), dtype=call.a.dtype, device=call.a.device)
+        groups = call.offs if call.offs is not None else call.masked_m
         if call.k_grouped:
-            kernels.grouped_mm_k(call.a, call.b, call.offs, out)
+            kernels.grouped_mm_k(call.a, call.b, groups, out, pad_rows=pad_rows(call))
         else:
-            kernels.grouped_mm_rows(call.a, call.b, call.offs, out)
+            a = call.a.reshape(-1, call.a.shape[-1])  # batched: groups of P rows
+            kernels.grouped_mm_rows(a, call.b, groups, out.view(-1, out.shape[-1]),
+                                    pad_rows=pad_rows(call))
         return out
 
 
@@ -135,44 +193,59 @@ BACKENDS = Dispatcher(OP, [Triton(), Reference()])
 
 
 @torch.library.custom_op("fusedpar::grouped_mm", mutates_args=())
-def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str) -> torch.Tensor:
-    call = check_inputs(a, b, offs)
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                   masked_m: torch.Tensor | None, backend: str) -> torch.Tensor:
+    call = check_inputs(a, b, offs, masked_m)
     check_offs(call)
     return BACKENDS.select(call, backend).run(call)
 
 
 @_grouped_mm_op.register_fake
-def _(a, b, offs, backend):
-    return a.new_empty(check_inputs(a, b, offs).out_shape())
+def _(a, b, offs, masked_m, backend):
+    return a.new_empty(check_inputs(a, b, offs, masked_m).out_shape())
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, offs, ctx.backend = inputs
-    ctx.save_for_backward(a, b, offs)
+    a, b, offs, masked_m, ctx.backend = inputs
+    ctx.save_for_backward(a, b, offs, masked_m)
 
 
 def _backward(ctx, grad):
-    a, b, offs = ctx.saved_tensors
+    a, b, offs, masked_m = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[:2]
+    op = lambda x, y: _grouped_mm_op(x, y, offs, masked_m, ctx.backend)  # same groups
+    batch = lambda x, y: _grouped_mm_op(x, y, None, masked_m, ctx.backend)
     grad_a = grad_b = None
-    if b.dim() == 3:  # out[rows g] = a[rows g] @ b[g]
+    if a.dim() == 3:  # out[g, :n_g] = a[g, :n_g] @ b[g]; groups of P = a.shape[1] rows
         if need_a:
-            grad_a = grouped_mm(grad, b.transpose(1, 2), offs, backend=ctx.backend)
+            grad_a = batch(grad, b.transpose(1, 2))
         if need_b:
-            grad_b = grouped_mm(a.t(), grad, offs, backend=ctx.backend)
-    else:  # out[g] = a[:, K_g] @ b[K_g]
+            grad_b = op(a.reshape(-1, a.shape[2]).t(), grad.reshape(-1, grad.shape[2]))
+    elif b.dim() == 3:  # out[rows g] = a[rows g] @ b[g]
         if need_a:
-            grad_a = grouped_mm(b, grad.transpose(1, 2), offs, backend=ctx.backend).t()
+            grad_a = op(grad, b.transpose(1, 2))
         if need_b:
-            grad_b = grouped_mm(a.t(), grad, offs, backend=ctx.backend)
-    return grad_a, grad_b, None, None
+            grad_b = op(a.t(), grad)
+    elif offs is not None:  # out[g] = a[:, K_g] @ b[K_g]
+        if need_a:
+            grad_a = op(b, grad.transpose(1, 2)).t()
+        if need_b:
+            grad_b = op(a.t(), grad)
+    else:  # the same with K_g = g*P : g*P + n_g, batched over the groups
+        groups, size = masked_m.shape[0], a.shape[1] // masked_m.shape[0]
+        if need_a:
+            grad_a = batch(b.reshape(groups, size, b.shape[1]), grad.transpose(1, 2))
+            grad_a = grad_a.reshape(-1, a.shape[0]).t()
+        if need_b:
+            grad_b = batch(a.t().reshape(groups, size, a.shape[0]), grad).reshape(-1, b.shape[1])
+    return grad_a, grad_b, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *,
-               backend: str | None = None) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, *,
+               masked_m: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """One matmul per group, the ``torch._grouped_mm`` contract; the same as::
 
         start = 0
@@ -185,10 +258,25 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *,
 
     The 3-D form is an MoE layer's forward and input gradient (tokens sorted by expert,
     ``offs = tokens_per_expert.cumsum(0)``); the 2-D form, groups along K, its weight
-    gradient (``grouped_mm(x.t(), dy, offs)``). Empty groups are fine. fp32, fp16 or bf16,
-    any strides; differentiable in ``a`` and ``b``.
+    gradient (``grouped_mm(x.t(), dy, offs)``). Empty groups are fine.
+
+    ``masked_m`` (int32 ``[E]``, in place of ``offs``; DeepGEMM's masked layout, what
+    ``moe_dispatch(..., max_tokens_per_rank=)`` returns): the groups are equal blocks, and
+    only the first ``masked_m[g]`` rows (or K) of block g count::
+
+        # a [E, P, K] x b [E, K, N] -> [E, P, N] (batched; without masked_m: torch.bmm)
+        out[g, :n] = a[g, :n] @ b[g];  out[g, n:] = 0            # n = masked_m[g] <= P
+        # a [M, E*P] x b [E*P, N] -> [E, M, N] (groups along K, its weight gradient)
+        out[g] = a[:, g*P : g*P + n] @ b[g*P : g*P + n]
+
+    Nothing is read on the host, so a padded MoE layer can be captured in a CUDA graph, and
+    the tiles past each count are not multiplied (the padding's rows are only zeroed).
+
+    fp32, fp16 or bf16, any strides; differentiable in ``a`` and ``b``.
     Backends: ``triton`` (one persistent launch over every group's tiles, reading ``offs``
-    on the device: no host sync) and ``reference``. Bad ``offs`` values raise on CPU; on
-    CUDA they trip a device-side assert (checking on the host would sync).
+    / ``masked_m`` on the device: no host sync) and ``reference``. Bad values raise on CPU;
+    on CUDA they trip a device-side assert (checking on the host would sync).
     """
-    return _grouped_mm_op(a, b, offs, backend or "")
+    if isinstance(a, torch.Tensor) and a.dim() == 3 and offs is None and masked_m is None:
+        masked_m = torch.full((a.shape[0],), a.shape[1], dtype=torch.int32, device=a.device)
+    return _grouped_mm_op(a, b, offs, masked_m, backend or "")

@@ -62,7 +62,7 @@ def topk_route(logits: torch.Tensor, k: int, *, renormalize: bool = True,
     topk_weights, topk_idx = probs.topk(k, dim=-1)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    counts = torch.bincount(topk_idx.reshape(-1), minlength=experts).to(probs.dtype)
+    counts = expert_counts(topk_idx, experts, probs.dtype)
     aux_loss = experts * (counts / max(tokens, 1) * probs.mean(dim=0)).sum() if tokens else \
         probs.sum() * 0.0
     if capacity_factor is not None:
@@ -71,6 +71,14 @@ def topk_route(logits: torch.Tensor, k: int, *, renormalize: bool = True,
         topk_idx = torch.where(keep, topk_idx, -1)
         topk_weights = torch.where(keep, topk_weights, 0.0)
     return topk_idx, topk_weights, aux_loss
+
+
+def expert_counts(topk_idx: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Copies routed to each expert (``-1``, dropped, counts nowhere): ``bincount`` without
+    its host read of the largest id (a CUDA graph could not capture that)."""
+    flat = topk_idx.reshape(-1)
+    kept = (flat >= 0).to(dtype)
+    return kept.new_zeros(experts).index_add_(0, flat.clamp(min=0), kept)
 
 
 def _within_capacity(topk_idx, weights, experts, capacity, policy) -> torch.Tensor:

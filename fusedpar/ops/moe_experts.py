@@ -18,7 +18,8 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   as they arrive, and each source's results go back as soon as they are done. The backward
   pass is the same pipeline over the output gradients.
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
-  ``grouped_mm`` -> ``moe_combine``).
+  ``grouped_mm`` -> ``moe_combine``). The only backend that takes ``max_tokens_per_rank``:
+  the padded dispatch and ``grouped_mm(..., masked_m=)``, no host read.
 Every backend moves only the routed rows, once there and once back (no padding), and
 counts them. ``moe_experts_loopback`` runs every rank's part in one
 process (fused, or the unfused ops, over loopback symmetric buffers).
@@ -68,9 +69,11 @@ class ExpertsCall:
     w13: torch.Tensor
     w2: torch.Tensor
     group: dist.ProcessGroup
+    max_tokens_per_rank: int | None = None
 
     def cache_key(self) -> tuple:
-        return (self.group.group_name, self.x.device.type, self.x.dtype)
+        return (self.group.group_name, self.x.device.type, self.x.dtype,
+                self.max_tokens_per_rank is None)
 
     def agree(self) -> tuple[int, int, int, int]:
         """Check (one tiny all-gather) that every rank passed the same sizes and dtype;
@@ -86,18 +89,31 @@ class ExpertsCall:
                 f"{tuple(self.topk_idx.shape)}, w13 {tuple(self.w13.shape)}")
 
 
+def _padded_reasons(call: ExpertsCall) -> list[str]:
+    """Why the exchanges with host-read sizes cannot take ``max_tokens_per_rank``."""
+    if call.max_tokens_per_rank is None:
+        return []
+    return ["max_tokens_per_rank asks for no host read, and this backend reads the routing "
+            "counts on the host (the reference backend keeps them on the device)"]
+
+
 class Reference(Backend):
-    """The unfused ops of the docstring."""
+    """The unfused ops of the docstring; with ``max_tokens_per_rank`` the padded dispatch
+    and masked grouped GEMMs (``grouped_mm(..., masked_m=)``): no host read."""
 
     name = "reference"
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
         num_experts = call.w13.shape[0] * dist.get_world_size(call.group)
-        recv_x, tokens_per_expert, handle = moe_dispatch(call.x, call.topk_idx, call.topk_weights,
-                                                         num_experts, call.group)
-        offs = tokens_per_expert.cumsum(0).to(torch.int32)
-        h = swiglu(grouped_mm(recv_x, call.w13.transpose(1, 2), offs))
-        return moe_combine(grouped_mm(h, call.w2.transpose(1, 2), offs), handle)
+        recv_x, tokens_per_expert, handle = moe_dispatch(
+            call.x, call.topk_idx, call.topk_weights, num_experts, call.group,
+            max_tokens_per_rank=call.max_tokens_per_rank)
+        if call.max_tokens_per_rank is None:
+            groups = dict(offs=tokens_per_expert.cumsum(0).to(torch.int32))
+        else:  # recv_x [E_local, W * M, H]: only each expert's first rows are multiplied
+            groups = dict(masked_m=tokens_per_expert)
+        h = swiglu(grouped_mm(recv_x, call.w13.transpose(1, 2), **groups))
+        return moe_combine(grouped_mm(h, call.w2.transpose(1, 2), **groups), handle)
 
 
 @dataclass
@@ -234,7 +250,7 @@ class Pipelined(Backend):
         backend = str(dist.get_backend(call.group)).lower()
         if "gloo" not in backend and "nccl" not in backend:
             return [f"needs point-to-point sends (gloo or NCCL), the group's backend is {backend}"]
-        return []
+        return _padded_reasons(call)
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
@@ -408,7 +424,7 @@ class Fused(Backend):
         reasons = C.triton_reasons(C.CollectiveCall(OP, call.x, 0, world, call.group))
         if call.x.dtype not in C.REDUCE_DTYPES:
             reasons.append(f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}")
-        return reasons
+        return reasons + _padded_reasons(call)
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
@@ -446,7 +462,8 @@ BACKENDS = Dispatcher(OP, [Pipelined(), Fused(), Reference()])
 
 
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor, group=None, *, backend: str | None = None):
+                w13: torch.Tensor, w2: torch.Tensor, group=None, *,
+                max_tokens_per_rank: int | None = None, backend: str | None = None):
     """The expert-parallel SwiGLU expert MLP; with every rank's tokens and experts in one
     process it is ``experts_dense(x, topk_idx, topk_weights, cat(w13s), cat(w2s))``. Here::
 
@@ -457,19 +474,26 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 
     ``w13 [E_local, 2I, H]`` / ``w2 [E_local, H, I]``: this rank's experts (global expert
     ``rank * E_local + e``). Gradients for x, w13, w2 and topk_weights.
+
+    ``max_tokens_per_rank=M``: nothing is read on the host (``moe_dispatch``'s padded layout,
+    then ``grouped_mm(recv_x, w, masked_m=tokens_per_expert)``), so the layer can be
+    captured in a CUDA graph; the same limits and errors as ``moe_dispatch`` with M. Only
+    the ``reference`` backend takes it (the others size their exchanges on the host).
+
     Backends: ``fused`` (symmetric memory: the first grouped GEMM multiplies each source's
     rows as soon as the copy engine has brought them, own rank first; the second writes straight
     into the source ranks' buffers; the backward the same over the gradients; only when
     asked for),
     ``pipelined`` (the default: the exchange split by source rank, async P2P overlapping the
     expert GEMMs, own tokens first) and
-    ``reference`` (the unfused ops above).
+    ``reference`` (the unfused ops above; the default with ``max_tokens_per_rank``).
     """
     group = resolve_group(group)
     check_expert_weights(OP, x, w13, w2)
     world = dist.get_world_size(group)
-    check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world)
-    call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group)
+    check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world, max_tokens_per_rank,
+                  check_values=max_tokens_per_rank is None)  # with M, dispatch checks on the device
+    call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank)
     return BACKENDS.select(call, backend or "").run(call)
 
 

@@ -54,6 +54,39 @@ def test_k_grouped_on_transposed_operand(sizes, M, N):
         start = end
 
 
+# (counts, pad_rows, K, N): empty, partial, full and over-full groups (a count past the pad
+# is clamped); K, N multiples of 4 take the TMA path
+MASKED_CASES = [([0, 3, 9, 9], 9, 44, 36), ([70, 1], 70, 100, 8), ([2, 0, 5], 5, 45, 33),
+                ([12, 1], 7, 7, 70)]
+
+
+@pytest.mark.parametrize("b_kmajor", [False, True], ids=["b_unit_n", "b_unit_k"])
+@pytest.mark.parametrize("counts, P, K, N", MASKED_CASES)
+def test_rows_masked(counts, P, K, N, b_kmajor):
+    E = len(counts)
+    a = _ints(E * P, K, seed=5)
+    b = _ints(E, N, K, seed=6).transpose(1, 2) if b_kmajor else _ints(E, K, N, seed=6)
+    c = torch.full((E * P, N), float("nan"))
+    assert _operands(a, b)[0]["TMA"] == (K % 4 == 0 and N % 4 == 0)
+    grouped_mm_rows(a, b, torch.tensor(counts, dtype=torch.int32), c, pad_rows=P)
+    expected = torch.zeros(E * P, N, dtype=torch.float64)
+    for g, n in enumerate(counts):
+        rows = slice(g * P, g * P + min(n, P))
+        expected[rows] = a[rows].double() @ b[g].double()
+    assert torch.equal(c.double(), expected)  # the padding past each count is zeros
+
+
+@pytest.mark.parametrize("counts, P, M, N", [([0, 3, 9], 9, 33, 9), ([5, 1], 5, 2, 65)])
+def test_k_masked(counts, P, M, N):
+    E = len(counts)
+    x, dy = _ints(E * P, M, seed=7), _ints(E * P, N, seed=8)
+    c = torch.full((E, M, N), float("nan"))
+    grouped_mm_k(x.t(), dy, torch.tensor(counts, dtype=torch.int32), c, pad_rows=P)
+    for g, n in enumerate(counts):
+        rows = slice(g * P, g * P + n)
+        assert torch.equal(c[g].double(), x[rows].double().t() @ dy[rows].double())
+
+
 def test_fp16_within_torch_error():
     torch.manual_seed(0)
     a, b = torch.randn(40, 48).half(), torch.randn(3, 48, 24).half()

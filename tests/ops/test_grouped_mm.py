@@ -57,6 +57,47 @@ def test_k_grouped_form_and_its_gradients(backend):
     assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_batched_form_and_its_gradients(backend):
+    """``a [E, P, K]`` with counts: rows past each count neither multiplied nor given
+    gradient (the padding of moe_dispatch's max_tokens_per_rank layout)."""
+    counts = torch.tensor([0, 3, 5], dtype=torch.int32)
+    a = _ints(3, 5, 11, seed=10).requires_grad_()
+    b = _ints(3, 11, 7, seed=11).requires_grad_()
+    out = grouped_mm(a, b, masked_m=counts, backend=backend)
+    grad = _ints(3, 5, 7, seed=12)  # nonzero on the padding too: it must not leak into b's grad
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    keep = (torch.arange(5)[None, :] < counts[:, None].long())[..., None]
+    ref = torch.where(keep, a64 @ b64, 0.0)
+    ref.backward(grad.double())
+    assert torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    assert torch.equal(a.grad[0], torch.zeros(5, 11)) and torch.equal(a.grad[1, 3:], torch.zeros(2, 11))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_without_counts_is_bmm(backend):
+    a, b = _ints(2, 6, 5, seed=13), _ints(2, 5, 3, seed=14)
+    assert torch.equal(grouped_mm(a, b, backend=backend), torch.bmm(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_k_grouped_form_and_its_gradients(backend):
+    """``a [M, E*P] x b [E*P, N]``: group g's K is ``g*P : g*P + masked_m[g]``."""
+    counts = torch.tensor([4, 0, 2], dtype=torch.int32)
+    a = _ints(12, 6, seed=15).t().requires_grad_()  # [6, 12]: E=3 groups of P=4
+    b = _ints(12, 5, seed=16).requires_grad_()
+    out = grouped_mm(a, b, masked_m=counts, backend=backend)
+    grad = _ints(3, 6, 5, seed=17)
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = torch.stack([a64[:, g * 4:g * 4 + n] @ b64[g * 4:g * 4 + n] for g, n in enumerate(counts.tolist())])
+    ref.backward(grad.double())
+    assert torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+
+
 def test_matches_torch_grouped_mm_where_available():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm does not exist in this torch")
@@ -78,6 +119,15 @@ def test_bad_inputs_raise_clear_errors():
         (lambda: grouped_mm(a, b, good[:1]), ValueError, "1 group ends but b has 2"),
         (lambda: grouped_mm(a, b, good, backend="nope"), fusedpar.errors.BackendNotSupportedError,
          "does not exist"),
+        (lambda: grouped_mm(a, b), ValueError, "exactly one of them"),
+        (lambda: grouped_mm(a, b, good, masked_m=good), ValueError, "exactly one of them"),
+        (lambda: grouped_mm(a.view(2, 3, 4), b, good), ValueError, "pass masked_m"),
+        (lambda: grouped_mm(a.view(2, 3, 4), b, masked_m=torch.tensor([1, 4], dtype=torch.int32)),
+         ValueError, r"masked_m\[1\] = 4: each group holds 3 rows"),
+        (lambda: grouped_mm(a.view(2, 3, 4), b, masked_m=good.long()), TypeError, "masked_m must be"),
+        (lambda: grouped_mm(a.view(3, 2, 4), b, masked_m=good), ValueError, "3 groups but b 2"),
+        (lambda: grouped_mm(a, torch.zeros(4, 3), masked_m=torch.zeros(3, dtype=torch.int32)),
+         ValueError, "K must be a multiple"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=message):

@@ -16,7 +16,7 @@ from tests.ops.collective_cases import capture_errors, env, subgroup
 pytestmark = [pytest.mark.timeout(300)]
 
 
-def _check_experts(T, H, I, k, E_local, backend, skew):
+def _check_experts(T, H, I, k, E_local, backend, skew, max_tokens=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     E = E_local * world
     torch.manual_seed(0)  # the same weights and every rank's tokens on every rank
@@ -41,7 +41,7 @@ def _check_experts(T, H, I, k, E_local, backend, skew):
     x, lg = xs[rank].clone().requires_grad_(), logits[rank].clone().requires_grad_()
     idx, w, aux = topk_route(lg, k)
     with fusedpar.comm.count_bytes() as counter:
-        y = moe_experts(x, idx, w, my_w13, my_w2, backend=backend)
+        y = moe_experts(x, idx, w, my_w13, my_w2, backend=backend, max_tokens_per_rank=max_tokens)
     ((y ** 2).sum() + aux).backward()
     tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x.grad.double(), ref_xs[rank].grad, **tol)
@@ -65,20 +65,28 @@ def test_moe_experts_matches_dense_loop(pools, world, backend):
     assert pools(world).run(_check_experts, 13, 8, 6, 2, 2, backend, False) == [True] * world
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_padded_moe_experts_matches_dense_loop(pools, world):
+    """max_tokens_per_rank (above T: the padding is real) gives the same outputs, gradients
+    and bytes; the backend is chosen by default."""
+    assert pools(world).run(_check_experts, 13, 8, 6, 2, 2, None, False, 16) == [True] * world
+
+
 def test_pipelined_with_empty_experts_and_sources(pools):
     assert pools(4).run(_check_experts, 5, 8, 6, 2, 1, "pipelined", True) == [True] * 4
 
 
 def _chosen():
-    call = ExpertsCall(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
-                       torch.zeros(1, 6, 4), torch.zeros(1, 4, 3), resolve_group(None))
+    args = (torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+            torch.zeros(1, 6, 4), torch.zeros(1, 4, 3), resolve_group(None))
+    call, padded = ExpertsCall(*args), ExpertsCall(*args, max_tokens_per_rank=2)
     with env(FUSEDPAR_BACKEND="reference"):
         forced = BACKENDS.select(call).name
-    return BACKENDS.select(call).name, forced
+    return BACKENDS.select(call).name, forced, BACKENDS.select(padded).name
 
 
 def test_backend_selection(pools):
-    assert pools(2).run(_chosen) == [("pipelined", "reference")] * 2
+    assert pools(2).run(_chosen) == [("pipelined", "reference", "reference")] * 2
 
 
 def _errors():
@@ -90,6 +98,11 @@ def _errors():
         "expert_range": lambda: moe_experts(x, idx + 2, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2)),
         "backend": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
                                        backend="nope"),
+        "padded_pipelined": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
+                                                backend="pipelined", max_tokens_per_rank=4),
+        # a failed exchange retires its group's buffer: a group of its own
+        "too_many_tokens": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
+                                               subgroup(), max_tokens_per_rank=3),
     })
 
 
@@ -99,6 +112,8 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "cast them to one dtype" in rank_errors["dtype"][1]
         assert "[2, 2]" in rank_errors["expert_range"][1] and "[0, 2)" in rank_errors["expert_range"][1]
         assert "does not exist" in rank_errors["backend"][1]
+        assert "reference backend keeps them on the device" in rank_errors["padded_pipelined"][1]
+        assert "max_tokens_per_rank=3 is too small" in rank_errors["too_many_tokens"][1]
 
 
 @pytest.mark.parametrize("backend, world, k, skew", [("fused", 4, 2, False), ("fused", 3, 1, True),
