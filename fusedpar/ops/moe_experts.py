@@ -269,22 +269,22 @@ class Pipelined(Backend):
 # ---- fused: symmetric memory ------------------------------------------------------------------
 
 
-def _groups(table: torch.Tensor, rank: int, local: int) -> list[list[int]]:
-    """The first GEMM's row blocks on ``rank``, own rank first: ``[src, expert, row in src's
-    staged copies, row in this rank's received rows, rows]`` (``table`` host int ``[W, E]``:
-    every rank's copies per expert; a rank's copies are sorted by destination, then expert)."""
+def _groups(table: torch.Tensor, rank: int, local: int) -> torch.Tensor:
+    """The first GEMM's row blocks on ``rank``, own rank first: rows ``[src, expert, row in
+    src's staged copies, row in this rank's received rows, rows]`` (int64 ``[G, 5]``, empty
+    blocks left out; ``table`` host int ``[W, E]``: every rank's copies per expert; a rank's
+    copies are sorted by destination, then expert). Whole-table ops: a Python loop over the
+    W x E_local blocks cost ~5 ms per call at W=8, 32 experts per rank."""
     world = table.shape[0]
-    starts = table.cumsum(1) - table  # row of (src, expert) in src's sorted copies
-    received = table[:, rank * local:(rank + 1) * local]
+    mine = slice(rank * local, (rank + 1) * local)
+    staged = (table.cumsum(1) - table)[:, mine]  # row of (src, expert) in src's sorted copies
+    received = table[:, mine]
     local_starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view(world, local)
-    out = []
-    for step in range(world):
-        src = (rank + step) % world
-        for e in range(local):
-            rows = int(received[src, e])
-            if rows:
-                out.append([src, e, int(starts[src, rank * local + e]), int(local_starts[src, e]), rows])
-    return out
+    src = torch.arange(world).roll(-rank)  # rank, rank + 1, ...
+    expert = torch.arange(local)
+    blocks = torch.stack([src[:, None].expand(world, local), expert[None, :].expand(world, local),
+                          staged[src], local_starts[src], received[src]], dim=-1).reshape(-1, 5)
+    return blocks[blocks[:, 4] > 0]
 
 
 def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.Tensor, meta: int,
@@ -318,7 +318,7 @@ def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.T
     for buf, x, first_b, epoch in zip(bufs, outgoing, first_bs, epochs):
         rank = buf.rank
         groups = _groups(table, rank, local)
-        rows = [g[4] for g in groups]
+        rows = groups[:, 4].tolist()
         per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
         received = x.new_empty(sum(rows), hidden)
         product = x.new_empty(sum(rows), first_b.shape[2])
@@ -329,7 +329,7 @@ def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.T
             staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
             if n:
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
-        group_table = torch.tensor(groups, dtype=torch.int32).reshape(-1, 5).to(x.device)
+        group_table = groups.to(device=x.device, dtype=torch.int32)
         with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
             kernels.grouped_mm_peers(received, first_b, product, group_table, rows, buf.pad_table,
                                      rank, world, epoch, buf.timeout_ns, push=False)
