@@ -18,7 +18,7 @@ class GroupedCall:
     ``masked_m``: counts of equal-size groups instead (one of the two, never both; the
     batched form takes only ``masked_m``)."""
 
-    def __init__(self, a, b, offs, masked_m):
+    def __init__(self, a, b, offs, masked_m=None):
         self.a, self.b, self.offs, self.masked_m = a, b, offs, masked_m
         self.x = a  # what the shared availability checks look at
 
