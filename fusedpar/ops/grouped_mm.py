@@ -84,7 +84,7 @@ def check_inputs(a, b, offs, masked_m=None) -> GroupedCall:
     if a.dim() == 3 and a.shape[0] != b.shape[0]:
         raise ValueError(f"fusedpar.{OP}: batched a has {a.shape[0]} groups but b {b.shape[0]}")
     call = GroupedCall(a, b, offs, masked_m)
-    if b.dim() == 3 and (offs is not None or masked_m is not None) and call.groups != b.shape[0]:
+    if b.dim() == 3 and call.groups != b.shape[0]:
         what = f"offs has {call.groups} group ends" if offs is not None else \
             f"masked_m has {call.groups} counts"
         raise ValueError(f"fusedpar.{OP}: {what} but b has {b.shape[0]} groups")

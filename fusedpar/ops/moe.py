@@ -388,8 +388,7 @@ def _sort(topk_idx, num_experts):
     order = torch.argsort(torch.where(flat < 0, num_experts, flat), stable=True)
     pos = torch.empty_like(flat)
     pos[order] = torch.arange(flat.numel(), device=flat.device)
-    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
-    return torch.where(flat < 0, -1, pos).to(torch.int32), counts.to(torch.int32)
+    return torch.where(flat < 0, -1, pos).to(torch.int32), expert_counts(flat, num_experts, torch.int32)
 
 
 def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
