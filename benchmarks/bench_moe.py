@@ -14,7 +14,7 @@ fused backend >= 1.15x the unfused sequence. Each case is checked once against t
 expert loop in fp32 before it is timed. Skips without a GPU: no number is ever printed for
 a machine that did not run it. The loopback runs the fused backend's GPU path: the copy
 engine brings each source's rows once (bytes_moved = lower bound) while the first grouped
-GEMM starts on the rows already there.
+GEMM starts on the rows already there and applies SwiGLU in its epilogue.
 
 ``test_loopback_volume`` (no timing; CPU too, W=4): the rows crossing ranks are exactly
 the routed copies whose expert lives on another rank, there and back (the lower bound).

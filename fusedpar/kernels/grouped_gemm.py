@@ -68,14 +68,17 @@ PUSH_POINTER_CONFIG_SM90 = dict(POINTER_CONFIG_SM90, BLOCK_N=64)
 PUSH_CONFIG_SM80 = dict(GPU_CONFIG_SM80, BLOCK_M=64)
 
 
-def gpu_config(major: int, tma: bool, push: bool) -> dict:
+def gpu_config(major: int, tma: bool, push: bool, swiglu: bool = False) -> dict:
     """The 16-bit launch config on a GPU of compute capability ``major``: TMA loads where the
-    GPU has them and ``tma``; ``push``: the peers kernel's push variant."""
+    GPU has them and ``tma``; ``push``: the peers kernel's push variant; ``swiglu``: its
+    SwiGLU gather, whose two accumulators (gate, up) take half the columns each."""
     if major < 9:
-        return PUSH_CONFIG_SM80 if push else GPU_CONFIG_SM80
-    if tma:
-        return PUSH_CONFIG_SM90 if push else GPU_CONFIG_SM90
-    return PUSH_POINTER_CONFIG_SM90 if push else POINTER_CONFIG_SM90
+        cfg = PUSH_CONFIG_SM80 if push else GPU_CONFIG_SM80
+    elif tma:
+        cfg = PUSH_CONFIG_SM90 if push else GPU_CONFIG_SM90
+    else:
+        cfg = PUSH_POINTER_CONFIG_SM90 if push else POINTER_CONFIG_SM90
+    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if swiglu else cfg
 
 
 @triton.jit
@@ -215,20 +218,46 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows,
                    stride_cn, BLOCK_M, BLOCK_N)
 
 
+@triton.jit
+def tile_pair_tma(a_desc, b_desc, m0, n0, n1, expert, k_hi, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """``tile_product_tma`` at columns ``n0`` and ``n1`` of one A tile (loaded once per K
+    step): the gate and up products of a SwiGLU tile."""
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_hi, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        if B_KMAJOR:
+            b0 = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            b1 = b_desc.load([expert, n1, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b0 = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            b1 = b_desc.load([expert, k0, n1]).reshape(BLOCK_K, BLOCK_N)
+        acc0 = mma(a, b0, acc0, UPCAST)
+        acc1 = mma(a, b1, acc1, UPCAST)
+    return acc0, acc1
+
+
 # meta is not an argument: the READY waits (with the fingerprints) ran before the gather
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_groups", "c_offset"])
-def grouped_mm_peers_kernel(a, b, c_ptr, groups_ptr, pad_table, rank, world_size, epoch,
+def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, world_size, epoch,
                             timeout_ns, num_groups, N, K, c_offset, stride_be, stride_bk, stride_bn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
-                            B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr):
-    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused)."""
+                            B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
+                            UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
+    ``SWIGLU`` (gather only): b holds ``[gate | up]`` along its ``2N`` columns; C tiles are
+    ``silu(a @ gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products
+    also go to ``h_ptr`` (``[rows, 2N]``, what the SwiGLU backward needs)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     my_pad = pad_ptr(pad_table, rank)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
     first = tl.zeros([], tl.int32)  # index of the current group's first tile in that list
     checked = tl.full([], -1, tl.int32)  # the source whose flag this program checked last
     ok = tl.full([], 1, tl.int1)
+    b_cols = 2 * N if SWIGLU else N
     for g in range(0, num_groups):
         src = tl.load(groups_ptr + g * 5)
         expert = tl.load(groups_ptr + g * 5 + 1)
@@ -253,12 +282,30 @@ def grouped_mm_peers_kernel(a, b, c_ptr, groups_ptr, pad_table, rank, world_size
                 m0 = pid_m * BLOCK_M
                 n0 = pid_n * BLOCK_N
                 if TMA:
-                    acc = tile_product_tma(a, b, local_row.to(tl.int32) + m0, n0, expert, K,
-                                           BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
+                    if SWIGLU:
+                        gate, up = tile_pair_tma(a, b, local_row.to(tl.int32) + m0, n0, N + n0,
+                                                 expert, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR,
+                                                 UPCAST)
+                    else:
+                        acc = tile_product_tma(a, b, local_row.to(tl.int32) + m0, n0, expert, K,
+                                               BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
                 else:
-                    acc = tile_product(a + local_row * K, b + tl.cast(expert, tl.int64) * stride_be,
-                                       m0, n0, rows, N, 0, K, K, 1, stride_bk, stride_bn,
-                                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                    a_rows = a + local_row * K
+                    b_expert = b + tl.cast(expert, tl.int64) * stride_be
+                    if SWIGLU:
+                        gate = tile_product(a_rows, b_expert, m0, n0, rows, b_cols, 0, K, K, 1,
+                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                        up = tile_product(a_rows, b_expert, m0, N + n0, rows, b_cols, 0, K, K, 1,
+                                          stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                    else:
+                        acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, K, 1,
+                                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                if SWIGLU:  # gate columns past N read up columns: computed, never stored
+                    if KEEP_H:
+                        h_base = h_ptr + local_row * b_cols
+                        store_tile(h_base, gate, m0, n0, rows, N, b_cols, 1, BLOCK_M, BLOCK_N)
+                        store_tile(h_base + N, up, m0, n0, rows, N, b_cols, 1, BLOCK_M, BLOCK_N)
+                    acc = gate * tl.sigmoid(gate) * up
                 store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
@@ -271,38 +318,44 @@ def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
 
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: torch.Tensor,
                      rows: list[int], pad_table: torch.Tensor, rank: int, world_size: int, epoch: int,
-                     timeout_ns: int, *, push: bool, c_offset: int = 0) -> None:
+                     timeout_ns: int, *, push: bool, c_offset: int = 0, swiglu: bool = False,
+                     h: torch.Tensor | None = None) -> None:
     """One launch over the row blocks in ``groups`` (int32 ``[G, 5]``: src, expert,
     peer_row, local_row, rows; ``rows``: the last column, on the host).
 
     Gather (not ``push``): ``c[local_row:+rows] = a[local_row:+rows] @ b[expert]``, each
     source's tiles waiting for this rank's ``GATHERED + src`` flag to reach ``epoch`` (the
-    producer copied that source's rows into ``a`` first). Push: ``src's region[c_offset +
-    (peer_row:+rows) * N] = a[local_row:+rows] @ b[expert]``; ``c`` is unused. ``a`` and
-    ``c`` contiguous; ``b [E, K, N]`` any strides.
+    producer copied that source's rows into ``a`` first). With ``swiglu`` the first and
+    second halves of b's columns are the gate and up projections and ``c`` gets
+    ``swiglu(a @ b[expert])`` (``ops.moe.swiglu`` from fp32 products: no ``[rows, 2N]``
+    round trip through memory); given ``h``, it also gets ``a @ b[expert]``.
+    Push: ``src's region[c_offset + (peer_row:+rows) * N] = a[local_row:+rows] @ b[expert]``;
+    ``c`` is unused. ``a``, ``c`` and ``h`` contiguous; ``b [E, K, N]`` any strides.
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
     on a side stream) or, without one, before this launch in stream order; neither needs an SM
     this kernel holds, and the grid is ``spinning_grid``-capped.
     """
-    K, N = b.shape[1], b.shape[2]
-    cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push)
+    K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
+    cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push, swiglu=swiglu)
     tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
     grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
-        a_arg, b_arg, c, groups, pad_table, rank, world_size, epoch, timeout_ns, groups.shape[0],
-        N, K, c_offset, b.stride(0), b.stride(1), b.stride(2), PUSH=push, TMA=cfg["TMA"],
-        B_KMAJOR=kmajor, **_launch_options(cfg))
+        a_arg, b_arg, c, c if h is None else h, groups, pad_table, rank, world_size, epoch,
+        timeout_ns, groups.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
+        PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=h is not None,
+        **_launch_options(cfg))
 
 
 def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
-                   push: bool = False) -> dict:
+                   push: bool = False, swiglu: bool = False) -> dict:
     """Blocks and launch options for ``a``'s dtype and GPU (queried at launch): the TMA
-    config where the GPU has TMA and ``tma``, else the pointer-load one; ``push``: the peers
-    kernel's push variant. The interpreter takes the TMA path when ``tma``."""
+    config where the GPU has TMA and ``tma``, else the pointer-load one; ``push`` /
+    ``swiglu``: the peers kernel's variants (``gpu_config``). The interpreter takes the TMA
+    path when ``tma``."""
     base = {"TMA": tma and interpreting()}
     if not interpreting() and a.dtype != torch.float32:
-        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, push)
+        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, push, swiglu)
     return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
 
 
@@ -315,14 +368,17 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
-              push: bool = False) -> tuple[dict, object, object, bool]:
+              push: bool = False, swiglu: bool = False) -> tuple[dict, object, object, bool]:
     """``(config, a, b, b_kmajor)`` for the rows and peers kernels: TMA descriptors over
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
     as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
     has TMA and the layouts allow, else the tensors themselves and the pointer-load config."""
     kmajor = b.stride(2) != 1
     b_view = b.transpose(1, 2) if kmajor else b
-    cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view), push=push)
+    # swiglu reads b's up half from column N: a TMA box must start 16-byte aligned
+    up_aligned = kmajor or not swiglu or b.shape[2] // 2 * b.element_size() % 16 == 0
+    cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view) and up_aligned,
+                         push=push, swiglu=swiglu)
     if not cfg["TMA"]:
         return cfg, a, b, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -388,7 +444,7 @@ _ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
           "N": "i32", "E": "i32", "pad_rows": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
           "stride_cm": "i32"}
-_PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32",
+_PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "groups_ptr": "*i32",
               "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
               "timeout_ns": "i64", "num_groups": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
               "stride_be": "i32"}
@@ -397,8 +453,9 @@ _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "groups_ptr": "*i32"
 _B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
 
 
-def _example(kernel, sig, consts, cfg, arch, kmajor=False):
-    """One variant: with TMA in ``cfg``, ``a``/``b`` are descriptors of the launcher's blocks."""
+def _example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
+    """One variant: with TMA in ``cfg``, ``a``/``b`` are descriptors of the launcher's blocks;
+    ``spills_ok``: why it may spill."""
     if cfg["TMA"]:
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         sig = dict(sig, a=f"tensordesc<bf16[{bm},{bk}]>",
@@ -406,19 +463,26 @@ def _example(kernel, sig, consts, cfg, arch, kmajor=False):
     consts = dict({k: v for k, v in cfg.items() if k.isupper() and k != "TMA"}, UPCAST=False, **consts)
     if kernel is not grouped_mm_k_kernel:  # the kernels that take descriptors
         consts.update(TMA=cfg["TMA"], B_KMAJOR=kmajor and cfg["TMA"])
-    return kernel, sig, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-                                 "arch": arch}
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "arch": arch}
+    return kernel, sig, consts, dict(options, spills_ok=spills_ok) if spills_ok else options
 
 
-def _peers_examples(push: bool, tma: bool, major: int) -> list:
+# the gate/up products' stores (KEEP_H, for the backward) with TMA loads: ~160 B
+KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs); the main loop is unchanged"
+# the peers kernel's variants: the gather, its SwiGLU epilogue (with and without the gate/up
+# products kept), the push
+PEERS_MODES = [dict(PUSH=False, SWIGLU=False, KEEP_H=False), dict(PUSH=False, SWIGLU=True, KEEP_H=False),
+               dict(PUSH=False, SWIGLU=True, KEEP_H=True), dict(PUSH=True, SWIGLU=False, KEEP_H=False)]
+
+
+def _peers_examples(mode: dict, tma: bool, major: int) -> list:
     """Both B layouts of the fused expert MLP (``_B_UNIT``)."""
-    cfg = gpu_config(major, tma, push)
-    examples = [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{_B_UNIT[kmajor][1]: "i32"}),
-                         {_B_UNIT[kmajor][0]: 1, "PUSH": push}, cfg, major * 10, kmajor)
-                for kmajor in (True, False)]
-    if cfg is PUSH_CONFIG_SM90:
-        examples = [(*example[:3], dict(example[3], spills_ok=PUSH_SPILLS)) for example in examples]
-    return examples
+    cfg = gpu_config(major, tma, mode["PUSH"], mode["SWIGLU"])
+    spills = (PUSH_SPILLS if cfg is PUSH_CONFIG_SM90 else
+              KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
+    return [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{_B_UNIT[kmajor][1]: "i32"}),
+                     dict(mode, **{_B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
+            for kmajor in (True, False)]
 
 
 AOT_EXAMPLES = (
@@ -428,5 +492,5 @@ AOT_EXAMPLES = (
      for masked in (False, True)]
     + [_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
-    + [example for push in (False, True) for major, tma in ((9, True), (9, False), (8, False))
-       for example in _peers_examples(push, tma, major)])
+    + [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))
+       for example in _peers_examples(mode, tma, major)])

@@ -6,11 +6,12 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   block of rows for this rank's experts is copied once into a local buffer (the copy
   engine on a side stream on a GPU, raising a per-source GATHERED flag), while the first
   grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) multiplies each source's
-  rows as soon as its flag is up (own rank first); then SwiGLU, then the second grouped
-  GEMM writes its tiles straight into the source ranks' buffers, where each rank reads its
-  results back (no separate all-to-all). The backward pass is the same exchange over the
-  output gradients (gather GEMM with w2, the SwiGLU vector-Jacobian product, push GEMM
-  with w13); the weight gradients are computed where the experts live.
+  rows as soon as its flag is up (own rank first) and applies SwiGLU to its fp32 gate and
+  up tiles (the ``[rows, 2I]`` product is written only when autograd needs it); then the
+  second grouped GEMM writes its tiles straight into the source ranks' buffers, where each
+  rank reads its results back (no separate all-to-all). The backward pass is the same
+  exchange over the output gradients (gather GEMM with w2, the SwiGLU vector-Jacobian
+  product, push GEMM with w13); the weight gradients are computed where the experts live.
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
   GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
@@ -287,15 +288,27 @@ def _groups(table: torch.Tensor, rank: int, local: int) -> torch.Tensor:
     return blocks[blocks[:, 4] > 0]
 
 
-def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.Tensor, meta: int,
-                    desc: list[int]):
+def _device_tables(tables: list, device: torch.device) -> list:
+    """Host int tables as int32 on ``device``, in one copy that does not wait for the stream:
+    a plain ``.to("cuda")`` of pageable memory synchronises the stream, which in a loopback
+    held the host until the previous rank view's GEMM had ended (a bubble per view)."""
+    flat = torch.cat(tables).to(torch.int32)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return list(flat.to(device, non_blocking=True).split([len(t) for t in tables]))
+
+
+def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
+                    desc: list[int], middle=None, keep_h: bool = False):
     """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
     their experts, which compute ``middle(rows @ first_b[e]) @ second_b[e]`` and write the
     results straight back; one view per process, or all W in a loopback. The forward is
-    ``first_b = w13ᵀ, middle = swiglu, second_b = w2ᵀ``; the backward ``w2``, the SwiGLU
-    vector-Jacobian product, ``w13``. Returns per view ``(back, received, first product,
-    middle's output, bytes from peers)``: the results of its own rows in their order, the
-    rows it received (source-major) and what its first GEMM and ``middle`` made of them.
+    ``first_b = w13ᵀ, second_b = w2ᵀ`` with ``middle=None``: swiglu, in the gather GEMM's
+    epilogue (the ``[rows, 2I]`` product is kept only with ``keep_h``); the backward
+    ``w2``, the SwiGLU vector-Jacobian product, ``w13``. Returns per view ``(back,
+    received, first product (None when not kept), middle's output, bytes from peers)``:
+    the results of its own rows in their order, the rows it received (source-major) and
+    what its first GEMM and ``middle`` made of them.
 
     Two epochs per call. Epoch 1: stage the rows (after DONE of the last call), READY;
     ``C.gathering`` copies each source's block of rows for this rank's experts (one
@@ -311,17 +324,21 @@ def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.T
     region2 = int(table.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
     starts = table.cumsum(1) - table  # row of (src, expert) in src's sorted copies
     launchers = C.TRITON_LAUNCHERS
+    all_groups = [_groups(table, buf.rank, local) for buf in bufs]
+    group_tables = _device_tables(all_groups, outgoing[0].device)
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, epoch in zip(bufs, outgoing, epochs):
         C.stage(launchers, buf, x, epoch, meta, desc)
     states = []
-    for buf, x, first_b, epoch in zip(bufs, outgoing, first_bs, epochs):
+    for buf, x, first_b, epoch, groups, group_table in zip(bufs, outgoing, first_bs, epochs,
+                                                            all_groups, group_tables):
         rank = buf.rank
-        groups = _groups(table, rank, local)
         rows = groups[:, 4].tolist()
         per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
         received = x.new_empty(sum(rows), hidden)
-        product = x.new_empty(sum(rows), first_b.shape[2])
+        width = first_b.shape[2]
+        product = x.new_empty(sum(rows), width) if middle is not None or keep_h else None
+        mid = x.new_empty(sum(rows), width // 2) if middle is None else None
         blocks = []
         for src in ((rank + step) % world for step in range(world)):
             n, first = per_source[src], int(starts[src, rank * local])
@@ -329,23 +346,25 @@ def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.T
             staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
             if n:
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
-        group_table = groups.to(device=x.device, dtype=torch.int32)
+        out, epilogue = (mid, dict(swiglu=True, h=product)) if middle is None else (product, {})
         with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
-            kernels.grouped_mm_peers(received, first_b, product, group_table, rows, buf.pad_table,
-                                     rank, world, epoch, buf.timeout_ns, push=False)
+            kernels.grouped_mm_peers(received, first_b, out, group_table, rows, buf.pad_table,
+                                     rank, world, epoch, buf.timeout_ns, push=False, **epilogue)
         peer_rows = sum(per_source) - per_source[rank]
-        states.append((received, product, group_table, rows, peer_rows))
-    C.release(launchers, bufs, epochs, OP, [state[:2] for state in states])
+        states.append((received, product, mid, group_table, rows, peer_rows))
+    C.release(launchers, bufs, epochs, OP,
+              [[t for t in state[:3] if t is not None] for state in states])
     epochs = [buf.next_epoch() for buf in bufs]
-    mids = [middle(state[1]).contiguous() for middle, state in zip(middles, states)]
-    for buf, x, mid, second_b, epoch, (_, _, group_table, rows, _) in zip(
+    mids = [mid if middle is None else middle(product).contiguous()
+            for _, product, mid, *_ in states]
+    for buf, x, mid, second_b, epoch, (*_, group_table, rows, _) in zip(
             bufs, outgoing, mids, second_bs, epochs, states):
         kernels.grouped_mm_peers(mid, second_b, x, group_table, rows, buf.pad_table, buf.rank,
                                  world, epoch, buf.timeout_ns, push=True, c_offset=region2)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []
-    for buf, x, epoch, mid, (received, product, _, _, peer_rows) in zip(bufs, outgoing, epochs, mids,
-                                                                        states):
+    for buf, x, epoch, mid, (received, product, *_, peer_rows) in zip(bufs, outgoing, epochs,
+                                                                       mids, states):
         launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
                              layout.TIMEOUT_READY, meta)
         back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape).clone()
@@ -356,9 +375,9 @@ def _fused_exchange(bufs, outgoing, first_bs, middles, second_bs, table: torch.T
     return outs
 
 
-def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc):
-    return _fused_exchange(bufs, sorted_xs, [w.transpose(1, 2) for w in w13s], [swiglu] * len(bufs),
-                           [w.transpose(1, 2) for w in w2s], table, meta, desc)
+def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, keep_h: bool = False):
+    return _fused_exchange(bufs, sorted_xs, [w.transpose(1, 2) for w in w13s],
+                           [w.transpose(1, 2) for w in w2s], table, meta, desc, keep_h=keep_h)
 
 
 def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype) -> tuple[int, list[int]]:
@@ -387,7 +406,8 @@ class _FusedExperts(torch.autograd.Function):
         buf = _fused_buffer(plan, sorted_x)
         meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
         (back, received, h13, _, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
-                                                           [w2], table, meta, desc)
+                                                           [w2], table, meta, desc,
+                                                           keep_h=any(ctx.needs_input_grad[:3]))
         counters.record(OP, "fused", nbytes)
         ctx.save_for_backward(received, h13, w13, w2)
         ctx.plan, ctx.meta, ctx.desc = plan, meta, desc
@@ -403,8 +423,8 @@ class _FusedExperts(torch.autograd.Function):
         meta = symmetric.fingerprint("backward", ctx.meta)
         buf = _fused_buffer(plan, grad_back)
         (grad_sorted, grad_received, _, dh13, _), = _fused_exchange(
-            [buf], [grad_back.contiguous()], [w2], [lambda grad_act: swiglu_vjp(grad_act)[0]], [w13],
-            plan.table, meta, ctx.desc)
+            [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc,
+            middle=lambda grad_act: swiglu_vjp(grad_act)[0])
         grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
         for src in range(plan.world):  # the received rows are source-major, expert-sorted within
             rows = plan.recv_rows(src)

@@ -85,6 +85,20 @@ def test_gpu_paths_do_not_spill(compiled):
         assert not spilling, spilling
 
 
+# the most shared memory one block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+SMEM_PER_BLOCK = {90: 232448, 80: 166912}
+
+
+@pytest.mark.timeout(900)
+def test_shared_memory_fits_one_block(compiled):
+    """A variant needing more shared memory than an SM gives one block compiles here but
+    fails at launch ("out of resource: shared memory")."""
+    for (triton_version, arch), rows in compiled.items():
+        over = [(r["name"], r["config"], r["smem"]) for r in rows
+                if r.get("smem", 0) > SMEM_PER_BLOCK[arch]]
+        assert not over, (triton_version, arch, over)
+
+
 @pytest.mark.timeout(900)
 def test_flags_use_system_scope_acquire_and_release(compiled):
     for rows in compiled.values():

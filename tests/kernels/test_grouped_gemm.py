@@ -133,3 +133,36 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     own, late_rows = source == me, source == late
     assert torch.equal(c[own], expected[own])
     assert c[late_rows].isnan().all()
+
+
+@pytest.mark.parametrize("keep_h", [False, True], ids=["act_only", "keep_h"])
+@pytest.mark.parametrize("K, N, b_kmajor, tma", [(36, 7, True, True), (36, 40, True, True),
+                                                  (36, 8, False, True), (36, 10, False, False),
+                                                  (33, 40, True, False)],
+                         ids=["tma_unit_k", "tma_two_n_tiles", "tma_unit_n", "pointer_unaligned_up",
+                              "pointer_two_n_tiles"])
+def test_peers_gather_swiglu_epilogue(loopback, K, N, b_kmajor, tma, keep_h):
+    """The SwiGLU gather: c = silu(a @ gate) * (a @ up) per row block, h (when given) = a @
+    [gate | up]; N below or not a multiple of the block, so a gate tile's columns past N read
+    up's columns and must not reach c or h. With unit stride along N the up half must start
+    16-byte aligned for TMA (N=10 fp32 does not). Rows encode their source."""
+    world, me = 2, 0
+    buf = loopback(world)[me]
+    groups = [[0, 1, 0, 0, 3], [0, 0, 0, 3, 0], [1, 0, 0, 3, 9], [1, 1, 0, 12, 2]]
+    table = torch.tensor(groups, dtype=torch.int32)
+    rows = int(table[:, 4].sum())
+    source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
+    a = _ints(rows, K, seed=9) / 8 + source[:, None]
+    b = (_ints(2, 2 * N, K, seed=10).transpose(1, 2) if b_kmajor else _ints(2, K, 2 * N, seed=10)) / 8
+    assert _operands(a, b, swiglu=True)[0]["TMA"] == tma
+    c = torch.full((rows, N), float("nan"))
+    h = torch.full((rows, 2 * N), float("nan")) if keep_h else None
+    buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
+    grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
+                     buf.timeout_ns, push=False, swiglu=True, h=h)
+    expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
+    product = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
+    gate, up = product.chunk(2, dim=1)
+    torch.testing.assert_close(c.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    if keep_h:
+        assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32

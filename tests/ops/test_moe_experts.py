@@ -1,6 +1,7 @@
 """moe_experts (the expert-parallel SwiGLU MLP) against the single-process dense loop."""
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -184,3 +185,33 @@ def test_loopback_bf16_on_gpu(backend):
         exact = experts_dense(x.double(), idx, w.double(), w13.double(), w2.double())
         torch_bf16 = experts_dense(x.bfloat16(), idx, w.bfloat16(), w13.bfloat16(), w2.bfloat16())
         assert (y.double() - exact).abs().max() <= 2 * (torch_bf16.double() - exact).abs().max()
+
+
+def _loopback_syncs(world: int) -> int:
+    """Host syncs of one warm fused loopback call (torch's sync debug mode counts them)."""
+    T, H, I, E_local, k = 64, 128, 64, 2, 2
+    g = torch.Generator(device="cuda").manual_seed(world)
+    w13 = torch.randn(world * E_local, 2 * I, H, generator=g, device="cuda").bfloat16()
+    w2 = torch.randn(world * E_local, H, I, generator=g, device="cuda").bfloat16()
+    xs = [torch.randn(T, H, generator=g, device="cuda").bfloat16() for _ in range(world)]
+    routes = [topk_route(torch.randn(T, world * E_local, generator=g, device="cuda"), k)
+              for _ in range(world)]
+    args = (xs, [i for i, _, _ in routes], [w.bfloat16() for _, w, _ in routes],
+            list(w13.chunk(world)), list(w2.chunk(world)))
+    moe_experts_loopback(*args, backend="fused")  # compiles, allocates the buffers
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            moe_experts_loopback(*args, backend="fused")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_loopback_reads_the_host_once_per_call_on_gpu():
+    """One host sync per call, the routing table's read, whatever the number of rank views:
+    none per view (a pageable host-to-device copy there waited for the previous view's GEMM)."""
+    assert {world: _loopback_syncs(world) for world in (2, 4)} == {2: 1, 4: 1}
