@@ -26,7 +26,7 @@ import torch
 import fusedpar
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 
-from common import DTYPE, W_LOOPBACK, counted, name, or_skip, rel_err
+from common import DTYPE, W_LOOPBACK, busy_ms, counted, gpu_busy_ms, name, or_skip, rel_err
 
 OP = "moe_experts"
 TOKENS, HIDDEN, INTERMEDIATE, TOP_K = 2048, 4096, 14336, 2  # per simulated rank; Mixtral 8x7B
@@ -94,7 +94,8 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, 
     copies = world * TOKENS * TOP_K
     tflops = 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
     _medians[backend] = median
-    notes = {"tflops": f"{tflops:.1f}", "top_k": TOP_K, "experts": world * EXPERTS_PER_RANK}
+    notes = {"tflops": f"{tflops:.1f}", "top_k": TOP_K, "experts": world * EXPERTS_PER_RANK,
+             "gpu_busy_ms": f"{gpu_busy_ms(fn):.2f}"}
     if backend != "unfused" and "unfused" in _medians:
         speedup = _medians["unfused"] / median
         notes["x_unfused"] = f"{speedup:.2f}"
@@ -124,3 +125,10 @@ def test_loopback_volume(local_device, backend):
     assert _check(outs, case) < 1e-5
     rows = sum(n for (op, _), n in counter.by_op().items() if op != "all_gather")  # not the counts
     assert rows == _lower_bound(case[1], local, 16, 4), counter.by_op()
+
+
+def test_busy_ms_counts_overlaps_once_and_gaps_not_at_all():
+    """The arithmetic behind the rows' gpu_busy_ms: a side stream's copies under a GEMM count
+    once, the host's gaps between kernels not at all."""
+    assert busy_ms([(0, 1000), (500, 1500), (3000, 3500), (100, 200)]) == 2.0
+    assert busy_ms([]) == 0

@@ -71,6 +71,31 @@ def counted(fn):
     return result, counter.total()
 
 
+def busy_ms(intervals) -> float:
+    """Milliseconds covered by the union of ``(start_us, end_us)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def gpu_busy_ms(fn) -> float:
+    """How long one call of ``fn`` keeps the GPU busy: the union of the intervals of its
+    kernels, copies and memsets on every stream (torch.profiler's CUDA activity). A median
+    well above it is time the GPU waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return busy_ms((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def bench(benchmark, synced, fn, times, **extra_info):
     """Put do_bench's ``times`` (median, p20, p80 ms) and ``extra_info`` in pytest-benchmark's
     report, then let it time ``fn`` itself (fixed rounds, identical on every rank)."""
