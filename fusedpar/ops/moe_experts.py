@@ -352,8 +352,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
                                      rank, world, epoch, buf.timeout_ns, push=False, **epilogue)
         peer_rows = sum(per_source) - per_source[rank]
         states.append((received, product, mid, group_table, rows, peer_rows))
-    C.release(launchers, bufs, epochs, OP,
-              [[t for t in state[:3] if t is not None] for state in states])
+    C.release(launchers, bufs, epochs, OP, [state[:3] for state in states])  # Nones skipped
     epochs = [buf.next_epoch() for buf in bufs]
     mids = [mid if middle is None else middle(product).contiguous()
             for _, product, mid, *_ in states]

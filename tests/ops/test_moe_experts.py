@@ -231,16 +231,18 @@ def _gpu_fused_forward_backward(device="cuda"):
     y = moe_experts(x, idx, w, w13, w2, backend="fused")
     dy = torch.randn_like(y)
     y.backward(dy)
-    errors = {}
-    for name, dtype in (("exact", torch.float64), ("torch_bf16", torch.bfloat16)):
+    def dense(dtype):  # y and the gradients of the dense loop in dtype
         ref = [t.detach().to(dtype).requires_grad_() for t in (x, w, w13, w2)]
         ref_y = experts_dense(ref[0], idx, *ref[1:])
         ref_y.backward(dy.to(dtype))
-        errors[name] = [ref_y] + [r.grad for r in ref]
-    exact = errors.pop("exact")
-    rel = [lambda got, want=want: float((got.double() - want).norm() / want.norm()) for want in exact]
-    return ([f(t) for f, t in zip(rel, [y, x.grad, w.grad, w13.grad, w2.grad])],
-            [f(t) for f, t in zip(rel, errors["torch_bf16"])])
+        return [ref_y] + [r.grad for r in ref]
+
+    exact = dense(torch.float64)
+
+    def errors(results):
+        return [float((got.double() - want).norm() / want.norm()) for got, want in zip(results, exact)]
+
+    return errors([y, x.grad, w.grad, w13.grad, w2.grad]), errors(dense(torch.bfloat16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
