@@ -16,6 +16,10 @@ a machine that did not run it. The loopback runs the fused backend's GPU path: t
 engine brings each source's rows once (bytes_moved = lower bound) while the first grouped
 GEMM starts on the rows already there and applies SwiGLU in its epilogue.
 
+``test_train_step_one_rank``: forward + backward on a one-rank group (4096 tokens, 8 experts
+of the same size, top-2): each backend's compute in training, no communication; recorded
+in ``moe_experts_train.csv`` without a target.
+
 ``test_loopback_volume`` (no timing; CPU too, W=4): the rows crossing ranks are exactly
 the routed copies whose expert lives on another rank, there and back (the lower bound).
 """
@@ -109,6 +113,52 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, 
     benchmark.group = f"{OP} loopback {name(shape)}"
     benchmark.extra_info.update(tflops=tflops)
     benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)
+
+
+# ---- training, one rank ----------------------------------------------------------------------
+
+TRAIN_TOKENS, TRAIN_EXPERTS = 4096, 8  # one rank holding 8 experts: ~1,024 rows per expert
+TRAIN_BACKENDS = ["reference", "pipelined", "fused"]  # the baseline first
+
+
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS)
+def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, record_row, backend):
+    """Forward + backward of ``moe_experts`` on a one-rank group (ep=1): nothing crosses
+    ranks, so the rows price each backend's compute in training, the part the loopback rows
+    (forward only) leave out: the fused backend's SwiGLU epilogues (the forward keeping the
+    gate/up products, the backward's vector-Jacobian product) against ``grouped_mm`` +
+    torch's swiglu and autograd (reference, pipelined). Recorded, no target. y and dx are
+    checked against the fp32 dense loop before timing."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    (x,), (idx,), (w,), (w13,), (w2,) = _case(1, TRAIN_TOKENS, HIDDEN, INTERMEDIATE, TRAIN_EXPERTS,
+                                               TOP_K, DTYPE, device)
+    x, w, w13, w2 = (t.detach().requires_grad_() for t in (x, w, w13, w2))
+    dy = torch.randn_like(x)
+
+    def step():
+        y = fusedpar.ops.moe_experts(x, idx, w, w13, w2, one_rank_group, backend=backend)
+        return y, torch.autograd.grad(y, (x, w, w13, w2), dy)
+
+    (y, (dx, *_)), _ = or_skip(counted, step)
+    ref = [t.detach().float().requires_grad_() for t in (x, w, w13, w2)]
+    ref_y = experts_dense(ref[0], idx, *ref[1:])
+    (ref_dx,) = torch.autograd.grad(ref_y, ref[0], dy.float())
+    errors = rel_err(y, ref_y.detach()), rel_err(dx, ref_dx)
+    assert max(errors) < 2e-2, f"{backend}: relative errors of y and dx {errors}"
+    median, p20, p80 = gpu_times(step)
+    copies = TRAIN_TOKENS * TOP_K
+    tflops = 3 * 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
+    _medians[f"train {backend}"] = median
+    notes = {"mode": "train_one_rank", "tflops": f"{tflops:.1f}", "top_k": TOP_K,
+             "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{gpu_busy_ms(step):.2f}"}
+    if backend != "reference" and "train reference" in _medians:
+        notes["x_reference"] = f"{_medians['train reference'] / median:.2f}"
+    shape = (1, TRAIN_TOKENS, HIDDEN, INTERMEDIATE)
+    record_row(f"{OP}_train", backend, shape, DTYPE, 1, median, p20, p80,
+               algo_bytes=2 * copies * HIDDEN * x.element_size(), **notes)
+    benchmark.group = f"{OP} train one rank {name(shape)}"
+    benchmark.extra_info.update(tflops=tflops)
+    benchmark.pedantic(synced(step), rounds=10, warmup_rounds=2, iterations=1)
 
 
 # ---- communication volume (no timing; CPU too) -----------------------------------------------

@@ -85,6 +85,26 @@ def gpu():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@pytest.fixture(scope="session")
+def one_rank_group():
+    """A process group of this process alone on its GPU (gloo for host tensors, NCCL for
+    CUDA ones), for single-GPU cases of ops that take a group: they time one rank's compute
+    path with no communication. Skips without a GPU or under torchrun."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    if world_size() > 1:
+        pytest.skip("single-GPU case: run it without torchrun")
+    import torch.distributed as dist
+
+    import fusedpar
+
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    torch.cuda.synchronize()
+    fusedpar.comm.release_buffers()
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def dist_gpu(_nccl):
     """``(group, device)`` of a multi-GPU timing case; skips unless launched by torchrun on GPUs."""

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
 
 def resolve_group(group) -> dist.ProcessGroup:
     """Return the ProcessGroup that ``group`` names; ``None`` is the default (world) group."""
@@ -60,3 +62,13 @@ def group_name(group) -> str:
     if isinstance(group, str):
         return group
     return resolve_group(group).group_name
+
+
+def host_collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a small collective of host-side values (sizes, names, checks) runs on ``group``:
+    the CPU, unless the group has NCCL alone (``init_process_group("nccl")``, as torchrun
+    scripts often do), which takes only CUDA tensors: then this rank's GPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

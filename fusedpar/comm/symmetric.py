@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import FusedparError, FusedparTimeoutError
 from . import layout
+from .groups import host_collective_device
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "fusedpar_"
@@ -365,12 +366,14 @@ def exchange_strings(text: str, group, what: str) -> list[str]:
     raw = text.encode()
     if len(raw) >= 256:
         raise FusedparError(f"{what}: {text!r} is too long to exchange")
+    device = host_collective_device(group)
     mine = torch.zeros(256, dtype=torch.uint8)
     mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     world = dist.get_world_size(group)
-    everyone = torch.empty(world * 256, dtype=torch.uint8)
-    _bounded(_all_gather_single(everyone, mine, group=group, async_op=True), what, group)
-    return [bytes(row[row.nonzero().flatten()].tolist()).decode() for row in everyone.view(world, 256)]
+    everyone = torch.empty(world * 256, dtype=torch.uint8, device=device)
+    _bounded(_all_gather_single(everyone, mine.to(device), group=group, async_op=True), what, group)
+    return [bytes(row[row.nonzero().flatten()].tolist()).decode()
+            for row in everyone.cpu().view(world, 256)]
 
 
 def _shm_segments(group, nbytes: int):

@@ -68,17 +68,18 @@ PUSH_POINTER_CONFIG_SM90 = dict(POINTER_CONFIG_SM90, BLOCK_N=64)
 PUSH_CONFIG_SM80 = dict(GPU_CONFIG_SM80, BLOCK_M=64)
 
 
-def gpu_config(major: int, tma: bool, push: bool, swiglu: bool = False) -> dict:
+def gpu_config(major: int, tma: bool, push: bool, epilogue: str | None = None) -> dict:
     """The 16-bit launch config on a GPU of compute capability ``major``: TMA loads where the
-    GPU has them and ``tma``; ``push``: the peers kernel's push variant; ``swiglu``: its
-    SwiGLU gather, whose two accumulators (gate, up) take half the columns each."""
+    GPU has them and ``tma``; ``push``: the peers kernel's push variant; ``epilogue``: its
+    gather's, on half the columns (SwiGLU's two accumulators, gate and up, or the VJP's two
+    tiles of the forward's products)."""
     if major < 9:
         cfg = PUSH_CONFIG_SM80 if push else GPU_CONFIG_SM80
     elif tma:
         cfg = PUSH_CONFIG_SM90 if push else GPU_CONFIG_SM90
     else:
         cfg = PUSH_POINTER_CONFIG_SM90 if push else POINTER_CONFIG_SM90
-    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if swiglu else cfg
+    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if epilogue else cfg
 
 
 @triton.jit
@@ -138,6 +139,17 @@ def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
     mask = (m0 + rm < m_end)[:, None] & (n0 + rn < N)[None, :]
     tl.store(base + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
              acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_tile(ptr, m0, n0, m_end, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``ptr[m0:m0+BLOCK_M, n0:n0+BLOCK_N]`` (unit column stride) in fp32, zeros past
+    ``m_end`` rows and ``N`` columns."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    base = ptr + tl.cast(m0, tl.int64) * stride_m + n0
+    mask = (m0 + rm < m_end)[:, None] & (n0 + rn < N)[None, :]
+    return tl.load(base + rm[:, None] * stride_m + rn[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -239,6 +251,38 @@ def tile_pair_tma(a_desc, b_desc, m0, n0, n1, expert, k_hi, BLOCK_M: tl.constexp
     return acc0, acc1
 
 
+@triton.jit
+def column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``t[:, :BLOCK_N // 2], t[:, BLOCK_N // 2:]``."""
+    return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def swiglu_tile(c_ptr, h_ptr, gate, up, m0, n0, rows, N, KEEP_H: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SwiGLU on one tile of the fp32 ``gate`` and ``up`` products at columns
+    ``n0:n0+BLOCK_N``: ``c [rows, N]`` gets ``silu(gate) * up``, and with KEEP_H ``h [rows,
+    2N]`` gets ``[gate | up]``."""
+    if KEEP_H:
+        store_tile(h_ptr, gate, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+        store_tile(h_ptr + N, up, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, gate * tl.sigmoid(gate) * up, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def swiglu_vjp_tile(c_ptr, h_ptr, grad, m0, n0, rows, N, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """SwiGLU's backward on one tile: ``grad`` (fp32) is the gradient of its output at
+    columns ``n0:n0+BLOCK_N``; ``h`` and ``c`` (``[rows, 2N]``) hold the forward's ``[gate |
+    up]`` and get their gradients. d silu(g) / dg = s (1 + g (1 - s)), s = sigmoid(g)."""
+    gate = load_tile(h_ptr, m0, n0, rows, N, 2 * N, BLOCK_M, BLOCK_N)
+    s = tl.sigmoid(gate)
+    store_tile(c_ptr + N, grad * gate * s, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    grad = grad * s * (1 + gate * (1 - s))
+    grad = grad * load_tile(h_ptr + N, m0, n0, rows, N, 2 * N, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, grad, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+
+
 # meta is not an argument: the READY waits (with the fingerprints) ran before the gather
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_groups", "c_offset"])
 def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, world_size, epoch,
@@ -246,11 +290,13 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
                             B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
     """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
-    ``SWIGLU`` (gather only): b holds ``[gate | up]`` along its ``2N`` columns; C tiles are
-    ``silu(a @ gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products
-    also go to ``h_ptr`` (``[rows, 2N]``, what the SwiGLU backward needs)."""
+    Gather epilogues (``h`` is ``[rows, 2N]``, the gate and up products side by side):
+    ``SWIGLU``: b holds ``[gate | up]`` along its ``2N`` columns; C tiles are ``silu(a @
+    gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
+    ``h``. ``SWIGLU_VJP``: the product P = a @ b is the gradient of SwiGLU's output; C
+    (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     my_pad = pad_ptr(pad_table, rank)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
@@ -258,6 +304,7 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
     checked = tl.full([], -1, tl.int32)  # the source whose flag this program checked last
     ok = tl.full([], 1, tl.int1)
     b_cols = 2 * N if SWIGLU else N
+    c_cols = 2 * N if SWIGLU_VJP else N
     for g in range(0, num_groups):
         src = tl.load(groups_ptr + g * 5)
         expert = tl.load(groups_ptr + g * 5 + 1)
@@ -269,7 +316,8 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
         if PUSH:
             c_base = data_ptr(pad_table, src, c_ptr.dtype.element_ty) + c_offset + peer_row * N
         else:
-            c_base = c_ptr + local_row * N
+            c_base = c_ptr + local_row * c_cols
+        h_base = h_ptr + local_row * 2 * N
         while tile < first + group_tiles:
             if not PUSH:
                 if src != checked:
@@ -300,13 +348,21 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
                     else:
                         acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, K, 1,
                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                # the epilogues work on column halves: whole tiles of the products spill
                 if SWIGLU:  # gate columns past N read up columns: computed, never stored
-                    if KEEP_H:
-                        h_base = h_ptr + local_row * b_cols
-                        store_tile(h_base, gate, m0, n0, rows, N, b_cols, 1, BLOCK_M, BLOCK_N)
-                        store_tile(h_base + N, up, m0, n0, rows, N, b_cols, 1, BLOCK_M, BLOCK_N)
-                    acc = gate * tl.sigmoid(gate) * up
-                store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
+                    gate0, gate1 = column_halves(gate, BLOCK_M, BLOCK_N)
+                    up0, up1 = column_halves(up, BLOCK_M, BLOCK_N)
+                    swiglu_tile(c_base, h_base, gate0, up0, m0, n0, rows, N, KEEP_H, BLOCK_M,
+                                BLOCK_N // 2)
+                    swiglu_tile(c_base, h_base, gate1, up1, m0, n0 + BLOCK_N // 2, rows, N, KEEP_H,
+                                BLOCK_M, BLOCK_N // 2)
+                elif SWIGLU_VJP:
+                    grad0, grad1 = column_halves(acc, BLOCK_M, BLOCK_N)
+                    swiglu_vjp_tile(c_base, h_base, grad0, m0, n0, rows, N, BLOCK_M, BLOCK_N // 2)
+                    swiglu_vjp_tile(c_base, h_base, grad1, m0, n0 + BLOCK_N // 2, rows, N,
+                                    BLOCK_M, BLOCK_N // 2)
+                else:
+                    store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
 
@@ -316,46 +372,58 @@ def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
     return (spinning_grid(tiles, sms),)
 
 
+EPILOGUES = ("swiglu", "swiglu_vjp")  # the gather's; the push has none
+
+
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: torch.Tensor,
                      rows: list[int], pad_table: torch.Tensor, rank: int, world_size: int, epoch: int,
-                     timeout_ns: int, *, push: bool, c_offset: int = 0, swiglu: bool = False,
+                     timeout_ns: int, *, push: bool, c_offset: int = 0, epilogue: str | None = None,
                      h: torch.Tensor | None = None) -> None:
     """One launch over the row blocks in ``groups`` (int32 ``[G, 5]``: src, expert,
     peer_row, local_row, rows; ``rows``: the last column, on the host).
 
-    Gather (not ``push``): ``c[local_row:+rows] = a[local_row:+rows] @ b[expert]``, each
-    source's tiles waiting for this rank's ``GATHERED + src`` flag to reach ``epoch`` (the
-    producer copied that source's rows into ``a`` first). With ``swiglu`` the first and
-    second halves of b's columns are the gate and up projections and ``c`` gets
-    ``swiglu(a @ b[expert])`` (``ops.moe.swiglu`` from fp32 products: no ``[rows, 2N]``
-    round trip through memory); given ``h``, it also gets ``a @ b[expert]``.
-    Push: ``src's region[c_offset + (peer_row:+rows) * N] = a[local_row:+rows] @ b[expert]``;
-    ``c`` is unused. ``a``, ``c`` and ``h`` contiguous; ``b [E, K, N]`` any strides.
+    Gather (not ``push``): each source's tiles wait for this rank's ``GATHERED + src`` flag
+    to reach ``epoch`` (the producer copied that source's rows into ``a`` first); with
+    ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes ``c[local_row:+rows]``:
+
+    - ``"swiglu"``: b's columns are ``[gate | up]`` and ``c = swiglu(P)`` (``ops.moe.swiglu``
+      from fp32 products: no ``[rows, 2N]`` round trip through memory); given ``h``, it
+      also gets ``P``.
+    - ``"swiglu_vjp"``: ``c [rows, 2N] = vjp(swiglu, h)(P)``, SwiGLU's backward at the
+      forward's products ``h [rows, 2N]``.
+
+    Push (no epilogue): ``src's region[c_offset + (peer_row:+rows) * N] =
+    a[local_row:+rows] @ b[expert]``; ``c`` is unused. ``a``, ``c`` and ``h`` contiguous;
+    ``b [E, K, N]`` any strides.
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
     on a side stream) or, without one, before this launch in stream order; neither needs an SM
     this kernel holds, and the grid is ``spinning_grid``-capped.
     """
+    if (epilogue is None) != push or epilogue not in (None, *EPILOGUES):
+        raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}; the gather "
+                         f"takes one of {EPILOGUES}, the push none")
+    swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
-    cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push, swiglu=swiglu)
+    cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push, epilogue=epilogue)
     tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
     grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
         a_arg, b_arg, c, c if h is None else h, groups, pad_table, rank, world_size, epoch,
         timeout_ns, groups.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
-        PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=h is not None,
-        **_launch_options(cfg))
+        PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
+        SWIGLU_VJP=epilogue == "swiglu_vjp", **_launch_options(cfg))
 
 
 def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
-                   push: bool = False, swiglu: bool = False) -> dict:
+                   push: bool = False, epilogue: str | None = None) -> dict:
     """Blocks and launch options for ``a``'s dtype and GPU (queried at launch): the TMA
     config where the GPU has TMA and ``tma``, else the pointer-load one; ``push`` /
-    ``swiglu``: the peers kernel's variants (``gpu_config``). The interpreter takes the TMA
+    ``epilogue``: the peers kernel's variants (``gpu_config``). The interpreter takes the TMA
     path when ``tma``."""
     base = {"TMA": tma and interpreting()}
     if not interpreting() and a.dtype != torch.float32:
-        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, push, swiglu)
+        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, push, epilogue)
     return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
 
 
@@ -368,7 +436,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
-              push: bool = False, swiglu: bool = False) -> tuple[dict, object, object, bool]:
+              push: bool = False, epilogue: str | None = None) -> tuple[dict, object, object, bool]:
     """``(config, a, b, b_kmajor)`` for the rows and peers kernels: TMA descriptors over
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
     as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
@@ -376,9 +444,9 @@ def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
     kmajor = b.stride(2) != 1
     b_view = b.transpose(1, 2) if kmajor else b
     # swiglu reads b's up half from column N: a TMA box must start 16-byte aligned
-    up_aligned = kmajor or not swiglu or b.shape[2] // 2 * b.element_size() % 16 == 0
+    up_aligned = kmajor or epilogue != "swiglu" or b.shape[2] // 2 * b.element_size() % 16 == 0
     cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view) and up_aligned,
-                         push=push, swiglu=swiglu)
+                         push=push, epilogue=epilogue)
     if not cfg["TMA"]:
         return cfg, a, b, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -467,22 +535,22 @@ def _example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
     return kernel, sig, consts, dict(options, spills_ok=spills_ok) if spills_ok else options
 
 
-# the gate/up products' stores (KEEP_H, for the backward) with TMA loads: ~160 B
-KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs); the main loop is unchanged"
-# the peers kernel's variants: the gather, its SwiGLU epilogue (with and without the gate/up
-# products kept), the push
-PEERS_MODES = [dict(PUSH=False, SWIGLU=False, KEEP_H=False), dict(PUSH=False, SWIGLU=True, KEEP_H=False),
-               dict(PUSH=False, SWIGLU=True, KEEP_H=True), dict(PUSH=True, SWIGLU=False, KEEP_H=False)]
+_GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
+# the peers kernel's variants with the B layouts the expert MLP passes (kmajor: ``_B_UNIT``):
+# the forward's SwiGLU gather (b = w13ᵀ) with and without the gate/up products kept, the
+# backward's VJP gather (b = w2), the push (w2ᵀ in the forward, w13 in the backward)
+PEERS_MODES = [(dict(_GATHER, SWIGLU=True), "swiglu", (True,)),
+               (dict(_GATHER, SWIGLU=True, KEEP_H=True), "swiglu", (True,)),
+               (dict(_GATHER, SWIGLU_VJP=True), "swiglu_vjp", (False,)),
+               (dict(_GATHER, PUSH=True), None, (True, False))]
 
 
-def _peers_examples(mode: dict, tma: bool, major: int) -> list:
-    """Both B layouts of the fused expert MLP (``_B_UNIT``)."""
-    cfg = gpu_config(major, tma, mode["PUSH"], mode["SWIGLU"])
-    spills = (PUSH_SPILLS if cfg is PUSH_CONFIG_SM90 else
-              KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
+def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool, major: int) -> list:
+    cfg = gpu_config(major, tma, mode["PUSH"], epilogue)
+    spills = PUSH_SPILLS if cfg is PUSH_CONFIG_SM90 else None
     return [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{_B_UNIT[kmajor][1]: "i32"}),
                      dict(mode, **{_B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
-            for kmajor in (True, False)]
+            for kmajor in layouts]
 
 
 AOT_EXAMPLES = (
@@ -493,4 +561,4 @@ AOT_EXAMPLES = (
     + [_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
     + [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))
-       for example in _peers_examples(mode, tma, major)])
+       for example in _peers_examples(*mode, tma, major)])

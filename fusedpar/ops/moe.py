@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
+from ..comm.groups import host_collective_device
 from ..kernels import moe_dispatch as dispatch_kernels
 from ..kernels import moe_permute as permute_kernels
 from ..errors import FusedparError
@@ -279,8 +280,9 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
 
 def _check_same_everywhere(op: str, group, values: list[int], names: str) -> None:
     """One tiny all-gather: every rank passed the same ``values`` (hidden size, k, ...)."""
-    mine = torch.tensor(values, dtype=torch.int64)
-    everyone = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64)
+    device = host_collective_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
     C.all_gather_single(everyone, mine, group=group)
     for r, theirs in enumerate(everyone.view(-1, len(values)).tolist()):
         if theirs != values:
@@ -338,7 +340,8 @@ class ReferenceDispatch(Backend):
         pos, counts = _sort(topk_idx, num_experts)
         recv_counts = _all_to_all(counts.view(world, local), [1] * world, [1] * world, group).cpu()
         if M is not None:  # agreed by every rank, so every rank raises
-            worst = torch.tensor([x.shape[0], int(recv_counts.max()) if recv_counts.numel() else 0])
+            worst = torch.tensor([x.shape[0], int(recv_counts.max()) if recv_counts.numel() else 0],
+                                 device=host_collective_device(group))
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
             if int(worst.max()) > M:
                 raise _capacity_error(M, f"a rank passes {int(worst[0])} tokens and some expert "

@@ -10,8 +10,9 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   up tiles (the ``[rows, 2I]`` product is written only when autograd needs it); then the
   second grouped GEMM writes its tiles straight into the source ranks' buffers, where each
   rank reads its results back (no separate all-to-all). The backward pass is the same
-  exchange over the output gradients (gather GEMM with w2, the SwiGLU vector-Jacobian
-  product, push GEMM with w13); the weight gradients are computed where the experts live.
+  exchange over the output gradients (gather GEMM with w2 whose epilogue applies the SwiGLU
+  vector-Jacobian product to its fp32 tiles, push GEMM with w13); the weight gradients are
+  computed where the experts live.
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
   GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
@@ -299,16 +300,16 @@ def _device_tables(tables: list, device: torch.device) -> list:
 
 
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
-                    desc: list[int], middle=None, keep_h: bool = False):
+                    desc: list[int], keep_h: bool = False, h13s: list | None = None):
     """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
     their experts, which compute ``middle(rows @ first_b[e]) @ second_b[e]`` and write the
-    results straight back; one view per process, or all W in a loopback. The forward is
-    ``first_b = w13ᵀ, second_b = w2ᵀ`` with ``middle=None``: swiglu, in the gather GEMM's
-    epilogue (the ``[rows, 2I]`` product is kept only with ``keep_h``); the backward
-    ``w2``, the SwiGLU vector-Jacobian product, ``w13``. Returns per view ``(back,
-    received, first product (None when not kept), middle's output, bytes from peers)``:
-    the results of its own rows in their order, the rows it received (source-major) and
-    what its first GEMM and ``middle`` made of them.
+    results straight back; one view per process, or all W in a loopback. ``middle`` runs
+    in the gather GEMM's epilogue. The forward (no ``h13s``): ``first_b = w13ᵀ``, swiglu,
+    ``second_b = w2ᵀ``, the ``[rows, 2I]`` product kept only with ``keep_h``. The backward:
+    ``w2``, the SwiGLU vector-Jacobian product at the forward's products ``h13s`` (per
+    view), ``w13``. Returns per view ``(back, received, first product (None when not
+    kept), middle's output, bytes from peers)``: the results of its own rows in their
+    order, the rows it received (source-major) and what the epilogue made of them.
 
     Two epochs per call. Epoch 1: stage the rows (after DONE of the last call), READY;
     ``C.gathering`` copies each source's block of rows for this rank's experts (one
@@ -330,15 +331,16 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     for buf, x, epoch in zip(bufs, outgoing, epochs):
         C.stage(launchers, buf, x, epoch, meta, desc)
     states = []
-    for buf, x, first_b, epoch, groups, group_table in zip(bufs, outgoing, first_bs, epochs,
-                                                            all_groups, group_tables):
+    for buf, x, first_b, epoch, groups, group_table, h13 in zip(
+            bufs, outgoing, first_bs, epochs, all_groups, group_tables, h13s or [None] * len(bufs)):
         rank = buf.rank
         rows = groups[:, 4].tolist()
         per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
         received = x.new_empty(sum(rows), hidden)
         width = first_b.shape[2]
-        product = x.new_empty(sum(rows), width) if middle is not None or keep_h else None
-        mid = x.new_empty(sum(rows), width // 2) if middle is None else None
+        # forward: swiglu of the [gate | up] products; backward: their gradients
+        product = x.new_empty(sum(rows), width) if h13 is None and keep_h else None
+        mid = x.new_empty(sum(rows), width // 2 if h13 is None else 2 * width)
         blocks = []
         for src in ((rank + step) % world for step in range(world)):
             n, first = per_source[src], int(starts[src, rank * local])
@@ -346,24 +348,23 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
             staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
             if n:
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
-        out, epilogue = (mid, dict(swiglu=True, h=product)) if middle is None else (product, {})
         with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
-            kernels.grouped_mm_peers(received, first_b, out, group_table, rows, buf.pad_table,
-                                     rank, world, epoch, buf.timeout_ns, push=False, **epilogue)
+            kernels.grouped_mm_peers(received, first_b, mid, group_table, rows, buf.pad_table,
+                                     rank, world, epoch, buf.timeout_ns, push=False,
+                                     epilogue="swiglu" if h13 is None else "swiglu_vjp",
+                                     h=product if h13 is None else h13)
         peer_rows = sum(per_source) - per_source[rank]
         states.append((received, product, mid, group_table, rows, peer_rows))
     C.release(launchers, bufs, epochs, OP, [state[:3] for state in states])  # Nones skipped
     epochs = [buf.next_epoch() for buf in bufs]
-    mids = [mid if middle is None else middle(product).contiguous()
-            for _, product, mid, *_ in states]
-    for buf, x, mid, second_b, epoch, (*_, group_table, rows, _) in zip(
-            bufs, outgoing, mids, second_bs, epochs, states):
+    for buf, x, second_b, epoch, (_, _, mid, group_table, rows, _) in zip(
+            bufs, outgoing, second_bs, epochs, states):
         kernels.grouped_mm_peers(mid, second_b, x, group_table, rows, buf.pad_table, buf.rank,
                                  world, epoch, buf.timeout_ns, push=True, c_offset=region2)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []
-    for buf, x, epoch, mid, (received, product, *_, peer_rows) in zip(bufs, outgoing, epochs,
-                                                                       mids, states):
+    for buf, x, epoch, (received, product, mid, *_, peer_rows) in zip(bufs, outgoing, epochs,
+                                                                       states):
         launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
                              layout.TIMEOUT_READY, meta)
         back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape).clone()
@@ -396,40 +397,39 @@ def _fused_buffer(plan: _Plan, rows: torch.Tensor):
 
 class _FusedExperts(torch.autograd.Function):
     """The fused expert MLP; its backward is the same exchange over the output gradients
-    (``_fused_exchange`` with w2, the SwiGLU vector-Jacobian product and w13), the weight
-    gradients computed where the experts live."""
+    (``_fused_exchange`` with w2, the SwiGLU vector-Jacobian product in the gather GEMM's
+    epilogue, and w13), the weight gradients computed where the experts live."""
 
     @staticmethod
     def forward(ctx, sorted_x, w13, w2, plan: _Plan):
         table, k = plan.table, plan.k
         buf = _fused_buffer(plan, sorted_x)
         meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
-        (back, received, h13, _, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
-                                                           [w2], table, meta, desc,
-                                                           keep_h=any(ctx.needs_input_grad[:3]))
+        (back, received, h13, act, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
+                                                             [w2], table, meta, desc,
+                                                             keep_h=any(ctx.needs_input_grad[:3]))
         counters.record(OP, "fused", nbytes)
-        ctx.save_for_backward(received, h13, w13, w2)
+        # act (the push GEMM's input) for w2's gradient: kept, as autograd keeps silu's output
+        ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2)
         ctx.plan, ctx.meta, ctx.desc = plan, meta, desc
         return back
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_back):
-        received, h13, w13, w2 = ctx.saved_tensors
+        received, h13, act, w13, w2 = ctx.saved_tensors
         plan = ctx.plan
-        act, swiglu_vjp = torch.func.vjp(swiglu, h13)
         # a fingerprint of its own: a rank still in the forward pass cannot pass for one here
         meta = symmetric.fingerprint("backward", ctx.meta)
         buf = _fused_buffer(plan, grad_back)
         (grad_sorted, grad_received, _, dh13, _), = _fused_exchange(
-            [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc,
-            middle=lambda grad_act: swiglu_vjp(grad_act)[0])
+            [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc, h13s=[h13])
         grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
         for src in range(plan.world):  # the received rows are source-major, expert-sorted within
             rows = plan.recv_rows(src)
             if rows.stop > rows.start:
-                _add_weight_grads(grad_w13, grad_w2, plan.offs[src], received[rows], act[rows],
-                                  grad_received[rows], dh13[rows])
+                _add_weight_grads(grad_w13, grad_w2, plan.offs[src], received[rows],
+                                  None if act is None else act[rows], grad_received[rows], dh13[rows])
         return grad_sorted, grad_w13, grad_w2, None
 
 

@@ -1,8 +1,10 @@
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fusedpar.comm import group_name, resolve_group
+from fusedpar.comm.groups import host_collective_device
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -51,3 +53,13 @@ def test_uninitialized_distributed_is_explained():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         resolve_group(None)
+
+
+@pytest.mark.parametrize("backend, device", [("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"),
+                                             ("nccl", "cuda"), ("cuda:nccl", "cuda")])
+def test_host_collectives_run_where_the_group_takes_tensors(monkeypatch, backend, device):
+    """NCCL alone takes CUDA tensors only; any group with gloo takes the CPU's. (The ops'
+    run on an NCCL-only group: tests/ops/test_moe_experts.py, on a GPU.)"""
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert host_collective_device(object()).type == device

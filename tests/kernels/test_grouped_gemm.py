@@ -1,5 +1,6 @@
 """The grouped GEMM kernels against a loop of fp64 matmuls, exact on small integers; the
-fused expert MLP's gather GEMM when a source's rows never arrive."""
+fused expert MLP's gather GEMM (its SwiGLU and SwiGLU-backward epilogues, and a source
+whose rows never arrive)."""
 
 import time
 
@@ -8,6 +9,7 @@ import torch
 
 from fusedpar.comm import layout
 from fusedpar.kernels.grouped_gemm import _operands, grouped_mm_k, grouped_mm_peers, grouped_mm_rows
+from fusedpar.ops.moe import swiglu
 
 
 def _ints(*shape, seed):
@@ -104,7 +106,8 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     """Rank 1 of 3 multiplies its received blocks in source order 1 (own), 2, 0, each
     source's tiles after its GATHERED flag; source 2's copy never lands: its tiles are
     skipped (its rows keep their NaN), the timeout names source 2, and the kernel returns.
-    Rows encode their source, so a block read from the wrong place cannot pass."""
+    Rows encode their source, so a block read from the wrong place cannot pass. (The SwiGLU
+    epilogue, as the expert MLP's forward launches it.)"""
     world, me, late, N = 3, 1, 2, 20
     buf = loopback(world)[me]
     sizes = {1: [3, 0], 2: [5, 2], 0: [1, 4]}  # rows per (source, expert), empty group included
@@ -115,9 +118,9 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
             at += rows
     table = torch.tensor(groups, dtype=torch.int32)
     source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
-    a = _ints(at, K, seed=3) + 10 * source[:, None]
-    b = _ints(2, K, N, seed=4)
-    assert _operands(a, b)[0]["TMA"] == (K % 4 == 0)  # fp32 rows of 16-byte multiples
+    a = _ints(at, K, seed=3) / 8 + source[:, None]
+    b = _ints(2, K, 2 * N, seed=4) / 8
+    assert _operands(a, b, epilogue="swiglu")[0]["TMA"] == (K % 4 == 0)  # rows of 16-byte multiples
     c = torch.full((at, N), float("nan"))
     pad = buf.pad()
     pad[layout.GATHERED:layout.GATHERED + world] = 1
@@ -125,13 +128,13 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     pad[layout.DEADLINE] = 1  # this call's deadline has passed: a missing flag fails at once
     start = time.monotonic()
     grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
-                     buf.timeout_ns, push=False)
+                     buf.timeout_ns, push=False, epilogue="swiglu")
     assert time.monotonic() - start < 20
     assert pad[layout.STATUS:layout.STATUS + 3].tolist() == [layout.TIMEOUT_READY, late, 1]
     expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
-    expected = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert]).float()
+    expected = swiglu(torch.einsum("rk,rkn->rn", a.double(), b.double()[expert]))
     own, late_rows = source == me, source == late
-    assert torch.equal(c[own], expected[own])
+    torch.testing.assert_close(c[own].double(), expected[own], rtol=1e-5, atol=1e-5)
     assert c[late_rows].isnan().all()
 
 
@@ -154,15 +157,53 @@ def test_peers_gather_swiglu_epilogue(loopback, K, N, b_kmajor, tma, keep_h):
     source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
     a = _ints(rows, K, seed=9) / 8 + source[:, None]
     b = (_ints(2, 2 * N, K, seed=10).transpose(1, 2) if b_kmajor else _ints(2, K, 2 * N, seed=10)) / 8
-    assert _operands(a, b, swiglu=True)[0]["TMA"] == tma
+    assert _operands(a, b, epilogue="swiglu")[0]["TMA"] == tma
     c = torch.full((rows, N), float("nan"))
     h = torch.full((rows, 2 * N), float("nan")) if keep_h else None
     buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
     grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
-                     buf.timeout_ns, push=False, swiglu=True, h=h)
+                     buf.timeout_ns, push=False, epilogue="swiglu", h=h)
     expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
     product = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
     gate, up = product.chunk(2, dim=1)
     torch.testing.assert_close(c.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
     if keep_h:
         assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32
+
+
+@pytest.mark.parametrize("K, N, b_kmajor, tma", [(36, 8, False, True), (36, 40, False, True),
+                                                  (33, 7, False, False), (36, 12, True, True)],
+                         ids=["tma_unit_n", "tma_two_n_tiles", "pointer", "tma_unit_k"])
+def test_peers_gather_swiglu_vjp_epilogue(loopback, K, N, b_kmajor, tma):
+    """The SwiGLU-backward gather: with P = a @ b[expert] (the gradient of SwiGLU's output),
+    c = [d gate | d up] = vjp(swiglu, h)(P) at the forward's products h. N below, above
+    and not a multiple of the block: columns past N must not reach c. Rows encode their
+    source; NaN-poisoned c."""
+    world, me = 2, 1
+    buf = loopback(world)[me]
+    groups = [[1, 0, 0, 0, 4], [1, 1, 0, 4, 0], [0, 1, 0, 4, 11], [0, 0, 0, 15, 3]]
+    table = torch.tensor(groups, dtype=torch.int32)
+    rows = int(table[:, 4].sum())
+    source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
+    a = _ints(rows, K, seed=11) / 8 + source[:, None]
+    b = (_ints(2, N, K, seed=12).transpose(1, 2) if b_kmajor else _ints(2, K, N, seed=12)) / 8
+    h = _ints(rows, 2 * N, seed=13) / 4
+    assert _operands(a, b, epilogue="swiglu_vjp")[0]["TMA"] == tma
+    c = torch.full((rows, 2 * N), float("nan"))
+    buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
+    grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
+                     buf.timeout_ns, push=False, epilogue="swiglu_vjp", h=h)
+    expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
+    grad_act = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
+    _, vjp = torch.func.vjp(swiglu, h.double())
+    torch.testing.assert_close(c.double(), vjp(grad_act)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_peers_epilogue_must_match_the_mode(loopback):
+    buf = loopback(1)[0]
+    a, b, c = torch.zeros(2, 4), torch.zeros(1, 4, 4), torch.zeros(2, 4)
+    table = torch.tensor([[0, 0, 0, 0, 2]], dtype=torch.int32)
+    for push, epilogue in ((False, None), (True, "swiglu"), (False, "gelu")):
+        with pytest.raises(ValueError, match="epilogue"):
+            grouped_mm_peers(a, b, c, table, [2], buf.pad_table, 0, 1, 1, buf.timeout_ns,
+                             push=push, epilogue=epilogue)

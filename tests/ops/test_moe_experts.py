@@ -250,3 +250,29 @@ def test_gpu_fused_forward_and_backward_in_bf16(pools):
     """y, dx, dweights, dw13, dw2: within twice the error of plain torch in bf16."""
     ((ours, torch_bf16),) = pools(1).run(_gpu_fused_forward_backward)
     assert all(o <= 2 * t + 1e-3 for o, t in zip(ours, torch_bf16)), (ours, torch_bf16)
+
+
+def _every_backend_on_an_nccl_only_group():
+    """A group with NCCL alone (``init_process_group("nccl")``) takes CUDA tensors only: the
+    small host-side collectives (the agreement checks, the symmetric-memory rendezvous and
+    placement checks, the padded capacity check) must run there too. fp32 errors per
+    backend against the fp64 dense loop."""
+    group = dist.new_group([dist.get_rank()], backend="nccl")
+    torch.manual_seed(0)
+    T, H, I, E, k = 64, 32, 48, 4, 2
+    x = torch.randn(T, H, device="cuda")
+    w13, w2 = torch.randn(E, 2 * I, H, device="cuda") / 4, torch.randn(E, H, I, device="cuda") / 4
+    idx, w, _ = topk_route(torch.randn(T, E, device="cuda"), k)
+    want = experts_dense(x.double(), idx, w.double(), w13.double(), w2.double())
+    errors = {}
+    for backend, max_tokens in (("reference", None), ("reference", T), ("pipelined", None),
+                                ("fused", None)):
+        y = moe_experts(x, idx, w, w13, w2, group, backend=backend, max_tokens_per_rank=max_tokens)
+        errors[f"{backend} M={max_tokens}"] = float((y.double() - want).norm() / want.norm())
+    return errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_every_backend_runs_on_an_nccl_only_group(pools):
+    (errors,) = pools(1).run(_every_backend_on_an_nccl_only_group)
+    assert all(e < 1e-5 for e in errors.values()), errors
