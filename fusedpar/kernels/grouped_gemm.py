@@ -153,84 +153,6 @@ def load_tile(ptr, m0, n0, m_end, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def grouped_mm_rows_kernel(a, b, c_ptr, offs_ptr, T, N, K, E, pad_rows,
-                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                           stride_cm, stride_cn,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-                           MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused).
-    ``MASKED``: ``offs_ptr`` holds row counts and group g owns rows ``g * pad_rows`` onward
-    (the first ``min(count, pad_rows)`` multiplied, the rest zeros); ``pad_rows`` is unused
-    otherwise. Either way the rows form segments (multiplied, or zeros: ``k_hi = 0``)."""
-    step = tl.num_programs(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
-    first = tl.zeros([], tl.int32)  # index of the current segment's first tile in that list
-    start = tl.zeros([], tl.int32)
-    # MASKED: 2 segments per group (its rows, its padding); else groups 0..E-1, then the rows
-    # past offs[-1] (zeros)
-    for s in range(0, 2 * E if MASKED else E + 1):
-        if MASKED:
-            g = s // 2
-            count = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
-            start = g * pad_rows + tl.where(s % 2 == 1, count, 0)
-            end = tl.where(s % 2 == 0, g * pad_rows + count, (g + 1) * pad_rows)
-            k_hi = tl.where(s % 2 == 0, K, 0)
-        else:
-            g = s
-            if g < E:
-                end = tl.load(offs_ptr + g)
-            else:
-                end = T
-            k_hi = tl.where(g < E, K, 0)  # the zero segment multiplies nothing
-        m_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)
-        group_tiles = m_tiles * n_tiles
-        while tile < first + group_tiles:
-            pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
-            m0 = start + pid_m * BLOCK_M
-            n0 = pid_n * BLOCK_N
-            if TMA:
-                acc = tile_product_tma(a, b, m0, n0, g, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
-                                       B_KMAJOR, UPCAST)
-            else:
-                acc = tile_product(a, b + tl.cast(g, tl.int64) * stride_be, m0, n0, end, N,
-                                   0, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-            store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
-            tile += step
-        first += group_tiles
-        start = end
-
-
-@triton.jit
-def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows,
-                        stride_am, stride_ak, stride_bk, stride_bn,
-                        stride_ce, stride_cm, stride_cn,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``."""
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    group_tiles = m_tiles * n_tiles
-    for tile in range(tl.program_id(0), E * group_tiles, tl.num_programs(0)):
-        g = tile // group_tiles
-        if MASKED:
-            k_lo = g * pad_rows
-            k_hi = k_lo + tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
-        else:
-            k_lo = tl.where(g > 0, tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0)
-            k_hi = tl.load(offs_ptr + g)
-        pid_m, pid_n = grouped_tile(tile - g * group_tiles, m_tiles, n_tiles, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        acc = tile_product(a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am, stride_ak,
-                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
-                   stride_cn, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
 def tile_pair_tma(a_desc, b_desc, m0, n0, n1, expert, k_hi, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -281,6 +203,137 @@ def swiglu_vjp_tile(c_ptr, h_ptr, grad, m0, n0, rows, N, BLOCK_M: tl.constexpr,
     grad = grad * s * (1 + gate * (1 - s))
     grad = grad * load_tile(h_ptr + N, m0, n0, rows, N, 2 * N, BLOCK_M, BLOCK_N)
     store_tile(c_ptr, grad, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def tile_pair(a_ptr, b_ptr, m0, n0, n1, m_end, N, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """``tile_product`` at columns ``n0`` and ``n1`` (pointer loads): a SwiGLU tile's gate
+    and up products."""
+    gate = tile_product(a_ptr, b_ptr, m0, n0, m_end, N, 0, k_hi, stride_am, stride_ak, stride_bk,
+                        stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    up = tile_product(a_ptr, b_ptr, m0, n1, m_end, N, 0, k_hi, stride_am, stride_ak, stride_bk,
+                      stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    return gate, up
+
+
+@triton.jit
+def swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, m_end, N, KEEP_H: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``swiglu_tile`` on the two column halves of a tile (whole tiles of both products
+    spill)."""
+    gate0, gate1 = column_halves(gate, BLOCK_M, BLOCK_N)
+    up0, up1 = column_halves(up, BLOCK_M, BLOCK_N)
+    swiglu_tile(c_ptr, h_ptr, gate0, up0, m0, n0, m_end, N, KEEP_H, BLOCK_M, BLOCK_N // 2)
+    swiglu_tile(c_ptr, h_ptr, gate1, up1, m0, n0 + BLOCK_N // 2, m_end, N, KEEP_H, BLOCK_M,
+                BLOCK_N // 2)
+
+
+@triton.jit
+def swiglu_vjp_epilogue(c_ptr, h_ptr, grad, m0, n0, m_end, N, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """``swiglu_vjp_tile`` on the two column halves of a tile (the forward's products are
+    two more tiles: whole ones spill)."""
+    grad0, grad1 = column_halves(grad, BLOCK_M, BLOCK_N)
+    swiglu_vjp_tile(c_ptr, h_ptr, grad0, m0, n0, m_end, N, BLOCK_M, BLOCK_N // 2)
+    swiglu_vjp_tile(c_ptr, h_ptr, grad1, m0, n0 + BLOCK_N // 2, m_end, N, BLOCK_M, BLOCK_N // 2)
+
+
+@triton.jit
+def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, T, N, K, E, pad_rows,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           stride_cm, stride_cn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+                           MASKED: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
+                           SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused).
+    ``MASKED``: ``offs_ptr`` holds row counts and group g owns rows ``g * pad_rows`` onward
+    (the first ``min(count, pad_rows)`` multiplied, the rest zeros); ``pad_rows`` is unused
+    otherwise. Either way the rows form segments (multiplied, or zeros: ``k_hi = 0``).
+    ``SWIGLU`` / ``KEEP_H`` / ``SWIGLU_VJP``: the peers kernel's epilogues (contiguous ``c``
+    and ``h``; c's strides are then unused)."""
+    step = tl.num_programs(0)
+    b_cols = 2 * N if SWIGLU else N
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
+    first = tl.zeros([], tl.int32)  # index of the current segment's first tile in that list
+    start = tl.zeros([], tl.int32)
+    # MASKED: 2 segments per group (its rows, its padding); else groups 0..E-1, then the rows
+    # past offs[-1] (zeros)
+    for s in range(0, 2 * E if MASKED else E + 1):
+        if MASKED:
+            g = s // 2
+            count = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+            start = g * pad_rows + tl.where(s % 2 == 1, count, 0)
+            end = tl.where(s % 2 == 0, g * pad_rows + count, (g + 1) * pad_rows)
+            k_hi = tl.where(s % 2 == 0, K, 0)
+        else:
+            g = s
+            if g < E:
+                end = tl.load(offs_ptr + g)
+            else:
+                end = T
+            k_hi = tl.where(g < E, K, 0)  # the zero segment multiplies nothing
+        m_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)
+        group_tiles = m_tiles * n_tiles
+        while tile < first + group_tiles:
+            pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
+            m0 = start + pid_m * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            if TMA:
+                if SWIGLU:
+                    gate, up = tile_pair_tma(a, b, m0, n0, N + n0, g, k_hi, BLOCK_M, BLOCK_N,
+                                             BLOCK_K, B_KMAJOR, UPCAST)
+                else:
+                    acc = tile_product_tma(a, b, m0, n0, g, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           B_KMAJOR, UPCAST)
+            else:
+                b_group = b + tl.cast(g, tl.int64) * stride_be
+                if SWIGLU:
+                    gate, up = tile_pair(a, b_group, m0, n0, N + n0, end, b_cols, k_hi, stride_am,
+                                         stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                                         BLOCK_K, UPCAST)
+                else:
+                    acc = tile_product(a, b_group, m0, n0, end, N, 0, k_hi, stride_am, stride_ak,
+                                       stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+            if SWIGLU:
+                swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, end, N, KEEP_H, BLOCK_M, BLOCK_N)
+            elif SWIGLU_VJP:
+                swiglu_vjp_epilogue(c_ptr, h_ptr, acc, m0, n0, end, N, BLOCK_M, BLOCK_N)
+            else:
+                store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
+            tile += step
+        first += group_tiles
+        start = end
+
+
+@triton.jit
+def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows,
+                        stride_am, stride_ak, stride_bk, stride_bn,
+                        stride_ce, stride_cm, stride_cn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``."""
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    group_tiles = m_tiles * n_tiles
+    for tile in range(tl.program_id(0), E * group_tiles, tl.num_programs(0)):
+        g = tile // group_tiles
+        if MASKED:
+            k_lo = g * pad_rows
+            k_hi = k_lo + tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+        else:
+            k_lo = tl.where(g > 0, tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0)
+            k_hi = tl.load(offs_ptr + g)
+        pid_m, pid_n = grouped_tile(tile - g * group_tiles, m_tiles, n_tiles, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tile_product(a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
+                   stride_cn, BLOCK_M, BLOCK_N)
 
 
 # meta is not an argument: the READY waits (with the fingerprints) ran before the gather
@@ -341,26 +394,15 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
                     a_rows = a + local_row * K
                     b_expert = b + tl.cast(expert, tl.int64) * stride_be
                     if SWIGLU:
-                        gate = tile_product(a_rows, b_expert, m0, n0, rows, b_cols, 0, K, K, 1,
-                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-                        up = tile_product(a_rows, b_expert, m0, N + n0, rows, b_cols, 0, K, K, 1,
-                                          stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                        gate, up = tile_pair(a_rows, b_expert, m0, n0, N + n0, rows, b_cols, K, K, 1,
+                                             stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
                     else:
                         acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, K, 1,
                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-                # the epilogues work on column halves: whole tiles of the products spill
                 if SWIGLU:  # gate columns past N read up columns: computed, never stored
-                    gate0, gate1 = column_halves(gate, BLOCK_M, BLOCK_N)
-                    up0, up1 = column_halves(up, BLOCK_M, BLOCK_N)
-                    swiglu_tile(c_base, h_base, gate0, up0, m0, n0, rows, N, KEEP_H, BLOCK_M,
-                                BLOCK_N // 2)
-                    swiglu_tile(c_base, h_base, gate1, up1, m0, n0 + BLOCK_N // 2, rows, N, KEEP_H,
-                                BLOCK_M, BLOCK_N // 2)
+                    swiglu_epilogue(c_base, h_base, gate, up, m0, n0, rows, N, KEEP_H, BLOCK_M, BLOCK_N)
                 elif SWIGLU_VJP:
-                    grad0, grad1 = column_halves(acc, BLOCK_M, BLOCK_N)
-                    swiglu_vjp_tile(c_base, h_base, grad0, m0, n0, rows, N, BLOCK_M, BLOCK_N // 2)
-                    swiglu_vjp_tile(c_base, h_base, grad1, m0, n0 + BLOCK_N // 2, rows, N,
-                                    BLOCK_M, BLOCK_N // 2)
+                    swiglu_vjp_epilogue(c_base, h_base, acc, m0, n0, rows, N, BLOCK_M, BLOCK_N)
                 else:
                     store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
@@ -461,7 +503,8 @@ def _launch_options(cfg: dict) -> dict:
 
 
 def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
-                    config: dict | None = None, *, pad_rows: int | None = None) -> None:
+                    config: dict | None = None, *, pad_rows: int | None = None,
+                    epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
     """``c[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g]``, zeros past ``offs[-1]``.
     With ``pad_rows`` (P), ``offs`` holds counts instead: ``c[g*P:g*P+n] = a[g*P:g*P+n] @
     b[g]`` with ``n = min(offs[g], P)``, zeros in the rest of ``c[g*P:(g+1)*P]``.
@@ -470,19 +513,30 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
     (non-decreasing, ``offs[-1] <= T``: the caller checks; with P, ``T = E * P``). The grid
     is a bound on the tile count that needs no look at ``offs`` (``(cdiv(T, BLOCK_M) + 2E)
     * n_tiles``: every segment adds at most one partial tile), capped at NUM_PROGRAMS.
+
+    ``epilogue`` (not with P; contiguous ``c`` and ``h``): what ``grouped_mm_peers``'s
+    gather does with the product: ``"swiglu"`` (b ``[E, K, 2N]``, c ``[T, N]``, h ``[T, 2N]``
+    given: the products too) or ``"swiglu_vjp"`` (c ``[T, 2N]``, h ``[T, 2N]`` the
+    forward's products).
     """
+    if epilogue is not None and (epilogue not in EPILOGUES or pad_rows is not None
+                                 or not c.is_contiguous() or h is not None and not h.is_contiguous()):
+        raise ValueError(f"grouped_mm_rows: epilogue={epilogue!r} needs offs (no pad_rows) and "
+                         f"contiguous c and h; the epilogues are {EPILOGUES}")
+    swiglu = epilogue == "swiglu"
     T, K = a.shape
-    E, N = b.shape[0], b.shape[2]
+    E, N = b.shape[0], b.shape[2] // 2 if swiglu else b.shape[2]
     if T == 0 or N == 0:
         return
-    cfg, a_arg, b_arg, kmajor = _operands(a, b, config)
+    cfg, a_arg, b_arg, kmajor = _operands(a, b, config, epilogue=epilogue)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     bound = (triton.cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
     grid = (min(bound, cfg["NUM_PROGRAMS"]),)
     grouped_mm_rows_kernel[grid](
-        a_arg, b_arg, c, offs, T, N, K, E, pad_rows or 0, a.stride(0), a.stride(1), b.stride(0),
-        b.stride(1), b.stride(2), c.stride(0), c.stride(1), TMA=cfg["TMA"], B_KMAJOR=kmajor,
-        MASKED=pad_rows is not None, **_launch_options(cfg))
+        a_arg, b_arg, c, c if h is None else h, offs, T, N, K, E, pad_rows or 0, a.stride(0),
+        a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        TMA=cfg["TMA"], B_KMAJOR=kmajor, MASKED=pad_rows is not None, SWIGLU=swiglu,
+        KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp", **_launch_options(cfg))
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
@@ -506,7 +560,7 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
 _ROWS_UNIT = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
 _K_UNIT = {"stride_am": 1, "stride_bn": 1, "stride_cn": 1}  # a = x.t() of a row-major x
-_ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
+_ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
              "N": "i32", "K": "i32", "E": "i32", "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32",
              "stride_bk": "i32", "stride_cm": "i32"}
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
@@ -553,11 +607,33 @@ def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool,
             for kmajor in layouts]
 
 
+def _rows_epilogue_example(mode: dict, epilogue: str, kmajor: bool, tma: bool, major: int):
+    """The rows kernel with an epilogue, as the pipelined expert MLP launches it: b =
+    w13ᵀ (unit stride along K) or w2 (along N), c and h contiguous."""
+    unit, other = _B_UNIT[kmajor]
+    sig = {k: v for k, v in _ROWS_SIG.items() if k != unit}
+    consts = {k: v for k, v in _ROWS_UNIT.items() if k != other}
+    cfg = gpu_config(major, tma, False, epilogue)
+    return _example(grouped_mm_rows_kernel, dict(sig, **{other: "i32"}),
+                    dict(consts, MASKED=False, **mode, **{unit: 1}), cfg, major * 10, kmajor,
+                    ROWS_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
+
+
+# triton 3.8 (not 3.6) spills 16 B in this variant's h stores
+ROWS_KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs), 16 B"
+
+
+_NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
 AOT_EXAMPLES = (
-    [_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked),
+    [_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
               gpu_config(major, tma, False), major * 10, kmajor)
      for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))
      for masked in (False, True)]
+    + [_rows_epilogue_example(dict(_NO_EPILOGUE, **mode), epilogue, kmajor, tma, major)
+       for mode, epilogue, kmajor in ((dict(SWIGLU=True), "swiglu", True),
+                                      (dict(SWIGLU=True, KEEP_H=True), "swiglu", True),
+                                      (dict(SWIGLU_VJP=True), "swiglu_vjp", False))
+       for major, tma in ((9, True), (9, False), (8, False))]
     + [_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
     + [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))

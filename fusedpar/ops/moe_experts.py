@@ -18,7 +18,8 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
   this rank's own tokens while the other sources' rows travel, then on each source's rows
   as they arrive, and each source's results go back as soon as they are done. The backward
-  pass is the same pipeline over the output gradients.
+  pass is the same pipeline over the output gradients. SwiGLU and its backward run in the
+  grouped GEMMs' epilogues (``kernels.grouped_gemm.grouped_mm_rows``), as in ``fused``.
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``). The only backend that takes ``max_tokens_per_rank``:
   the padded dispatch and ``grouped_mm(..., masked_m=)``, no host read.
@@ -39,7 +40,8 @@ from ..errors import BackendNotSupportedError
 from ..kernels import grouped_gemm as kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
-from .grouped_mm import grouped_mm
+from .grouped_mm import BACKENDS as GROUPED_MM_BACKENDS
+from .grouped_mm import check_inputs, grouped_mm
 from .moe import (_DTYPE_CODES, _all_to_all, _check_same_everywhere, _permute, _Permute, _sort,
                   _unpermute, _Unpermute, check_routing, moe_combine, moe_dispatch, swiglu)
 
@@ -184,6 +186,33 @@ def _pipeline(plan: _Plan, outgoing: torch.Tensor, incoming: torch.Tensor, compu
     return returned
 
 
+def _grouped_swiglu(x_rows, w13, offs, act, h13=None, backend: str = "") -> None:
+    """``act = swiglu(grouped_mm(x_rows, w13.transpose(1, 2), offs))``, and ``h13`` the
+    product when given: one launch with SwiGLU in the GEMM's epilogue where grouped_mm runs
+    Triton, else those ops. No autograd (the callers are autograd functions)."""
+    b = w13.transpose(1, 2)
+    call = check_inputs(x_rows, b, offs)
+    if GROUPED_MM_BACKENDS.select(call, backend).name == "triton":
+        kernels.grouped_mm_rows(x_rows, b, offs, act, epilogue="swiglu", h=h13)
+        return
+    product = grouped_mm(x_rows, b, offs, backend=backend)
+    if h13 is not None:
+        h13.copy_(product)
+    act.copy_(swiglu(product))
+
+
+def _grouped_swiglu_vjp(dy, w2, offs, h13, backend: str = "") -> torch.Tensor:
+    """SwiGLU's backward at the forward's products ``h13`` of the gradient ``grouped_mm(dy,
+    w2, offs)`` of its output: in the GEMM's epilogue where grouped_mm runs Triton."""
+    call = check_inputs(dy, w2, offs)
+    if GROUPED_MM_BACKENDS.select(call, backend).name == "triton":
+        dh13 = torch.empty_like(h13)
+        kernels.grouped_mm_rows(dy, w2, offs, dh13, epilogue="swiglu_vjp", h=h13)
+        return dh13
+    _, swiglu_vjp = torch.func.vjp(swiglu, h13)
+    return swiglu_vjp(grouped_mm(dy, w2, offs, backend=backend))[0]
+
+
 def _weight_grad_buffers(ctx, w13, w2):
     """Zeroed gradients of w13 and w2 (None where autograd does not need one)."""
     need_w13, need_w2 = ctx.needs_input_grad[1:3]
@@ -207,24 +236,27 @@ class _ExpertPipeline(torch.autograd.Function):
     def forward(ctx, sorted_x, w13, w2, plan: _Plan):
         rows = sum(plan.recv)
         received = sorted_x.new_empty(rows, sorted_x.shape[1])
-        h13 = sorted_x.new_empty(rows, w13.shape[1])
+        keep_h = any(ctx.needs_input_grad[:3])  # the [gate | up] products, for the backward
+        h13 = sorted_x.new_empty(rows, w13.shape[1]) if keep_h else None
+        act = sorted_x.new_empty(rows, w13.shape[1] // 2)
 
         def experts(src, x_rows):
             if x_rows.shape[0] == 0:
                 return x_rows.new_empty(0, w2.shape[1])
-            offs = plan.offs[src]
-            h13[plan.recv_rows(src)] = grouped_mm(x_rows, w13.transpose(1, 2), offs)
-            return grouped_mm(swiglu(h13[plan.recv_rows(src)]), w2.transpose(1, 2), offs)
+            offs, mine = plan.offs[src], plan.recv_rows(src)
+            _grouped_swiglu(x_rows, w13, offs, act[mine], None if h13 is None else h13[mine])
+            return grouped_mm(act[mine], w2.transpose(1, 2), offs)
 
         back = _pipeline(plan, sorted_x.contiguous(), received, experts)
-        ctx.save_for_backward(received, h13, w13, w2)
+        # act (the down GEMM's input) for w2's gradient: kept, as autograd keeps silu's output
+        ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2)
         ctx.plan = plan
         return back
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_back):
-        received, h13, w13, w2 = ctx.saved_tensors
+        received, h13, act, w13, w2 = ctx.saved_tensors
         plan = ctx.plan
         grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
 
@@ -232,9 +264,9 @@ class _ExpertPipeline(torch.autograd.Function):
             if dy.shape[0] == 0:
                 return dy.new_empty(0, w13.shape[2])
             offs, rows = plan.offs[src], plan.recv_rows(src)
-            act, swiglu_vjp = torch.func.vjp(swiglu, h13[rows])
-            (dh13,) = swiglu_vjp(grouped_mm(dy, w2, offs))
-            _add_weight_grads(grad_w13, grad_w2, offs, received[rows], act, dy, dh13)
+            dh13 = _grouped_swiglu_vjp(dy, w2, offs, h13[rows])
+            _add_weight_grads(grad_w13, grad_w2, offs, received[rows],
+                              None if act is None else act[rows], dy, dh13)
             return grouped_mm(dh13, w13, offs)
 
         # every rank runs the exchange, whatever it needs, so the ranks stay in step

@@ -35,12 +35,61 @@ def test_rows_grouped(sizes, K, N, tail, b_kmajor):
     c = torch.full((T, N), float("nan"))
     assert _operands(a, b)[0]["TMA"] == ((sizes, K, N, tail) in TMA_CASES)
     grouped_mm_rows(a, b, offs, c)
-    expected = torch.zeros(T, N, dtype=torch.float64)
+    # rows past offs[-1] are zeros, not left unwritten
+    assert torch.equal(c.double(), grouped_product(a, b, offs))
+
+
+def grouped_product(a, b, offs):
+    """The grouped product in fp64, zeros past ``offs[-1]``."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
     start = 0
     for g, end in enumerate(offs.tolist()):
-        expected[start:end] = a[start:end].double() @ b[g].double()
+        out[start:end] = a[start:end].double() @ b[g].double()
         start = end
-    assert torch.equal(c.double(), expected)  # rows past offs[-1] are zeros, not left unwritten
+    return out
+
+
+# (group sizes, K, N, tail rows, b with unit stride along K, TMA): the expert MLP's layouts
+# (w13ᵀ in the forward, w2 in the backward); N below, across and not a multiple of the block
+EPILOGUE_CASES = [([5, 0, 37, 1], 44, 20, 3, True, True), ([0, 40, 0], 36, 12, 0, False, True),
+                  ([5, 0, 37, 1], 45, 7, 2, True, False), ([9, 30], 33, 40, 0, False, False)]
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "swiglu_keep_h", "swiglu_vjp"])
+@pytest.mark.parametrize("sizes, K, N, tail, b_kmajor, tma", EPILOGUE_CASES)
+def test_rows_epilogues(sizes, K, N, tail, b_kmajor, tma, epilogue):
+    """The SwiGLU epilogues of the peers kernel on the rows kernel (the pipelined expert
+    MLP's): c = swiglu(P) (+ h = P), or c = vjp(swiglu, h)(P), with P the grouped product;
+    the rows past offs[-1] get zeros. NaN-poisoned outputs."""
+    T, vjp = sum(sizes) + tail, epilogue == "swiglu_vjp"
+    cols = N if vjp else 2 * N  # b's
+    a = _ints(T, K, seed=5) / 8
+    b = (_ints(len(sizes), cols, K, seed=6).transpose(1, 2) if b_kmajor
+         else _ints(len(sizes), K, cols, seed=6)) / 8
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    product = grouped_product(a, b, offs)
+    if vjp:
+        h = _ints(T, 2 * N, seed=7) / 4
+        c = torch.full((T, 2 * N), float("nan"))
+        expected = torch.func.vjp(swiglu, h.double())[1](product)[0]
+    else:
+        h = torch.full((T, 2 * N), float("nan")) if epilogue == "swiglu_keep_h" else None
+        c = torch.full((T, N), float("nan"))
+        expected = swiglu(product)
+    kind = "swiglu_vjp" if vjp else "swiglu"
+    assert _operands(a, b, epilogue=kind)[0]["TMA"] == tma
+    grouped_mm_rows(a, b, offs, c, epilogue=kind, h=h)
+    torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
+    if epilogue == "swiglu_keep_h":
+        assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32
+
+
+def test_rows_epilogue_needs_offs_and_contiguous_outputs():
+    a, b, offs = torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32)
+    for kwargs in (dict(epilogue="gelu"), dict(epilogue="swiglu", pad_rows=2),
+                   dict(epilogue="swiglu_vjp", h=torch.zeros(8, 4).t())):
+        with pytest.raises(ValueError, match="epilogue"):
+            grouped_mm_rows(a, b, offs, torch.zeros(4, 8), **kwargs)
 
 
 @pytest.mark.parametrize("sizes, M, N", [([5, 0, 37, 1], 33, 9), ([0, 70], 2, 65)])

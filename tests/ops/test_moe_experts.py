@@ -10,8 +10,10 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import resolve_group
 from fusedpar.ops import _collective as C
-from fusedpar.ops.moe import experts_dense, topk_route
-from fusedpar.ops.moe_experts import BACKENDS, ExpertsCall, moe_experts, moe_experts_loopback
+from fusedpar.ops.moe import experts_dense, swiglu, topk_route
+from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp,
+                                      moe_experts, moe_experts_loopback)
+from tests.kernels.test_grouped_gemm import grouped_product
 from tests.ops.collective_cases import capture_errors, env, subgroup
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -57,6 +59,26 @@ def _check_experts(T, H, I, k, E_local, backend, skew, max_tokens=None):
     copies_out = int((owner[rank] != rank).sum())
     assert counter.total() == (copies_in + copies_out) * H * 4, (counter.by_op(), copies_in, copies_out)
     return True
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_pipelined_swiglu_steps_match_the_unfused_ops(backend):
+    """The pipelined backend's SwiGLU in the GEMM epilogue (grouped_mm's triton backend)
+    and the unfused ops it falls back to (its reference backend, where Triton cannot run):
+    the activation, the kept products and SwiGLU's backward, an empty group included."""
+    torch.manual_seed(0)
+    x, dy = torch.randn(30, 16), torch.randn(30, 16)
+    w13, w2 = torch.randn(3, 24, 16), torch.randn(3, 16, 12)
+    offs = torch.tensor([7, 7, 30], dtype=torch.int32)
+    h13 = grouped_product(x, w13.transpose(1, 2), offs)
+    grad_act = grouped_product(dy, w2, offs)
+    act, kept = torch.full((30, 12), float("nan")), torch.full((30, 24), float("nan"))
+    _grouped_swiglu(x, w13, offs, act, kept, backend=backend)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept.double(), h13, **tol)
+    torch.testing.assert_close(act.double(), swiglu(h13), **tol)
+    dh13 = _grouped_swiglu_vjp(dy, w2, offs, h13.float(), backend=backend)
+    torch.testing.assert_close(dh13.double(), torch.func.vjp(swiglu, h13)[1](grad_act)[0], **tol)
 
 
 @pytest.mark.parametrize("backend", ["fused", "pipelined", "reference"])
@@ -217,10 +239,11 @@ def test_fused_loopback_reads_the_host_once_per_call_on_gpu():
     assert {world: _loopback_syncs(world) for world in (2, 4)} == {2: 1, 4: 1}
 
 
-def _gpu_fused_forward_backward(device="cuda"):
-    """One rank on a GPU (torch symmetric memory): the fused backend in bf16 (the forward's
-    SwiGLU epilogue keeping the gate/up products for autograd, then the backward) against
-    the dense loop in fp64; the relative errors of y and of every gradient."""
+def _gpu_forward_backward(backend, device="cuda"):
+    """One rank on a GPU: a backend with SwiGLU in its GEMM epilogues (fused: on torch
+    symmetric memory) in bf16 (the forward keeping the gate/up products for autograd, the
+    backward's vector-Jacobian product) against the dense loop in fp64; the relative
+    errors of y and of every gradient."""
     torch.manual_seed(0)
     T, H, I, E, k = 300, 256, 192, 4, 2  # I = 1.5 blocks: a gate tile reads up's columns
     x = torch.randn(T, H, device=device).bfloat16().requires_grad_()
@@ -228,7 +251,7 @@ def _gpu_fused_forward_backward(device="cuda"):
     w2 = (torch.randn(E, H, I, device=device) * I ** -0.5).bfloat16().requires_grad_()
     idx, w, _ = topk_route(torch.randn(T, E, device=device), k)
     w = w.bfloat16().requires_grad_()
-    y = moe_experts(x, idx, w, w13, w2, backend="fused")
+    y = moe_experts(x, idx, w, w13, w2, backend=backend)
     dy = torch.randn_like(y)
     y.backward(dy)
     def dense(dtype):  # y and the gradients of the dense loop in dtype
@@ -246,9 +269,10 @@ def _gpu_fused_forward_backward(device="cuda"):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_fused_forward_and_backward_in_bf16(pools):
+@pytest.mark.parametrize("backend", ["fused", "pipelined"])
+def test_gpu_forward_and_backward_in_bf16(pools, backend):
     """y, dx, dweights, dw13, dw2: within twice the error of plain torch in bf16."""
-    ((ours, torch_bf16),) = pools(1).run(_gpu_fused_forward_backward)
+    ((ours, torch_bf16),) = pools(1).run(_gpu_forward_backward, backend)
     assert all(o <= 2 * t + 1e-3 for o, t in zip(ours, torch_bf16)), (ours, torch_bf16)
 
 
