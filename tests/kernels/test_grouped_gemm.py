@@ -49,6 +49,26 @@ def grouped_product(a, b, offs):
     return out
 
 
+def _epilogue_b(groups, K, N, b_kmajor, epilogue):
+    """b of an epilogue test, ``[groups, K, 2N]`` (``[gate | up]``) or, for the VJP,
+    ``[groups, K, N]``; unit stride along K or along N."""
+    cols = N if epilogue == "swiglu_vjp" else 2 * N
+    b = _ints(groups, cols, K, seed=6).transpose(1, 2) if b_kmajor else _ints(groups, K, cols, seed=6)
+    return b / 8
+
+
+def _epilogue_outputs(epilogue, rows, N, product):
+    """``(the kernels' epilogue, c, h, expected c)`` for a test epilogue with ``product``
+    the fp64 P: NaN-poisoned c (and h, kept products) or, for the VJP, h the forward's
+    products."""
+    if epilogue == "swiglu_vjp":
+        h = _ints(rows, 2 * N, seed=7) / 4
+        expected = torch.func.vjp(swiglu, h.double())[1](product)[0]
+        return epilogue, torch.full((rows, 2 * N), float("nan")), h, expected
+    h = torch.full((rows, 2 * N), float("nan")) if epilogue == "swiglu_keep_h" else None
+    return "swiglu", torch.full((rows, N), float("nan")), h, swiglu(product)
+
+
 # (group sizes, K, N, tail rows, b with unit stride along K, TMA): the expert MLP's layouts
 # (w13ᵀ in the forward, w2 in the backward); N below, across and not a multiple of the block
 EPILOGUE_CASES = [([5, 0, 37, 1], 44, 20, 3, True, True), ([0, 40, 0], 36, 12, 0, False, True),
@@ -61,22 +81,11 @@ def test_rows_epilogues(sizes, K, N, tail, b_kmajor, tma, epilogue):
     """The SwiGLU epilogues of the peers kernel on the rows kernel (the pipelined expert
     MLP's): c = swiglu(P) (+ h = P), or c = vjp(swiglu, h)(P), with P the grouped product;
     the rows past offs[-1] get zeros. NaN-poisoned outputs."""
-    T, vjp = sum(sizes) + tail, epilogue == "swiglu_vjp"
-    cols = N if vjp else 2 * N  # b's
-    a = _ints(T, K, seed=5) / 8
-    b = (_ints(len(sizes), cols, K, seed=6).transpose(1, 2) if b_kmajor
-         else _ints(len(sizes), K, cols, seed=6)) / 8
+    T = sum(sizes) + tail
+    a, b = _ints(T, K, seed=5) / 8, _epilogue_b(len(sizes), K, N, b_kmajor, epilogue)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     product = grouped_product(a, b, offs)
-    if vjp:
-        h = _ints(T, 2 * N, seed=7) / 4
-        c = torch.full((T, 2 * N), float("nan"))
-        expected = torch.func.vjp(swiglu, h.double())[1](product)[0]
-    else:
-        h = torch.full((T, 2 * N), float("nan")) if epilogue == "swiglu_keep_h" else None
-        c = torch.full((T, N), float("nan"))
-        expected = swiglu(product)
-    kind = "swiglu_vjp" if vjp else "swiglu"
+    kind, c, h, expected = _epilogue_outputs(epilogue, T, N, product)
     assert _operands(a, b, epilogue=kind)[0]["TMA"] == tma
     grouped_mm_rows(a, b, offs, c, epilogue=kind, h=h)
     torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
@@ -187,65 +196,36 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     assert c[late_rows].isnan().all()
 
 
-@pytest.mark.parametrize("keep_h", [False, True], ids=["act_only", "keep_h"])
+@pytest.mark.parametrize("epilogue", ["swiglu", "swiglu_keep_h", "swiglu_vjp"])
 @pytest.mark.parametrize("K, N, b_kmajor, tma", [(36, 7, True, True), (36, 40, True, True),
                                                   (36, 8, False, True), (36, 10, False, False),
                                                   (33, 40, True, False)],
                          ids=["tma_unit_k", "tma_two_n_tiles", "tma_unit_n", "pointer_unaligned_up",
                               "pointer_two_n_tiles"])
-def test_peers_gather_swiglu_epilogue(loopback, K, N, b_kmajor, tma, keep_h):
-    """The SwiGLU gather: c = silu(a @ gate) * (a @ up) per row block, h (when given) = a @
-    [gate | up]; N below or not a multiple of the block, so a gate tile's columns past N read
-    up's columns and must not reach c or h. With unit stride along N the up half must start
-    16-byte aligned for TMA (N=10 fp32 does not). Rows encode their source."""
-    world, me = 2, 0
-    buf = loopback(world)[me]
-    groups = [[0, 1, 0, 0, 3], [0, 0, 0, 3, 0], [1, 0, 0, 3, 9], [1, 1, 0, 12, 2]]
-    table = torch.tensor(groups, dtype=torch.int32)
-    rows = int(table[:, 4].sum())
-    source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
-    a = _ints(rows, K, seed=9) / 8 + source[:, None]
-    b = (_ints(2, 2 * N, K, seed=10).transpose(1, 2) if b_kmajor else _ints(2, K, 2 * N, seed=10)) / 8
-    assert _operands(a, b, epilogue="swiglu")[0]["TMA"] == tma
-    c = torch.full((rows, N), float("nan"))
-    h = torch.full((rows, 2 * N), float("nan")) if keep_h else None
-    buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
-    grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
-                     buf.timeout_ns, push=False, epilogue="swiglu", h=h)
-    expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
-    product = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
-    gate, up = product.chunk(2, dim=1)
-    torch.testing.assert_close(c.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
-    if keep_h:
-        assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32
-
-
-@pytest.mark.parametrize("K, N, b_kmajor, tma", [(36, 8, False, True), (36, 40, False, True),
-                                                  (33, 7, False, False), (36, 12, True, True)],
-                         ids=["tma_unit_n", "tma_two_n_tiles", "pointer", "tma_unit_k"])
-def test_peers_gather_swiglu_vjp_epilogue(loopback, K, N, b_kmajor, tma):
-    """The SwiGLU-backward gather: with P = a @ b[expert] (the gradient of SwiGLU's output),
-    c = [d gate | d up] = vjp(swiglu, h)(P) at the forward's products h. N below, above
-    and not a multiple of the block: columns past N must not reach c. Rows encode their
-    source; NaN-poisoned c."""
+def test_peers_gather_epilogues(loopback, K, N, b_kmajor, tma, epilogue):
+    """The gather's epilogues per row block, with P = a @ b[expert]: c = swiglu(P) (b's
+    columns [gate | up]; h = P when given), or c = [d gate | d up] = vjp(swiglu, h)(P) at
+    the forward's products h. N below, across and not a multiple of the block, so a gate
+    tile's columns past N read up's columns and must not reach c or h. With unit stride
+    along N the up half must start 16-byte aligned for TMA (N=10 fp32 does not). Rows
+    encode their source; NaN-poisoned outputs."""
     world, me = 2, 1
     buf = loopback(world)[me]
     groups = [[1, 0, 0, 0, 4], [1, 1, 0, 4, 0], [0, 1, 0, 4, 11], [0, 0, 0, 15, 3]]
     table = torch.tensor(groups, dtype=torch.int32)
     rows = int(table[:, 4].sum())
     source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
-    a = _ints(rows, K, seed=11) / 8 + source[:, None]
-    b = (_ints(2, N, K, seed=12).transpose(1, 2) if b_kmajor else _ints(2, K, N, seed=12)) / 8
-    h = _ints(rows, 2 * N, seed=13) / 4
-    assert _operands(a, b, epilogue="swiglu_vjp")[0]["TMA"] == tma
-    c = torch.full((rows, 2 * N), float("nan"))
+    a, b = _ints(rows, K, seed=9) / 8 + source[:, None], _epilogue_b(2, K, N, b_kmajor, epilogue)
+    expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
+    product = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
+    kind, c, h, expected = _epilogue_outputs(epilogue, rows, N, product)
+    assert _operands(a, b, epilogue=kind)[0]["TMA"] == tma
     buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
     grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
-                     buf.timeout_ns, push=False, epilogue="swiglu_vjp", h=h)
-    expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
-    grad_act = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
-    _, vjp = torch.func.vjp(swiglu, h.double())
-    torch.testing.assert_close(c.double(), vjp(grad_act)[0], rtol=1e-5, atol=1e-5)
+                     buf.timeout_ns, push=False, epilogue=kind, h=h)
+    torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
+    if epilogue == "swiglu_keep_h":
+        assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32
 
 
 def test_peers_epilogue_must_match_the_mode(loopback):
