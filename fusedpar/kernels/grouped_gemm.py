@@ -22,6 +22,12 @@ host loop and no device-to-host sync).
   (recorded in STATUS) makes the program skip that source's tiles. Push (``PUSH=True``): C
   tiles go straight into rank ``src``'s region at ``peer_row``.
 
+Epilogues (the gather and the rows kernel, for the expert MLPs): ``SWIGLU`` multiplies one
+A tile by b's gate and up columns and stores ``silu(gate) * up`` from the fp32 products
+(``KEEP_H``: the products too, for autograd); ``SWIGLU_VJP`` turns the product, the
+gradient of SwiGLU's output, into the gradients of the forward's gate and up products.
+They work on column halves of a tile: whole tiles of the products spill.
+
 The rows and peers kernels read A and B through TMA descriptors (``TMA``: Hopper's bulk
 tensor copies, host-built ``TensorDescriptor`` s) where the GPU has them and the operands'
 layouts allow (unit inner stride, 16-byte aligned base and strides): a tile's rows past
