@@ -198,7 +198,8 @@ def poison_if_failed_kernel(my_pad, out_ptr, n, BLOCK: tl.constexpr):
     failed = tl.load(my_pad + STATUS, volatile=True)
     if failed != 0:
         offsets = tl.arange(0, BLOCK)
-        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        # int64: an output of 2^31 elements or more must not wrap
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
             idx = start + offsets
             tl.store(out_ptr + idx, float("nan"), mask=idx < n)
 

@@ -124,6 +124,19 @@ def test_poison_fills_nan_only_after_a_recorded_failure(dtype):
     assert torch.equal(ints, torch.arange(5))  # integers have no NaN: left alone
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (4 GiB)")
+def test_gpu_poison_reaches_past_two_to_the_31_elements():
+    """The fill's offsets are int64: the last elements of a 2^31 + 1000 element output
+    (past what an int32 offset reaches) get their NaN too."""
+    n = 2**31 + 1000
+    out = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    pad = torch.zeros(layout.PAD_BYTES // 4, dtype=torch.int32, device="cuda")
+    pad[layout.STATUS] = layout.TIMEOUT_READY
+    signal.poison_if_failed(pad, out)
+    assert out[:1000].isnan().all() and out[-2000:].isnan().all()
+    assert int(out.isnan().sum()) == n
+
+
 def test_a_failed_call_returns_nan_and_raises_at_its_end():
     """Two loopback ranks all-gather; rank 1 expects another fingerprint, so its wait fails:
     its output is NaN (what the CUDA path returns before the error is raised at the next call)
