@@ -186,29 +186,29 @@ def column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def swiglu_tile(c_ptr, h_ptr, gate, up, m0, n0, rows, N, KEEP_H: tl.constexpr,
+def swiglu_tile(c_ptr, h_ptr, gate, up, m0, n0, m_end, N, KEEP_H: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """SwiGLU on one tile of the fp32 ``gate`` and ``up`` products at columns
-    ``n0:n0+BLOCK_N``: ``c [rows, N]`` gets ``silu(gate) * up``, and with KEEP_H ``h [rows,
+    ``n0:n0+BLOCK_N``: ``c [T, N]`` gets ``silu(gate) * up``, and with KEEP_H ``h [T,
     2N]`` gets ``[gate | up]``."""
     if KEEP_H:
-        store_tile(h_ptr, gate, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
-        store_tile(h_ptr + N, up, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
-    store_tile(c_ptr, gate * tl.sigmoid(gate) * up, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
+        store_tile(h_ptr, gate, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+        store_tile(h_ptr + N, up, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, gate * tl.sigmoid(gate) * up, m0, n0, m_end, N, N, 1, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def swiglu_vjp_tile(c_ptr, h_ptr, grad, m0, n0, rows, N, BLOCK_M: tl.constexpr,
+def swiglu_vjp_tile(c_ptr, h_ptr, grad, m0, n0, m_end, N, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     """SwiGLU's backward on one tile: ``grad`` (fp32) is the gradient of its output at
-    columns ``n0:n0+BLOCK_N``; ``h`` and ``c`` (``[rows, 2N]``) hold the forward's ``[gate |
+    columns ``n0:n0+BLOCK_N``; ``h`` and ``c`` (``[T, 2N]``) hold the forward's ``[gate |
     up]`` and get their gradients. d silu(g) / dg = s (1 + g (1 - s)), s = sigmoid(g)."""
-    gate = load_tile(h_ptr, m0, n0, rows, N, 2 * N, BLOCK_M, BLOCK_N)
+    gate = load_tile(h_ptr, m0, n0, m_end, N, 2 * N, BLOCK_M, BLOCK_N)
     s = tl.sigmoid(gate)
-    store_tile(c_ptr + N, grad * gate * s, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr + N, grad * gate * s, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
     grad = grad * s * (1 + gate * (1 - s))
-    grad = grad * load_tile(h_ptr + N, m0, n0, rows, N, 2 * N, BLOCK_M, BLOCK_N)
-    store_tile(c_ptr, grad, m0, n0, rows, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    grad = grad * load_tile(h_ptr + N, m0, n0, m_end, N, 2 * N, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, grad, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
