@@ -16,6 +16,24 @@ from fusedpar.comm.symmetric import shm_job_prefix  # noqa: E402
 from tests.dist_pool import PoolRegistry  # noqa: E402
 
 
+def pytest_collection_finish(session):
+    """The ahead-of-time compiles take minutes of CPU: when the session runs them, start
+    them now, in the background at the lowest priority (tests/kernels/test_aot.py)."""
+    if any(item.path.name == "test_aot.py" for item in session.items):
+        from tests.kernels import test_aot
+
+        try:
+            test_aot.start_compiles()
+        except AssertionError:  # a missing interpreter: the test itself reports it
+            pass
+
+
+def pytest_sessionfinish(session):
+    from tests.kernels import test_aot
+
+    test_aot.stop_compiles()  # an aborted or deselected run leaves none behind
+
+
 @pytest.fixture(scope="session")
 def pools(tmp_path_factory):
     """``pools(W)``: a pool of W spawned gloo ranks, shared by the session's tests and
