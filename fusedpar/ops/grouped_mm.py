@@ -192,6 +192,12 @@ class Triton(Backend):
 BACKENDS = Dispatcher(OP, [Triton(), Reference()])
 
 
+def runs_triton(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str = "") -> bool:
+    """Whether ``grouped_mm(a, b, offs, backend=backend)`` would run the Triton kernel (for
+    callers that launch its variants themselves)."""
+    return BACKENDS.select(check_inputs(a, b, offs), backend).name == Triton.name
+
+
 @torch.library.custom_op("fusedpar::grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                    masked_m: torch.Tensor | None, backend: str) -> torch.Tensor:

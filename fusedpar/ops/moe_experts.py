@@ -40,8 +40,7 @@ from ..errors import BackendNotSupportedError
 from ..kernels import grouped_gemm as kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
-from .grouped_mm import BACKENDS as GROUPED_MM_BACKENDS
-from .grouped_mm import check_inputs, grouped_mm
+from .grouped_mm import grouped_mm, runs_triton
 from .moe import (_DTYPE_CODES, _all_to_all, _check_same_everywhere, _permute, _Permute, _sort,
                   _unpermute, _Unpermute, check_routing, moe_combine, moe_dispatch, swiglu)
 
@@ -191,8 +190,7 @@ def _grouped_swiglu(x_rows, w13, offs, act, h13=None, backend: str = "") -> None
     product when given: one launch with SwiGLU in the GEMM's epilogue where grouped_mm runs
     Triton, else those ops. No autograd (the callers are autograd functions)."""
     b = w13.transpose(1, 2)
-    call = check_inputs(x_rows, b, offs)
-    if GROUPED_MM_BACKENDS.select(call, backend).name == "triton":
+    if runs_triton(x_rows, b, offs, backend):
         kernels.grouped_mm_rows(x_rows, b, offs, act, epilogue="swiglu", h=h13)
         return
     product = grouped_mm(x_rows, b, offs, backend=backend)
@@ -204,8 +202,7 @@ def _grouped_swiglu(x_rows, w13, offs, act, h13=None, backend: str = "") -> None
 def _grouped_swiglu_vjp(dy, w2, offs, h13, backend: str = "") -> torch.Tensor:
     """SwiGLU's backward at the forward's products ``h13`` of the gradient ``grouped_mm(dy,
     w2, offs)`` of its output: in the GEMM's epilogue where grouped_mm runs Triton."""
-    call = check_inputs(dy, w2, offs)
-    if GROUPED_MM_BACKENDS.select(call, backend).name == "triton":
+    if runs_triton(dy, w2, offs, backend):
         dh13 = torch.empty_like(h13)
         kernels.grouped_mm_rows(dy, w2, offs, dh13, epilogue="swiglu_vjp", h=h13)
         return dh13
