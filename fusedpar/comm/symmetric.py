@@ -99,6 +99,8 @@ class SymmetricBuffer:
 
     def __init__(self, segments, rank, backend, group_name, keepalive=None):
         self.segments = segments  # uint8, one per rank, as addressable from this process
+        # int32 views of every rank's pad, made once: a call takes its pad a dozen times
+        self._pads = [s[: layout.PAD_BYTES].view(torch.int32) for s in segments]
         self.rank = rank
         self.world_size = len(segments)
         self.backend = backend
@@ -125,8 +127,7 @@ class SymmetricBuffer:
 
     # ---- views ----------------------------------------------------------------------
     def pad(self, rank: int | None = None) -> torch.Tensor:
-        seg = self.segments[self.rank if rank is None else rank]
-        return seg[: layout.PAD_BYTES].view(torch.int32)
+        return self._pads[self.rank if rank is None else rank]
 
     def data(self, dtype: torch.dtype, numel: int, rank: int | None = None) -> torch.Tensor:
         """The first ``numel`` elements of a rank's data region, as a flat ``dtype`` tensor."""

@@ -12,6 +12,10 @@ nothing here spins.
   lives. If this rank recorded a failure (a wait timed out, a fingerprint differed, a
   capacity was exceeded) it reads no peer at all and writes zeros. Adds the bytes read
   from peers to ``stats``.
+- ``routes_kernel``: where every row goes, from the exchanged ``[W, E]`` counts table (the
+  same on every rank): for this rank's recv_x and for its sorted copies, each row's peer
+  and row there. One program per (expert, direction) writes its block's rows, so a
+  dispatch computes its routes in one launch instead of a chain of small torch ops.
 - ``check_capacity_kernel``: one program: every entry of the ``[W, E + 1]`` table (each
   rank's per-expert counts and its token count) fits in ``max_tokens_per_rank``, else this
   rank records ``CAPACITY_EXCEEDED``. Every rank holds the same table, so every rank fails
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
+from .ag_gemm import interpreting
 from .moe_permute import ROW_BLOCK_GPU, row_blocks, rows_grid
 from .signal import PAD_BYTES, STATUS, call_epoch, pad_ptr, record_failure
 
@@ -62,6 +67,106 @@ def check_capacity_kernel(counts_ptr, n, max_count, pad_table, rank, epoch, BLOC
         record_failure(pad_ptr(pad_table, rank), CAPACITY_EXCEEDED, rank, call_epoch(pad_table, rank, epoch))
 
 
+@triton.jit
+def lookup(rows, n, start, size, peer, peer_start):
+    """For each row in ``rows``: the block holding it (``start <= row < start + size``, the
+    blocks' tiles flattened) gives ``(peer, peer_start + row - start)``; ``(-1, 0)`` for a
+    row in no block or in several (only a table a failed capacity check cut can overlap)."""
+    start, size = tl.reshape(start, [start.numel]), tl.reshape(size, [size.numel])
+    peer, peer_start = tl.reshape(peer, [peer.numel]), tl.reshape(peer_start, [peer_start.numel])
+    hit = ((start[None, :] <= rows[:, None]) & (rows[:, None] < start[None, :] + size[None, :])).to(tl.int32)
+    one = tl.sum(hit, axis=1) == 1
+    src = tl.where(one, tl.sum(hit * peer[None, :], axis=1), -1)
+    row = tl.where(one, rows + tl.sum(hit * (peer_start - start)[None, :], axis=1), 0)
+    return src, row, rows < n
+
+
+@triton.jit(do_not_specialize=["stride", "rank", "W", "L", "cap", "recv_rows", "send_rows"])
+def routes_kernel(table_ptr, stride, recv_rank_ptr, recv_row_ptr, send_rank_ptr, send_row_ptr,
+                  per_expert_ptr, rank, W, L, cap, recv_rows, send_rows, PADDED: tl.constexpr,
+                  W_PAD: tl.constexpr, L_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """Axis 1 picks the layout: 0, this rank's recv_x (blocks (source s, local expert e),
+    rows ordered by (e, s)); 1, its sorted copies (blocks (owner o, local expert e), rows
+    ordered by (o, e)). Axis 0: ROWS rows of it. Every program builds its layout's block
+    table as ``[W_PAD, L_PAD]`` tiles from the counts, then looks its rows up. ``cap``: the
+    rows a count takes at most (max_tokens_per_rank when PADDED, else 2**31 - 1)."""
+    s = tl.arange(0, W_PAD)[:, None]  # sources (recv_x) or owners (sorted copies)
+    e = tl.arange(0, L_PAD)[None, :]
+    ok = (s < W) & (e < L)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    if tl.program_id(1) == 0:
+        counts = tl.load(table_ptr + s * stride + rank * L + e, mask=ok, other=0)
+        size = tl.minimum(counts, cap)
+        per_expert = tl.sum(size, axis=0)
+        if PADDED:
+            expert_start = tl.arange(0, L_PAD) * W * cap
+        else:
+            expert_start = tl.cumsum(per_expert, axis=0) - per_expert
+        start = expert_start[None, :] + tl.cumsum(size, axis=0) - size
+        # peer_start: the block's row in source s's sorted copies, past its copies for lower ranks
+        before = tl.zeros([W_PAD], dtype=tl.int32)
+        for c0 in range(0, rank * L, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)[None, :]
+            before += tl.sum(tl.load(table_ptr + s * stride + c, mask=(s < W) & (c < rank * L), other=0), axis=1)
+        peer_start = before[:, None] + tl.cumsum(counts, axis=1) - counts
+        src, row, valid = lookup(rows, recv_rows, start, size, s + 0 * e, peer_start)
+        tl.store(recv_rank_ptr + rows, src, mask=valid)
+        tl.store(recv_row_ptr + rows, row, mask=valid)
+        if tl.program_id(0) == 0:
+            tl.store(per_expert_ptr + tl.arange(0, L_PAD), per_expert, mask=tl.arange(0, L_PAD) < L)
+    else:
+        counts = tl.load(table_ptr + rank * stride + s * L + e, mask=ok, other=0)
+        size = tl.minimum(counts, cap)
+        per_owner = tl.sum(counts, axis=1)
+        start = (tl.cumsum(per_owner, axis=0) - per_owner)[:, None] + tl.cumsum(counts, axis=1) - counts
+        # peer_start: the block's row in owner o's recv_x (recv_x's start of (e, this rank))
+        total = tl.zeros([W_PAD, L_PAD], dtype=tl.int32)
+        lower = tl.zeros([W_PAD, L_PAD], dtype=tl.int32)
+        for source in range(0, W):
+            theirs = tl.minimum(tl.load(table_ptr + source * stride + s * L + e, mask=ok, other=0), cap)
+            total += theirs
+            lower += theirs * (source < rank).to(tl.int32)
+        if PADDED:
+            peer_start = e * W * cap + lower
+        else:
+            peer_start = tl.cumsum(total, axis=1) - total + lower
+        dst, row, valid = lookup(rows, send_rows, start, size, s + 0 * e, peer_start)
+        tl.store(send_rank_ptr + rows, dst, mask=valid)
+        tl.store(send_row_ptr + rows, row, mask=valid)
+
+
+def routes(table: torch.Tensor, rank: int, world: int, max_tokens: int | None, recv_rows: int,
+           send_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(recv_src, send_src, tokens_per_expert)`` of ``rank`` from every rank's per-expert
+    counts (``table`` int32 ``[W, E]``, rows may be strided; a rank's copies are sorted by
+    expert, experts numbered rank-major), in one launch, nothing read on the host:
+
+    - ``recv_src`` int32 ``[2, recv_rows]``: for each row of this rank's recv_x, ordered by
+      (local expert, source, token), ``(source rank, row in the source's sorted copies)``;
+    - ``send_src`` int32 ``[2, send_rows]``: for each of this rank's sorted copies, ``(owner
+      rank, row in the owner's recv_x)``;
+    - ``tokens_per_expert`` int32 ``[E_local]``: the rows of each local expert in recv_x.
+
+    Source rank -1: a row in no block (padding, dropped copies). With ``max_tokens`` the
+    owner's rows of local expert e start at ``e * W * max_tokens`` and counts above it are
+    cut (the capacity check makes such a call fail)."""
+    W, E = table.shape
+    L = E // W
+    w_pad, l_pad = triton.next_power_of_2(W), triton.next_power_of_2(L)
+    # the lookup's [ROWS, W_PAD * L_PAD] tiles: ~8K entries a program on a GPU; one program
+    # for a test's rows in the interpreter, which pays per operation, not per element
+    rows = 1024 if interpreting() else max(1, min(256, 8192 // (w_pad * l_pad)))
+    out = torch.empty(2, recv_rows + send_rows, dtype=torch.int32, device=table.device)
+    recv_src, send_src = out[:, :recv_rows], out[:, recv_rows:]
+    per_expert = torch.empty(L, dtype=torch.int32, device=table.device)
+    grid = (max(1, triton.cdiv(max(recv_rows, send_rows), rows)), 2)
+    routes_kernel[grid](table, table.stride(0), recv_src[0], recv_src[1], send_src[0], send_src[1],
+                        per_expert, rank, W, L, max_tokens or 2**31 - 1, recv_rows, send_rows,
+                        PADDED=max_tokens is not None, W_PAD=w_pad, L_PAD=l_pad,
+                        CHUNK=max(16, 4096 // w_pad), ROWS=rows, num_warps=NUM_WARPS)
+    return recv_src, send_src, per_expert
+
+
 def pull_rows(out: torch.Tensor, src_rank: torch.Tensor, src_row: torch.Tensor, pad_table: torch.Tensor,
               rank: int, stats: torch.Tensor) -> None:
     """``out[r] = peer src_rank[r]'s staged row src_row[r]`` (zero where ``src_rank[r] < 0``);
@@ -89,6 +194,13 @@ AOT_EXAMPLES = [
       "rows": "i32", "H": "i32", "stats_ptr": "*i64"},
      dict(ROW_BLOCK_GPU, ELEM_BYTES=nbytes), {"num_warps": NUM_WARPS})
     for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4))
+] + [
+    (routes_kernel,
+     {"table_ptr": "*i32", "stride": "i32", "recv_rank_ptr": "*i32", "recv_row_ptr": "*i32",
+      "send_rank_ptr": "*i32", "send_row_ptr": "*i32", "per_expert_ptr": "*i32", "rank": "i32", "W": "i32",
+      "L": "i32", "cap": "i32", "recv_rows": "i32", "send_rows": "i32"},
+     {"PADDED": padded, "W_PAD": 8, "L_PAD": 32, "CHUNK": 512, "ROWS": 32}, {"num_warps": NUM_WARPS})
+    for padded in (False, True)
 ] + [
     (check_capacity_kernel,
      {"counts_ptr": "*i32", "n": "i32", "max_count": "i32", "pad_table": "*i64", "rank": "i32", "epoch": "i32"},

@@ -272,7 +272,7 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
         raise ValueError(f"fusedpar.{op}: max_tokens_per_rank={max_tokens_per_rank!r} must be a "
                          "positive int (or None for an unpadded recv_x)")
     if check_values and topk_idx.numel():
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host read, not two
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"fusedpar.{op}: topk_idx holds values in [{lo}, {hi}]; expert ids "
                              f"must be in [0, {num_experts}) (-1 marks a dropped copy)")
@@ -413,47 +413,6 @@ def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torc
 # with max_tokens_per_rank, where reading topk_idx on the host would synchronise)
 INVALID_IDS = 2**31 - 1
 EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _routes(table, rank, world, local, max_tokens, send_rows, recv_rows):
-    """Where every row goes, from every rank's per-expert counts (``table`` int32 [W, E]);
-    torch ops on the device, no host read. Returns int32 tables
-
-    - ``recv_src``: for each row of this rank's recv_x, ``(source rank, row in the source's
-      staged sorted copies)``, ordered by (local expert, source, token); rank -1 = padding;
-    - ``send_src``: for each of this rank's sorted copies, ``(owner rank, row in the owner's
-      recv_x)``; rank -1 = no copy (past the kept copies).
-
-    With ``max_tokens`` the owner's rows of expert e_l start at ``e_l * W * max_tokens``
-    (counts above it are cut here; the capacity check makes such a call fail)."""
-    W, L = world, local
-    counts = table.long().view(W, W, L)                                    # [src, owner, e_l]
-    flat = counts.reshape(W, W * L)
-    staged_start = (flat.cumsum(1) - flat).view(W, W, L)                   # row in src's sorted copies
-    fit = counts.clamp(max=max_tokens) if max_tokens else counts
-    seg = fit.permute(1, 2, 0)                                              # [owner, e_l, src]
-    if max_tokens:
-        block = torch.arange(L, device=table.device).view(1, L, 1) * (W * max_tokens)
-        dst_start = block + seg.cumsum(2) - seg
-    else:
-        per_owner = seg.reshape(W, L * W)
-        dst_start = (per_owner.cumsum(1) - per_owner).view(W, L, W)
-
-    def lookup(starts, sizes, n):
-        """For rows 0..n-1 of a layout cut into segments (starts non-decreasing): the
-        segment of each row and its offset in it (offset >= size: in no segment)."""
-        row = torch.arange(n, device=table.device)
-        j = (torch.searchsorted(starts, row, right=True) - 1).clamp(min=0)
-        off = row - starts[j]
-        return j, off, off < sizes[j]
-
-    j, off, valid = lookup(dst_start[rank].reshape(-1), seg[rank].reshape(-1), recv_rows)
-    recv_src = torch.stack([torch.where(valid, j % W, -1),
-                            staged_start[:, rank, :].t().reshape(-1)[j] + off])
-    j, off, valid = lookup(staged_start[rank].reshape(-1), fit[rank].reshape(-1), send_rows)
-    send_src = torch.stack([torch.where(valid, j // L, -1),
-                            dst_start[:, :, rank].reshape(-1)[j] + off])
-    return recv_src.to(torch.int32), send_src.to(torch.int32)
 
 
 @dataclass
@@ -615,8 +574,8 @@ class TritonDispatch(Backend):
        whole ``[W, E + 1]`` table on the device;
     2. rows: every rank stages its expert-sorted copies; after every source's READY flag one
        kernel pulls exactly this rank's rows from the sources' buffers into recv_x, by routes
-       computed on the device from the table (``_routes``; the exchange is the custom op
-       ``torch.ops.fusedpar.moe_pull_rows``).
+       computed on the device from the table (``kernels.moe_dispatch.routes``, one launch;
+       the exchange is the custom op ``torch.ops.fusedpar.moe_pull_rows``).
 
     ``moe_combine`` is one round the other way (owners stage their outputs; every rank pulls
     its copies' rows back), then the weighted sum of the permutation kernels; each direction's
@@ -666,9 +625,10 @@ class TritonDispatch(Backend):
             send_rows = [int(host[r].sum()) for r in ranks]
             recv_rows = [int(per_owner[r]) for r in ranks]
             send_cap, recv_cap = int(host.sum(1).max()), int(per_owner.max())
-        exchanges = [Exchange(views, i, table, *_routes(table[:, :E], r, W, L, M, send_rows[i], recv_rows[i]),
-                              send_cap, recv_cap, k, M)
-                     for i, (r, table) in enumerate(zip(ranks, tables))]
+        routes = [dispatch_kernels.routes(table[:, :E], r, W, M, recv_rows[i], send_rows[i])
+                  for i, (r, table) in enumerate(zip(ranks, tables))]
+        exchanges = [Exchange(views, i, table, recv_src, send_src, send_cap, recv_cap, k, M)
+                     for i, (table, (recv_src, send_src, _)) in enumerate(zip(tables, routes))]
         if group is not None:
             (pos, _), ex = sorts[0], exchanges[0]
             recvs = [_pull_op(_Permute.apply(first.x, pos, k, ex.send_rows), ex, group, "moe_dispatch",
@@ -677,9 +637,7 @@ class TritonDispatch(Backend):
             sorted_rows = [_permute(c.x, pos, k, ex.send_rows) for c, (pos, _), ex in zip(calls, sorts, exchanges)]
             recvs = _pull(exchanges, sorted_rows, "moe_dispatch", M is not None)
         out = []
-        for r, c, (pos, _), ex, recv in zip(ranks, calls, sorts, exchanges, recvs):
-            seg = ex.table[:, r * L:(r + 1) * L].long()
-            per_expert = (seg.clamp(max=M) if M else seg).sum(0).to(torch.int32)
+        for c, (pos, _), ex, (*_, per_expert), recv in zip(calls, sorts, exchanges, routes, recvs):
             if M is not None:
                 recv = recv.view(L, W * M, H)
             handle = MoEHandle(group, pos, k, c.x.shape[0], c.topk_weights, self.name, ex.recv_rows, M,
