@@ -409,8 +409,9 @@ def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torc
 
 # ---- the triton backend: symmetric memory, per-source flags -----------------------------------
 
-# the counts column of a rank whose topk_idx holds an id outside [-1, E) (checked on the device
-# with max_tokens_per_rank, where reading topk_idx on the host would synchronise)
+# the token count of a rank whose topk_idx holds an id outside [-1, E): the ids are checked on
+# the device (a host read of topk_idx would synchronise), and every rank sees the flag in the
+# exchanged table, so every rank raises the same error
 INVALID_IDS = 2**31 - 1
 EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -474,18 +475,25 @@ def _gather_counts(views, headers: list, meta: int, desc: list[int]) -> list:
     return _run_round("moe_dispatch", views(n * 4), headers, meta, desc, pull)
 
 
+def _invalid_ids_error(table: torch.Tensor):
+    """The error of a table in which a rank flagged expert ids out of range, else None."""
+    E = table.shape[1] - 1
+    bad = (table[:, E] == INVALID_IDS).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    return ValueError(f"fusedpar.moe_dispatch: rank {bad[0]}'s topk_idx holds expert ids outside "
+                      f"[0, {E}) (-1 marks a dropped copy)")
+
+
 def _capacity_error_from(table: torch.Tensor, max_tokens: int):
     """The error of a call whose capacity check failed (reads the table: error path only)."""
-    E = table.shape[1] - 1
+    error = _invalid_ids_error(table)
     over = (table > max_tokens).nonzero().tolist()
-    if not over:
-        return None
+    if error is not None or not over:
+        return error
     src, expert = over[0]
     count = int(table[src, expert])
-    if expert == E and count == INVALID_IDS:
-        return ValueError(f"fusedpar.moe_dispatch: rank {src}'s topk_idx holds expert ids outside "
-                          f"[0, {E}) (-1 marks a dropped copy)")
-    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == E
+    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == table.shape[1] - 1
                            else f"rank {src} routes {count} copies to expert {expert}")
 
 
@@ -607,11 +615,9 @@ class TritonDispatch(Backend):
         L, k, H = E // W, first.topk_idx.shape[1], first.x.shape[1]
         sorts = [_sort(c.topk_idx, E) for c in calls]
         headers = []
-        for c, (_, per_expert) in zip(calls, sorts):
-            tokens = per_expert.new_full((1,), c.x.shape[0])
-            if M is not None:  # expert ids are checked here, on the device
-                bad = ((c.topk_idx < -1) | (c.topk_idx >= E)).any()
-                tokens = torch.where(bad, INVALID_IDS, tokens).to(torch.int32)
+        for c, (_, per_expert) in zip(calls, sorts):  # expert ids are checked here, on the device
+            bad = ((c.topk_idx < -1) | (c.topk_idx >= E)).any()
+            tokens = torch.where(bad, INVALID_IDS, per_expert.new_full((1,), c.x.shape[0]))
             headers.append(torch.cat([per_expert, tokens]))
         meta = symmetric.fingerprint("moe_dispatch", first.x.dtype, H, E, k, M)
         tables = _gather_counts(views, headers, meta, _describe(first.x.dtype, H, E, k, M))
@@ -619,8 +625,12 @@ class TritonDispatch(Backend):
             send_rows = [c.x.shape[0] * k for c in calls]
             recv_rows = [L * W * M] * len(calls)
             send_cap, recv_cap = M * k, L * W * M
-        else:  # the one host read of this backend
-            host = tables[0].cpu()[:, :E].long()
+        else:  # the one host read of this backend; every rank reads the same table
+            host = tables[0].cpu()
+            error = _invalid_ids_error(host)
+            if error is not None:
+                raise error
+            host = host[:, :E].long()
             per_owner = host.view(W, W, L).sum((0, 2))
             send_rows = [int(host[r].sum()) for r in ranks]
             recv_rows = [int(per_owner[r]) for r in ranks]
@@ -707,17 +717,21 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     ``reference`` the others, until a GPU benchmark says otherwise; ``backend=`` or
     ``FUSEDPAR_BACKEND`` choose.
     Every rank passes the same hidden size, k, num_experts, dtype and max_tokens_per_rank
-    (T may differ); a difference raises ``ValueError``.
+    (T may differ); a difference raises ``ValueError``. An expert id outside ``[-1, E)``
+    raises ``ValueError``: ``reference`` reads topk_idx on the host (on the rank that holds
+    it); ``triton`` checks it on the device and flags it in the exchanged counts, so every
+    rank raises, naming the rank (without M at the host read of the counts, with M when
+    the call finishes).
     """
     _check_capturable(x, max_tokens_per_rank, backend)
     group = resolve_group(group)
     world = dist.get_world_size(group)
     check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank,
-                  check_values=max_tokens_per_rank is None)
+                  check_values=False)
     call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
     chosen = DISPATCH.select(call, backend or _default_backend(call))
     _check_capturable(x, max_tokens_per_rank, chosen.name)
-    if max_tokens_per_rank is not None and chosen.name != "triton":
+    if chosen.name != "triton":  # the triton backend checks the ids on the device
         check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world)
     return chosen.run(call)
 
@@ -755,7 +769,7 @@ def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_exp
     _check_capturable(first, max_tokens_per_rank, "triton")
     for r, (x, idx, w) in enumerate(zip(xs, topk_idxs, topk_weights)):
         check_routing(op, x, idx, w, num_experts, world, max_tokens_per_rank,
-                      check_values=max_tokens_per_rank is None)
+                      check_values=False)  # the triton backend checks the ids on the device
         if (x.shape[1], x.dtype, x.device, idx.shape[1]) != (first.shape[1], first.dtype, first.device,
                                                              topk_idxs[0].shape[1]):
             raise ValueError(f"fusedpar.{op}: rank {r} passes x {tuple(x.shape)} {x.dtype} on "

@@ -177,6 +177,10 @@ def _errors(backend):
         "tokens": fresh(lambda g: moe_dispatch(x, torch.arange(4).view(4, 1), w[:, :1], E, g,
                                                max_tokens_per_rank=3, backend=backend)),
         "copies": fresh(lambda g: moe_dispatch(x, idx, w, E, g, max_tokens_per_rank=4, backend=backend)),
+        # one rank's bad ids: the triton backend's ranks all raise (the reference backend's
+        # other ranks would wait in its all-to-all: not run there)
+        **({"range_one_rank": lambda: moe_dispatch(x, idx + E * dist.get_rank(), w, E, backend=backend)}
+           if backend == "triton" else {}),
     })
 
 
@@ -184,7 +188,6 @@ def _errors(backend):
 def test_bad_inputs_raise_clear_errors(pools, backend):
     errors = pools(2).run(_errors, backend)
     for rank_errors in errors:
-        assert "in [4, 4]; expert ids must be in [0, 4)" in rank_errors["range"][1]
         assert "int32 or int64" in rank_errors["dtype"][1]
         assert "topk_weights has shape (4, 1)" in rank_errors["weights"][1]
         assert "num_experts=5 is not divisible by the ep group size 2" in rank_errors["divisible"][1]
@@ -192,6 +195,7 @@ def test_bad_inputs_raise_clear_errors(pools, backend):
         assert "max_tokens_per_rank=3 is too small" in rank_errors["tokens"][1]
         assert "max_tokens_per_rank=4 is too small" in rank_errors["copies"][1]
         if backend == "reference":
+            assert "in [4, 4]; expert ids must be in [0, 4)" in rank_errors["range"][1]
             assert "every rank of the ep group must agree" in rank_errors["mismatch"][1]
             assert "topk_idx holds values in [-2, -2]" in rank_errors["range_padded"][1]
         else:  # the same verdict on every rank, from the device-side checks
@@ -199,5 +203,8 @@ def test_bad_inputs_raise_clear_errors(pools, backend):
             assert "rank 0 shape (3, 4, 2, 0) float32" in message and "rank 1 shape (4, 4, 2, 0)" in message
             assert "shape = (hidden size, num_experts, k, max_tokens_per_rank)" in message
             assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range_padded"][1]
+            assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range"][1]
+            assert rank_errors["range_one_rank"][0] == "ValueError"
+            assert "rank 1's topk_idx holds expert ids outside [0, 4)" in rank_errors["range_one_rank"][1]
             assert "rank 0 passed 4 tokens" in rank_errors["tokens"][1]
             assert "routes 8 copies to expert 0" in rank_errors["copies"][1]
