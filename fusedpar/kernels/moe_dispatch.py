@@ -14,8 +14,9 @@ nothing here spins.
   from peers to ``stats``.
 - ``routes_kernel``: where every row goes, from the exchanged ``[W, E]`` counts table (the
   same on every rank): for this rank's recv_x and for its sorted copies, each row's peer
-  and row there. One program per (expert, direction) writes its block's rows, so a
-  dispatch computes its routes in one launch instead of a chain of small torch ops.
+  and row there. Each program builds the block table of its layout from the counts and
+  looks a block of rows up in it, so a dispatch computes its routes in one launch instead
+  of a chain of small torch ops.
 - ``check_capacity_kernel``: one program: every entry of the ``[W, E + 1]`` table (each
   rank's per-expert counts and its token count) fits in ``max_tokens_per_rank``, else this
   rank records ``CAPACITY_EXCEEDED``. Every rank holds the same table, so every rank fails

@@ -271,8 +271,14 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
                                             or max_tokens_per_rank < 1):
         raise ValueError(f"fusedpar.{op}: max_tokens_per_rank={max_tokens_per_rank!r} must be a "
                          "positive int (or None for an unpadded recv_x)")
-    if check_values and topk_idx.numel():
-        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host read, not two
+    if check_values:
+        check_expert_ids(op, topk_idx, num_experts)
+
+
+def check_expert_ids(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Every id of ``topk_idx`` in ``[-1, num_experts)`` (one host read)."""
+    if topk_idx.numel():
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"fusedpar.{op}: topk_idx holds values in [{lo}, {hi}]; expert ids "
                              f"must be in [0, {num_experts}) (-1 marks a dropped copy)")
@@ -493,7 +499,8 @@ def _capacity_error_from(table: torch.Tensor, max_tokens: int):
         return error
     src, expert = over[0]
     count = int(table[src, expert])
-    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == table.shape[1] - 1
+    tokens_column = table.shape[1] - 1
+    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == tokens_column
                            else f"rank {src} routes {count} copies to expert {expert}")
 
 
@@ -732,7 +739,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     chosen = DISPATCH.select(call, backend or _default_backend(call))
     _check_capturable(x, max_tokens_per_rank, chosen.name)
     if chosen.name != "triton":  # the triton backend checks the ids on the device
-        check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world)
+        check_expert_ids("moe_dispatch", topk_idx, num_experts)
     return chosen.run(call)
 
 

@@ -331,13 +331,13 @@ def _device_tables(tables: list, device: torch.device) -> list:
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
                     desc: list[int], keep_h: bool = False, h13s: list | None = None):
     """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
-    their experts, which compute ``middle(rows @ first_b[e]) @ second_b[e]`` and write the
-    results straight back; one view per process, or all W in a loopback. ``middle`` runs
-    in the gather GEMM's epilogue. The forward (no ``h13s``): ``first_b = w13ᵀ``, swiglu,
+    their experts, which compute ``epilogue(rows @ first_b[e]) @ second_b[e]`` and write the
+    results straight back; one view per process, or all W in a loopback. ``epilogue`` runs
+    in the gather GEMM. The forward (no ``h13s``): ``first_b = w13ᵀ``, swiglu,
     ``second_b = w2ᵀ``, the ``[rows, 2I]`` product kept only with ``keep_h``. The backward:
     ``w2``, the SwiGLU vector-Jacobian product at the forward's products ``h13s`` (per
     view), ``w13``. Returns per view ``(back, received, first product (None when not
-    kept), middle's output, bytes from peers)``: the results of its own rows in their
+    kept), the epilogue's output, bytes from peers)``: the results of its own rows in their
     order, the rows it received (source-major) and what the epilogue made of them.
 
     Two epochs per call. Epoch 1: stage the rows (after DONE of the last call), READY;
@@ -365,6 +365,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
         rank = buf.rank
         rows = groups[:, 4].tolist()
         per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
+        firsts = starts[:, rank * local].tolist()  # row of each source's block in its staged copies
         received = x.new_empty(sum(rows), hidden)
         width = first_b.shape[2]
         # forward: swiglu of the [gate | up] products; backward: their gradients
@@ -372,7 +373,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
         mid = x.new_empty(sum(rows), width // 2 if h13 is None else 2 * width)
         blocks = []
         for src in ((rank + step) % world for step in range(world)):
-            n, first = per_source[src], int(starts[src, rank * local])
+            n, first = per_source[src], firsts[src]
             at = sum(per_source[:src])
             staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
             if n:
