@@ -100,7 +100,8 @@ def combine_rows_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, T, H, k,
 def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pos, counts)``: each copy's row in the expert-sorted buffer (``-1`` if dropped),
     int32 ``[T*k]``, and the int32 histogram ``[num_experts]``. ``topk_idx`` int32 or int64
-    ``[T, k]`` with values in ``[-1, num_experts)`` (the caller checks)."""
+    ``[T, k]``; an id outside ``[-1, num_experts)`` counts nowhere and its position stays in
+    ``[0, T*k)``: memory-safe (the callers flag such ids on the device, and the call raises)."""
     flat = topk_idx.reshape(-1).to(torch.int32)
     pos = torch.empty_like(flat)
     counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)

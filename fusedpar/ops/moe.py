@@ -78,8 +78,8 @@ def expert_counts(topk_idx: torch.Tensor, experts: int, dtype: torch.dtype) -> t
     """Copies routed to each expert (``-1``, dropped, counts nowhere): ``bincount`` without
     its host read of the largest id (a CUDA graph could not capture that)."""
     flat = topk_idx.reshape(-1)
-    kept = (flat >= 0).to(dtype)
-    return kept.new_zeros(experts).index_add_(0, flat.clamp(min=0), kept)
+    kept = (flat >= 0) & (flat < experts)  # an id out of range counts nowhere (callers flag it)
+    return kept.to(dtype).new_zeros(experts).index_add_(0, torch.where(kept, flat, 0), kept.to(dtype))
 
 
 def _within_capacity(topk_idx, weights, experts, capacity, policy) -> torch.Tensor:
@@ -249,8 +249,8 @@ class MoEHandle:
 
 
 def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: int,
-                  max_tokens_per_rank: int | None = None, check_values: bool = True) -> None:
-    """Shapes, dtypes and (``check_values``: a host read of ``topk_idx``) the expert ids."""
+                  max_tokens_per_rank: int | None = None) -> None:
+    """Shapes and dtypes (the expert ids are checked on the device: ``ids_flag``)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"fusedpar.{op}: x must be a [tokens, hidden] tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -271,17 +271,52 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
                                             or max_tokens_per_rank < 1):
         raise ValueError(f"fusedpar.{op}: max_tokens_per_rank={max_tokens_per_rank!r} must be a "
                          "positive int (or None for an unpadded recv_x)")
-    if check_values:
-        check_expert_ids(op, topk_idx, num_experts)
 
 
-def check_expert_ids(op: str, topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Every id of ``topk_idx`` in ``[-1, num_experts)`` (one host read)."""
-    if topk_idx.numel():
-        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"fusedpar.{op}: topk_idx holds values in [{lo}, {hi}]; expert ids "
-                             f"must be in [0, {num_experts}) (-1 marks a dropped copy)")
+# What a rank exchanges, with its per-expert counts, when its topk_idx holds an id outside
+# [-1, E): the ids are checked on the device (a host read of topk_idx would synchronise, and
+# would fail only the rank holding it while its peers wait in the exchange), and every rank
+# raises the same error where it reads the exchanged counts on the host.
+INVALID_IDS = 2**31 - 1
+
+
+def ids_flag(topk_idx: torch.Tensor, num_experts: int, value: int) -> torch.Tensor:
+    """int32 ``[1]`` on topk_idx's device: ``value``, or ``INVALID_IDS`` where ``topk_idx``
+    holds an id outside ``[-1, num_experts)``. No host read."""
+    bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+    return torch.where(bad, INVALID_IDS, torch.full((1,), value, dtype=torch.int32,
+                                                    device=topk_idx.device))
+
+
+def invalid_ids_error(op: str, flags: torch.Tensor, num_experts: int, topk_idxs: dict):
+    """The error of an exchange in which a rank flagged expert ids out of range (``flags``:
+    host ints, one per rank), else None. ``topk_idxs``: rank -> topk_idx of the ranks this
+    process plays; the message gives the offending rank's id range when it is one of them
+    (a host read, on the error path only)."""
+    bad = (flags == INVALID_IDS).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    span = ""
+    if bad[0] in topk_idxs:
+        lo, hi = torch.stack(torch.aminmax(topk_idxs[bad[0]])).tolist()
+        span = f" (its ids span [{lo}, {hi}])"
+    return ValueError(f"fusedpar.{op}: rank {bad[0]}'s topk_idx holds expert ids outside "
+                      f"[0, {num_experts}){span}; -1 marks a dropped copy")
+
+
+def exchange_counts(op: str, topk_idx: torch.Tensor, counts: torch.Tensor, group):
+    """``(sent, received)``, host int ``[W, E_local]``: this rank's copies per expert of each
+    rank, and each rank's copies per expert of this rank (``all_to_all_single``), in one host
+    read. The counts carry ``ids_flag``: if any rank's topk_idx holds an id out of range,
+    every rank raises here."""
+    world, rank, E = dist.get_world_size(group), dist.get_rank(group), counts.numel()
+    local = E // world
+    sent = torch.cat([counts.view(world, local), ids_flag(topk_idx, E, 0).view(1, 1).expand(world, 1)], 1)
+    host = torch.stack([sent, _all_to_all(sent, [1] * world, [1] * world, group)]).cpu()
+    error = invalid_ids_error(op, host[1, :, local], E, {rank: topk_idx})
+    if error is not None:
+        raise error
+    return host[0, :, :local], host[1, :, :local]
 
 
 def _check_same_everywhere(op: str, group, values: list[int], names: str) -> None:
@@ -328,7 +363,8 @@ class RoutingCall:
 
 
 class ReferenceDispatch(Backend):
-    """Sort copies by expert, exchange the per-expert counts (``all_to_all_single``), then the
+    """Sort copies by expert, exchange the per-expert counts and the expert-id flag
+    (``all_to_all_single``, then one host read; ``ids_flag``), then the
     rows (``all_to_all_single`` with uneven splits, read on the host), then reorder the
     received rows from source-major to expert-major (and pad them, with max_tokens_per_rank)."""
 
@@ -344,7 +380,7 @@ class ReferenceDispatch(Backend):
                                                       _DTYPE_CODES.get(x.dtype, 9), M or 0],
                                "hidden size, k, num_experts, dtype, max_tokens_per_rank")
         pos, counts = _sort(topk_idx, num_experts)
-        recv_counts = _all_to_all(counts.view(world, local), [1] * world, [1] * world, group).cpu()
+        send_counts, recv_counts = exchange_counts("moe_dispatch", topk_idx, counts, group)
         if M is not None:  # agreed by every rank, so every rank raises
             worst = torch.tensor([x.shape[0], int(recv_counts.max()) if recv_counts.numel() else 0],
                                  device=host_collective_device(group))
@@ -352,8 +388,7 @@ class ReferenceDispatch(Backend):
             if int(worst.max()) > M:
                 raise _capacity_error(M, f"a rank passes {int(worst[0])} tokens and some expert "
                                          f"gets {int(worst[1])} copies from one rank")
-        send = counts.view(world, local).sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         sorted_x = _Permute.apply(x, pos, topk_idx.shape[1], sum(send))
         received = _AllToAll.apply(sorted_x, send, recv, group)
         counters.record("moe_dispatch", self.name,
@@ -415,10 +450,6 @@ def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torc
 
 # ---- the triton backend: symmetric memory, per-source flags -----------------------------------
 
-# the token count of a rank whose topk_idx holds an id outside [-1, E): the ids are checked on
-# the device (a host read of topk_idx would synchronise), and every rank sees the flag in the
-# exchanged table, so every rank raises the same error
-INVALID_IDS = 2**31 - 1
 EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -481,19 +512,15 @@ def _gather_counts(views, headers: list, meta: int, desc: list[int]) -> list:
     return _run_round("moe_dispatch", views(n * 4), headers, meta, desc, pull)
 
 
-def _invalid_ids_error(table: torch.Tensor):
-    """The error of a table in which a rank flagged expert ids out of range, else None."""
+def _invalid_ids_error(table: torch.Tensor, topk_idxs: dict):
+    """``invalid_ids_error`` of a dispatch's host table (``[W, E + 1]``: the flag in the T slot)."""
     E = table.shape[1] - 1
-    bad = (table[:, E] == INVALID_IDS).nonzero().flatten().tolist()
-    if not bad:
-        return None
-    return ValueError(f"fusedpar.moe_dispatch: rank {bad[0]}'s topk_idx holds expert ids outside "
-                      f"[0, {E}) (-1 marks a dropped copy)")
+    return invalid_ids_error("moe_dispatch", table[:, E], E, topk_idxs)
 
 
-def _capacity_error_from(table: torch.Tensor, max_tokens: int):
+def _capacity_error_from(table: torch.Tensor, max_tokens: int, topk_idxs: dict):
     """The error of a call whose capacity check failed (reads the table: error path only)."""
-    error = _invalid_ids_error(table)
+    error = _invalid_ids_error(table, topk_idxs)
     over = (table > max_tokens).nonzero().tolist()
     if error is not None or not over:
         return error
@@ -534,7 +561,8 @@ def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) ->
         return _run_round(op, bufs, staged, meta, _describe(dtype, H, first.num_experts, first.k,
                                                             first.max_tokens), pull)
     except ValueError:  # a capacity failure: say which rank and expert
-        error = _capacity_error_from(first.table, first.max_tokens) if check_capacity else None
+        # (the routes do not keep topk_idx: the message names the rank, not its ids)
+        error = _capacity_error_from(first.table, first.max_tokens, {}) if check_capacity else None
         if error is None:
             raise
         raise error from None
@@ -622,10 +650,8 @@ class TritonDispatch(Backend):
         L, k, H = E // W, first.topk_idx.shape[1], first.x.shape[1]
         sorts = [_sort(c.topk_idx, E) for c in calls]
         headers = []
-        for c, (_, per_expert) in zip(calls, sorts):  # expert ids are checked here, on the device
-            bad = ((c.topk_idx < -1) | (c.topk_idx >= E)).any()
-            tokens = torch.where(bad, INVALID_IDS, per_expert.new_full((1,), c.x.shape[0]))
-            headers.append(torch.cat([per_expert, tokens]))
+        for c, (_, per_expert) in zip(calls, sorts):  # T, or the flag of an id out of range
+            headers.append(torch.cat([per_expert, ids_flag(c.topk_idx, E, c.x.shape[0])]))
         meta = symmetric.fingerprint("moe_dispatch", first.x.dtype, H, E, k, M)
         tables = _gather_counts(views, headers, meta, _describe(first.x.dtype, H, E, k, M))
         if M is not None:
@@ -634,7 +660,7 @@ class TritonDispatch(Backend):
             send_cap, recv_cap = M * k, L * W * M
         else:  # the one host read of this backend; every rank reads the same table
             host = tables[0].cpu()
-            error = _invalid_ids_error(host)
+            error = _invalid_ids_error(host, {r: c.topk_idx for r, c in zip(ranks, calls)})
             if error is not None:
                 raise error
             host = host[:, :E].long()
@@ -725,21 +751,18 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     ``FUSEDPAR_BACKEND`` choose.
     Every rank passes the same hidden size, k, num_experts, dtype and max_tokens_per_rank
     (T may differ); a difference raises ``ValueError``. An expert id outside ``[-1, E)``
-    raises ``ValueError``: ``reference`` reads topk_idx on the host (on the rank that holds
-    it); ``triton`` checks it on the device and flags it in the exchanged counts, so every
-    rank raises, naming the rank (without M at the host read of the counts, with M when
-    the call finishes).
+    raises ``ValueError`` on every rank, naming the rank that passed it: every backend checks
+    the ids on the device and flags them in the exchanged counts (topk_idx is never read on
+    the host), so the error comes at the host read of the counts, or (triton with M) when
+    the call finishes.
     """
     _check_capturable(x, max_tokens_per_rank, backend)
     group = resolve_group(group)
     world = dist.get_world_size(group)
-    check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank,
-                  check_values=False)
+    check_routing("moe_dispatch", x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank)
     call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
     chosen = DISPATCH.select(call, backend or _default_backend(call))
     _check_capturable(x, max_tokens_per_rank, chosen.name)
-    if chosen.name != "triton":  # the triton backend checks the ids on the device
-        check_expert_ids("moe_dispatch", topk_idx, num_experts)
     return chosen.run(call)
 
 
@@ -775,8 +798,7 @@ def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_exp
     first = xs[0]
     _check_capturable(first, max_tokens_per_rank, "triton")
     for r, (x, idx, w) in enumerate(zip(xs, topk_idxs, topk_weights)):
-        check_routing(op, x, idx, w, num_experts, world, max_tokens_per_rank,
-                      check_values=False)  # the triton backend checks the ids on the device
+        check_routing(op, x, idx, w, num_experts, world, max_tokens_per_rank)
         if (x.shape[1], x.dtype, x.device, idx.shape[1]) != (first.shape[1], first.dtype, first.device,
                                                              topk_idxs[0].shape[1]):
             raise ValueError(f"fusedpar.{op}: rank {r} passes x {tuple(x.shape)} {x.dtype} on "

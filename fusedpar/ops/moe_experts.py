@@ -41,8 +41,9 @@ from ..kernels import grouped_gemm as kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm, runs_triton
-from .moe import (_DTYPE_CODES, _all_to_all, _check_same_everywhere, _permute, _Permute, _sort,
-                  _unpermute, _Unpermute, check_routing, moe_combine, moe_dispatch, swiglu)
+from .moe import (_DTYPE_CODES, _check_same_everywhere, _permute, _Permute, _sort, _unpermute,
+                  _Unpermute, check_routing, exchange_counts, ids_flag, invalid_ids_error,
+                  moe_combine, moe_dispatch, swiglu)
 
 OP = "moe_experts"
 
@@ -134,11 +135,14 @@ class _Plan:
     k: int = 0
 
     @classmethod
-    def from_counts(cls, group, rank: int, send_counts: torch.Tensor, recv_counts: torch.Tensor):
+    def from_counts(cls, group, rank: int, send_counts: torch.Tensor, recv_counts: torch.Tensor,
+                    device: torch.device):
         """``send_counts[d, e]`` copies this rank sends to rank d's expert e, ``recv_counts[s,
-        e]`` it receives from rank s for its expert e (int ``[W, E_local]``)."""
+        e]`` it receives from rank s for its expert e (host int ``[W, E_local]``); the group
+        ends go to ``device`` without waiting for its stream."""
+        (offs,) = _device_tables([recv_counts.cumsum(1)], device)
         return cls(group, rank, send_counts.shape[0], send_counts.sum(1).tolist(),
-                   recv_counts.sum(1).tolist(), recv_counts.cumsum(1).to(torch.int32))
+                   recv_counts.sum(1).tolist(), offs)
 
     def send_rows(self, dst: int) -> slice:
         start = sum(self.send[:dst])
@@ -287,8 +291,7 @@ class Pipelined(Backend):
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
         world, rank, local, k = call.agree()
         pos, counts = _sort(topk_idx, local * world)
-        recv_counts = _all_to_all(counts.view(world, local), [1] * world, [1] * world, group)
-        plan = _Plan.from_counts(group, rank, counts.view(world, local), recv_counts)
+        plan = _Plan.from_counts(group, rank, *exchange_counts(OP, topk_idx, counts, group), x.device)
         sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
         back = _ExpertPipeline.apply(sorted_x, w13, call.w2, plan)
         row_bytes = x.shape[1] * x.element_size()
@@ -478,23 +481,37 @@ class Fused(Backend):
     def run(self, call: ExpertsCall) -> torch.Tensor:
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
         world, rank, local, k = call.agree()
-        pos, counts = _sort(topk_idx, local * world)
-        table = torch.empty(world * counts.numel(), dtype=counts.dtype, device=counts.device)
-        C.all_gather_single(table, counts, group=group)
-        table = table.view(world, -1).cpu().long()  # sizes and offsets: one host read
+        E = local * world
+        pos, counts = _sort(topk_idx, E)
+        header = torch.cat([counts, ids_flag(topk_idx, E, 0)])
+        table = torch.empty(world * (E + 1), dtype=counts.dtype, device=counts.device)
+        C.all_gather_single(table, header, group=group)
+        table = _checked_table(OP, table.view(world, -1).cpu(), {rank: topk_idx})  # one host read
         plan = _Plan.from_counts(group, rank, table[rank].view(world, local),
-                                 table[:, rank * local:(rank + 1) * local].to(x.device))
+                                 table[:, rank * local:(rank + 1) * local], x.device)
         plan.table, plan.k = table, k
         sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
         back = _FusedExperts.apply(sorted_x, w13, call.w2, plan)
         return _Unpermute.apply(back, call.topk_weights, pos, k)
 
 
+def _checked_table(op: str, table: torch.Tensor, topk_idxs: dict) -> torch.Tensor:
+    """Every rank's copies per expert (host int64 ``[W, E]``) from the exchanged headers
+    (``[W, E + 1]``: the counts, then ``ids_flag``); raises if a rank flagged its ids."""
+    E = table.shape[1] - 1
+    error = invalid_ids_error(op, table[:, E], E, topk_idxs)
+    if error is not None:
+        raise error
+    return table[:, :E].long()
+
+
 def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
     world, local, k = len(xs), w13s[0].shape[0], topk_idxs[0].shape[1]
-    hidden, dtype = xs[0].shape[1], xs[0].dtype
-    sorts = [_sort(idx, local * world) for idx in topk_idxs]
-    table = torch.stack([counts for _, counts in sorts]).cpu().long()
+    hidden, dtype, E = xs[0].shape[1], xs[0].dtype, local * world
+    sorts = [_sort(idx, E) for idx in topk_idxs]
+    table = _checked_table(f"{OP}_loopback", torch.stack(
+        [torch.cat([counts, ids_flag(idx, E, 0)]) for idx, (_, counts) in zip(topk_idxs, sorts)]).cpu(),
+        dict(enumerate(topk_idxs)))  # one host read
     sorted_xs = [_permute(x.contiguous(), pos, k, int(table[r].sum()))
                  for r, (x, (pos, _)) in enumerate(zip(xs, sorts))]
     bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden, dtype), xs[0].device)
@@ -540,8 +557,7 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     group = resolve_group(group)
     check_expert_weights(OP, x, w13, w2)
     world = dist.get_world_size(group)
-    check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world, max_tokens_per_rank,
-                  check_values=max_tokens_per_rank is None)  # with M, dispatch checks on the device
+    check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world, max_tokens_per_rank)
     call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank)
     return BACKENDS.select(call, backend or "").run(call)
 
@@ -569,8 +585,9 @@ def moe_experts_loopback(xs: list, topk_idxs: list, topk_weights: list, w13s: li
         raise ValueError(f"fusedpar.{op}: xs, topk_idxs, topk_weights, w13s and w2s must hold one "
                          f"entry per simulated rank; got {len(xs)}, {len(topk_idxs)}, "
                          f"{len(topk_weights)}, {len(w13s)}, {len(w2s)}")
-    for r, (x, w13, w2) in enumerate(zip(xs, w13s, w2s)):
+    for r, (x, idx, w, w13, w2) in enumerate(zip(xs, topk_idxs, topk_weights, w13s, w2s)):
         check_expert_weights(op, x, w13, w2)
+        check_routing(op, x, idx, w, w13.shape[0] * world, world)
         if w13.shape != w13s[0].shape:
             raise ValueError(f"fusedpar.{op}: w13s[{r}] is {tuple(w13.shape)} but w13s[0] "
                              f"{tuple(w13s[0].shape)}; every rank holds as many experts of one size")

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.ops.moe import moe_combine, moe_dispatch, topk_route
+from fusedpar.ops.moe import expert_counts, moe_combine, moe_dispatch, topk_route
 from tests.ops.collective_cases import capture_errors, poison_symmetric, poisoned_allocations, subgroup
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -39,6 +39,12 @@ def test_topk_route_capacity_drops_explicitly():
     idx, _, _ = topk_route(logits, 1, capacity_factor=2.0, drop_policy="position")
     assert (idx[:, 0] == 0).nonzero().flatten().tolist() == [0, 1, 2]
     assert idx[5, 0] == 1  # under capacity: nothing dropped
+
+
+def test_expert_counts_count_ids_out_of_range_nowhere():
+    """No host read and no out-of-bounds index (an id outside [-1, E) is flagged elsewhere)."""
+    idx = torch.tensor([[0, 5], [-1, 1], [3, -7], [1, 4]])
+    assert expert_counts(idx, 4, torch.int32).tolist() == [1, 2, 0, 1]
 
 
 def test_topk_route_errors():
@@ -177,34 +183,36 @@ def _errors(backend):
         "tokens": fresh(lambda g: moe_dispatch(x, torch.arange(4).view(4, 1), w[:, :1], E, g,
                                                max_tokens_per_rank=3, backend=backend)),
         "copies": fresh(lambda g: moe_dispatch(x, idx, w, E, g, max_tokens_per_rank=4, backend=backend)),
-        # one rank's bad ids: the triton backend's ranks all raise (the reference backend's
-        # other ranks would wait in its all-to-all: not run there)
-        **({"range_one_rank": lambda: moe_dispatch(x, idx + E * dist.get_rank(), w, E, backend=backend)}
-           if backend == "triton" else {}),
+        # one rank's bad ids: every rank raises (none waits in the exchange for that rank)
+        "range_one_rank": lambda: moe_dispatch(x, idx + E * dist.get_rank(), w, E, backend=backend),
     })
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_bad_inputs_raise_clear_errors(pools, backend):
     errors = pools(2).run(_errors, backend)
-    for rank_errors in errors:
+    for rank, rank_errors in enumerate(errors):
         assert "int32 or int64" in rank_errors["dtype"][1]
         assert "topk_weights has shape (4, 1)" in rank_errors["weights"][1]
         assert "num_experts=5 is not divisible by the ep group size 2" in rank_errors["divisible"][1]
         assert rank_errors["tokens"][0] == rank_errors["copies"][0] == "ValueError"
         assert "max_tokens_per_rank=3 is too small" in rank_errors["tokens"][1]
         assert "max_tokens_per_rank=4 is too small" in rank_errors["copies"][1]
+        # expert ids: flagged on the device, the same verdict on every rank naming the rank,
+        # with the ids' span where that rank is this process
+        assert rank_errors["range"][0] == rank_errors["range_one_rank"][0] == "ValueError"
+        assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range"][1]
+        assert ("(its ids span [4, 4])" in rank_errors["range"][1]) == (rank == 0)
+        assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range_padded"][1]
+        one = rank_errors["range_one_rank"][1]
+        assert "rank 1's topk_idx holds expert ids outside [0, 4)" in one
+        assert ("(its ids span [4, 4])" in one) == (rank == 1)
         if backend == "reference":
-            assert "in [4, 4]; expert ids must be in [0, 4)" in rank_errors["range"][1]
             assert "every rank of the ep group must agree" in rank_errors["mismatch"][1]
-            assert "topk_idx holds values in [-2, -2]" in rank_errors["range_padded"][1]
+            assert ("(its ids span [-2, -2])" in rank_errors["range_padded"][1]) == (rank == 0)
         else:  # the same verdict on every rank, from the device-side checks
             message = rank_errors["mismatch"][1]
             assert "rank 0 shape (3, 4, 2, 0) float32" in message and "rank 1 shape (4, 4, 2, 0)" in message
             assert "shape = (hidden size, num_experts, k, max_tokens_per_rank)" in message
-            assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range_padded"][1]
-            assert "rank 0's topk_idx holds expert ids outside [0, 4)" in rank_errors["range"][1]
-            assert rank_errors["range_one_rank"][0] == "ValueError"
-            assert "rank 1's topk_idx holds expert ids outside [0, 4)" in rank_errors["range_one_rank"][1]
             assert "rank 0 passed 4 tokens" in rank_errors["tokens"][1]
             assert "routes 8 copies to expert 0" in rank_errors["copies"][1]

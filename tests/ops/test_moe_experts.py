@@ -118,7 +118,10 @@ def _errors():
     return capture_errors({
         "weights_shape": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 5), torch.zeros(1, 3, 2)),
         "dtype": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3).half(), torch.zeros(1, 3, 2)),
-        "expert_range": lambda: moe_experts(x, idx + 2, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2)),
+        # one rank's bad ids, each backend: every rank raises (none waits for that rank)
+        **{f"expert_range_{backend}": lambda backend=backend: moe_experts(
+            x, idx + 2 * dist.get_rank(), w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
+            backend=backend) for backend in ("fused", "pipelined", "reference")},
         "backend": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
                                        backend="nope"),
         "padded_pipelined": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
@@ -130,10 +133,13 @@ def _errors():
 
 
 def test_bad_inputs_raise_clear_errors(pools):
-    for rank_errors in pools(2).run(_errors):
+    for rank, rank_errors in enumerate(pools(2).run(_errors)):
         assert "do not fit" in rank_errors["weights_shape"][1]
         assert "cast them to one dtype" in rank_errors["dtype"][1]
-        assert "[2, 2]" in rank_errors["expert_range"][1] and "[0, 2)" in rank_errors["expert_range"][1]
+        for backend in ("fused", "pipelined", "reference"):
+            kind, message = rank_errors[f"expert_range_{backend}"]
+            assert kind == "ValueError" and "rank 1's topk_idx holds expert ids outside [0, 2)" in message
+            assert ("(its ids span [2, 2])" in message) == (rank == 1), message
         assert "does not exist" in rank_errors["backend"][1]
         assert "reference backend keeps them on the device" in rank_errors["padded_pipelined"][1]
         assert "max_tokens_per_rank=3 is too small" in rank_errors["too_many_tokens"][1]
@@ -159,6 +165,19 @@ def test_loopback_matches_dense_loop(backend, world, k, skew):
     # each crossing copy there and back (reference: the counts' all_gather is not rows)
     rows = sum(n for (op, _), n in counter.by_op().items() if op != "all_gather")
     assert rows == 2 * crossing * H * 4, counter.by_op()
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_loopback_flags_a_rank_with_expert_ids_out_of_range(backend):
+    """Checked on the device, read with the routing counts: the error names the rank and its
+    ids' span (-1, a dropped copy, is allowed)."""
+    xs = [torch.randn(3, 8) for _ in range(2)]
+    idxs = [torch.tensor([[0, -1], [1, 2], [3, 0]]), torch.tensor([[0, 1], [4, 2], [3, -1]])]
+    weights = [torch.ones(3, 2)] * 2
+    w13s, w2s = [torch.randn(2, 12, 8)] * 2, [torch.randn(2, 8, 6)] * 2
+    with pytest.raises(ValueError, match=r"rank 1's topk_idx holds expert ids outside \[0, 4\) "
+                                         r"\(its ids span \[-1, 4\]\)"):
+        moe_experts_loopback(xs, idxs, weights, w13s, w2s, backend=backend)
 
 
 def _fused_with_a_stalled_peer(T):
@@ -209,8 +228,22 @@ def test_loopback_bf16_on_gpu(backend):
         assert (y.double() - exact).abs().max() <= 2 * (torch_bf16.double() - exact).abs().max()
 
 
+def _syncs(fn) -> int:
+    """Host syncs of one warm call of ``fn`` (torch's sync debug mode counts them)."""
+    fn()  # compiles, allocates the buffers
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _loopback_syncs(world: int) -> int:
-    """Host syncs of one warm fused loopback call (torch's sync debug mode counts them)."""
+    """Host syncs of one warm fused loopback call."""
     T, H, I, E_local, k = 64, 128, 64, 2, 2
     g = torch.Generator(device="cuda").manual_seed(world)
     w13 = torch.randn(world * E_local, 2 * I, H, generator=g, device="cuda").bfloat16()
@@ -220,16 +253,7 @@ def _loopback_syncs(world: int) -> int:
               for _ in range(world)]
     args = (xs, [i for i, _, _ in routes], [w.bfloat16() for _, w, _ in routes],
             list(w13.chunk(world)), list(w2.chunk(world)))
-    moe_experts_loopback(*args, backend="fused")  # compiles, allocates the buffers
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            moe_experts_loopback(*args, backend="fused")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return _syncs(lambda: moe_experts_loopback(*args, backend="fused"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -237,6 +261,27 @@ def test_fused_loopback_reads_the_host_once_per_call_on_gpu():
     """One host sync per call, the routing table's read, whatever the number of rank views:
     none per view (a pageable host-to-device copy there waited for the previous view's GEMM)."""
     assert {world: _loopback_syncs(world) for world in (2, 4)} == {2: 1, 4: 1}
+
+
+def _group_forward_syncs() -> dict:
+    """Host syncs of a warm forward per backend on a one-rank NCCL-only group (whose small
+    host-side collectives run on the GPU)."""
+    group = dist.new_group([dist.get_rank()], backend="nccl")
+    T, H, I, E, k = 64, 128, 64, 4, 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda").bfloat16()
+    w2 = torch.randn(E, H, I, generator=g, device="cuda").bfloat16()
+    idx, w, _ = topk_route(torch.randn(T, E, generator=g, device="cuda"), k)
+    return {backend: _syncs(lambda: moe_experts(x, idx, w.bfloat16(), w13, w2, group, backend=backend))
+            for backend in ("pipelined", "fused")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_forward_reads_the_host_twice(pools):
+    """The agreement check's all-gather and the routing counts: topk_idx itself is never read
+    on the host (its ids are flagged on the device, with the counts)."""
+    assert pools(1).run(_group_forward_syncs) == [{"pipelined": 2, "fused": 2}]
 
 
 def _gpu_forward_backward(backend, device="cuda"):
