@@ -30,7 +30,7 @@ import torch
 import fusedpar
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 
-from common import DTYPE, W_LOOPBACK, busy_ms, counted, gpu_busy_ms, name, or_skip, rel_err
+from common import DTYPE, W_LOOPBACK, busy_ms, counted, gpu_busy_ms, host_ms, name, or_skip, rel_err
 
 OP = "moe_experts"
 TOKENS, HIDDEN, INTERMEDIATE, TOP_K = 2048, 4096, 14336, 2  # per simulated rank; Mixtral 8x7B
@@ -99,7 +99,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, 
     tflops = 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
     _medians[backend] = median
     notes = {"tflops": f"{tflops:.1f}", "top_k": TOP_K, "experts": world * EXPERTS_PER_RANK,
-             "gpu_busy_ms": f"{gpu_busy_ms(fn):.2f}"}
+             "gpu_busy_ms": f"{gpu_busy_ms(fn):.2f}", "host_ms": f"{host_ms(fn):.2f}"}
     if backend != "unfused" and "unfused" in _medians:
         speedup = _medians["unfused"] / median
         notes["x_unfused"] = f"{speedup:.2f}"
@@ -150,7 +150,8 @@ def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, recor
     tflops = 3 * 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
     _medians[f"train {backend}"] = median
     notes = {"mode": "train_one_rank", "tflops": f"{tflops:.1f}", "top_k": TOP_K,
-             "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{gpu_busy_ms(step):.2f}"}
+             "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{gpu_busy_ms(step):.2f}",
+             "host_ms": f"{host_ms(step):.2f}"}
     if backend != "reference" and "train reference" in _medians:
         notes["x_reference"] = f"{_medians['train reference'] / median:.2f}"
     shape = (1, TRAIN_TOKENS, HIDDEN, INTERMEDIATE)

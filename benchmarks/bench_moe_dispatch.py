@@ -24,7 +24,7 @@ import torch
 
 from fusedpar.ops.moe import moe_combine_loopback, moe_dispatch_loopback, topk_route
 
-from common import DTYPE, W_LOOPBACK, counted, name, or_skip, rel_err
+from common import DTYPE, W_LOOPBACK, counted, gpu_busy_ms, host_ms, name, or_skip, rel_err
 
 OP = "moe_dispatch"
 HIDDEN, EXPERTS, TOP_K = 7168, 256, 8
@@ -93,7 +93,8 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, mode, tokens):
     median, p20, p80 = gpu_times(fn)
     key = (world, tokens)
     _medians[key, mode] = median
-    notes = {"top_k": TOP_K, "experts": EXPERTS}
+    notes = {"top_k": TOP_K, "experts": EXPERTS, "gpu_busy_ms": f"{gpu_busy_ms(fn):.2f}",
+             "host_ms": f"{host_ms(fn):.2f}"}
     if mode != "unpadded" and (key, "unpadded") in _medians:
         notes["x_unpadded"] = f"{_medians[key, 'unpadded'] / median:.2f}"
     if mode == "padded_graph" and (key, "padded") in _medians:

@@ -6,6 +6,7 @@ TRITON_INTERPRET (the suites import it, never conftest.py).
 """
 
 import contextlib
+import time
 import warnings
 
 import pytest
@@ -94,6 +95,20 @@ def gpu_busy_ms(fn) -> float:
         torch.cuda.synchronize()
     return busy_ms((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def host_ms(fn, repeats: int = 5) -> float:
+    """Median time the host spends in one call of ``fn`` started on an idle GPU: issuing its
+    work plus waiting at its host reads. Near ``gpu_busy_ms`` or above it, the GPU waits for
+    the host (the call is host-bound)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def bench(benchmark, synced, fn, times, **extra_info):

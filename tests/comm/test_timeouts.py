@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import triton
 
 import fusedpar
 from fusedpar.comm import layout, symmetric
@@ -135,6 +136,36 @@ def test_gpu_poison_reaches_past_two_to_the_31_elements():
     signal.poison_if_failed(pad, out)
     assert out[:1000].isnan().all() and out[-2000:].isnan().all()
     assert int(out.isnan().sum()) == n
+
+
+@triton.jit
+def _spin_kernel(pad_table, word, epoch, timeout_ns):
+    """Every program waits (bounded) until ``pad[word] >= epoch``."""
+    signal.wait_flag(signal.pad_ptr(pad_table, 0), word, 0, epoch, timeout_ns, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_side_stream_copy_and_flag_land_while_every_sm_spins():
+    """What the fused ops' producer (``_collective.gathering``) relies on: its side-stream
+    copies and flag writes need no SM, so a consumer may hold every SM while it spins on the
+    flags they raise. Here far more spinning programs than fit are launched (every SM full
+    of them, the rest queued), then a same-device copy and the flag write after it go on
+    the side stream. If that copy needs an SM, the spin times out (STATUS records it):
+    the suspected cause of the loopback all_gather_matmul stall on the copy engine."""
+    pad = torch.zeros(layout.PAD_BYTES // 4, dtype=torch.int32, device="cuda")
+    pad_table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
+    src = torch.randn(16 << 20, device="cuda")
+    dst = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    sms = torch.cuda.get_device_properties(pad.device).multi_processor_count
+    _spin_kernel[(64 * sms,)](pad_table, layout.GATHERED, 1, int(5e9), num_warps=4)
+    time.sleep(0.2)  # the spinning programs hold every SM by now
+    with torch.cuda.stream(C.side_stream(pad.device)):
+        dst.copy_(src)
+        C.write_flag(pad, layout.GATHERED, 1)
+    torch.cuda.synchronize()
+    assert pad[layout.STATUS].item() == 0, "the spin timed out: the side-stream copy needed an SM"
+    assert torch.equal(dst, src)
 
 
 def test_a_failed_call_returns_nan_and_raises_at_its_end():
