@@ -7,6 +7,8 @@ contiguous buffer, and the inverse: a weighted sum of each token's k rows.
   copy ``start[e] + (copies of e before it)`` (a cumulative sum of one-hot rows, block by
   block, carrying per-expert running counts), so the sort is stable: within an expert,
   copies stay in token order. Copies with expert ``-1`` (dropped) get position ``-1``.
+  Pass 1 also flags ids outside ``[-1, E)`` in the slot after the counts, which the MoE
+  exchanges send along with them (the ids are never read on the host).
 - ``gather_rows_kernel``: ``out[pos[i]] = x[i // k] (* w[i])`` for every kept copy ``i``.
 - ``combine_rows_kernel``: ``out[t] = sum_j w[t, j] * y[pos[t*k + j]]`` in fp32: each
   program owns its output tile, so no atomics and a deterministic sum.
@@ -21,6 +23,9 @@ import triton.language as tl
 
 from .ag_gemm import interpreting
 
+# the flag slot of a sort whose ids are not all in [-1, E) (ops.moe raises on it)
+INVALID_IDS = 2**31 - 1
+INVALID_IDS_FLAG = tl.constexpr(INVALID_IDS)
 SORT_BLOCK = 64  # copies per step of the sort ([SORT_BLOCK, E_PAD] one-hot tiles)
 SORT_WARPS = 8
 ROW_BLOCK_GPU = dict(BLOCK_R=16, BLOCK_H=256)
@@ -38,16 +43,19 @@ def rows_grid(rows: int, H: int, cfg: dict) -> tuple[int, int]:
     return max(1, triton.cdiv(rows, cfg["BLOCK_R"])), max(1, triton.cdiv(H, cfg["BLOCK_H"]))
 
 
-@triton.jit
-def sort_by_expert_kernel(idx_ptr, pos_ptr, counts_ptr, n, E,
+@triton.jit(do_not_specialize=["flag_value"])
+def sort_by_expert_kernel(idx_ptr, pos_ptr, counts_ptr, n, E, flag_value,
                           BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     experts = tl.arange(0, E_PAD)
     hist = tl.zeros([E_PAD], dtype=tl.int32)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
     for b in range(0, tl.cdiv(n, BLOCK)):
         i = b * BLOCK + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + i, mask=i < n, other=-1)
+        e = tl.load(idx_ptr + i, mask=i < n, other=-1)  # int32 or int64, compared as loaded
         hist += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        bad += ((e < -1) | (e >= E)).to(tl.int32)
     tl.store(counts_ptr + experts, hist, mask=experts < E)
+    tl.store(counts_ptr + E, tl.where(tl.sum(bad) > 0, INVALID_IDS_FLAG, flag_value))
     running = tl.cumsum(hist, axis=0) - hist  # bucket starts, then advanced per block
     for b in range(0, tl.cdiv(n, BLOCK)):
         i = b * BLOCK + tl.arange(0, BLOCK)
@@ -97,18 +105,21 @@ def combine_rows_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, T, H, k,
              acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (h < H)[None, :])
 
 
-def sort_by_expert(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pos, counts)``: each copy's row in the expert-sorted buffer (``-1`` if dropped),
-    int32 ``[T*k]``, and the int32 histogram ``[num_experts]``. ``topk_idx`` int32 or int64
-    ``[T, k]``; an id outside ``[-1, num_experts)`` counts nowhere and its position stays in
-    ``[0, T*k)``: memory-safe (the callers flag such ids on the device, and the call raises)."""
-    flat = topk_idx.reshape(-1).to(torch.int32)
-    pos = torch.empty_like(flat)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-    sort_by_expert_kernel[(1,)](flat, pos, counts, flat.numel(), num_experts, BLOCK=SORT_BLOCK,
-                                E_PAD=triton.next_power_of_2(max(num_experts, 2)),
+def sort_by_expert(topk_idx: torch.Tensor, num_experts: int,
+                   flag_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos, header)``: each copy's row in the expert-sorted buffer (``-1`` if dropped),
+    int32 ``[T*k]``, and int32 ``[num_experts + 1]``: the histogram, then ``flag_value``, or
+    ``INVALID_IDS`` if ``topk_idx`` (int32 or int64 ``[T, k]``) holds an id outside
+    ``[-1, num_experts)``. Such an id counts nowhere and gets a position in ``[0, T*k)``, or
+    ``-1`` if negative: memory-safe (the callers send the flag with the counts, and the call
+    raises)."""
+    flat = topk_idx.reshape(-1)
+    pos = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
+    header = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
+    sort_by_expert_kernel[(1,)](flat, pos, header, flat.numel(), num_experts, flag_value,
+                                BLOCK=SORT_BLOCK, E_PAD=triton.next_power_of_2(max(num_experts, 2)),
                                 num_warps=SORT_WARPS)
-    return pos, counts
+    return pos, header
 
 
 def gather_rows(x: torch.Tensor, pos: torch.Tensor, k: int, rows: int,
@@ -148,8 +159,9 @@ _COMBINE_SIG = {"y_ptr": "*bf16", "pos_ptr": "*i32", "w_ptr": "*fp32", "out_ptr"
                 "H": "i32", "k": "i32"}
 
 AOT_EXAMPLES = [
-    (sort_by_expert_kernel, {"idx_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i32", "n": "i32",
-                             "E": "i32"}, {"BLOCK": SORT_BLOCK, "E_PAD": 128}, {"num_warps": SORT_WARPS}),
+    *[(sort_by_expert_kernel, {"idx_ptr": f"*{t}", "pos_ptr": "*i32", "counts_ptr": "*i32", "n": "i32",
+                               "E": "i32", "flag_value": "i32"}, {"BLOCK": SORT_BLOCK, "E_PAD": 128},
+       {"num_warps": SORT_WARPS}) for t in ("i32", "i64")],
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=False)),
     (combine_rows_kernel, _COMBINE_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),

@@ -250,7 +250,7 @@ class MoEHandle:
 
 def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: int,
                   max_tokens_per_rank: int | None = None) -> None:
-    """Shapes and dtypes (the expert ids are checked on the device: ``ids_flag``)."""
+    """Shapes and dtypes (the expert ids are checked on the device: ``_sort`` flags them)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"fusedpar.{op}: x must be a [tokens, hidden] tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -273,19 +273,11 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
                          "positive int (or None for an unpadded recv_x)")
 
 
-# What a rank exchanges, with its per-expert counts, when its topk_idx holds an id outside
-# [-1, E): the ids are checked on the device (a host read of topk_idx would synchronise, and
-# would fail only the rank holding it while its peers wait in the exchange), and every rank
-# raises the same error where it reads the exchanged counts on the host.
-INVALID_IDS = 2**31 - 1
-
-
-def ids_flag(topk_idx: torch.Tensor, num_experts: int, value: int) -> torch.Tensor:
-    """int32 ``[1]`` on topk_idx's device: ``value``, or ``INVALID_IDS`` where ``topk_idx``
-    holds an id outside ``[-1, num_experts)``. No host read."""
-    bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-    return torch.where(bad, INVALID_IDS, torch.full((1,), value, dtype=torch.int32,
-                                                    device=topk_idx.device))
+# What a rank exchanges after its per-expert counts when its topk_idx holds an id outside
+# [-1, E) (``_sort`` flags it): the ids are checked on the device (a host read of topk_idx
+# would synchronise, and would fail only the rank holding it while its peers wait in the
+# exchange), and every rank raises the same error where it reads the exchanged counts.
+INVALID_IDS = permute_kernels.INVALID_IDS
 
 
 def invalid_ids_error(op: str, flags: torch.Tensor, num_experts: int, topk_idxs: dict):
@@ -304,14 +296,14 @@ def invalid_ids_error(op: str, flags: torch.Tensor, num_experts: int, topk_idxs:
                       f"[0, {num_experts}){span}; -1 marks a dropped copy")
 
 
-def exchange_counts(op: str, topk_idx: torch.Tensor, counts: torch.Tensor, group):
+def exchange_counts(op: str, topk_idx: torch.Tensor, header: torch.Tensor, group):
     """``(sent, received)``, host int ``[W, E_local]``: this rank's copies per expert of each
     rank, and each rank's copies per expert of this rank (``all_to_all_single``), in one host
-    read. The counts carry ``ids_flag``: if any rank's topk_idx holds an id out of range,
-    every rank raises here."""
-    world, rank, E = dist.get_world_size(group), dist.get_rank(group), counts.numel()
+    read. ``header``: ``_sort``'s; its id flag goes to every rank with the counts, so if any
+    rank's topk_idx holds an id out of range, every rank raises here."""
+    world, rank, E = dist.get_world_size(group), dist.get_rank(group), header.numel() - 1
     local = E // world
-    sent = torch.cat([counts.view(world, local), ids_flag(topk_idx, E, 0).view(1, 1).expand(world, 1)], 1)
+    sent = torch.cat([header[:E].view(world, local), header[E:].view(1, 1).expand(world, 1)], 1)
     host = torch.stack([sent, _all_to_all(sent, [1] * world, [1] * world, group)]).cpu()
     error = invalid_ids_error(op, host[1, :, local], E, {rank: topk_idx})
     if error is not None:
@@ -364,7 +356,7 @@ class RoutingCall:
 
 class ReferenceDispatch(Backend):
     """Sort copies by expert, exchange the per-expert counts and the expert-id flag
-    (``all_to_all_single``, then one host read; ``ids_flag``), then the
+    (``all_to_all_single``, then one host read; see ``INVALID_IDS``), then the
     rows (``all_to_all_single`` with uneven splits, read on the host), then reorder the
     received rows from source-major to expert-major (and pad them, with max_tokens_per_rank)."""
 
@@ -379,8 +371,8 @@ class ReferenceDispatch(Backend):
         _check_same_everywhere("moe_dispatch", group, [x.shape[1], topk_idx.shape[1], num_experts,
                                                       _DTYPE_CODES.get(x.dtype, 9), M or 0],
                                "hidden size, k, num_experts, dtype, max_tokens_per_rank")
-        pos, counts = _sort(topk_idx, num_experts)
-        send_counts, recv_counts = exchange_counts("moe_dispatch", topk_idx, counts, group)
+        pos, header = _sort(topk_idx, num_experts)
+        send_counts, recv_counts = exchange_counts("moe_dispatch", topk_idx, header, group)
         if M is not None:  # agreed by every rank, so every rank raises
             worst = torch.tensor([x.shape[0], int(recv_counts.max()) if recv_counts.numel() else 0],
                                  device=host_collective_device(group))
@@ -425,14 +417,20 @@ def _padded_rows(per_expert: torch.Tensor, block: int) -> torch.Tensor:
     return expert * block + torch.arange(expert.numel()) - starts[expert]
 
 
-def _sort(topk_idx, num_experts):
+def _sort(topk_idx, num_experts, flag_value: int = 0):
+    """``(pos, header)``: each copy's row in the expert-sorted buffer (-1: dropped), int32
+    ``[T*k]``; int32 ``[E + 1]``: the copies per expert, then ``flag_value``, or
+    ``INVALID_IDS`` if topk_idx holds an id outside ``[-1, E)`` (no host read)."""
     if _kernels_run_on(topk_idx.device):
-        return permute_kernels.sort_by_expert(topk_idx, num_experts)
+        return permute_kernels.sort_by_expert(topk_idx, num_experts, flag_value)
     flat = topk_idx.reshape(-1)
     order = torch.argsort(torch.where(flat < 0, num_experts, flat), stable=True)
     pos = torch.empty_like(flat)
     pos[order] = torch.arange(flat.numel(), device=flat.device)
-    return torch.where(flat < 0, -1, pos).to(torch.int32), expert_counts(flat, num_experts, torch.int32)
+    bad = ((flat < -1) | (flat >= num_experts)).any()
+    flag = torch.where(bad, INVALID_IDS, torch.full((1,), flag_value, dtype=torch.int32, device=flat.device))
+    return (torch.where(flat < 0, -1, pos).to(torch.int32),
+            torch.cat([expert_counts(flat, num_experts, torch.int32), flag]))
 
 
 def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -648,12 +646,10 @@ class TritonDispatch(Backend):
         first = calls[0]
         W, E, M = first.world_size, first.num_experts, first.max_tokens_per_rank
         L, k, H = E // W, first.topk_idx.shape[1], first.x.shape[1]
-        sorts = [_sort(c.topk_idx, E) for c in calls]
-        headers = []
-        for c, (_, per_expert) in zip(calls, sorts):  # T, or the flag of an id out of range
-            headers.append(torch.cat([per_expert, ids_flag(c.topk_idx, E, c.x.shape[0])]))
+        sorts = [_sort(c.topk_idx, E, c.x.shape[0]) for c in calls]  # T, or the id flag
         meta = symmetric.fingerprint("moe_dispatch", first.x.dtype, H, E, k, M)
-        tables = _gather_counts(views, headers, meta, _describe(first.x.dtype, H, E, k, M))
+        tables = _gather_counts(views, [header for _, header in sorts], meta,
+                                _describe(first.x.dtype, H, E, k, M))
         if M is not None:
             send_rows = [c.x.shape[0] * k for c in calls]
             recv_rows = [L * W * M] * len(calls)

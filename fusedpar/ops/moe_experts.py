@@ -42,8 +42,8 @@ from . import _collective as C
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm, runs_triton
 from .moe import (_DTYPE_CODES, _check_same_everywhere, _permute, _Permute, _sort, _unpermute,
-                  _Unpermute, check_routing, exchange_counts, ids_flag, invalid_ids_error,
-                  moe_combine, moe_dispatch, swiglu)
+                  _Unpermute, check_routing, exchange_counts, invalid_ids_error, moe_combine,
+                  moe_dispatch, swiglu)
 
 OP = "moe_experts"
 
@@ -140,9 +140,8 @@ class _Plan:
         """``send_counts[d, e]`` copies this rank sends to rank d's expert e, ``recv_counts[s,
         e]`` it receives from rank s for its expert e (host int ``[W, E_local]``); the group
         ends go to ``device`` without waiting for its stream."""
-        (offs,) = _device_tables([recv_counts.cumsum(1)], device)
         return cls(group, rank, send_counts.shape[0], send_counts.sum(1).tolist(),
-                   recv_counts.sum(1).tolist(), offs)
+                   recv_counts.sum(1).tolist(), _to_device(recv_counts.cumsum(1), device))
 
     def send_rows(self, dst: int) -> slice:
         start = sum(self.send[:dst])
@@ -290,8 +289,8 @@ class Pipelined(Backend):
     def run(self, call: ExpertsCall) -> torch.Tensor:
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
         world, rank, local, k = call.agree()
-        pos, counts = _sort(topk_idx, local * world)
-        plan = _Plan.from_counts(group, rank, *exchange_counts(OP, topk_idx, counts, group), x.device)
+        pos, header = _sort(topk_idx, local * world)
+        plan = _Plan.from_counts(group, rank, *exchange_counts(OP, topk_idx, header, group), x.device)
         sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
         back = _ExpertPipeline.apply(sorted_x, w13, call.w2, plan)
         row_bytes = x.shape[1] * x.element_size()
@@ -303,32 +302,37 @@ class Pipelined(Backend):
 # ---- fused: symmetric memory ------------------------------------------------------------------
 
 
-def _groups(table: torch.Tensor, rank: int, local: int) -> torch.Tensor:
-    """The first GEMM's row blocks on ``rank``, own rank first: rows ``[src, expert, row in
-    src's staged copies, row in this rank's received rows, rows]`` (int64 ``[G, 5]``, empty
-    blocks left out; ``table`` host int ``[W, E]``: every rank's copies per expert; a rank's
-    copies are sorted by destination, then expert). Whole-table ops: a Python loop over the
-    W x E_local blocks cost ~5 ms per call at W=8, 32 experts per rank."""
+def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple[torch.Tensor, list[int]]:
+    """The first GEMM's row blocks of each rank view in ``ranks``, own rank first: rows
+    ``[src, expert, row in src's staged copies, row in the view's received rows, rows]``
+    (int64 ``[G, 5]``, empty blocks left out, one view's blocks after another), and how many
+    blocks each view has. ``table``: host int ``[W, E]``, every rank's copies per expert (a
+    rank's copies are sorted by destination, then expert). Whole-table ops for every view at
+    once: the host issues the first GEMM only after this (a Python loop over the blocks cost
+    ~5 ms per call at W=8 with 32 experts per rank; a pass per view, half the host's time
+    before the first GEMM of a W=8 loopback)."""
     world = table.shape[0]
-    mine = slice(rank * local, (rank + 1) * local)
-    staged = (table.cumsum(1) - table)[:, mine]  # row of (src, expert) in src's sorted copies
-    received = table[:, mine]
-    local_starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).view(world, local)
-    src = torch.arange(world).roll(-rank)  # rank, rank + 1, ...
-    expert = torch.arange(local)
-    blocks = torch.stack([src[:, None].expand(world, local), expert[None, :].expand(world, local),
-                          staged[src], local_starts[src], received[src]], dim=-1).reshape(-1, 5)
-    return blocks[blocks[:, 4] > 0]
+    counts = table.view(world, world, local)  # [src, owner, expert]
+    staged = (table.cumsum(1) - table).view(world, world, local)  # row in src's sorted copies
+    by_owner = counts.transpose(0, 1).reshape(world, -1)  # [owner, src * local + expert]
+    local_starts = (by_owner.cumsum(1) - by_owner).view(world, world, local)  # [owner, src, expert]
+    owner = torch.tensor(ranks)[:, None]
+    src = (owner + torch.arange(world)) % world  # per view: its rank, rank + 1, ...
+    blocks = torch.stack([src[..., None].expand(-1, -1, local),
+                          torch.arange(local).expand(len(ranks), world, local),
+                          staged[src, owner], local_starts[owner, src], counts[src, owner]], dim=-1)
+    kept = blocks[..., 4] > 0
+    return blocks[kept], kept.view(len(ranks), -1).sum(1).tolist()
 
 
-def _device_tables(tables: list, device: torch.device) -> list:
-    """Host int tables as int32 on ``device``, in one copy that does not wait for the stream:
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host int table as int32 on ``device``, in a copy that does not wait for the stream:
     a plain ``.to("cuda")`` of pageable memory synchronises the stream, which in a loopback
     held the host until the previous rank view's GEMM had ended (a bubble per view)."""
-    flat = torch.cat(tables).to(torch.int32)
+    table = table.to(torch.int32)
     if device.type == "cuda":
-        flat = flat.pin_memory()
-    return list(flat.to(device, non_blocking=True).split([len(t) for t in tables]))
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
 
 
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
@@ -355,20 +359,23 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     world, local = table.shape[0], first_bs[0].shape[0]
     hidden, dtype = outgoing[0].shape[1], outgoing[0].dtype
     region2 = int(table.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
-    starts = table.cumsum(1) - table  # row of (src, expert) in src's sorted copies
+    by_owner = table.view(world, world, local)
+    # per owner: the rows each source sends it, and where that block starts in the source's
+    # sorted copies
+    per_sources = by_owner.sum(2).t().tolist()
+    firsts = (table.cumsum(1) - table).view(world, world, local)[:, :, 0].t().tolist()
     launchers = C.TRITON_LAUNCHERS
-    all_groups = [_groups(table, buf.rank, local) for buf in bufs]
-    group_tables = _device_tables(all_groups, outgoing[0].device)
+    groups, per_view = _groups(table, [buf.rank for buf in bufs], local)
+    group_tables = _to_device(groups, outgoing[0].device).split(per_view)
+    block_rows = groups[:, 4].split(per_view)
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, epoch in zip(bufs, outgoing, epochs):
         C.stage(launchers, buf, x, epoch, meta, desc)
     states = []
-    for buf, x, first_b, epoch, groups, group_table, h13 in zip(
-            bufs, outgoing, first_bs, epochs, all_groups, group_tables, h13s or [None] * len(bufs)):
-        rank = buf.rank
-        rows = groups[:, 4].tolist()
-        per_source = table[:, rank * local:(rank + 1) * local].sum(1).tolist()
-        firsts = starts[:, rank * local].tolist()  # row of each source's block in its staged copies
+    for buf, x, first_b, epoch, rows, group_table, h13 in zip(
+            bufs, outgoing, first_bs, epochs, block_rows, group_tables, h13s or [None] * len(bufs)):
+        rank, rows = buf.rank, rows.tolist()
+        per_source = per_sources[rank]
         received = x.new_empty(sum(rows), hidden)
         width = first_b.shape[2]
         # forward: swiglu of the [gate | up] products; backward: their gradients
@@ -376,7 +383,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
         mid = x.new_empty(sum(rows), width // 2 if h13 is None else 2 * width)
         blocks = []
         for src in ((rank + step) % world for step in range(world)):
-            n, first = per_source[src], firsts[src]
+            n, first = per_source[src], firsts[rank][src]
             at = sum(per_source[:src])
             staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
             if n:
@@ -401,7 +408,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
         launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
                              layout.TIMEOUT_READY, meta)
         back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape).clone()
-        pushed_here = x.shape[0] - int(table[buf.rank].view(world, local)[buf.rank].sum())
+        pushed_here = x.shape[0] - per_sources[buf.rank][buf.rank]
         outs.append((back, received, product, mid,
                      (peer_rows + pushed_here) * hidden * x.element_size()))
     C.release(launchers, bufs, epochs, OP, [out[0] for out in outs])  # NaN where a wait failed
@@ -482,9 +489,8 @@ class Fused(Backend):
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
         world, rank, local, k = call.agree()
         E = local * world
-        pos, counts = _sort(topk_idx, E)
-        header = torch.cat([counts, ids_flag(topk_idx, E, 0)])
-        table = torch.empty(world * (E + 1), dtype=counts.dtype, device=counts.device)
+        pos, header = _sort(topk_idx, E)
+        table = torch.empty(world * (E + 1), dtype=header.dtype, device=header.device)
         C.all_gather_single(table, header, group=group)
         table = _checked_table(OP, table.view(world, -1).cpu(), {rank: topk_idx})  # one host read
         plan = _Plan.from_counts(group, rank, table[rank].view(world, local),
@@ -497,7 +503,7 @@ class Fused(Backend):
 
 def _checked_table(op: str, table: torch.Tensor, topk_idxs: dict) -> torch.Tensor:
     """Every rank's copies per expert (host int64 ``[W, E]``) from the exchanged headers
-    (``[W, E + 1]``: the counts, then ``ids_flag``); raises if a rank flagged its ids."""
+    (``[W, E + 1]``: ``_sort``'s headers); raises if a rank flagged its ids."""
     E = table.shape[1] - 1
     error = invalid_ids_error(op, table[:, E], E, topk_idxs)
     if error is not None:
@@ -509,9 +515,8 @@ def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
     world, local, k = len(xs), w13s[0].shape[0], topk_idxs[0].shape[1]
     hidden, dtype, E = xs[0].shape[1], xs[0].dtype, local * world
     sorts = [_sort(idx, E) for idx in topk_idxs]
-    table = _checked_table(f"{OP}_loopback", torch.stack(
-        [torch.cat([counts, ids_flag(idx, E, 0)]) for idx, (_, counts) in zip(topk_idxs, sorts)]).cpu(),
-        dict(enumerate(topk_idxs)))  # one host read
+    table = _checked_table(f"{OP}_loopback", torch.stack([header for _, header in sorts]).cpu(),
+                           dict(enumerate(topk_idxs)))  # one host read
     sorted_xs = [_permute(x.contiguous(), pos, k, int(table[r].sum()))
                  for r, (x, (pos, _)) in enumerate(zip(xs, sorts))]
     bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden, dtype), xs[0].device)
