@@ -226,15 +226,17 @@ class SymmetricBuffer:
         self._watchdog.daemon = True
         self._watchdog.start()
 
-    def publish(self, meta: int, desc: list[int]) -> None:
-        """Write this rank's input fingerprint and description (``layout.META``/``DESC``)
-        before its READY signal, so peers can check the first and explain with the second.
-        Under CUDA-graph capture the description is marked unrecorded instead (a copy from
-        host memory would be read at every replay; the fingerprint is still written)."""
+    def publish(self, desc: list[int], meta: int | None = None) -> None:
+        """Write this rank's input description and fingerprint (``layout.DESC``/``META``)
+        before its READY signal, so peers can check the second and explain with the first.
+        ``meta`` None: the READY signal that follows publishes it (``signal_peers``' ``meta``,
+        one launch less). Under CUDA-graph capture the description is marked unrecorded
+        instead (a copy from host memory would be read at every replay)."""
         pad = self.pad()
-        # fill_ (a kernel taking the scalar), not item assignment (a host-to-device copy,
-        # which a CUDA graph cannot capture)
-        pad[layout.META : layout.META + 1].fill_(meta)
+        if meta is not None:
+            # fill_ (a kernel taking the scalar), not item assignment (a host-to-device copy,
+            # which a CUDA graph cannot capture)
+            pad[layout.META : layout.META + 1].fill_(meta)
         if capturing(self.device):
             pad[layout.DESC : layout.DESC + 1].fill_(UNRECORDED)
             return

@@ -191,8 +191,9 @@ def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int, desc: list[int
     wait_peers_done(launchers, buf, epoch)
     view = buf.data(x.dtype, x.numel()).view(x.shape)
     view.copy_(x)
-    buf.publish(meta, desc)
-    launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch, -1)
+    buf.publish(desc)
+    # publishes meta, then raises READY
+    launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch, meta)
     return view
 
 

@@ -116,7 +116,7 @@ class Triton(Backend):
         for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
             C.wait_peers_done(C.TRITON_LAUNCHERS, buf, epoch)  # nobody reads our last partials
             gemm_rs_kernels.reset_chunk_counters(buf.pad(), world)
-            buf.publish(meta, call.description())
+            buf.publish(call.description(), meta)
             partials = buf.data(a.dtype, m * n).view(m, n)
             gemm_rs_kernels.gemm_rs(a, b, partials, buf.pad_table, buf.rank, world, epoch)
         outs = []

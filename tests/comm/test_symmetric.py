@@ -150,7 +150,7 @@ def test_under_capture_only_graphable_calls_run_and_they_switch_to_device_epochs
     assert not buf.in_call and not buf.device_epochs
     assert buf.next_epoch(graphable=True) == 0 and buf.device_epochs
     assert int(buf.pad()[layout.EPOCH]) == 2
-    buf.publish(7, symmetric.describe_words(0, torch.float32, (4, 8), 0))
+    buf.publish(symmetric.describe_words(0, torch.float32, (4, 8), 0), 7)
     assert int(buf.pad()[layout.META]) == 7 and int(buf.pad()[layout.DESC]) == symmetric.UNRECORDED
     buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor([layout.META_MISMATCH, 1, 2],
                                                                  dtype=torch.int32)
