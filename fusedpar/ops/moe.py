@@ -311,10 +311,20 @@ def exchange_counts(op: str, topk_idx: torch.Tensor, header: torch.Tensor, group
     return host[0, :, :local], host[1, :, :local]
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, in a copy that does not wait for the stream: a plain
+    ``.to("cuda")`` of pageable memory synchronises the stream (the host then waits for
+    every kernel already queued)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _check_same_everywhere(op: str, group, values: list[int], names: str) -> None:
-    """One tiny all-gather: every rank passed the same ``values`` (hidden size, k, ...)."""
+    """One tiny all-gather: every rank passed the same ``values`` (hidden size, k, ...); one
+    host read where the group's small collectives run on the GPU (NCCL alone)."""
     device = host_collective_device(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    mine = host_to_device(torch.tensor(values, dtype=torch.int64), device)
     everyone = torch.empty(dist.get_world_size(group) * len(values), dtype=torch.int64, device=device)
     C.all_gather_single(everyone, mine, group=group)
     for r, theirs in enumerate(everyone.view(-1, len(values)).tolist()):
@@ -389,13 +399,13 @@ class ReferenceDispatch(Backend):
         per_expert = recv_counts.sum(0)
         recv_x, padded_rows = received[expert_order], None
         if M is not None:
-            padded_rows = _padded_rows(per_expert, world * M).to(x.device)
+            padded_rows = host_to_device(_padded_rows(per_expert, world * M), x.device)
             recv_x = x.new_zeros(local * world * M, x.shape[1]).index_put((padded_rows,), recv_x)
         handle = MoEHandle(group, pos, topk_idx.shape[1], x.shape[0], weights, self.name,
                            recv_x.shape[0], M, send, recv, expert_order, source_order, padded_rows)
         if M is not None:
             recv_x = recv_x.view(local, world * M, -1)
-        return recv_x, per_expert.to(torch.int32).to(x.device), handle
+        return recv_x, host_to_device(per_expert.to(torch.int32), x.device), handle
 
     @staticmethod
     def combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
@@ -443,7 +453,7 @@ def _expert_major(recv_counts: torch.Tensor, device) -> tuple[torch.Tensor, torc
     dest = expert_starts.reshape(-1)[seg] + torch.arange(seg.numel()) - source_starts[seg]
     expert_order = torch.empty_like(dest)
     expert_order[dest] = torch.arange(dest.numel())
-    return expert_order.to(device), dest.to(device)
+    return host_to_device(expert_order, device), host_to_device(dest, device)
 
 
 # ---- the triton backend: symmetric memory, per-source flags -----------------------------------

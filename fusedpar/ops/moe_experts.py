@@ -42,8 +42,8 @@ from . import _collective as C
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm, runs_triton
 from .moe import (_DTYPE_CODES, _check_same_everywhere, _permute, _Permute, _sort, _unpermute,
-                  _Unpermute, check_routing, exchange_counts, invalid_ids_error, moe_combine,
-                  moe_dispatch, swiglu)
+                  _Unpermute, check_routing, exchange_counts, host_to_device, invalid_ids_error,
+                  moe_combine, moe_dispatch, swiglu)
 
 OP = "moe_experts"
 
@@ -140,8 +140,9 @@ class _Plan:
         """``send_counts[d, e]`` copies this rank sends to rank d's expert e, ``recv_counts[s,
         e]`` it receives from rank s for its expert e (host int ``[W, E_local]``); the group
         ends go to ``device`` without waiting for its stream."""
+        offs = host_to_device(recv_counts.cumsum(1).to(torch.int32), device)
         return cls(group, rank, send_counts.shape[0], send_counts.sum(1).tolist(),
-                   recv_counts.sum(1).tolist(), _to_device(recv_counts.cumsum(1), device))
+                   recv_counts.sum(1).tolist(), offs)
 
     def send_rows(self, dst: int) -> slice:
         start = sum(self.send[:dst])
@@ -325,16 +326,6 @@ def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple[torch.Te
     return blocks[kept], kept.view(len(ranks), -1).sum(1).tolist()
 
 
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host int table as int32 on ``device``, in a copy that does not wait for the stream:
-    a plain ``.to("cuda")`` of pageable memory synchronises the stream, which in a loopback
-    held the host until the previous rank view's GEMM had ended (a bubble per view)."""
-    table = table.to(torch.int32)
-    if device.type == "cuda":
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True)
-
-
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
                     desc: list[int], keep_h: bool = False, h13s: list | None = None):
     """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
@@ -359,14 +350,14 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     world, local = table.shape[0], first_bs[0].shape[0]
     hidden, dtype = outgoing[0].shape[1], outgoing[0].dtype
     region2 = int(table.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
-    by_owner = table.view(world, world, local)
     # per owner: the rows each source sends it, and where that block starts in the source's
-    # sorted copies
-    per_sources = by_owner.sum(2).t().tolist()
+    # sorted copies (table viewed as [src, owner, expert])
+    per_sources = table.view(world, world, local).sum(2).t().tolist()
     firsts = (table.cumsum(1) - table).view(world, world, local)[:, :, 0].t().tolist()
     launchers = C.TRITON_LAUNCHERS
     groups, per_view = _groups(table, [buf.rank for buf in bufs], local)
-    group_tables = _to_device(groups, outgoing[0].device).split(per_view)
+    # (a pageable .to("cuda") would make each view's host wait for the last view's GEMM)
+    group_tables = host_to_device(groups.to(torch.int32), outgoing[0].device).split(per_view)
     block_rows = groups[:, 4].split(per_view)
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, epoch in zip(bufs, outgoing, epochs):
