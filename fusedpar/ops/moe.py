@@ -280,6 +280,17 @@ def check_routing(op: str, x, topk_idx, topk_weights, num_experts: int, world: i
 INVALID_IDS = permute_kernels.INVALID_IDS
 
 
+def checked_counts(op: str, table: torch.Tensor, num_experts: int,
+                   topk_idxs: dict) -> torch.Tensor:
+    """A host table of exchanged counts whose last column holds each row's sender's id flag
+    (``_sort``'s headers, or rows of them), without that column (int64); raises if a rank
+    flagged its ids (``invalid_ids_error``)."""
+    error = invalid_ids_error(op, table[:, -1], num_experts, topk_idxs)
+    if error is not None:
+        raise error
+    return table[:, :-1].long()
+
+
 def invalid_ids_error(op: str, flags: torch.Tensor, num_experts: int, topk_idxs: dict):
     """The error of an exchange in which a rank flagged expert ids out of range (``flags``:
     host ints, one per rank), else None. ``topk_idxs``: rank -> topk_idx of the ranks this
@@ -297,7 +308,7 @@ def invalid_ids_error(op: str, flags: torch.Tensor, num_experts: int, topk_idxs:
 
 
 def exchange_counts(op: str, topk_idx: torch.Tensor, header: torch.Tensor, group):
-    """``(sent, received)``, host int ``[W, E_local]``: this rank's copies per expert of each
+    """``(sent, received)``, host int64 ``[W, E_local]``: this rank's copies per expert of each
     rank, and each rank's copies per expert of this rank (``all_to_all_single``), in one host
     read. ``header``: ``_sort``'s; its id flag goes to every rank with the counts, so if any
     rank's topk_idx holds an id out of range, every rank raises here."""
@@ -305,10 +316,7 @@ def exchange_counts(op: str, topk_idx: torch.Tensor, header: torch.Tensor, group
     local = E // world
     sent = torch.cat([header[:E].view(world, local), header[E:].view(1, 1).expand(world, 1)], 1)
     host = torch.stack([sent, _all_to_all(sent, [1] * world, [1] * world, group)]).cpu()
-    error = invalid_ids_error(op, host[1, :, local], E, {rank: topk_idx})
-    if error is not None:
-        raise error
-    return host[0, :, :local], host[1, :, :local]
+    return host[0, :, :local].long(), checked_counts(op, host[1], E, {rank: topk_idx})
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -520,22 +528,17 @@ def _gather_counts(views, headers: list, meta: int, desc: list[int]) -> list:
     return _run_round("moe_dispatch", views(n * 4), headers, meta, desc, pull)
 
 
-def _invalid_ids_error(table: torch.Tensor, topk_idxs: dict):
-    """``invalid_ids_error`` of a dispatch's host table (``[W, E + 1]``: the flag in the T slot)."""
+def _capacity_error_from(table: torch.Tensor, max_tokens: int):
+    """The error of a call whose capacity check failed (reads the table: error path only;
+    the routes do not keep topk_idx, so a flagged rank is named without its ids)."""
     E = table.shape[1] - 1
-    return invalid_ids_error("moe_dispatch", table[:, E], E, topk_idxs)
-
-
-def _capacity_error_from(table: torch.Tensor, max_tokens: int, topk_idxs: dict):
-    """The error of a call whose capacity check failed (reads the table: error path only)."""
-    error = _invalid_ids_error(table, topk_idxs)
+    error = invalid_ids_error("moe_dispatch", table[:, E], E, {})
     over = (table > max_tokens).nonzero().tolist()
     if error is not None or not over:
         return error
     src, expert = over[0]
     count = int(table[src, expert])
-    tokens_column = table.shape[1] - 1
-    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == tokens_column
+    return _capacity_error(max_tokens, f"rank {src} passed {count} tokens" if expert == E
                            else f"rank {src} routes {count} copies to expert {expert}")
 
 
@@ -569,8 +572,7 @@ def _pull(exchanges: list, rows: list, op: str, check_capacity: bool = False) ->
         return _run_round(op, bufs, staged, meta, _describe(dtype, H, first.num_experts, first.k,
                                                             first.max_tokens), pull)
     except ValueError:  # a capacity failure: say which rank and expert
-        # (the routes do not keep topk_idx: the message names the rank, not its ids)
-        error = _capacity_error_from(first.table, first.max_tokens, {}) if check_capacity else None
+        error = _capacity_error_from(first.table, first.max_tokens) if check_capacity else None
         if error is None:
             raise
         raise error from None
@@ -665,11 +667,8 @@ class TritonDispatch(Backend):
             recv_rows = [L * W * M] * len(calls)
             send_cap, recv_cap = M * k, L * W * M
         else:  # the one host read of this backend; every rank reads the same table
-            host = tables[0].cpu()
-            error = _invalid_ids_error(host, {r: c.topk_idx for r, c in zip(ranks, calls)})
-            if error is not None:
-                raise error
-            host = host[:, :E].long()
+            host = checked_counts("moe_dispatch", tables[0].cpu(), E,
+                                  {r: c.topk_idx for r, c in zip(ranks, calls)})
             per_owner = host.view(W, W, L).sum((0, 2))
             send_rows = [int(host[r].sum()) for r in ranks]
             recv_rows = [int(per_owner[r]) for r in ranks]

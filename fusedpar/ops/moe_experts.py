@@ -42,7 +42,7 @@ from . import _collective as C
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm, runs_triton
 from .moe import (_DTYPE_CODES, _check_same_everywhere, _permute, _Permute, _sort, _unpermute,
-                  _Unpermute, check_routing, exchange_counts, host_to_device, invalid_ids_error,
+                  _Unpermute, check_routing, checked_counts, exchange_counts, host_to_device,
                   moe_combine, moe_dispatch, swiglu)
 
 OP = "moe_experts"
@@ -483,7 +483,7 @@ class Fused(Backend):
         pos, header = _sort(topk_idx, E)
         table = torch.empty(world * (E + 1), dtype=header.dtype, device=header.device)
         C.all_gather_single(table, header, group=group)
-        table = _checked_table(OP, table.view(world, -1).cpu(), {rank: topk_idx})  # one host read
+        table = checked_counts(OP, table.view(world, -1).cpu(), E, {rank: topk_idx})  # one host read
         plan = _Plan.from_counts(group, rank, table[rank].view(world, local),
                                  table[:, rank * local:(rank + 1) * local], x.device)
         plan.table, plan.k = table, k
@@ -492,21 +492,11 @@ class Fused(Backend):
         return _Unpermute.apply(back, call.topk_weights, pos, k)
 
 
-def _checked_table(op: str, table: torch.Tensor, topk_idxs: dict) -> torch.Tensor:
-    """Every rank's copies per expert (host int64 ``[W, E]``) from the exchanged headers
-    (``[W, E + 1]``: ``_sort``'s headers); raises if a rank flagged its ids."""
-    E = table.shape[1] - 1
-    error = invalid_ids_error(op, table[:, E], E, topk_idxs)
-    if error is not None:
-        raise error
-    return table[:, :E].long()
-
-
 def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
     world, local, k = len(xs), w13s[0].shape[0], topk_idxs[0].shape[1]
     hidden, dtype, E = xs[0].shape[1], xs[0].dtype, local * world
     sorts = [_sort(idx, E) for idx in topk_idxs]
-    table = _checked_table(f"{OP}_loopback", torch.stack([header for _, header in sorts]).cpu(),
+    table = checked_counts(f"{OP}_loopback", torch.stack([header for _, header in sorts]).cpu(), E,
                            dict(enumerate(topk_idxs)))  # one host read
     sorted_xs = [_permute(x.contiguous(), pos, k, int(table[r].sum()))
                  for r, (x, (pos, _)) in enumerate(zip(xs, sorts))]
