@@ -12,15 +12,19 @@ host loop and no device-to-host sync).
   along K: ``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]``; an empty group gives
   zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
 
-- ``grouped_mm_peers_kernel`` (the fused expert MLP of ``ops/moe_experts.py``): groups
-  are blocks of rows listed in a table of ``(src, expert, peer_row, local_row, rows)``,
-  ordered own rank first; A rows are local (``a[local_row]``). Gather mode
-  (``PUSH=False``): the sources' rows were copied into ``a`` by a producer that raises this
-  rank's ``GATHERED + src`` flag after each source's block (the copy engine on a GPU), and
-  each program waits for that flag when it reaches its first tile of ``src``, so a source's
-  tokens are multiplied as soon as they land; C goes to ``c[local_row]``. A failed wait
-  (recorded in STATUS) makes the program skip that source's tiles. Push (``PUSH=True``): C
-  tiles go straight into rank ``src``'s region at ``peer_row``.
+- ``grouped_mm_peers_kernel`` (the fused expert MLP of ``ops/moe_experts.py``): the rows
+  come in blocks listed in a table of ``(src, expert, peer_row, local_row, rows)``,
+  ordered own rank first; A rows are local (``a[local_row]``). Tiles cover runs of blocks
+  (consecutive blocks of one expert whose rows follow each other, ``block_runs``), not
+  single blocks: with one expert per rank a rank's rows of it are one or two runs, and a
+  tile per source's last partial tile (~10% more tiles at Mixtral's W=8 shapes) is not
+  paid. Gather mode (``PUSH=False``): the sources' rows were copied into ``a`` by a
+  producer that raises this rank's ``GATHERED + src`` flag after each source's block (the
+  copy engine on a GPU), and a tile waits for the flags of the sources it holds rows of,
+  so a source's tokens are multiplied as soon as they land; C goes to ``c[local_row]``. A
+  failed wait (recorded in STATUS) makes the program skip the tiles that hold that source's
+  rows. Push (``PUSH=True``): each row of a C tile goes straight into its source's region
+  at its block's ``peer_row`` onward.
 
 Epilogues (the gather and the rows kernel, for the expert MLPs): ``SWIGLU`` multiplies one
 A tile by b's gate and up columns and stores ``silu(gate) * up`` from the fp32 products
@@ -65,11 +69,16 @@ GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warp
 # The peers kernel's push variant (C tiles into a peer's region through computed pointers)
 # spills on those: 236 B on sm_90 under triton 3.6, 80 B on sm_80. With pointer loads two
 # warpgroups on 128x64 fit both B layouts on sm_90 (128x128 spills 288 B under triton 3.6).
-# With TMA loads, 128x256 on 3 stages spills ~100 B (the store's addresses: PUSH_SPILLS)
-# and is still the fastest: the W=8 loopback expert MLP took 28.6 / 30.1 ms in two runs on
-# the H100, where 128x64 (no spill) took 33.4 / 32.9 and 128x128 (56 B) 29.8 / 30.3.
+# With TMA loads, 128x256 on 3 stages spilled ~100 B (the store's addresses: PUSH_SPILLS)
+# and was still the fastest: the W=8 loopback expert MLP took 28.6 / 30.1 ms in two runs on
+# the H100, where 128x64 (no spill) took 33.4 / 32.9 and 128x128 (56 B) 29.8 / 30.3. Since
+# tiles span the blocks of a run it spills 156-196 B, all of it per-tile scalars (the
+# run's blocks) outside the K loop (nvdisasm: no local loads or stores among the HGMMAs).
 PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, num_stages=3)
-PUSH_SPILLS = "epilogue only (peer store addresses); measured faster than the unspilled 128x64"
+PUSH_SPILLS = ("per-tile scalars outside the K loop (a run's blocks, peer store addresses); "
+               "128x256 measured faster than the unspilled 128x64")
+# triton 3.8 (not 3.6) spills 28 B of them in the SwiGLU gather that keeps the products
+GATHER_KEEP_H_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 28 B"
 PUSH_POINTER_CONFIG_SM90 = dict(POINTER_CONFIG_SM90, BLOCK_N=64)
 PUSH_CONFIG_SM80 = dict(GPU_CONFIG_SM80, BLOCK_M=64)
 
@@ -342,15 +351,70 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows,
                    stride_cn, BLOCK_M, BLOCK_N)
 
 
+@triton.jit
+def overlaps(start, n, m0, BLOCK_M: tl.constexpr):
+    """Whether rows ``start : start + n`` and ``m0 : m0 + BLOCK_M`` share one (never when
+    ``n`` is 0)."""
+    return tl.maximum(start, m0) < tl.minimum(start + n, m0 + BLOCK_M)
+
+
+@triton.jit
+def wait_run_rows(blocks_ptr, b0, nb, run_row, m0, my_pad, epoch, timeout_ns, checked, ok,
+                  TMA: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Wait for the GATHERED flag of every source whose block of the run (blocks ``b0 :
+    b0 + nb``, starting at received row ``run_row``) holds one of the tile's rows ``m0 :
+    m0 + BLOCK_M``; ``checked`` / ``ok``: the source this program waited for last and how
+    that went (a source is polled once per change, not per tile). Returns ``(tile_ok,
+    checked, ok)``."""
+    tile_ok = tl.full([], 1, tl.int1)
+    for blk in range(b0, b0 + nb):
+        start = tl.load(blocks_ptr + blk * 5 + 3) - run_row
+        if overlaps(start, tl.load(blocks_ptr + blk * 5 + 4), m0, BLOCK_M):
+            src = tl.load(blocks_ptr + blk * 5)
+            if src != checked:
+                checked = src
+                ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
+                if TMA:
+                    fence_async_proxy()  # the rows seen landed, before TMA reads them
+            tile_ok = tile_ok & ok
+    return tile_ok, checked, ok
+
+
+@triton.jit
+def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, N, c_offset,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the tile's rows ``m0 : m0 + BLOCK_M`` of a run (blocks ``b0 : b0 + nb``, from
+    received row ``run_row``; ``rows`` in all) into their sources' regions: the i-th row of
+    block ``(src, peer_row)`` goes to row ``peer_row + i`` of src's data from element
+    ``c_offset`` on. One masked store per block the tile holds rows of (per-row pointers
+    spill)."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    cols = (n0 + rn < N)[None, :]
+    out = acc.to(c_ptr.dtype.element_ty)  # before the loop: half the registers kept across it
+    for blk in range(b0, b0 + nb):
+        start = tl.load(blocks_ptr + blk * 5 + 3) - run_row
+        n = tl.load(blocks_ptr + blk * 5 + 4)
+        if overlaps(start, n, m0, BLOCK_M):
+            peer_row = tl.load(blocks_ptr + blk * 5 + 2).to(tl.int64)
+            base = (data_ptr(pad_table, tl.load(blocks_ptr + blk * 5), c_ptr.dtype.element_ty)
+                    + c_offset + (peer_row - start + m0) * N + n0)  # the tile's first row
+            mask = ((rm >= start) & (rm < tl.minimum(start + n, rows)))[:, None] & cols
+            tl.store(base + (rm - m0)[:, None] * N + rn[None, :], out, mask=mask)
+
+
 # meta is not an argument: the READY waits (with the fingerprints) ran before the gather
-@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_groups", "c_offset"])
-def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, world_size, epoch,
-                            timeout_ns, num_groups, N, K, c_offset, stride_be, stride_bk, stride_bn,
+@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_runs", "c_offset"])
+def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table, rank,
+                            world_size, epoch, timeout_ns, num_runs, N, K, c_offset, stride_be,
+                            stride_bk, stride_bn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
                             B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
                             SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
     """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
+    Tiles cover runs (``runs_ptr``: first block, blocks, rows), not blocks: a tile may hold
+    the rows of several sources, so a source's partial tile does not cost a whole one.
     Gather epilogues (``h`` is ``[rows, 2N]``, the gate and up products side by side):
     ``SWIGLU``: b holds ``[gate | up]`` along its ``2N`` columns; C tiles are ``silu(a @
     gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
@@ -359,45 +423,39 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
     n_tiles = tl.cdiv(N, BLOCK_N)
     my_pad = pad_ptr(pad_table, rank)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
-    first = tl.zeros([], tl.int32)  # index of the current group's first tile in that list
+    first = tl.zeros([], tl.int32)  # index of the current run's first tile in that list
     checked = tl.full([], -1, tl.int32)  # the source whose flag this program checked last
     ok = tl.full([], 1, tl.int1)
+    tile_ok = tl.full([], 1, tl.int1)
     b_cols = 2 * N if SWIGLU else N
     c_cols = 2 * N if SWIGLU_VJP else N
-    for g in range(0, num_groups):
-        src = tl.load(groups_ptr + g * 5)
-        expert = tl.load(groups_ptr + g * 5 + 1)
-        peer_row = tl.load(groups_ptr + g * 5 + 2).to(tl.int64)
-        local_row = tl.load(groups_ptr + g * 5 + 3).to(tl.int64)
-        rows = tl.load(groups_ptr + g * 5 + 4)
+    for run in range(0, num_runs):
+        b0 = tl.load(runs_ptr + run * 3)
+        nb = tl.load(runs_ptr + run * 3 + 1)
+        rows = tl.load(runs_ptr + run * 3 + 2)
+        expert = tl.load(blocks_ptr + b0 * 5 + 1)
+        local_row = tl.load(blocks_ptr + b0 * 5 + 3)
         m_tiles = tl.cdiv(rows, BLOCK_M)
         group_tiles = m_tiles * n_tiles
-        if PUSH:
-            c_base = data_ptr(pad_table, src, c_ptr.dtype.element_ty) + c_offset + peer_row * N
-        else:
-            c_base = c_ptr + local_row * c_cols
-        h_base = h_ptr + local_row * 2 * N
+        c_base = c_ptr + local_row.to(tl.int64) * c_cols
+        h_base = h_ptr + local_row.to(tl.int64) * 2 * N
         while tile < first + group_tiles:
+            pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
+            m0 = pid_m * BLOCK_M
+            n0 = pid_n * BLOCK_N
             if not PUSH:
-                if src != checked:
-                    checked = src
-                    ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
-                    if TMA:
-                        fence_async_proxy()  # the rows seen landed, before TMA reads them
-            if ok:
-                pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
-                m0 = pid_m * BLOCK_M
-                n0 = pid_n * BLOCK_N
+                tile_ok, checked, ok = wait_run_rows(blocks_ptr, b0, nb, local_row, m0, my_pad,
+                                                     epoch, timeout_ns, checked, ok, TMA, BLOCK_M)
+            if tile_ok:
                 if TMA:
                     if SWIGLU:
-                        gate, up = tile_pair_tma(a, b, local_row.to(tl.int32) + m0, n0, N + n0,
-                                                 expert, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR,
-                                                 UPCAST)
+                        gate, up = tile_pair_tma(a, b, local_row + m0, n0, N + n0, expert, K,
+                                                 BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
                     else:
-                        acc = tile_product_tma(a, b, local_row.to(tl.int32) + m0, n0, expert, K,
-                                               BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
+                        acc = tile_product_tma(a, b, local_row + m0, n0, expert, K, BLOCK_M,
+                                               BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
                 else:
-                    a_rows = a + local_row * K
+                    a_rows = a + local_row.to(tl.int64) * K
                     b_expert = b + tl.cast(expert, tl.int64) * stride_be
                     if SWIGLU:
                         gate, up = tile_pair(a_rows, b_expert, m0, n0, N + n0, rows, b_cols, K, K, 1,
@@ -410,7 +468,8 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, groups_ptr, pad_table, rank, wor
                 elif SWIGLU_VJP:
                     swiglu_vjp_epilogue(c_base, h_base, acc, m0, n0, rows, N, BLOCK_M, BLOCK_N)
                 else:
-                    store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
+                    push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, local_row, acc, m0, n0, rows,
+                              N, c_offset, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
 
@@ -423,16 +482,32 @@ def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
 EPILOGUES = ("swiglu", "swiglu_vjp")  # the gather's; the push has none
 
 
-def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: torch.Tensor,
-                     rows: list[int], pad_table: torch.Tensor, rank: int, world_size: int, epoch: int,
-                     timeout_ns: int, *, push: bool, c_offset: int = 0, epilogue: str | None = None,
-                     h: torch.Tensor | None = None) -> None:
-    """One launch over the row blocks in ``groups`` (int32 ``[G, 5]``: src, expert,
-    peer_row, local_row, rows; ``rows``: the last column, on the host).
+def block_runs(blocks: torch.Tensor) -> torch.Tensor:
+    """The runs of ``blocks`` (host int ``[G, 5]``, as ``grouped_mm_peers`` takes them):
+    stretches of consecutive blocks of one expert whose rows follow each other in ``a``
+    (one block's ``local_row`` is the last one's ``local_row + rows``), as int64 ``[R, 3]``:
+    first block, blocks, rows. A tile may span the blocks of a run."""
+    expert, local_row, rows = blocks[:, 1], blocks[:, 3], blocks[:, 4].long()
+    starts = torch.ones(blocks.shape[0], dtype=torch.bool)
+    starts[1:] = (expert[1:] != expert[:-1]) | (local_row[1:] != local_row[:-1] + rows[:-1])
+    bounds = torch.cat([starts.nonzero()[:, 0], torch.tensor([blocks.shape[0]])])
+    row_bounds = torch.cat([torch.zeros(1, dtype=torch.long), rows.cumsum(0)])[bounds]
+    return torch.stack([bounds[:-1], bounds.diff(), row_bounds.diff()], dim=1)
 
-    Gather (not ``push``): each source's tiles wait for this rank's ``GATHERED + src`` flag
-    to reach ``epoch`` (the producer copied that source's rows into ``a`` first); with
-    ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes ``c[local_row:+rows]``:
+
+def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: torch.Tensor,
+                     runs: torch.Tensor, run_rows: list[int], pad_table: torch.Tensor, rank: int,
+                     world_size: int, epoch: int, timeout_ns: int, *, push: bool, c_offset: int = 0,
+                     epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
+    """One launch over the row blocks in ``blocks`` (int32 ``[G, 5]``: src, expert,
+    peer_row, local_row, rows), tiled by ``runs`` (int32 ``[R, 3]``, ``block_runs``; their
+    rows ``run_rows`` on the host): a tile may hold several sources' rows of one expert, so
+    each source's last partial tile costs none of its own.
+
+    Gather (not ``push``): a tile waits for this rank's ``GATHERED + src`` flag of each
+    source it holds rows of to reach ``epoch`` (the producer copied that source's rows into
+    ``a`` first); with ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes
+    ``c[local_row:+rows]``:
 
     - ``"swiglu"``: b's columns are ``[gate | up]`` and ``c = swiglu(P)`` (``ops.moe.swiglu``
       from fp32 products: no ``[rows, 2N]`` round trip through memory); given ``h``, it
@@ -441,7 +516,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: 
       forward's products ``h [rows, 2N]``.
 
     Push (no epilogue): ``src's region[c_offset + (peer_row:+rows) * N] =
-    a[local_row:+rows] @ b[expert]``; ``c`` is unused. ``a``, ``c`` and ``h`` contiguous;
+    a[local_row:+rows] @ b[expert]``; ``c`` only gives the dtype. ``a``, ``c`` and ``h`` contiguous;
     ``b [E, K, N]`` any strides.
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
     on a side stream) or, without one, before this launch in stream order; neither needs an SM
@@ -453,12 +528,12 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: 
     swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
     cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push, epilogue=epilogue)
-    tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in rows) * triton.cdiv(N, cfg["BLOCK_N"])
+    tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
     grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
-        a_arg, b_arg, c, c if h is None else h, groups, pad_table, rank, world_size, epoch,
-        timeout_ns, groups.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
+        a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
+        timeout_ns, runs.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
         PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
         SWIGLU_VJP=epilogue == "swiglu_vjp", **_launch_options(cfg))
 
@@ -572,9 +647,9 @@ _ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "of
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
           "N": "i32", "E": "i32", "pad_rows": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
           "stride_cm": "i32"}
-_PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "groups_ptr": "*i32",
-              "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
-              "timeout_ns": "i64", "num_groups": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
+_PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
+              "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
+              "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
               "stride_be": "i32"}
 # b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
 # (unit stride along K), the weights themselves in the backward (unit stride along N)
@@ -607,7 +682,8 @@ PEERS_MODES = [(dict(_GATHER, SWIGLU=True), "swiglu", (True,)),
 
 def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool, major: int) -> list:
     cfg = gpu_config(major, tma, mode["PUSH"], epilogue)
-    spills = PUSH_SPILLS if cfg is PUSH_CONFIG_SM90 else None
+    spills = (PUSH_SPILLS if cfg is PUSH_CONFIG_SM90
+              else GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
     return [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{_B_UNIT[kmajor][1]: "i32"}),
                      dict(mode, **{_B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
             for kmajor in layouts]

@@ -303,15 +303,17 @@ class Pipelined(Backend):
 # ---- fused: symmetric memory ------------------------------------------------------------------
 
 
-def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple[torch.Tensor, list[int]]:
+def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple:
     """The first GEMM's row blocks of each rank view in ``ranks``, own rank first: rows
     ``[src, expert, row in src's staged copies, row in the view's received rows, rows]``
-    (int64 ``[G, 5]``, empty blocks left out, one view's blocks after another), and how many
-    blocks each view has. ``table``: host int ``[W, E]``, every rank's copies per expert (a
-    rank's copies are sorted by destination, then expert). Whole-table ops for every view at
-    once: the host issues the first GEMM only after this (a Python loop over the blocks cost
-    ~5 ms per call at W=8 with 32 experts per rank; a pass per view, half the host's time
-    before the first GEMM of a W=8 loopback)."""
+    (int64 ``[G, 5]``, empty blocks left out, one view's blocks after another), their runs
+    (``kernels.block_runs``: ``[R, 3]``, first block counted from the view's first), and
+    how many blocks and runs each view has. ``table``: host int ``[W, E]``, every rank's
+    copies per expert (a rank's copies are sorted by destination, then expert; the received
+    rows are source-major). Whole-table ops for every view at once: the host issues the
+    first GEMM only after this (a Python loop over the blocks cost ~5 ms per call at W=8
+    with 32 experts per rank; a pass per view, half the host's time before the first GEMM
+    of a W=8 loopback)."""
     world = table.shape[0]
     counts = table.view(world, world, local)  # [src, owner, expert]
     staged = (table.cumsum(1) - table).view(world, world, local)  # row in src's sorted copies
@@ -323,7 +325,13 @@ def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple[torch.Te
                           torch.arange(local).expand(len(ranks), world, local),
                           staged[src, owner], local_starts[owner, src], counts[src, owner]], dim=-1)
     kept = blocks[..., 4] > 0
-    return blocks[kept], kept.view(len(ranks), -1).sum(1).tolist()
+    blocks, per_view = blocks[kept], kept.view(len(ranks), -1).sum(1)
+    # a view's first block starts at received row 0, so no run crosses views
+    runs = kernels.block_runs(blocks)
+    view_of_run = torch.repeat_interleave(torch.arange(len(ranks)), per_view)[runs[:, 0]]
+    runs[:, 0] -= (per_view.cumsum(0) - per_view)[view_of_run]
+    return (blocks, runs, per_view.tolist(),
+            torch.bincount(view_of_run, minlength=len(ranks)).tolist())
 
 
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
@@ -355,16 +363,22 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     per_sources = table.view(world, world, local).sum(2).t().tolist()
     firsts = (table.cumsum(1) - table).view(world, world, local)[:, :, 0].t().tolist()
     launchers = C.TRITON_LAUNCHERS
-    groups, per_view = _groups(table, [buf.rank for buf in bufs], local)
-    # (a pageable .to("cuda") would make each view's host wait for the last view's GEMM)
-    group_tables = host_to_device(groups.to(torch.int32), outgoing[0].device).split(per_view)
-    block_rows = groups[:, 4].split(per_view)
+    row_blocks, runs, blocks_per_view, runs_per_view = _groups(table, [buf.rank for buf in bufs],
+                                                               local)
+    # one copy for both tables (a pageable .to("cuda") would make each view's host wait for
+    # the last view's GEMM)
+    tables = host_to_device(torch.cat([row_blocks.flatten(), runs.flatten()]).to(torch.int32),
+                            outgoing[0].device)
+    split = row_blocks.numel()
+    group_tables = list(zip(tables[:split].view(-1, 5).split(blocks_per_view),
+                            tables[split:].view(-1, 3).split(runs_per_view)))
+    run_rows = runs[:, 2].split(runs_per_view)
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, epoch in zip(bufs, outgoing, epochs):
         C.stage(launchers, buf, x, epoch, meta, desc)
     states = []
     for buf, x, first_b, epoch, rows, group_table, h13 in zip(
-            bufs, outgoing, first_bs, epochs, block_rows, group_tables, h13s or [None] * len(bufs)):
+            bufs, outgoing, first_bs, epochs, run_rows, group_tables, h13s or [None] * len(bufs)):
         rank, rows = buf.rank, rows.tolist()
         per_source = per_sources[rank]
         received = x.new_empty(sum(rows), hidden)
@@ -380,7 +394,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
             if n:
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
         with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
-            kernels.grouped_mm_peers(received, first_b, mid, group_table, rows, buf.pad_table,
+            kernels.grouped_mm_peers(received, first_b, mid, *group_table, rows, buf.pad_table,
                                      rank, world, epoch, buf.timeout_ns, push=False,
                                      epilogue="swiglu" if h13 is None else "swiglu_vjp",
                                      h=product if h13 is None else h13)
@@ -390,7 +404,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, second_b, epoch, (_, _, mid, group_table, rows, _) in zip(
             bufs, outgoing, second_bs, epochs, states):
-        kernels.grouped_mm_peers(mid, second_b, x, group_table, rows, buf.pad_table, buf.rank,
+        kernels.grouped_mm_peers(mid, second_b, x, *group_table, rows, buf.pad_table, buf.rank,
                                  world, epoch, buf.timeout_ns, push=True, c_offset=region2)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.grouped_gemm import _operands, grouped_mm_k, grouped_mm_peers, grouped_mm_rows
+from fusedpar.kernels.grouped_gemm import (_operands, block_runs, grouped_mm_k, grouped_mm_peers,
+                                           grouped_mm_rows)
 from fusedpar.ops.moe import swiglu
 
 
@@ -159,6 +160,13 @@ def test_fp16_within_torch_error():
     assert (c.double() - exact).abs().max() <= 2 * torch_err
 
 
+def _peers(a, b, c, table, buf, rank, world, **kwargs):
+    """``grouped_mm_peers`` at epoch 1 over the blocks of ``table`` and their runs."""
+    runs = block_runs(table)
+    grouped_mm_peers(a, b, c, table, runs.to(torch.int32), runs[:, 2].tolist(), buf.pad_table,
+                     rank, world, 1, buf.timeout_ns, **kwargs)
+
+
 @pytest.mark.parametrize("K", [33, 36], ids=["pointer", "tma"])
 def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     """Rank 1 of 3 multiplies its received blocks in source order 1 (own), 2, 0, each
@@ -185,8 +193,7 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     pad[layout.GATHERED + late] = 0
     pad[layout.DEADLINE] = 1  # this call's deadline has passed: a missing flag fails at once
     start = time.monotonic()
-    grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
-                     buf.timeout_ns, push=False, epilogue="swiglu")
+    _peers(a, b, c, table, buf, me, world, push=False, epilogue="swiglu")
     assert time.monotonic() - start < 20
     assert pad[layout.STATUS:layout.STATUS + 3].tolist() == [layout.TIMEOUT_READY, late, 1]
     expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
@@ -221,11 +228,90 @@ def test_peers_gather_epilogues(loopback, K, N, b_kmajor, tma, epilogue):
     kind, c, h, expected = _epilogue_outputs(epilogue, rows, N, product)
     assert _operands(a, b, epilogue=kind)[0]["TMA"] == tma
     buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
-    grouped_mm_peers(a, b, c, table, table[:, 4].tolist(), buf.pad_table, me, world, 1,
-                     buf.timeout_ns, push=False, epilogue=kind, h=h)
+    _peers(a, b, c, table, buf, me, world, push=False, epilogue=kind, h=h)
     torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
     if epilogue == "swiglu_keep_h":
         assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32
+
+
+def test_block_runs_join_contiguous_blocks_of_one_expert():
+    """A run is a stretch of consecutive blocks of one expert whose rows follow each other:
+    an expert change or a gap starts a new one; an empty block joins the run it sits in."""
+    # src, expert, peer_row, local_row, rows
+    table = torch.tensor([[1, 0, 0, 0, 4], [2, 0, 7, 4, 3], [0, 0, 9, 7, 0], [0, 0, 9, 7, 5],
+                          [1, 1, 4, 12, 2], [2, 1, 0, 20, 1], [0, 1, 3, 21, 6]])
+    assert block_runs(table).tolist() == [[0, 4, 12], [4, 1, 2], [5, 2, 7]]
+    assert block_runs(table[:1]).tolist() == [[0, 1, 4]]
+
+
+# rows per source of one expert, in the order the view processes them (own rank 1 first)
+SPANNING = {1: 40, 2: 30, 0: 40}
+
+
+def _spanning_case(K, N):
+    """One expert's rows from three sources, contiguous in ``a`` (the received rows of a rank
+    holding one expert), so the interpreter's 32-row tiles hold the rows of two sources.
+    Rows encode their source."""
+    groups, at = [], 0
+    for src, rows in SPANNING.items():
+        groups.append([src, 0, 3 * src, at, rows])  # peer_row: where src wants its results
+        at += rows
+    table = torch.tensor(groups, dtype=torch.int32)
+    source = torch.repeat_interleave(table[:, 0], table[:, 4])
+    return table, source, _ints(at, K, seed=11) / 8 + source[:, None].float()
+
+
+@pytest.mark.parametrize("K", [33, 36], ids=["pointer", "tma"])
+def test_peers_gather_tiles_span_the_sources_of_a_run(loopback, K):
+    """A tile holding two sources' rows waits for both flags: with every flag up, every row
+    is right; with source 2's copy never landing (rows 40-69), the tiles holding any of its
+    rows are skipped (rows 32-95 with 32-row tiles, own rows 32-39 included) and the
+    timeout names source 2."""
+    world, me, late, N = 3, 1, 2, 12
+    table, _, a = _spanning_case(K, N)
+    b = _epilogue_b(1, K, N, True, "swiglu")
+    expected = swiglu(a.double() @ b[0].double())
+    assert block_runs(table).tolist() == [[0, 3, 110]]
+    buf = loopback(world)[me]
+    pad = buf.pad()
+    pad[layout.GATHERED:layout.GATHERED + world] = 1
+    c = torch.full((110, N), float("nan"))
+    _peers(a, b, c, table, buf, me, world, push=False, epilogue="swiglu")
+    torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
+
+    pad[layout.GATHERED + late] = 0
+    pad[layout.DEADLINE] = 1  # this call's deadline has passed: a missing flag fails at once
+    c = torch.full((110, N), float("nan"))
+    _peers(a, b, c, table, buf, me, world, push=False, epilogue="swiglu")
+    assert pad[layout.STATUS:layout.STATUS + 3].tolist() == [layout.TIMEOUT_READY, late, 1]
+    # the first program's tile (own rows only) ran before the failure; later waits give up
+    # once a failure is recorded, so rows 96-109 may be either
+    torch.testing.assert_close(c[:32].double(), expected[:32], rtol=1e-5, atol=1e-5)
+    assert c[32:96].isnan().all()
+
+
+@pytest.mark.parametrize("K", [33, 36], ids=["pointer", "tma"])
+def test_peers_push_writes_each_row_of_a_spanning_tile_to_its_source(loopback, K):
+    """The push over one run of three sources' rows: row i of source s's block lands at row
+    ``peer_row + i`` of s's region (past ``c_offset``), tiles holding two sources' rows
+    included; nothing else in any region is written (NaN-poisoned)."""
+    world, me, N, c_offset = 3, 1, 12, 5 * 12
+    table, source, a = _spanning_case(K, N)
+    b = _ints(1, N, K, seed=12).transpose(1, 2) / 8  # w2ᵀ of row-major weights, as the MLP
+    product = a.double() @ b[0].double()
+    bufs = loopback(world)
+    regions = [bufs[0].data(torch.float32, 1024, rank=r) for r in range(world)]
+    for region in regions:
+        region.fill_(float("nan"))
+    _peers(a, b, a.new_empty(0), table, bufs[me], me, world, push=True, c_offset=c_offset)
+    for src, rows in SPANNING.items():
+        region = regions[src][c_offset:c_offset + 60 * N].view(60, N)
+        peer_row = 3 * src
+        torch.testing.assert_close(region[peer_row:peer_row + rows].double(), product[source == src],
+                                   rtol=1e-5, atol=1e-5)
+        written = torch.zeros(regions[src].numel(), dtype=torch.bool)
+        written[c_offset + peer_row * N:c_offset + (peer_row + rows) * N] = True
+        assert regions[src][~written].isnan().all()
 
 
 def test_peers_epilogue_must_match_the_mode(loopback):
@@ -234,5 +320,4 @@ def test_peers_epilogue_must_match_the_mode(loopback):
     table = torch.tensor([[0, 0, 0, 0, 2]], dtype=torch.int32)
     for push, epilogue in ((False, None), (True, "swiglu"), (False, "gelu")):
         with pytest.raises(ValueError, match="epilogue"):
-            grouped_mm_peers(a, b, c, table, [2], buf.pad_table, 0, 1, 1, buf.timeout_ns,
-                             push=push, epilogue=epilogue)
+            _peers(a, b, c, table, buf, 0, 1, push=push, epilogue=epilogue)

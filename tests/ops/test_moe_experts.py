@@ -88,6 +88,14 @@ def test_moe_experts_matches_dense_loop(pools, world, backend):
     assert pools(world).run(_check_experts, 13, 8, 6, 2, 2, backend, False) == [True] * world
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_with_one_expert_per_rank(pools, world):
+    """One expert per rank: a rank's received rows of its expert are contiguous across
+    sources, so the fused GEMMs' tiles hold several sources' rows (forward and backward;
+    the interpreter's 32-row tiles over 13-row blocks)."""
+    assert pools(world).run(_check_experts, 13, 8, 6, 2, 1, "fused", False) == [True] * world
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_padded_moe_experts_matches_dense_loop(pools, world):
     """max_tokens_per_rank (above T: the padding is real) gives the same outputs, gradients
