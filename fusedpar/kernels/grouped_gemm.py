@@ -103,6 +103,16 @@ def tile_product(a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_a
                  UPCAST: tl.constexpr):
     """``a[m0:m0+BLOCK_M, k_lo:k_hi] @ b[k_lo:k_hi, n0:n0+BLOCK_N]`` in fp32, rows masked at
     ``m_end``, columns at ``N`` and the K tail."""
+    return add_tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_ptr, b_ptr, m0, n0,
+                            m_end, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+
+
+@triton.jit
+def add_tile_product(acc, a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_ak,
+                     stride_bk, stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + tile_product(...)`` (one accumulator: a second whole tile would spill)."""
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -115,7 +125,6 @@ def tile_product(a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_a
     b_ptrs = b_ptr + ks[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn
     a_step = tl.cast(stride_ak, tl.int64) * BLOCK_K
     b_step = tl.cast(stride_bk, tl.int64) * BLOCK_K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = rk < k_hi - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -325,28 +334,36 @@ def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, T, N, K, E, pad_rows,
 
 
 @triton.jit
-def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows,
+def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows, sources,
                         stride_am, stride_ak, stride_bk, stride_bn,
                         stride_ce, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``."""
+    """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``. Else
+    ``offs_ptr`` holds the ends of ``sources * E`` segments, source-major, and group g sums
+    the products over its segments ``s * E + g``."""
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     group_tiles = m_tiles * n_tiles
     for tile in range(tl.program_id(0), E * group_tiles, tl.num_programs(0)):
         g = tile // group_tiles
-        if MASKED:
-            k_lo = g * pad_rows
-            k_hi = k_lo + tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
-        else:
-            k_lo = tl.where(g > 0, tl.load(offs_ptr + g - 1, mask=g > 0, other=0), 0)
-            k_hi = tl.load(offs_ptr + g)
         pid_m, pid_n = grouped_tile(tile - g * group_tiles, m_tiles, n_tiles, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        acc = tile_product(a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am, stride_ak,
-                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if MASKED:
+            k_lo = g * pad_rows
+            k_hi = k_lo + tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+            acc = add_tile_product(acc, a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am,
+                                   stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        else:
+            for s in range(0, sources):
+                seg = s * E + g
+                k_lo = tl.where(seg > 0, tl.load(offs_ptr + seg - 1, mask=seg > 0, other=0), 0)
+                k_hi = tl.load(offs_ptr + seg)
+                acc = add_tile_product(acc, a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am,
+                                       stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       UPCAST)
         store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
                    stride_cn, BLOCK_M, BLOCK_N)
 
@@ -621,21 +638,28 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
-                 config: dict | None = None, *, pad_rows: int | None = None) -> None:
+                 config: dict | None = None, *, pad_rows: int | None = None, sources: int = 1) -> None:
     """``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]`` (zeros for an empty group).
     With ``pad_rows`` (P), ``offs`` holds counts and group g's K range is
-    ``g*P : g*P + min(offs[g], P)``.
+    ``g*P : g*P + min(offs[g], P)``. With ``sources`` (S), ``offs`` holds the ends of ``S *
+    E`` segments of K, source-major (segment ``s * E + g`` is source s's share of group g,
+    as the expert MLP's received rows lie), and ``c[g]`` sums g's S segments: one launch
+    and one write of ``c``, not S.
 
-    ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[E]``.
+    ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[S * E]``.
     """
-    M, N, E = a.shape[0], b.shape[1], offs.shape[0]
+    if sources < 1 or offs.shape[0] % sources or pad_rows is not None and sources != 1:
+        raise ValueError(f"grouped_mm_k: {offs.shape[0]} group ends for sources={sources} "
+                         f"(pad_rows={pad_rows}); need sources * E ends, and one source with pad_rows")
+    M, N, E = a.shape[0], b.shape[1], offs.shape[0] // sources
     cfg = grouped_config(a, config, tma=False)  # ragged K: masked pointer loads
     tiles = E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
     grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
-        a, b, c, offs, M, N, E, pad_rows or 0, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None, **_launch_options(cfg))
+        a, b, c, offs, M, N, E, pad_rows or 0, sources, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None,
+        **_launch_options(cfg))
 
 
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
@@ -645,7 +669,7 @@ _ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "of
              "N": "i32", "K": "i32", "E": "i32", "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32",
              "stride_bk": "i32", "stride_cm": "i32"}
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
-          "N": "i32", "E": "i32", "pad_rows": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
+          "N": "i32", "E": "i32", "pad_rows": "i32", "sources": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
           "stride_cm": "i32"}
 _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
               "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",

@@ -131,6 +131,7 @@ class _Plan:
     send: list
     recv: list
     offs: torch.Tensor  # int32 [W, E_local]
+    segment_ends: torch.Tensor  # int32 [W * E_local]: of the (source, expert) segments of all rows
     table: torch.Tensor | None = None  # fused: every rank's copies per expert (host, [W, E])
     k: int = 0
 
@@ -139,10 +140,12 @@ class _Plan:
                     device: torch.device):
         """``send_counts[d, e]`` copies this rank sends to rank d's expert e, ``recv_counts[s,
         e]`` it receives from rank s for its expert e (host int ``[W, E_local]``); the group
-        ends go to ``device`` without waiting for its stream."""
-        offs = host_to_device(recv_counts.cumsum(1).to(torch.int32), device)
-        return cls(group, rank, send_counts.shape[0], send_counts.sum(1).tolist(),
-                   recv_counts.sum(1).tolist(), offs)
+        ends go to ``device`` in one copy that does not wait for its stream."""
+        ends = host_to_device(torch.cat([recv_counts.cumsum(1).flatten(),
+                                         recv_counts.flatten().cumsum(0)]).to(torch.int32), device)
+        world = send_counts.shape[0]
+        return cls(group, rank, world, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(),
+                   ends[:recv_counts.numel()].view(world, -1), ends[recv_counts.numel():])
 
     def send_rows(self, dst: int) -> slice:
         start = sum(self.send[:dst])
@@ -203,30 +206,39 @@ def _grouped_swiglu(x_rows, w13, offs, act, h13=None, backend: str = "") -> None
     act.copy_(swiglu(product))
 
 
-def _grouped_swiglu_vjp(dy, w2, offs, h13, backend: str = "") -> torch.Tensor:
+def _grouped_swiglu_vjp(dy, w2, offs, h13, backend: str = "", out=None) -> torch.Tensor:
     """SwiGLU's backward at the forward's products ``h13`` of the gradient ``grouped_mm(dy,
-    w2, offs)`` of its output: in the GEMM's epilogue where grouped_mm runs Triton."""
+    w2, offs)`` of its output (into ``out`` when given): in the GEMM's epilogue where
+    grouped_mm runs Triton."""
+    out = torch.empty_like(h13) if out is None else out
     if runs_triton(dy, w2, offs, backend):
-        dh13 = torch.empty_like(h13)
-        kernels.grouped_mm_rows(dy, w2, offs, dh13, epilogue="swiglu_vjp", h=h13)
-        return dh13
+        kernels.grouped_mm_rows(dy, w2, offs, out, epilogue="swiglu_vjp", h=h13)
+        return out
     _, swiglu_vjp = torch.func.vjp(swiglu, h13)
-    return swiglu_vjp(grouped_mm(dy, w2, offs, backend=backend))[0]
+    return out.copy_(swiglu_vjp(grouped_mm(dy, w2, offs, backend=backend))[0])
 
 
-def _weight_grad_buffers(ctx, w13, w2):
-    """Zeroed gradients of w13 and w2 (None where autograd does not need one)."""
-    need_w13, need_w2 = ctx.needs_input_grad[1:3]
-    return (torch.zeros_like(w13) if need_w13 else None), (torch.zeros_like(w2) if need_w2 else None)
-
-
-def _add_weight_grads(grad_w13, grad_w2, offs, x_rows, act, dy, dh13) -> None:
-    """Add one source's rows' share to the expert weight gradients (rows grouped by expert,
-    group ends ``offs``): ``dw2 += dyᵀ act``, ``dw13 += dh13ᵀ x``."""
-    if grad_w2 is not None:
-        grad_w2.add_(grouped_mm(dy.t(), act, offs))
-    if grad_w13 is not None:
-        grad_w13.add_(grouped_mm(dh13.t(), x_rows, offs))
+def _weight_grads(ctx, w13, w2, plan: _Plan, x_rows, act, dy, dh13) -> tuple:
+    """``(dw13, dw2)`` (None where autograd needs none) from every source's received rows
+    (source-major, expert-sorted within): ``dw2[e] = Σ dyᵀ act`` and ``dw13[e] = Σ dh13ᵀ x``
+    over expert e's rows. Where grouped_mm runs Triton, one launch per weight sums each
+    expert's segments of every source (``kernels.grouped_mm_k(..., sources=W)``): not a
+    launch, a whole-gradient write and an add per source."""
+    grads = []
+    for need, left, right, w in ((ctx.needs_input_grad[1], dh13, x_rows, w13),
+                                 (ctx.needs_input_grad[2], dy, act, w2)):
+        if not need:
+            grads.append(None)
+        elif runs_triton(left.t(), right, plan.segment_ends):
+            grads.append(torch.empty_like(w))
+            kernels.grouped_mm_k(left.t(), right, plan.segment_ends, grads[-1], sources=plan.world)
+        else:
+            grads.append(torch.zeros_like(w))
+            for src in range(plan.world):
+                rows = plan.recv_rows(src)
+                if rows.stop > rows.start:
+                    grads[-1] += grouped_mm(left[rows].t(), right[rows], plan.offs[src])
+    return tuple(grads)
 
 
 class _ExpertPipeline(torch.autograd.Function):
@@ -259,21 +271,20 @@ class _ExpertPipeline(torch.autograd.Function):
     def backward(ctx, grad_back):
         received, h13, act, w13, w2 = ctx.saved_tensors
         plan = ctx.plan
-        grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
+        dh13 = torch.empty_like(h13)
 
         def experts_backward(src, dy):
             if dy.shape[0] == 0:
                 return dy.new_empty(0, w13.shape[2])
             offs, rows = plan.offs[src], plan.recv_rows(src)
-            dh13 = _grouped_swiglu_vjp(dy, w2, offs, h13[rows])
-            _add_weight_grads(grad_w13, grad_w2, offs, received[rows],
-                              None if act is None else act[rows], dy, dh13)
-            return grouped_mm(dh13, w13, offs)
+            return grouped_mm(_grouped_swiglu_vjp(dy, w2, offs, h13[rows], out=dh13[rows]), w13, offs)
 
         # every rank runs the exchange, whatever it needs, so the ranks stay in step
         grad_incoming = torch.empty_like(received)
         grad_sorted = _pipeline(plan, grad_back.contiguous(), grad_incoming, experts_backward)
-        return grad_sorted, grad_w13, grad_w2, None
+        # the weight gradients once every source's rows are in (one launch each)
+        return (grad_sorted, *_weight_grads(ctx, w13, w2, plan, received, act, grad_incoming, dh13),
+                None)
 
 
 class Pipelined(Backend):
@@ -469,13 +480,8 @@ class _FusedExperts(torch.autograd.Function):
         buf = _fused_buffer(plan, grad_back)
         (grad_sorted, grad_received, _, dh13, _), = _fused_exchange(
             [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc, h13s=[h13])
-        grad_w13, grad_w2 = _weight_grad_buffers(ctx, w13, w2)
-        for src in range(plan.world):  # the received rows are source-major, expert-sorted within
-            rows = plan.recv_rows(src)
-            if rows.stop > rows.start:
-                _add_weight_grads(grad_w13, grad_w2, plan.offs[src], received[rows],
-                                  None if act is None else act[rows], grad_received[rows], dh13[rows])
-        return grad_sorted, grad_w13, grad_w2, None
+        return (grad_sorted, *_weight_grads(ctx, w13, w2, plan, received, act, grad_received, dh13),
+                None)
 
 
 class Fused(Backend):

@@ -115,6 +115,26 @@ def test_k_grouped_on_transposed_operand(sizes, M, N):
         start = end
 
 
+def test_k_grouped_sums_each_groups_segments_over_sources():
+    """``sources=S``: K holds S source-major runs of E segments (the expert MLP's received
+    rows: per source, its rows of each expert), and c[g] sums g's S segments; a group empty
+    in every source gives zeros, a source with no rows at all adds nothing."""
+    rows = [[3, 0, 40], [0, 0, 0], [7, 0, 1]]  # [source][group]
+    M, N = 33, 9
+    segments = torch.tensor(rows).flatten()
+    x, dy = _ints(int(segments.sum()), M, seed=13), _ints(int(segments.sum()), N, seed=14)
+    c = torch.full((3, M, N), float("nan"))
+    grouped_mm_k(x.t(), dy, segments.cumsum(0).to(torch.int32), c, sources=3)
+    expected = torch.zeros(3, M, N, dtype=torch.float64)
+    ends = segments.cumsum(0).tolist()
+    for seg, end in enumerate(ends):
+        start = end - int(segments[seg])
+        expected[seg % 3] += x[start:end].double().t() @ dy[start:end].double()
+    assert torch.equal(c.double(), expected)
+    with pytest.raises(ValueError, match="sources"):
+        grouped_mm_k(x.t(), dy, segments.cumsum(0).to(torch.int32), c, sources=2)
+
+
 # (counts, pad_rows, K, N): empty, partial, full and over-full groups (a count past the pad
 # is clamped); K, N multiples of 4 take the TMA path
 MASKED_CASES = [([0, 3, 9, 9], 9, 44, 36), ([70, 1], 70, 100, 8), ([2, 0, 5], 5, 45, 33),

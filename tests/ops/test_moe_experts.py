@@ -11,7 +11,8 @@ import fusedpar
 from fusedpar.comm import resolve_group
 from fusedpar.ops import _collective as C
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
-from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp,
+from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp, _Plan,
+                                      _weight_grads,
                                       moe_experts, moe_experts_loopback)
 from tests.kernels.test_grouped_gemm import grouped_product
 from tests.ops.collective_cases import capture_errors, env, subgroup
@@ -79,6 +80,31 @@ def test_pipelined_swiglu_steps_match_the_unfused_ops(backend):
     torch.testing.assert_close(act.double(), swiglu(h13), **tol)
     dh13 = _grouped_swiglu_vjp(dy, w2, offs, h13.float(), backend=backend)
     torch.testing.assert_close(dh13.double(), torch.func.vjp(swiglu, h13)[1](grad_act)[0], **tol)
+
+
+class _NeedsGrads:
+    needs_input_grad = (True, True, True, False)
+
+
+@pytest.mark.parametrize("grouped_backend", ["", "reference"], ids=["triton", "reference"])
+def test_weight_grads_sum_every_sources_rows(grouped_backend):
+    """The expert weights' gradients over source-major received rows: one k-grouped launch
+    summing each expert's segments of every source (Triton), or a grouped_mm per source
+    (reference); a source with no rows and an expert with none at all included."""
+    recv = torch.tensor([[3, 0, 5], [0, 0, 0], [7, 0, 1]])  # [source, local expert]
+    plan = _Plan.from_counts(None, 0, recv, recv, torch.device("cpu"))
+    rows, H, I = int(recv.sum()), 8, 6
+    torch.manual_seed(0)
+    x, act, dy, dh13 = (torch.randn(rows, n) for n in (H, I, H, 2 * I))
+    w13, w2 = torch.randn(3, 2 * I, H), torch.randn(3, H, I)
+    with env(FUSEDPAR_BACKEND=grouped_backend):
+        dw13, dw2 = _weight_grads(_NeedsGrads(), w13, w2, plan, x, act, dy, dh13)
+    expert = torch.repeat_interleave(torch.arange(3).repeat(3), recv.flatten())
+    for e in range(3):
+        mine = expert == e
+        tol = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dw13[e].double(), dh13[mine].double().t() @ x[mine].double(), **tol)
+        torch.testing.assert_close(dw2[e].double(), dy[mine].double().t() @ act[mine].double(), **tol)
 
 
 @pytest.mark.parametrize("backend", ["fused", "pipelined", "reference"])
