@@ -45,6 +45,7 @@ The first two kernels wait on nothing: their grid is capped at NUM_PROGRAMS (the
 count) only because they are persistent.
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -499,17 +500,19 @@ def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
 EPILOGUES = ("swiglu", "swiglu_vjp")  # the gather's; the push has none
 
 
-def block_runs(blocks: torch.Tensor) -> torch.Tensor:
-    """The runs of ``blocks`` (host int ``[G, 5]``, as ``grouped_mm_peers`` takes them):
+def block_runs(blocks) -> np.ndarray:
+    """The runs of ``blocks`` (host ints ``[G, 5]``, as ``grouped_mm_peers`` takes them):
     stretches of consecutive blocks of one expert whose rows follow each other in ``a``
     (one block's ``local_row`` is the last one's ``local_row + rows``), as int64 ``[R, 3]``:
-    first block, blocks, rows. A tile may span the blocks of a run."""
-    expert, local_row, rows = blocks[:, 1], blocks[:, 3], blocks[:, 4].long()
-    starts = torch.ones(blocks.shape[0], dtype=torch.bool)
+    first block, blocks, rows. A tile may span the blocks of a run. (numpy: a host table
+    the launch waits for, at a fraction of torch's per-op cost.)"""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    expert, local_row, rows = blocks[:, 1], blocks[:, 3], blocks[:, 4]
+    starts = np.ones(len(blocks), dtype=bool)
     starts[1:] = (expert[1:] != expert[:-1]) | (local_row[1:] != local_row[:-1] + rows[:-1])
-    bounds = torch.cat([starts.nonzero()[:, 0], torch.tensor([blocks.shape[0]])])
-    row_bounds = torch.cat([torch.zeros(1, dtype=torch.long), rows.cumsum(0)])[bounds]
-    return torch.stack([bounds[:-1], bounds.diff(), row_bounds.diff()], dim=1)
+    bounds = np.append(np.flatnonzero(starts), len(blocks))
+    row_bounds = np.concatenate([[0], np.cumsum(rows)])[bounds]
+    return np.stack([bounds[:-1], np.diff(bounds), np.diff(row_bounds)], axis=1)
 
 
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: torch.Tensor,

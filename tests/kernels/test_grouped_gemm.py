@@ -183,7 +183,7 @@ def test_fp16_within_torch_error():
 def _peers(a, b, c, table, buf, rank, world, **kwargs):
     """``grouped_mm_peers`` at epoch 1 over the blocks of ``table`` and their runs."""
     runs = block_runs(table)
-    grouped_mm_peers(a, b, c, table, runs.to(torch.int32), runs[:, 2].tolist(), buf.pad_table,
+    grouped_mm_peers(a, b, c, table, torch.from_numpy(runs).int(), runs[:, 2].tolist(), buf.pad_table,
                      rank, world, 1, buf.timeout_ns, **kwargs)
 
 
