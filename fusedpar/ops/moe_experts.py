@@ -9,17 +9,23 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   rows as soon as its flag is up (own rank first) and applies SwiGLU to its fp32 gate and
   up tiles (the ``[rows, 2I]`` product is written only when autograd needs it); then the
   second grouped GEMM writes its tiles straight into the source ranks' buffers, where each
-  rank reads its results back (no separate all-to-all). The backward pass is the same
-  exchange over the output gradients (gather GEMM with w2 whose epilogue applies the SwiGLU
-  vector-Jacobian product to its fp32 tiles, push GEMM with w13); the weight gradients are
-  computed where the experts live.
+  rank reads its results back (no separate all-to-all). Both GEMMs tile runs of blocks: a
+  tile may hold several sources' rows of one expert where they lie back to back (one expert
+  per rank), so splitting the rows by source costs no partial tile per source. The backward
+  pass is the same exchange over the output gradients (gather GEMM with w2 whose epilogue
+  applies the SwiGLU vector-Jacobian product to its fp32 tiles, push GEMM with w13); the
+  weight gradients are computed where the experts live, one launch each over every
+  source's rows.
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
   GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
   this rank's own tokens while the other sources' rows travel, then on each source's rows
   as they arrive, and each source's results go back as soon as they are done. The backward
-  pass is the same pipeline over the output gradients. SwiGLU and its backward run in the
-  grouped GEMMs' epilogues (``kernels.grouped_gemm.grouped_mm_rows``), as in ``fused``.
+  pass is the same pipeline over the output gradients, then the weight gradients in one
+  launch each. SwiGLU and its backward run in the grouped GEMMs' epilogues
+  (``kernels.grouped_gemm.grouped_mm_rows``), as in ``fused``. Each source's rows are their
+  own GEMM, so each pays its partial tiles (~10% more tiles than one GEMM over all rows at
+  W=8 with one expert per rank, ~40% with 32 experts per rank, counted on CPU).
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``). The only backend that takes ``max_tokens_per_rank``:
   the padded dispatch and ``grouped_mm(..., masked_m=)``, no host read.
