@@ -500,16 +500,18 @@ def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
 EPILOGUES = ("swiglu", "swiglu_vjp")  # the gather's; the push has none
 
 
-def block_runs(blocks) -> np.ndarray:
+def block_runs(blocks, firsts=()) -> np.ndarray:
     """The runs of ``blocks`` (host ints ``[G, 5]``, as ``grouped_mm_peers`` takes them):
     stretches of consecutive blocks of one expert whose rows follow each other in ``a``
     (one block's ``local_row`` is the last one's ``local_row + rows``), as int64 ``[R, 3]``:
-    first block, blocks, rows. A tile may span the blocks of a run. (numpy: a host table
-    the launch waits for, at a fraction of torch's per-op cost.)"""
+    first block, blocks, rows; the blocks at ``firsts`` start one anyway (the first of
+    another launch's table). A tile may span the blocks of a run. (numpy: a host table the
+    launch waits for, at a fraction of torch's per-op cost.)"""
     blocks = np.asarray(blocks, dtype=np.int64)
     expert, local_row, rows = blocks[:, 1], blocks[:, 3], blocks[:, 4]
     starts = np.ones(len(blocks), dtype=bool)
     starts[1:] = (expert[1:] != expert[:-1]) | (local_row[1:] != local_row[:-1] + rows[:-1])
+    starts[np.asarray(firsts, dtype=np.int64)] = True
     bounds = np.append(np.flatnonzero(starts), len(blocks))
     row_bounds = np.concatenate([[0], np.cumsum(rows)])[bounds]
     return np.stack([bounds[:-1], np.diff(bounds), np.diff(row_bounds)], axis=1)

@@ -343,10 +343,10 @@ def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple:
                        staged[src, owner], local_starts[owner, src], counts[src, owner]], axis=-1)
     kept = blocks[..., 4] > 0
     blocks, per_view = blocks[kept], kept.reshape(len(ranks), -1).sum(1)
-    # a view's first block starts at received row 0, so no run crosses views
-    runs = kernels.block_runs(blocks)
+    view_starts = per_view.cumsum() - per_view
+    runs = kernels.block_runs(blocks, view_starts[per_view > 0])  # no run crosses views
     view_of_run = np.repeat(np.arange(len(ranks)), per_view)[runs[:, 0]]
-    runs[:, 0] -= (per_view.cumsum() - per_view)[view_of_run]
+    runs[:, 0] -= view_starts[view_of_run]
     return (blocks, runs, per_view.tolist(),
             np.bincount(view_of_run, minlength=len(ranks)).tolist())
 

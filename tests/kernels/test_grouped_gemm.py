@@ -256,12 +256,15 @@ def test_peers_gather_epilogues(loopback, K, N, b_kmajor, tma, epilogue):
 
 def test_block_runs_join_contiguous_blocks_of_one_expert():
     """A run is a stretch of consecutive blocks of one expert whose rows follow each other:
-    an expert change or a gap starts a new one; an empty block joins the run it sits in."""
+    an expert change, a gap or a block named in ``firsts`` starts a new one; an empty block
+    joins the run it sits in."""
     # src, expert, peer_row, local_row, rows
     table = torch.tensor([[1, 0, 0, 0, 4], [2, 0, 7, 4, 3], [0, 0, 9, 7, 0], [0, 0, 9, 7, 5],
                           [1, 1, 4, 12, 2], [2, 1, 0, 20, 1], [0, 1, 3, 21, 6]])
     assert block_runs(table).tolist() == [[0, 4, 12], [4, 1, 2], [5, 2, 7]]
     assert block_runs(table[:1]).tolist() == [[0, 1, 4]]
+    # another launch's table starts at block 1 (its view's rows may follow on)
+    assert block_runs(table, [1]).tolist() == [[0, 1, 4], [1, 3, 8], [4, 1, 2], [5, 2, 7]]
 
 
 # rows per source of one expert, in the order the view processes them (own rank 1 first)

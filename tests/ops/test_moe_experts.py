@@ -3,6 +3,7 @@
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +12,8 @@ import fusedpar
 from fusedpar.comm import resolve_group
 from fusedpar.ops import _collective as C
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
-from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp, _Plan,
-                                      _weight_grads,
+from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp, _groups,
+                                      _Plan, _weight_grads,
                                       moe_experts, moe_experts_loopback)
 from tests.kernels.test_grouped_gemm import grouped_product
 from tests.ops.collective_cases import capture_errors, env, subgroup
@@ -80,6 +81,43 @@ def test_pipelined_swiglu_steps_match_the_unfused_ops(backend):
     torch.testing.assert_close(act.double(), swiglu(h13), **tol)
     dh13 = _grouped_swiglu_vjp(dy, w2, offs, h13.float(), backend=backend)
     torch.testing.assert_close(dh13.double(), torch.func.vjp(swiglu, h13)[1](grad_act)[0], **tol)
+
+
+def _blocks_by_loop(table, rank, local):
+    """One view's row blocks, written out by hand: own rank's first, then rank + 1, ...;
+    received rows are source-major, expert-sorted within."""
+    world = table.shape[0]
+    mine = slice(rank * local, (rank + 1) * local)
+    blocks = []
+    for src in ((rank + step) % world for step in range(world)):
+        for e in range(local):
+            rows = int(table[src, rank * local + e])
+            staged = int(table[src, :rank * local + e].sum())
+            received = int(table[:src, mine].sum() + table[src, rank * local:rank * local + e].sum())
+            if rows:
+                blocks.append([src, e, staged, received, rows])
+    return blocks
+
+
+@pytest.mark.parametrize("world, local", [(4, 1), (3, 2), (1, 3)])
+def test_groups_match_a_loop_and_join_one_experts_sources(world, local):
+    """The fused GEMMs' row blocks of every view (one pass for all) against a loop; their runs
+    are maximal: with one expert per rank a view's rows are one run (rank 0) or two (the
+    sources after it, then those before)."""
+    g = torch.Generator().manual_seed(world * local)
+    for _ in range(10):
+        table = torch.randint(0, 3, (world, world * local), generator=g)
+        blocks, runs, per_view, runs_per_view = _groups(table, list(range(world)), local)
+        first_block = 0
+        for rank, (n, r) in enumerate(zip(per_view, runs_per_view)):
+            assert blocks[first_block:first_block + n].tolist() == _blocks_by_loop(table, rank, local)
+            first_block += n
+        views = np.split(runs, np.cumsum(runs_per_view)[:-1])
+        for view, blocks_of_view in zip(views, np.split(blocks, np.cumsum(per_view)[:-1])):
+            assert view[:, 1].sum() == len(blocks_of_view)
+            assert view[:, 2].sum() == blocks_of_view[:, 4].sum()
+        if local == 1 and (table > 0).all():
+            assert runs_per_view == [1] + [2] * (world - 1)
 
 
 class _NeedsGrads:
@@ -179,10 +217,13 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "max_tokens_per_rank=3 is too small" in rank_errors["too_many_tokens"][1]
 
 
-@pytest.mark.parametrize("backend, world, k, skew", [("fused", 4, 2, False), ("fused", 3, 1, True),
-                                                     ("reference", 4, 2, False)])
-def test_loopback_matches_dense_loop(backend, world, k, skew):
-    T, H, I, E_local = 5, 8, 6, 2
+# one expert per rank with skewed routing: rank 0's expert gets every source's rows, one run
+# (tiles holding several sources' rows), the others none
+@pytest.mark.parametrize("backend, world, k, skew, E_local", [
+    ("fused", 4, 2, False, 2), ("fused", 3, 1, True, 2), ("fused", 4, 1, True, 1),
+    ("reference", 4, 2, False, 2)])
+def test_loopback_matches_dense_loop(backend, world, k, skew, E_local):
+    T, H, I = 5, 8, 6
     E = E_local * world
     torch.manual_seed(1)
     w13, w2 = torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4
@@ -243,10 +284,12 @@ def test_fused_a_stalled_peer_fails_within_the_timeout(pools):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("E_local", [2, 1])
 @pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_loopback_bf16_on_gpu(backend):
-    """The compiled kernels (GPU configs): bf16 within 2x the error of plain torch in bf16."""
-    world, T, H, I, E_local, k = 4, 300, 256, 192, 2, 2
+def test_loopback_bf16_on_gpu(backend, E_local):
+    """The compiled kernels (GPU configs): bf16 within 2x the error of plain torch in bf16.
+    With one expert per rank the fused GEMMs' 128-row tiles hold two sources' rows."""
+    world, T, H, I, k = 4, 300, 256, 192, 2
     E = E_local * world
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda") * H ** -0.5
