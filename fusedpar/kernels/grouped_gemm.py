@@ -538,8 +538,8 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
       forward's products ``h [rows, 2N]``.
 
     Push (no epilogue): ``src's region[c_offset + (peer_row:+rows) * N] =
-    a[local_row:+rows] @ b[expert]``; ``c`` only gives the dtype. ``a``, ``c`` and ``h`` contiguous;
-    ``b [E, K, N]`` any strides.
+    a[local_row:+rows] @ b[expert]``; ``c`` only gives the dtype. ``a``, ``c`` and ``h``
+    contiguous; ``b [E, K, N]`` any strides.
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
     on a side stream) or, without one, before this launch in stream order; neither needs an SM
     this kernel holds, and the grid is ``spinning_grid``-capped.
@@ -674,12 +674,12 @@ _ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "of
              "N": "i32", "K": "i32", "E": "i32", "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32",
              "stride_bk": "i32", "stride_cm": "i32"}
 _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
-          "N": "i32", "E": "i32", "pad_rows": "i32", "sources": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32",
-          "stride_cm": "i32"}
+          "N": "i32", "E": "i32", "pad_rows": "i32", "sources": "i32", "stride_ak": "i32",
+          "stride_bk": "i32", "stride_ce": "i32", "stride_cm": "i32"}
 _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
               "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
-              "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32", "c_offset": "i32",
-              "stride_be": "i32"}
+              "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32",
+              "c_offset": "i32", "stride_be": "i32"}
 # b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
 # (unit stride along K), the weights themselves in the backward (unit stride along N)
 _B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
