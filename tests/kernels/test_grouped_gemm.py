@@ -271,7 +271,7 @@ def test_block_runs_join_contiguous_blocks_of_one_expert():
 SPANNING = {1: 40, 2: 30, 0: 40}
 
 
-def _spanning_case(K, N):
+def _spanning_case(K):
     """One expert's rows from three sources, contiguous in ``a`` (the received rows of a rank
     holding one expert), so the interpreter's 32-row tiles hold the rows of two sources.
     Rows encode their source."""
@@ -291,7 +291,7 @@ def test_peers_gather_tiles_span_the_sources_of_a_run(loopback, K):
     rows are skipped (rows 32-95 with 32-row tiles, own rows 32-39 included) and the
     timeout names source 2."""
     world, me, late, N = 3, 1, 2, 12
-    table, _, a = _spanning_case(K, N)
+    table, _, a = _spanning_case(K)
     b = _epilogue_b(1, K, N, True, "swiglu")
     expected = swiglu(a.double() @ b[0].double())
     assert block_runs(table).tolist() == [[0, 3, 110]]
@@ -319,7 +319,7 @@ def test_peers_push_writes_each_row_of_a_spanning_tile_to_its_source(loopback, K
     ``peer_row + i`` of s's region (past ``c_offset``), tiles holding two sources' rows
     included; nothing else in any region is written (NaN-poisoned)."""
     world, me, N, c_offset = 3, 1, 12, 5 * 12
-    table, source, a = _spanning_case(K, N)
+    table, source, a = _spanning_case(K)
     b = _ints(1, N, K, seed=12).transpose(1, 2) / 8  # w2ᵀ of row-major weights, as the MLP
     product = a.double() @ b[0].double()
     bufs = loopback(world)
