@@ -79,7 +79,8 @@ def expert_counts(topk_idx: torch.Tensor, experts: int, dtype: torch.dtype) -> t
     its host read of the largest id (a CUDA graph could not capture that)."""
     flat = topk_idx.reshape(-1)
     kept = (flat >= 0) & (flat < experts)  # an id out of range counts nowhere (callers flag it)
-    return kept.to(dtype).new_zeros(experts).index_add_(0, torch.where(kept, flat, 0), kept.to(dtype))
+    ones = kept.to(dtype)
+    return ones.new_zeros(experts).index_add_(0, torch.where(kept, flat, 0), ones)
 
 
 def _within_capacity(topk_idx, weights, experts, capacity, policy) -> torch.Tensor:

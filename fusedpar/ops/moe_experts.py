@@ -321,6 +321,14 @@ class Pipelined(Backend):
 # ---- fused: symmetric memory ------------------------------------------------------------------
 
 
+def _by_owner(table: torch.Tensor, local: int) -> tuple[np.ndarray, np.ndarray]:
+    """``table`` (host ``[W, E]``, every rank's copies per expert) as ``[src, owner,
+    expert]``: the copies, and where each (owner, expert) block starts in src's sorted copies."""
+    world, host = table.shape[0], table.numpy().astype(np.int64)
+    staged = host.cumsum(1) - host
+    return host.reshape(world, world, local), staged.reshape(world, world, local)
+
+
 def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple:
     """The first GEMM's row blocks of each rank view in ``ranks``, own rank first: rows
     ``[src, expert, row in src's staged copies, row in the view's received rows, rows]``
@@ -331,9 +339,8 @@ def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple:
     rows are source-major). Whole-table numpy ops for every view at once: the host issues
     the first GEMM only after this (a Python loop over the blocks cost ~5 ms per call at
     W=8 with 32 experts per rank; torch ops ~0.4 ms, numpy ~0.1 ms on a CPU core)."""
-    world, table = table.shape[0], table.numpy().astype(np.int64)
-    counts = table.reshape(world, world, local)  # [src, owner, expert]
-    staged = (table.cumsum(1) - table).reshape(world, world, local)  # row in src's sorted copies
+    world = table.shape[0]
+    counts, staged = _by_owner(table, local)
     by_owner = counts.transpose(1, 0, 2).reshape(world, -1)  # [owner, src * local + expert]
     local_starts = (by_owner.cumsum(1) - by_owner).reshape(world, world, local)  # [owner, src, expert]
     owner = np.asarray(ranks)[:, None]
@@ -374,12 +381,12 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     """
     world, local = table.shape[0], first_bs[0].shape[0]
     hidden, dtype = outgoing[0].shape[1], outgoing[0].dtype
-    host = table.numpy()
-    region2 = int(host.sum(1).max()) * hidden  # element offset of region 2 in every rank's data
+    counts, staged = _by_owner(table, local)
+    region2 = int(counts.sum((1, 2)).max()) * hidden  # where region 2 starts in every rank's data
     # per owner: the rows each source sends it, and where that block starts in the source's
-    # sorted copies (table viewed as [src, owner, expert])
-    per_sources = host.reshape(world, world, local).sum(2).T.tolist()
-    firsts = (host.cumsum(1) - host).reshape(world, world, local)[:, :, 0].T.tolist()
+    # sorted copies
+    per_sources = counts.sum(2).T.tolist()
+    firsts = staged[:, :, 0].T.tolist()
     launchers = C.TRITON_LAUNCHERS
     row_blocks, runs, blocks_per_view, runs_per_view = _groups(table, [buf.rank for buf in bufs],
                                                                local)
