@@ -4,10 +4,10 @@
   experts), the block ``fusedpar.models`` uses.
 - :class:`ExpertParallelMoE`: the same block with its experts split over an ep group
   (``fusedpar.ops.moe_experts``), with ``.from_module(block, group)`` for a MoEBlock or a
-  Hugging Face ``MixtralSparseMoeBlock``.
-- :class:`ExpertParallelExperts`: only the stacked experts of a Hugging Face Mixtral block
-  (``experts.gate_up_proj`` / ``down_proj``) split over an ep group, so the block keeps its
-  router and every parameter name.
+  Hugging Face block routed by softmax top-k (Mixtral, Qwen3-MoE, OLMoE).
+- :class:`ExpertParallelExperts`: only the stacked experts of a Hugging Face MoE block
+  (``experts.gate_up_proj`` / ``down_proj``; also Qwen2-MoE and DeepSeek-V3) split over an
+  ep group, so the block keeps its router, shared experts and every parameter name.
 
 Expert weights are DTensors ``Shard(0)`` of the global ``[E, 2I, H]`` / ``[E, H, I]`` on the
 ep axis (a 1-D ``DeviceMesh``), as TP layers' weights are on the tp axis: ``state_dict()``
@@ -167,15 +167,19 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_module(cls, block: nn.Module, group=None, *,
                     max_tokens_per_rank: int | None = None) -> "ExpertParallelMoE":
-        """This rank's share of ``block``: a :class:`MoEBlock`, or a Hugging Face
-        ``MixtralSparseMoeBlock`` (transformers 5: ``gate.weight [E, H]``,
-        ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, SiLU; found by
-        structure). Copies the router and this rank's experts; outputs stay the same."""
-        router, w13, w2, top_k = _moe_weights(block)
+        """This rank's share of ``block``: a :class:`MoEBlock`, or a Hugging Face MoE block
+        routed by softmax top-k (transformers 5, found by structure: ``gate.weight [E, H]``,
+        ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, SiLU), such as
+        ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock`` and ``OlmoeSparseMoeBlock``
+        (``norm_topk_prob`` is kept). Copies the router and this rank's experts; outputs stay
+        the same. A block with more than that (shared experts as in Qwen2-MoE, sigmoid or
+        group-limited routing as in DeepSeek-V3, router biases, jitter) is refused: keep its
+        router and split only its experts with :class:`ExpertParallelExperts`."""
+        api = "ExpertParallelMoE.from_module"
+        router, w13, w2, top_k, renormalize = _moe_weights(block, api)
         num_experts, two_i, hidden = w13.shape
         pg = resolve_group(group)
-        out = cls(hidden, two_i // 2, num_experts, top_k, group,
-                  renormalize=getattr(block, "renormalize", True),
+        out = cls(hidden, two_i // 2, num_experts, top_k, group, renormalize=renormalize,
                   max_tokens_per_rank=max_tokens_per_rank, device=w13.device, dtype=w13.dtype)
         with torch.no_grad():
             out.router.weight.copy_(router)
@@ -201,8 +205,8 @@ class ExpertParallelMoE(nn.Module):
 
 
 class ExpertParallelExperts(nn.Module):
-    """The stacked SwiGLU experts of a Hugging Face Mixtral block (``block.experts``) split
-    over an ep group, called as HF calls them::
+    """The stacked SwiGLU experts of a Hugging Face MoE block (``block.experts``) split over
+    an ep group, called as HF calls them::
 
         y = experts(x [T, H], top_k_index [T, k], top_k_weights [T, k])
           = moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, group)
@@ -229,8 +233,10 @@ class ExpertParallelExperts(nn.Module):
     @classmethod
     def from_module(cls, block: nn.Module, group=None, *,
                     max_tokens_per_rank: int | None = None) -> "ExpertParallelExperts":
-        """This rank's experts of a Hugging Face ``MixtralSparseMoeBlock`` (SwiGLU, stacked)."""
-        _, w13, w2, _ = _moe_weights(block)
+        """This rank's experts of a Hugging Face MoE block with stacked SwiGLU experts
+        (``block.experts.gate_up_proj`` / ``down_proj``: Mixtral, Qwen2/3-MoE, OLMoE,
+        DeepSeek-V3, ...); the block keeps its router, shared experts and the rest."""
+        w13, w2 = _stacked_experts(block, "ExpertParallelExperts.from_module")
         return cls(w13, w2, group, max_tokens_per_rank=max_tokens_per_rank)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -254,29 +260,97 @@ def _expert_param(local_experts: torch.Tensor, group) -> nn.Parameter:
     return nn.Parameter(DTensor.from_local(local_experts, mesh, [Shard(0)], run_check=False))
 
 
-def _moe_weights(block: nn.Module):
-    """``(router weight [E, H], w13 [E, 2I, H], w2 [E, H, I], top_k)`` of a supported block."""
-    if isinstance(block, (MoEBlock, ExpertParallelMoE)):
-        if isinstance(block, ExpertParallelMoE):
-            raise TypeError("ExpertParallelMoE.from_module: the block is already expert-parallel")
-        return block.router.weight, block.w13, block.w2, block.top_k
-    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+#: The flags transformers (>= 5) sets on stacked experts (``use_experts_implementation``) and
+#: the values of what fusedpar computes: SwiGLU, ``[gate; up]`` stacked, ``[E, out, in]``, no
+#: bias, no norm after the experts.
+_HF_SWIGLU_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False,
+                    "is_concatenated": True, "has_post_expert_norm": False}
+_KEEP_HF_ROUTER = ("keep the block's router and replace only its experts: block.experts = "
+                   "ExpertParallelExperts.from_module(block, group) (fusedpar.parallelize does)")
+
+
+def _stacked_experts(block: nn.Module, api: str):
+    """``(w13 [E, 2I, H], w2 [E, H, I])``: the stacked SwiGLU experts of a Hugging Face MoE
+    block (``experts.gate_up_proj`` / ``experts.down_proj``); anything else computed by the
+    experts (biases, another activation or gating, a transposed or interleaved layout, a
+    norm after them) is refused rather than dropped."""
+    experts = getattr(block, "experts", None)
     w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    router = getattr(gate, "weight", None)
-    if not all(isinstance(t, torch.Tensor) for t in (router, w13, w2)) or w13.dim() != 3:
-        raise TypeError(f"ExpertParallelMoE.from_module: {type(block).__name__} is neither a "
-                        "fusedpar MoEBlock nor a Mixtral-style block with gate.weight [E, H] and "
-                        "stacked experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I]")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (w13, w2)):
+        raise TypeError(f"{api}: {type(block).__name__} is neither a fusedpar MoEBlock nor a "
+                        "Hugging Face MoE block with stacked experts (transformers >= 5: "
+                        "experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])")
+    odd = [f"{flag}={getattr(experts, flag)}" for flag, want in _HF_SWIGLU_FLAGS.items()
+           if getattr(experts, flag, want) != want]
     act = getattr(experts, "act_fn", None)
     if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLU", "SiLUActivation"):
-        raise ValueError(f"ExpertParallelMoE.from_module: experts use {type(act).__name__}; only "
-                         "SwiGLU (SiLU gate) experts are supported")
+        odd.append(f"act_fn={type(act).__name__}")
+    gating = getattr(type(experts), "_apply_gate", None)
+    if gating is not None and gating.__name__ != "_default_apply_gate":
+        odd.append("a gating function of its own (_apply_gate)")
+    if odd:
+        raise ValueError(f"{api}: {type(experts).__name__} ({', '.join(odd)}) is not what fusedpar's "
+                         "experts compute: silu(gate) * up with gate_up_proj [E, 2I, H] (gate rows "
+                         "first), down_proj [E, H, I] and no biases")
     num_experts, two_i, hidden = w13.shape
-    if tuple(router.shape) != (num_experts, hidden) or tuple(w2.shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(f"ExpertParallelMoE.from_module: gate.weight {tuple(router.shape)}, "
-                         f"gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} do not "
-                         "fit one hidden size and expert count")
+    if two_i % 2 or tuple(w2.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"{api}: gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} "
+                         "do not fit [E, 2I, H] and [E, H, I]")
+    return w13, w2
+
+
+def _moe_weights(block: nn.Module, api: str):
+    """``(router weight [E, H], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize)`` of a
+    MoEBlock or of a Hugging Face block that :class:`ExpertParallelMoE` reproduces whole:
+    softmax top-k routing by a bias-free router, the stacked experts, nothing else."""
+    if isinstance(block, ExpertParallelMoE):
+        raise TypeError(f"{api}: the block is already expert-parallel")
+    if isinstance(block, MoEBlock):
+        return block.router.weight, block.w13, block.w2, block.top_k, block.renormalize
+    w13, w2 = _stacked_experts(block, api)
+    gate = getattr(block, "gate", None)
+    router = getattr(gate, "weight", None)
+    if not isinstance(router, torch.Tensor) or tuple(router.shape) != (w13.shape[0], w13.shape[2]):
+        raise ValueError(f"{api}: {type(block).__name__}.gate.weight must be the router [E, H] = "
+                         f"{[w13.shape[0], w13.shape[2]]} of its experts, got "
+                         f"{None if router is None else tuple(router.shape)}")
+    extra = [name for name, _ in block.named_children() if name.startswith("shared_expert")]
+    if getattr(gate, "bias", None) is not None:
+        extra.append("gate.bias")
+    if getattr(block, "jitter_noise", 0):
+        extra.append(f"jitter_noise={block.jitter_noise} (set router_jitter_noise=0)")
+    if extra:
+        raise ValueError(f"{api}: {type(block).__name__} has {', '.join(extra)}, which "
+                         f"ExpertParallelMoE does not compute; {_KEEP_HF_ROUTER}")
     top_k = getattr(block, "top_k", None) or getattr(gate, "top_k", None)
     if top_k is None:
-        raise TypeError("ExpertParallelMoE.from_module: the block has no top_k attribute")
-    return router, w13, w2, int(top_k)
+        raise TypeError(f"{api}: {type(block).__name__} has no top_k attribute (block or gate)")
+    # Mixtral always renormalizes; Qwen2/3-MoE and OLMoE say so in norm_topk_prob
+    renormalize = bool(getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True)))
+    _check_router(gate, router, int(top_k), renormalize, api)
+    return router, w13, w2, int(top_k), renormalize
+
+
+def _check_router(gate: nn.Module, router: torch.Tensor, top_k: int, renormalize: bool,
+                  api: str) -> None:
+    """Run the Hugging Face router on a few random tokens and check that ``topk_route`` of its
+    logits picks the same experts with the same weights (sigmoid or group-limited routing,
+    a bias on the scores or scaled weights would not). Materialized routers returning
+    ``(logits, weights, indices)`` only: a meta router cannot run."""
+    if router.is_meta:
+        return
+    probe = torch.randn(8, router.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = gate(probe.to(router))
+    if not (isinstance(out, tuple) and len(out) == 3):
+        return
+    logits, weights, idx = out
+    want_idx, want_weights, _ = topk_route(logits.float(), top_k, renormalize=renormalize)
+
+    def dense(i, w):  # [T, E]: each token's weight per expert, whatever the order of its k
+        return torch.zeros(len(probe), router.shape[0]).scatter(1, i.long().cpu(), w.float().cpu())
+
+    if not torch.allclose(dense(idx, weights), dense(want_idx, want_weights), rtol=1e-2, atol=1e-3):
+        raise ValueError(f"{api}: {type(gate).__name__} does not route as fusedpar's topk_route "
+                         f"(softmax over the E logits, top-{top_k}"
+                         f"{', renormalized' if renormalize else ''}); {_KEEP_HF_ROUTER}")

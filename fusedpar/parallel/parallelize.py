@@ -50,11 +50,12 @@ __all__ = ["ModelLayout", "find_layout", "parallelize", "shard_batch"]
 
 SUPPORTED = (
     "fusedpar.models.LlamaForCausalLM / MixtralForCausalLM and Hugging Face transformers "
-    "LlamaForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, found by structure: "
-    "model.embed_tokens, model.layers[i] with self_attn.{q,k,v,o}_proj, input_layernorm, "
-    "post_attention_layernorm and a dense mlp (gate_proj/up_proj/down_proj) or an MoE mlp "
-    "(fusedpar.nn.moe.MoEBlock or HF's gate router + stacked experts), model.norm, "
-    "model.rotary_emb, lm_head"
+    "LlamaForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+    "Qwen3MoeForCausalLM, OlmoeForCausalLM, DeepseekV3ForCausalLM, found by structure: "
+    "model.embed_tokens, model.layers[i] with self_attn (q,k,v,o_proj linear layers for tp / "
+    "cp), input_layernorm, post_attention_layernorm and a dense mlp (gate_proj/up_proj/"
+    "down_proj) or an MoE mlp (fusedpar.nn.moe.MoEBlock or HF's gate router + stacked "
+    "experts; dense and MoE layers may mix), model.norm, model.rotary_emb, lm_head"
 )
 _OWN_PLAN_HINT = (
     "For another architecture build your own plan from the same pieces: "
@@ -67,16 +68,20 @@ _OWN_PLAN_HINT = (
 
 @dataclass
 class ModelLayout:
-    """What :func:`find_layout` found: the blocks and the sizes the config must divide."""
+    """What :func:`find_layout` found: the blocks and the sizes the config must divide.
+    ``heads`` / ``kv_heads`` / ``head_dim`` are None, and ``attention`` says why, when the
+    attention is not Llama-style q/k/v/o projections (tp and cp cannot split it);
+    ``intermediate`` is the dense MLPs' (None without one), ``experts`` the MoE blocks'."""
 
     layers: list[nn.Module]
     moe: bool
-    heads: int
-    kv_heads: int
-    head_dim: int
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
     vocab: int
     intermediate: int | None
     experts: int | None
+    attention: str | None = None
 
 
 def _is_moe(mlp: nn.Module) -> bool:
@@ -98,11 +103,10 @@ def find_layout(model: nn.Module) -> ModelLayout:
     layers = list(getattr(inner, "layers", None) or [])
     if not problems and not layers:
         problems.append("model.layers is empty")
-    for i, layer in enumerate(layers[:1]):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            if getattr(getattr(attn, n, None), "weight", None) is None:
-                problems.append(f"model.layers[{i}].self_attn.{n} is not a linear layer")
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(getattr(layer, "self_attn", None), nn.Module):
+            problems.append(f"no model.layers[{i}].self_attn")
         if mlp is None:
             problems.append(f"no model.layers[{i}].mlp")
         elif not _is_moe(mlp) and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
@@ -114,24 +118,35 @@ def find_layout(model: nn.Module) -> ModelLayout:
     if problems:
         raise TypeError(f"fusedpar.parallelize: {type(model).__name__} is not a supported model "
                         f"({'; '.join(problems)}). Supported: {SUPPORTED}. {_OWN_PLAN_HINT}")
-    attn, mlp = layers[0].self_attn, layers[0].mlp
+    attn = layers[0].self_attn
     head_dim = getattr(attn, "head_dim", None)
+    attention = [f"self_attn.{n} is not a linear layer" for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                 if getattr(getattr(attn, n, None), "weight", None) is None]
     if not isinstance(head_dim, int):
-        raise TypeError(f"fusedpar.parallelize: {type(attn).__name__} has no int head_dim")
-    moe = _is_moe(mlp)
+        attention.append(f"{type(attn).__name__} has no int head_dim")
+    moe = [layer.mlp for layer in layers if _is_moe(layer.mlp)]
+    dense = [layer.mlp for layer in layers if not _is_moe(layer.mlp)]
     experts = None
     if moe:
-        experts = getattr(mlp, "num_experts", None) or getattr(getattr(mlp, "experts", None), "num_experts", None)
+        experts = getattr(moe[0], "num_experts", None) or getattr(getattr(moe[0], "experts", None), "num_experts", None)
     return ModelLayout(
-        layers=layers, moe=moe,
-        heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=attn.k_proj.weight.shape[0] // head_dim,
-        head_dim=head_dim, vocab=model.lm_head.weight.shape[0],
-        intermediate=None if moe else mlp.gate_proj.weight.shape[0], experts=experts)
+        layers=layers, moe=bool(moe),
+        heads=None if attention else attn.q_proj.weight.shape[0] // head_dim,
+        kv_heads=None if attention else attn.k_proj.weight.shape[0] // head_dim,
+        head_dim=None if attention else head_dim, vocab=model.lm_head.weight.shape[0],
+        intermediate=dense[0].gate_proj.weight.shape[0] if dense else None, experts=experts,
+        attention="; ".join(attention) or None)
 
 
 def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
     """Everything the model and config must agree on, before any communication."""
     problems = []
+    split = [f"{axis}={getattr(cfg, axis)}" for axis in ("tp", "cp") if getattr(cfg, axis) > 1]
+    if split and layout.attention:
+        problems.append(f"{' and '.join(split)}: tensor and context parallelism split Llama-style "
+                        "attention (q/k/v/o projections, an int head_dim), and this model's is "
+                        f"not ({layout.attention}); use tp=1 and cp=1 (dp_shard, dp_replicate and "
+                        "ep split it)")
     if cfg.tp > 1:
         for what, size in (("attention heads", layout.heads), ("KV heads", layout.kv_heads),
                            ("vocab size", layout.vocab), ("intermediate size", layout.intermediate)):
@@ -147,20 +162,6 @@ def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
             problems.append(f"{layout.experts} experts are not divisible by ep={cfg.ep}")
     if problems:
         raise ParallelConfigError(f"fusedpar.parallelize({cfg.describe()}): " + "; ".join(problems))
-    missing = [(axis, name, issue) for axis, name, issue in
-               (("cp", "ContextParallelAttention", 7), ("ep", "ExpertParallelMoE", 8))
-               if getattr(cfg, axis) > 1 and not hasattr(_fusedpar_nn(), name)]
-    if missing:
-        raise ParallelConfigError(
-            "fusedpar.parallelize: " + "; ".join(
-                f"{axis}={getattr(cfg, axis)} needs fusedpar.nn.{name} (issue {issue}), which is not "
-                f"available yet in this fusedpar; use {axis}=1" for axis, name, issue in missing))
-
-
-def _fusedpar_nn():
-    from .. import nn as fnn
-
-    return fnn
 
 
 # ---- the forward of a parallelized model ---------------------------------------------------------
@@ -303,7 +304,7 @@ def _apply_expert_parallel(model: nn.Module, layout: ModelLayout, ep_mesh) -> li
             layer.mlp = ExpertParallelMoE.from_module(layer.mlp, ep_mesh)
             sync_replicated_grads(layer.mlp.router, ep_mesh)
             units.append(layer.mlp)
-        else:
+        elif _is_moe(layer.mlp):  # dense layers (DeepSeek-V3's first ones) stay as they are
             layer.mlp.experts = ExpertParallelExperts.from_module(layer.mlp, ep_mesh)
             units.append(layer.mlp.experts)
     return units

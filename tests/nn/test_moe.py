@@ -120,37 +120,122 @@ def test_expert_parallel_errors(pools):
         assert "neither a fusedpar MoEBlock" in errors["not_moe"][1]
 
 
-def _check_hf_conversion():
+def _hf_block(kind: str):
+    """A tiny Hugging Face MoE block (transformers 5), seeded, with weights large enough to
+    route unevenly: "mixtral", "qwen3-moe" (top-k weights not renormalized), "olmoe",
+    "qwen2-moe" (a gated shared expert), "deepseek-v3" (sigmoid group-limited routing,
+    scaled weights, a shared expert), "gpt-oss" (biased, transposed, clamped experts)."""
+    import transformers as T
+
+    common = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+    configs = {
+        "mixtral": lambda: T.MixtralConfig(**common, intermediate_size=8, num_local_experts=4,
+                                           num_experts_per_tok=2, router_jitter_noise=0.0),
+        "qwen3-moe": lambda: T.Qwen3MoeConfig(**common, moe_intermediate_size=8, num_experts=4,
+                                              num_experts_per_tok=2, norm_topk_prob=False),
+        "olmoe": lambda: T.OlmoeConfig(**common, intermediate_size=8, num_experts=4,
+                                       num_experts_per_tok=2),
+        "qwen2-moe": lambda: T.Qwen2MoeConfig(**common, moe_intermediate_size=8,
+                                              shared_expert_intermediate_size=8, num_experts=4,
+                                              num_experts_per_tok=2),
+        "deepseek-v3": lambda: T.DeepseekV3Config(
+            **common, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=None,
+            kv_lora_rank=4, qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=4),
+        "gpt-oss": lambda: T.GptOssConfig(**common, intermediate_size=8, num_local_experts=4,
+                                          num_experts_per_tok=2),
+    }
+    blocks = {"mixtral": T.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock,
+              "qwen3-moe": T.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+              "olmoe": T.models.olmoe.modeling_olmoe.OlmoeSparseMoeBlock,
+              "qwen2-moe": T.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock,
+              "deepseek-v3": T.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE,
+              "gpt-oss": T.models.gpt_oss.modeling_gpt_oss.GptOssMLP}
+    torch.manual_seed(0)
+    block = blocks[kind](configs[kind]()).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    return block
+
+
+def _hf_output(block, x):
+    out = block(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _check_hf_conversion(kind: str, whole: bool):
+    """``kind``'s block on every rank; ``whole``: ExpertParallelMoE.from_module must keep its
+    outputs. Always: swapping in ExpertParallelExperts keeps its outputs, its parameter
+    names and global shapes (the block keeps its router and shared experts)."""
     import torch.distributed as dist
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     from fusedpar.nn.moe import ExpertParallelExperts, ExpertParallelMoE
 
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=4,
-                           num_experts_per_tok=2, router_jitter_noise=0.0)
-    hf = MixtralSparseMoeBlock(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.5)
-    xs = [torch.randn(2, 3, 8) for _ in range(dist.get_world_size())]
+    hf = _hf_block(kind)
+    xs = [torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(r))
+          for r in range(dist.get_world_size())]
     x = xs[dist.get_rank()]
-    expected = hf(x)
-    expected = expected[0] if isinstance(expected, tuple) else expected
-    y, _ = ExpertParallelMoE.from_module(hf, dist.group.WORLD)(x)
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-    # only the experts swapped: HF's router, names and global shapes stay
+    expected = _hf_output(hf, x)
+    if whole:
+        y, _ = ExpertParallelMoE.from_module(hf, dist.group.WORLD)(x)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     names = {n: tuple(p.shape) for n, p in hf.named_parameters()}
     hf.experts = ExpertParallelExperts.from_module(hf, dist.group.WORLD)
     assert {n: tuple(p.shape) for n, p in hf.named_parameters()} == names
-    torch.testing.assert_close(hf(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_hf_output(hf, x), expected, rtol=1e-5, atol=1e-5)
     return True
 
 
-def test_hugging_face_mixtral_block_conversion(pools):
+@pytest.mark.parametrize("kind, whole", [("mixtral", True), ("qwen3-moe", True), ("olmoe", True),
+                                         ("qwen2-moe", False), ("deepseek-v3", False)])
+def test_hugging_face_block_conversion(pools, kind, whole):
     pytest.importorskip("transformers")
-    assert pools(2).run(_check_hf_conversion) == [True, True]
+    assert pools(2).run(_check_hf_conversion, kind, whole) == [True, True]
+
+
+def _hf_refusals():
+    import torch.distributed as dist
+
+    from fusedpar.nn.moe import ExpertParallelExperts, ExpertParallelMoE
+    from tests.ops.collective_cases import capture_errors
+
+    group = dist.group.WORLD
+    sigmoid = _hf_block("deepseek-v3")
+    del sigmoid.shared_experts  # left: the router, which only running it tells apart
+    jitter = _hf_block("mixtral")
+    jitter.jitter_noise = 0.1
+    return capture_errors({
+        "shared": lambda: ExpertParallelMoE.from_module(_hf_block("qwen2-moe"), group),
+        "shared_deepseek": lambda: ExpertParallelMoE.from_module(_hf_block("deepseek-v3"), group),
+        "sigmoid": lambda: ExpertParallelMoE.from_module(sigmoid, group),
+        "jitter": lambda: ExpertParallelMoE.from_module(jitter, group),
+        "gpt_oss": lambda: ExpertParallelMoE.from_module(_hf_block("gpt-oss"), group),
+        "gpt_oss_experts": lambda: ExpertParallelExperts.from_module(_hf_block("gpt-oss"), group),
+        "twice": lambda: ExpertParallelMoE.from_module(
+            ExpertParallelMoE.from_module(_hf_block("mixtral"), group), group),
+    })
+
+
+def test_hugging_face_blocks_it_cannot_reproduce_are_refused(pools):
+    """What ExpertParallelMoE would drop or change is an error naming it and the way out
+    (ExpertParallelExperts keeps the block's router); experts fusedpar does not compute are
+    refused by both conversions."""
+    pytest.importorskip("transformers")
+    errors, = pools(1).run(_hf_refusals)
+    assert {case: error and error[0] for case, error in errors.items()} == {
+        **dict.fromkeys(errors, "ValueError"), "twice": "TypeError"}, errors
+    keep_router = "block.experts = ExpertParallelExperts.from_module(block, group)"
+    assert "shared_expert, shared_expert_gate" in errors["shared"][1] and keep_router in errors["shared"][1]
+    assert "shared_experts" in errors["shared_deepseek"][1]
+    assert "DeepseekV3TopkRouter does not route as fusedpar's topk_route" in errors["sigmoid"][1]
+    assert keep_router in errors["sigmoid"][1]
+    assert "jitter_noise=0.1" in errors["jitter"][1]
+    for case, api in (("gpt_oss", "ExpertParallelMoE"), ("gpt_oss_experts", "ExpertParallelExperts")):
+        assert errors[case][1].startswith(f"{api}.from_module: GptOssExperts (has_bias=True"), errors[case]
+        assert "is_transposed=True" in errors[case][1]
+    assert errors["twice"] == ("TypeError", "ExpertParallelMoE.from_module: the block is already "
+                                            "expert-parallel")
 
 
 def _gpu_graph_moe_block(T, H, I, E, k):

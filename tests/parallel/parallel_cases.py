@@ -36,7 +36,10 @@ def reference_backends(on: bool = True):
 
 def make_model(kind: str, seed: int = 0):
     """The same seeded model on every rank: "llama", "mixtral", "hf-llama", "hf-qwen2",
-    "hf-mixtral"."""
+    "hf-mixtral", "hf-qwen2-moe" (a gated shared expert), "hf-olmoe", "hf-qwen3-moe" (a
+    dense first layer, top-k weights not renormalized),
+    "hf-deepseek-v3" (multi-head latent attention, a dense first layer, sigmoid
+    group-limited routing, a shared expert)."""
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**TINY))
@@ -54,6 +57,23 @@ def make_model(kind: str, seed: int = 0):
     if kind == "hf-mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "hf-qwen2-moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2))
+    if kind == "hf-olmoe":
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **{**common, "intermediate_size": 32}, num_experts=4, num_experts_per_tok=2))
+    if kind == "hf-qwen3-moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=False, mlp_only_layers=[0]))
+    if kind == "hf-deepseek-v3":
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8))
     raise ValueError(kind)
 
 

@@ -106,6 +106,10 @@ def test_own_llama_matches_single_process(pools):
     ("hf-llama", [dict(tp=2, dp_shard=2), dict(cp=2, dp_shard=2)]),
     ("hf-qwen2", [dict(tp=2, dp_shard=2)]),
     ("hf-mixtral", [dict(dp_shard=4, ep=2)]),
+    ("hf-qwen2-moe", [dict(dp_shard=4, ep=2)]),
+    ("hf-olmoe", [dict(dp_shard=4, ep=4)]),
+    ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)]),
+    ("hf-deepseek-v3", [dict(dp_shard=4), dict(dp_shard=4, ep=4)]),
 ])
 def test_hugging_face_models_match_single_process(pools, kind, configs):
     assert pools(4).run(_check_dense, kind, configs, timeout=500) == [True] * 4
@@ -164,7 +168,7 @@ def _invalid_configs() -> dict:
     from tests.parallel.parallel_cases import TINY
 
     torch.set_num_threads(1)
-    llama, mixtral = make_model("llama"), make_model("mixtral")
+    llama, mixtral, mla = make_model("llama"), make_model("mixtral"), make_model("hf-deepseek-v3")
     six_heads = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 48, "num_heads": 6,
                                                 "num_kv_heads": 6}))
     six_experts = MixtralForCausalLM(MixtralConfig(**TINY, num_experts=6, top_k=2))
@@ -177,6 +181,7 @@ def _invalid_configs() -> dict:
         "experts": (six_experts, {"dp_shard": 4, "ep": 4}),
         "moe_tp": (mixtral, {"tp": 2, "dp_shard": 2}),
         "ep_dense": (llama, {"dp_shard": 4, "ep": 2}),
+        "mla_cp": (mla, {"cp": 2, "dp_shard": 2}),
     }
     calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
              for name, (m, c) in cases.items()}
@@ -198,6 +203,9 @@ def test_invalid_configs_fail_before_any_communication(pools):
         "experts": "6 experts are not divisible by ep=4",
         "moe_tp": "tp=2 with an MoE model",
         "ep_dense": "ep=2 but the model has no MoE blocks",
+        "mla_cp": "cp=2: tensor and context parallelism split Llama-style attention (q/k/v/o "
+                  "projections, an int head_dim), and this model's is not (self_attn.k_proj is not "
+                  "a linear layer",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
     }
     for errors in pools(4).run(_invalid_configs, timeout=250):
