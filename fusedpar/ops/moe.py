@@ -21,6 +21,12 @@ from .backend import Backend, Dispatcher
 
 DROP_POLICIES = ("probs", "position")
 
+#: The exchange ops (``moe_dispatch``, ``moe_combine``, ``moe_experts``) size their buffers
+#: from routing counts read on the host and return data-dependent row counts, so
+#: ``torch.compile`` does not trace into them: it breaks the graph there and runs them
+#: eagerly (autograd intact); the rest of a compiled model (routing included) is traced.
+_eager_under_compile = torch.compiler.disable
+
 
 # ---- routing ------------------------------------------------------------------------------
 
@@ -722,6 +728,7 @@ def _check_capturable(x: torch.Tensor, max_tokens_per_rank: int | None, backend:
             f"{max_tokens_per_rank}): the others read the routing counts on the host")
 
 
+@_eager_under_compile
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, group=None, *, max_tokens_per_rank: int | None = None,
                  backend: str | None = None):
@@ -772,6 +779,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     return chosen.run(call)
 
 
+@_eager_under_compile
 def moe_combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
     """The adjoint of ``moe_dispatch``: send the expert outputs back and sum each token's
     copies weighted by its routing weights; the same as::

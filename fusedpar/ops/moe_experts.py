@@ -48,9 +48,9 @@ from ..kernels import grouped_gemm as kernels
 from . import _collective as C
 from .backend import Backend, Dispatcher
 from .grouped_mm import grouped_mm, runs_triton
-from .moe import (_DTYPE_CODES, _check_same_everywhere, _permute, _Permute, _sort, _unpermute,
-                  _Unpermute, check_routing, checked_counts, exchange_counts, host_to_device,
-                  moe_combine, moe_dispatch, swiglu)
+from .moe import (_DTYPE_CODES, _check_same_everywhere, _eager_under_compile, _permute, _Permute,
+                  _sort, _unpermute, _Unpermute, check_routing, checked_counts, exchange_counts,
+                  host_to_device, moe_combine, moe_dispatch, swiglu)
 
 OP = "moe_experts"
 
@@ -547,6 +547,7 @@ def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
 BACKENDS = Dispatcher(OP, [Pipelined(), Fused(), Reference()])
 
 
+@_eager_under_compile
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, group=None, *,
                 max_tokens_per_rank: int | None = None, backend: str | None = None):

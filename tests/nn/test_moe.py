@@ -120,6 +120,72 @@ def test_expert_parallel_errors(pools):
         assert "neither a fusedpar MoEBlock" in errors["not_moe"][1]
 
 
+def _compiled(fn, graphs: list):
+    """``torch.compile(fn)`` through aot_eager (forward and backward traced), recording
+    every graph dynamo hands it."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, inputs)
+
+    return torch.compile(fn, backend=backend)
+
+
+def _check_compile(backend: str, dispatch_backend: str):
+    """torch.compile over ExpertParallelMoE (``backend`` runs moe_experts) and over the
+    unfused moe_dispatch (``dispatch_backend``) -> grouped_mm -> moe_combine sequence: the
+    exchange runs eagerly between compiled graphs, outputs and every gradient equal the
+    eager ones."""
+    import torch.distributed as dist
+
+    import fusedpar
+    from fusedpar.nn.linear import local
+    from fusedpar.nn.moe import ExpertParallelMoE
+    from tests.ops.collective_cases import env
+
+    torch._dynamo.reset()
+    rank, group = dist.get_rank(), dist.group.WORLD
+    torch.manual_seed(0)
+    ep = ExpertParallelMoE.from_module(MoEBlock(8, 6, num_experts=4, top_k=2), group)
+    params = [ep.router.weight, ep.w13, ep.w2]
+    x = (torch.randn(5, 8, generator=torch.Generator().manual_seed(rank)) + rank).requires_grad_()
+
+    def step(fn):
+        y, aux = fn(x)
+        return (y, aux, *torch.autograd.grad((y ** 2).sum() + aux, [x, *params]))
+
+    graphs = []
+    with env(FUSEDPAR_BACKEND=backend):
+        eager, compiled = step(ep), step(_compiled(ep, graphs))
+    assert graphs, "dynamo compiled nothing"
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(local(got), local(want), rtol=1e-6, atol=1e-6)
+
+    w13 = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    idx = torch.randint(0, 4, (5, 2), generator=torch.Generator().manual_seed(rank))
+
+    def unfused(x, w13):
+        recv_x, per_expert, handle = fusedpar.ops.moe_dispatch(x, idx, torch.ones(5, 2), 4, group,
+                                                               backend=dispatch_backend)
+        offs = per_expert.cumsum(0).to(torch.int32)
+        return fusedpar.ops.moe_combine(fusedpar.ops.grouped_mm(recv_x, w13.transpose(1, 2), offs), handle)
+
+    outs = []
+    for fn in (unfused, _compiled(unfused, graphs)):
+        y = fn(x, w13)
+        outs.append((y, *torch.autograd.grad(y.square().sum(), [x, w13])))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("backend, dispatch_backend", [("reference", "reference"),
+                                                       ("pipelined", "triton"), ("fused", "triton")])
+def test_torch_compile_runs_the_exchange_eagerly(pools, backend, dispatch_backend):
+    assert pools(2).run(_check_compile, backend, dispatch_backend) == [True, True]
+
+
 def _hf_block(kind: str):
     """A tiny Hugging Face MoE block (transformers 5), seeded, with weights large enough to
     route unevenly: "mixtral", "qwen3-moe" (top-k weights not renormalized), "olmoe",
