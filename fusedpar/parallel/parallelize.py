@@ -22,8 +22,10 @@ takes this data-parallel rank's batch (:func:`shard_batch`; the same on every ra
 tp/cp group), shards the sequence for CP itself, keeps the logits split over the
 vocabulary (``output.logits`` is ``[B, S_local, V/tp]``) and returns the mean token loss
 over the whole sequence, computed by a vocab-parallel cross-entropy; fusedpar's MoE blocks
-add the load-balancing loss of the whole global batch (see ``_global_aux_loss``), so the
-loss and every gradient are the single process's on the global batch.
+add the load-balancing loss of the whole global batch (see ``_global_aux_loss``), and so
+does a Hugging Face MoE model whose config asks for it (``output_router_logits``, see
+``_RouterAuxLoss``), so the loss and every gradient are the single process's on the
+global batch.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class ModelLayout:
     intermediate: int | None
     experts: int | None
     attention: str | None = None
+    hf_aux_loss_problem: str | None = None
 
 
 def _is_moe(mlp: nn.Module) -> bool:
@@ -129,13 +132,15 @@ def find_layout(model: nn.Module) -> ModelLayout:
     experts = None
     if moe:
         experts = getattr(moe[0], "num_experts", None) or getattr(getattr(moe[0], "experts", None), "num_experts", None)
-    return ModelLayout(
+    layout = ModelLayout(
         layers=layers, moe=bool(moe),
         heads=None if attention else attn.q_proj.weight.shape[0] // head_dim,
         kv_heads=None if attention else attn.k_proj.weight.shape[0] // head_dim,
         head_dim=None if attention else head_dim, vocab=model.lm_head.weight.shape[0],
         intermediate=dense[0].gate_proj.weight.shape[0] if dense else None, experts=experts,
         attention="; ".join(attention) or None)
+    layout.hf_aux_loss_problem = _hf_aux_loss_problem(model, layout)
+    return layout
 
 
 def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
@@ -155,6 +160,8 @@ def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
         if layout.moe:
             problems.append(f"tp={cfg.tp} with an MoE model: tensor parallelism of the experts is "
                             "not implemented; use ep (it borrows the tp ranks) with tp=1")
+    if layout.hf_aux_loss_problem:
+        problems.append(layout.hf_aux_loss_problem)
     if cfg.ep > 1:
         if not layout.moe:
             problems.append(f"ep={cfg.ep} but the model has no MoE blocks")
@@ -173,6 +180,7 @@ class _Plan:
     mesh: object
     tp_group: str | None
     cp_group: str | None
+    router_aux: _RouterAuxLoss | None = None
 
 
 def _check_batch(model: nn.Module, args, kwargs) -> None:
@@ -221,6 +229,8 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
     target = None if labels is None else shift_labels(labels)
     if plan.cp_group is not None:
         input_ids, position_ids, target = _cp_shard(plan, input_ids, position_ids, target)
+    if plan.router_aux is not None:
+        plan.router_aux.logits.clear()  # what a recompute in the last backward recorded
     hidden, aux = decoder_forward(self, input_ids, position_ids)
     logits = self.lm_head(hidden)
     loss = None
@@ -231,6 +241,9 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
             per_token = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
                                         ignore_index=IGNORE_INDEX, reduction="none")
         loss = _mean_loss(per_token, target, plan.cp_group, plan.config.cp)
+    if plan.router_aux is not None:  # Hugging Face MoE: its forward's load-balancing term
+        aux = plan.router_aux.loss()
+        loss = None if loss is None else loss + plan.router_aux.coef * aux
     output = getattr(self, "_output", None)
     return output(loss, logits, aux) if output is not None else CausalLMOutput(loss, logits, aux)
 
@@ -308,6 +321,61 @@ def _apply_expert_parallel(model: nn.Module, layout: ModelLayout, ep_mesh) -> li
             layer.mlp.experts = ExpertParallelExperts.from_module(layer.mlp, ep_mesh)
             units.append(layer.mlp.experts)
     return units
+
+
+class _RouterAuxLoss:
+    """A Hugging Face MoE model's forward adds ``router_aux_loss_coef *
+    load_balancing_loss_func(router logits of every layer)`` to the loss when
+    ``config.output_router_logits``; the parallelized forward replaces HF's, so this keeps
+    that term: forward hooks record each MoE layer's router logits, and :meth:`loss` is
+    the same loss over the tokens of every rank of ``group`` (the single process's on the
+    global batch; see :func:`fusedpar.nn.moe.load_balancing_loss` for ``grad_scale``)."""
+
+    def __init__(self, model: nn.Module, layout: ModelLayout, group: str, grad_scale: float):
+        self.top_k, self.coef = model.num_experts_per_tok, model.router_aux_loss_coef
+        self.group, self.grad_scale = group, grad_scale
+        self.logits: list[torch.Tensor] = []
+        for layer in layout.layers:
+            if _is_moe(layer.mlp):
+                layer.mlp.gate.register_forward_hook(self._record)
+
+    def _record(self, gate, args, output) -> None:
+        self.logits.append(output[0] if isinstance(output, tuple) else output)
+
+    def loss(self) -> torch.Tensor:
+        from ..nn.moe import load_balancing_loss
+
+        logits, self.logits = torch.cat(self.logits), []
+        topk_idx = logits.softmax(-1).topk(self.top_k, dim=-1).indices  # as HF recomputes it
+        return load_balancing_loss(logits, topk_idx, self.group, self.grad_scale)
+
+
+def _adds_router_aux_loss(model: nn.Module, layout: ModelLayout) -> bool:
+    """Whether ``model`` is a Hugging Face MoE model whose forward adds a router aux loss."""
+    return (layout.moe and hasattr(model, "router_aux_loss_coef")
+            and bool(getattr(getattr(model, "config", None), "output_router_logits", False)))
+
+
+def _hf_aux_loss_problem(model: nn.Module, layout: ModelLayout) -> str | None:
+    """Why the parallelized forward cannot add ``model``'s router aux loss (None: it can, or
+    there is none): it reproduces Mixtral's ``load_balancing_loss_func`` (the Switch loss
+    over every layer's logits at once), checked against the model's own on random logits."""
+    import sys
+
+    from ..ops.moe import topk_route
+
+    if not _adds_router_aux_loss(model, layout):
+        return None
+    hf_loss = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    experts, k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if hf_loss is not None and isinstance(experts, int) and isinstance(k, int):
+        g = torch.Generator().manual_seed(0)
+        logits = tuple(torch.randn(6, experts, generator=g) for _ in range(2))
+        if torch.allclose(hf_loss(logits, experts, k, None), topk_route(torch.cat(logits), k)[2]):
+            return None
+    return (f"config.output_router_logits=True, and {type(model).__name__}'s load-balancing "
+            "loss is not the Mixtral / Switch one the parallelized forward reproduces; set "
+            "config.output_router_logits=False")
 
 
 def _global_aux_loss(layout: ModelLayout, cfg: ParallelConfig, mesh) -> None:
@@ -393,6 +461,10 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         expert_units = [(block, efsdp) for block in experts]
     if layout.moe:
         _global_aux_loss(layout, cfg, mesh)
+    router_aux = None
+    if _adds_router_aux_loss(model, layout):
+        router_aux = _RouterAuxLoss(model, layout, get_submesh(mesh, "dp_cp").get_group().group_name,
+                                    cfg.dp_replicate * cfg.dp_shard * cfg.cp)
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
     if cfg.dp_replicate > 1:
@@ -413,7 +485,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         # FSDP divides by the factor itself and would divide twice under forced sums
         block.set_force_sum_reduction_for_comms(cfg.efsdp > 1)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
-                                 mesh["cp"].get_group().group_name if cfg.cp > 1 else None)
+                                 mesh["cp"].get_group().group_name if cfg.cp > 1 else None,
+                                 router_aux)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(_parallel_forward, model)
     model.register_forward_pre_hook(_check_batch, prepend=True, with_kwargs=True)

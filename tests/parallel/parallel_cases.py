@@ -36,8 +36,8 @@ def reference_backends(on: bool = True):
 
 def make_model(kind: str, seed: int = 0):
     """The same seeded model on every rank: "llama", "mixtral", "hf-llama", "hf-qwen2",
-    "hf-mixtral", "hf-qwen2-moe" (a gated shared expert), "hf-olmoe", "hf-qwen3-moe" (a
-    dense first layer, top-k weights not renormalized),
+    "hf-mixtral", "hf-qwen2-moe" (a gated shared expert), "hf-olmoe" and "hf-qwen3-moe" (a
+    dense first layer, top-k weights not renormalized) with their router aux loss in the loss,
     "hf-deepseek-v3" (multi-head latent attention, a dense first layer, sigmoid
     group-limited routing, a shared expert)."""
     torch.manual_seed(seed)
@@ -63,11 +63,13 @@ def make_model(kind: str, seed: int = 0):
             num_experts_per_tok=2))
     if kind == "hf-olmoe":
         return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
-            **{**common, "intermediate_size": 32}, num_experts=4, num_experts_per_tok=2))
+            **{**common, "intermediate_size": 32}, num_experts=4, num_experts_per_tok=2,
+            output_router_logits=True, router_aux_loss_coef=0.5))
     if kind == "hf-qwen3-moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            norm_topk_prob=False, mlp_only_layers=[0]))
+            norm_topk_prob=False, mlp_only_layers=[0], output_router_logits=True,
+            router_aux_loss_coef=0.5))
     if kind == "hf-deepseek-v3":
         return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             **common, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,

@@ -108,7 +108,8 @@ def test_own_llama_matches_single_process(pools):
     ("hf-mixtral", [dict(dp_shard=4, ep=2)]),
     ("hf-qwen2-moe", [dict(dp_shard=4, ep=2)]),
     ("hf-olmoe", [dict(dp_shard=4, ep=4)]),
-    ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)]),
+    ("hf-qwen3-moe", [dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=2, activation_checkpointing=True),
+                      dict(cp=2, dp_shard=2, ep=2)]),
     ("hf-deepseek-v3", [dict(dp_shard=4), dict(dp_shard=4, ep=4)]),
 ])
 def test_hugging_face_models_match_single_process(pools, kind, configs):
@@ -169,6 +170,11 @@ def _invalid_configs() -> dict:
 
     torch.set_num_threads(1)
     llama, mixtral, mla = make_model("llama"), make_model("mixtral"), make_model("hf-deepseek-v3")
+
+    class OwnAuxLoss(type(make_model("hf-qwen3-moe"))):  # its module has no Mixtral-style loss
+        pass
+
+    own_aux = OwnAuxLoss(make_model("hf-qwen3-moe").config)
     six_heads = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 48, "num_heads": 6,
                                                 "num_kv_heads": 6}))
     six_experts = MixtralForCausalLM(MixtralConfig(**TINY, num_experts=6, top_k=2))
@@ -182,6 +188,7 @@ def _invalid_configs() -> dict:
         "moe_tp": (mixtral, {"tp": 2, "dp_shard": 2}),
         "ep_dense": (llama, {"dp_shard": 4, "ep": 2}),
         "mla_cp": (mla, {"cp": 2, "dp_shard": 2}),
+        "own_aux": (own_aux, {"dp_shard": 4}),
     }
     calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
              for name, (m, c) in cases.items()}
@@ -206,6 +213,8 @@ def test_invalid_configs_fail_before_any_communication(pools):
         "mla_cp": "cp=2: tensor and context parallelism split Llama-style attention (q/k/v/o "
                   "projections, an int head_dim), and this model's is not (self_attn.k_proj is not "
                   "a linear layer",
+        "own_aux": "config.output_router_logits=True, and OwnAuxLoss's load-balancing loss is not "
+                   "the Mixtral / Switch one the parallelized forward reproduces",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
     }
     for errors in pools(4).run(_invalid_configs, timeout=250):
