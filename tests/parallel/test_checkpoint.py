@@ -103,18 +103,18 @@ def _train(model, opt, data) -> list[float]:
     return curve
 
 
-def _expert_parallel_checkpoint(path: str) -> bool:
+def _expert_parallel_checkpoint(path: str, kind: str) -> bool:
     """Saved at dp_shard=4 x ep=2 (experts DTensors on the ep axis), loaded without ep: the
     same names and global shapes, the same losses after; the full state dict loads into
     the plain model and gives the parallel model's loss."""
     torch.set_num_threads(1)
     with reference_backends():  # fusedpar's ops (grouped_mm) on their reference backends: fast
-        return _expert_parallel_checkpoint_steps(path)
+        return _expert_parallel_checkpoint_steps(path, kind)
 
 
-def _expert_parallel_checkpoint_steps(path: str) -> bool:
+def _expert_parallel_checkpoint_steps(path: str, kind: str) -> bool:
     data = batches(steps=3)  # one step, the checkpoint, two more
-    base = make_model("mixtral")
+    base = make_model(kind)
     model = fusedpar.parallelize(copy.deepcopy(base), {"dp_shard": 4, "ep": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, opt, data[:1])
@@ -126,7 +126,7 @@ def _expert_parallel_checkpoint_steps(path: str) -> bool:
     ids, labels = data[1]
     want_loss = plain(input_ids=ids, labels=labels).loss
 
-    dense = fusedpar.parallelize(make_model("mixtral", seed=7), {"dp_shard": 4})
+    dense = fusedpar.parallelize(make_model(kind, seed=7), {"dp_shard": 4})
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=LR)
     checkpoint.load(path, dense, dense_opt)
     continued, resharded = _train(model, opt, data[1:]), _train(dense, dense_opt, data[1:])
@@ -138,5 +138,8 @@ def _expert_parallel_checkpoint_steps(path: str) -> bool:
 
 
 @pytest.mark.timeout(400)
-def test_expert_parallel_checkpoint_loads_without_ep(pools, tmp_path):
-    assert pools(4).run(_expert_parallel_checkpoint, str(tmp_path / "ckpt"), timeout=300) == [True] * 4
+@pytest.mark.parametrize("kind", ["mixtral", "hf-qwen3-moe"])  # HF: HF's expert names, aux loss
+def test_expert_parallel_checkpoint_loads_without_ep(pools, tmp_path, kind):
+    if kind.startswith("hf-"):
+        pytest.importorskip("transformers")
+    assert pools(4).run(_expert_parallel_checkpoint, str(tmp_path / "ckpt"), kind, timeout=300) == [True] * 4
