@@ -30,6 +30,7 @@ global batch.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -186,10 +187,21 @@ class _Plan:
 def _check_batch(model: nn.Module, args, kwargs) -> None:
     """Forward pre-hook ahead of FSDP's (which all-gathers): bad shapes fail before any
     communication."""
+    unknown = sorted(set(kwargs) - set(_FORWARD_ARGS))
+    if unknown or len(args) + len(kwargs) > len(_FORWARD_ARGS):
+        raise TypeError(f"parallelized forward takes {', '.join(_FORWARD_ARGS)}; got "
+                        f"{len(args)} positional and {', '.join(unknown) or 'no other'} keyword "
+                        "arguments")
     input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError("parallelized forward: pass input_ids (a [batch, seq] tensor)")
     _sequence_checks(model._fusedpar_plan, input_ids)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):  # one host read, only when a mask is passed
+        raise ValueError("parallelized forward: attention_mask masks some positions, and the "
+                         "parallelized forward runs causal attention over whole rows; pass no "
+                         "attention_mask (right padding with labels = -100 at the pads gives the "
+                         "same cross-entropy) or pack the sequences")
 
 
 def _sequence_checks(plan: _Plan, input_ids: torch.Tensor) -> None:
@@ -220,9 +232,13 @@ def _mean_loss(per_token: torch.Tensor, target: torch.Tensor, cp_group: str | No
 
 
 def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None, **unused) -> CausalLMOutput:
+                      position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
     """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
-    full sequence (the same on every rank of a tp / cp group)."""
+    full sequence (the same on every rank of a tp / cp group). ``attention_mask``: only all
+    ones (checked in ``_check_batch``). No ``**kwargs``: Hugging Face's Trainer then
+    divides the loss by the gradient-accumulation steps itself instead of passing
+    ``num_items_in_batch``, which this forward would not use."""
     plan: _Plan = self._fusedpar_plan
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -246,6 +262,9 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
         loss = None if loss is None else loss + plan.router_aux.coef * aux
     output = getattr(self, "_output", None)
     return output(loss, logits, aux) if output is not None else CausalLMOutput(loss, logits, aux)
+
+
+_FORWARD_ARGS = tuple(inspect.signature(_parallel_forward).parameters)[1:]
 
 
 def _cp_shard(plan: _Plan, *tensors):

@@ -125,7 +125,7 @@ def parallel_run(model, data, dp_group=None, counters: list | None = None):
     for step, batch in enumerate(data):
         ids, labels = shard_batch(batch, model.fusedpar_mesh)
         with count_bytes() if (step == 0 and counters is not None) else contextlib.nullcontext() as c:
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids)).loss
             loss.backward()
         if c is not None:
             counters.append(c)

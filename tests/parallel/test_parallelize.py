@@ -6,6 +6,7 @@ their reference backends (the fused ones are tested op by op in tests/ops) excep
 dp_shard=4 config, where FSDP2's collectives run on the backends fusedpar picks."""
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -70,6 +71,8 @@ def _check_dense(kind: str, configs: list[dict]) -> bool:
         cfg = ParallelConfig(**options)
         with reference_backends(not fused):
             par = fusedpar.parallelize(copy.deepcopy(model), cfg, activation_checkpointing=checkpointing)
+            # no **kwargs: HF's Trainer scales the loss for gradient accumulation itself
+            assert all(p.kind != p.VAR_KEYWORD for p in inspect.signature(par.forward).parameters.values())
             dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
             counters = []
             got = parallel_run(par, data, dp_group, counters)
@@ -192,8 +195,12 @@ def _invalid_configs() -> dict:
     }
     calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
              for name, (m, c) in cases.items()}
-    ids = torch.zeros(2, 6, dtype=torch.long)
+    ids, ids8 = torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
     calls["sequence_cp"] = lambda: cp_model(input_ids=ids, labels=ids)
+    padded = torch.ones(2, 8, dtype=torch.long)
+    padded[1, 5:] = 0
+    calls["padding"] = lambda: cp_model(input_ids=ids8, labels=ids8, attention_mask=padded)
+    calls["loss_kwargs"] = lambda: cp_model(input_ids=ids8, labels=ids8, num_items_in_batch=9)
     with _NoCommunication():
         errors = capture_errors(calls)
     dist.barrier()  # every rank is still in step
@@ -216,12 +223,15 @@ def test_invalid_configs_fail_before_any_communication(pools):
         "own_aux": "config.output_router_logits=True, and OwnAuxLoss's load-balancing loss is not "
                    "the Mixtral / Switch one the parallelized forward reproduces",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
+        "padding": "attention_mask masks some positions",
+        "loss_kwargs": "parallelized forward takes input_ids, labels, position_ids, attention_mask; "
+                       "got 0 positional and num_items_in_batch keyword arguments",
     }
     for errors in pools(4).run(_invalid_configs, timeout=250):
         for name, fragment in expected.items():
             assert errors[name] is not None, f"{name}: no error"
             kind, message = errors[name]
-            assert kind in ("ParallelConfigError", "ValueError") and fragment in message, (name, errors[name])
+            assert kind in ("ParallelConfigError", "ValueError", "TypeError") and fragment in message, (name, errors[name])
 
 
 # ---- torch without FSDP2's custom collectives (torch 2.11, the GPU image) -------------------
