@@ -17,7 +17,8 @@ Plain-PyTorch (torchtitan-style) equivalent, for ``mesh = config.build_mesh()``:
     fully_shard(model, mesh=mesh["dp_replicate", "dp_shard_cp"], mp_policy=mp)
     with loss_parallel(): loss = cross_entropy(model(input_ids), shifted labels)
 
-The model's ``forward(input_ids, labels=None, position_ids=None)`` is replaced by one that
+The model's ``forward(input_ids, labels=None, position_ids=None, attention_mask=None)``
+(the mask all ones: no padding; no other arguments) is replaced by one that
 takes this data-parallel rank's batch (:func:`shard_batch`; the same on every rank of a
 tp/cp group), shards the sequence for CP itself, keeps the logits split over the
 vocabulary (``output.logits`` is ``[B, S_local, V/tp]``) and returns the mean token loss
