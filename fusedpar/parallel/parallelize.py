@@ -87,6 +87,7 @@ class ModelLayout:
     experts: int | None
     attention: str | None = None
     hf_aux_loss_problem: str | None = None
+    sliding_window: int | None = None
 
 
 def _is_moe(mlp: nn.Module) -> bool:
@@ -142,7 +143,18 @@ def find_layout(model: nn.Module) -> ModelLayout:
         intermediate=dense[0].gate_proj.weight.shape[0] if dense else None, experts=experts,
         attention="; ".join(attention) or None)
     layout.hf_aux_loss_problem = _hf_aux_loss_problem(model, layout)
+    layout.sliding_window = _sliding_window(getattr(model, "config", None))
     return layout
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window of a Hugging Face config whose layers use one (Mistral; Qwen2 with
+    ``use_sliding_window``; models listing ``sliding_attention`` in ``layer_types``), else None."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    return window if layer_types is None or "sliding_attention" in layer_types else None
 
 
 def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
@@ -183,6 +195,7 @@ class _Plan:
     tp_group: str | None
     cp_group: str | None
     router_aux: _RouterAuxLoss | None = None
+    sliding_window: int | None = None
 
 
 def _check_batch(model: nn.Module, args, kwargs) -> None:
@@ -216,6 +229,11 @@ def _sequence_checks(plan: _Plan, input_ids: torch.Tensor) -> None:
     if cfg.tp > 1 and (seq // cfg.cp) % cfg.tp:
         raise ValueError(f"sequence length {seq} (per cp rank {seq // cfg.cp}) is not divisible by "
                          f"tp={cfg.tp} (sequence parallelism splits it); pad it to a multiple")
+    if plan.sliding_window is not None and seq > plan.sliding_window:
+        raise ValueError(f"sequence length {seq} exceeds the model's sliding window "
+                         f"{plan.sliding_window} (config.sliding_window), and the parallelized "
+                         "forward attends over the whole causal prefix; use sequences of at most "
+                         "that length")
 
 
 def _mean_loss(per_token: torch.Tensor, target: torch.Tensor, cp_group: str | None, cp: int):
@@ -506,7 +524,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         block.set_force_sum_reduction_for_comms(cfg.efsdp > 1)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None,
-                                 router_aux)
+                                 router_aux, layout.sliding_window)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(_parallel_forward, model)
     model.register_forward_pre_hook(_check_batch, prepend=True, with_kwargs=True)

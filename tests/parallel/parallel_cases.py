@@ -36,7 +36,7 @@ def reference_backends(on: bool = True):
 
 def make_model(kind: str, seed: int = 0):
     """The same seeded model on every rank: "llama", "mixtral", "hf-llama", "hf-qwen2",
-    "hf-mixtral", "hf-qwen2-moe" (a gated shared expert), "hf-olmoe" and "hf-qwen3-moe" (a
+    "hf-mixtral", "hf-mistral" (a sliding window of 8), "hf-qwen2-moe" (a gated shared expert), "hf-olmoe" and "hf-qwen3-moe" (a
     dense first layer, top-k weights not renormalized) with their router aux loss in the loss,
     "hf-deepseek-v3" (multi-head latent attention, a dense first layer, sigmoid
     group-limited routing, a shared expert)."""
@@ -57,6 +57,8 @@ def make_model(kind: str, seed: int = 0):
     if kind == "hf-mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "hf-mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=8))
     if kind == "hf-qwen2-moe":
         return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,

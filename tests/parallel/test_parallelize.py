@@ -201,8 +201,14 @@ def _invalid_configs() -> dict:
     padded[1, 5:] = 0
     calls["padding"] = lambda: cp_model(input_ids=ids8, labels=ids8, attention_mask=padded)
     calls["loss_kwargs"] = lambda: cp_model(input_ids=ids8, labels=ids8, num_items_in_batch=9)
+    windowed = fusedpar.parallelize(make_model("hf-mistral"), {"dp_shard": 4}, backend="reference")
+    calls["window_fits"] = lambda: windowed(input_ids=ids8, labels=ids8)  # runs: 8 <= the window
+    long_ids = torch.zeros(2, 9, dtype=torch.long)
+    calls["window"] = lambda: windowed(input_ids=long_ids, labels=long_ids)
+    fits = calls.pop("window_fits")
     with _NoCommunication():
         errors = capture_errors(calls)
+    fits()
     dist.barrier()  # every rank is still in step
     return errors
 
@@ -224,6 +230,7 @@ def test_invalid_configs_fail_before_any_communication(pools):
                    "the Mixtral / Switch one the parallelized forward reproduces",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
         "padding": "attention_mask masks some positions",
+        "window": "sequence length 9 exceeds the model's sliding window 8 (config.sliding_window)",
         "loss_kwargs": "parallelized forward takes input_ids, labels, position_ids, attention_mask; "
                        "got 0 positional and num_items_in_batch keyword arguments",
     }
