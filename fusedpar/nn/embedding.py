@@ -65,6 +65,9 @@ class VocabParallelEmbedding(_TPLinear):
                              f"{tuple(weight.shape)}")
         if getattr(embedding, "padding_idx", None) is not None or getattr(embedding, "max_norm", None):
             raise ValueError(f"{cls.__name__}.from_embedding: padding_idx / max_norm are not supported")
+        if type(embedding).forward is not nn.Embedding.forward:
+            raise ValueError(f"{cls.__name__}.from_embedding: {type(embedding).__name__}.forward does "
+                             "more than look rows up (a scale?), which this layer would drop")
         layer = cls(weight.shape[0], weight.shape[1], group, sequence_parallel=sequence_parallel,
                     backend=backend, device="meta", dtype=weight.dtype)
         with torch.no_grad():

@@ -121,6 +121,8 @@ def find_layout(model: nn.Module) -> ModelLayout:
         for n in ("input_layernorm", "post_attention_layernorm"):
             if not isinstance(getattr(layer, n, None), nn.Module):
                 problems.append(f"no model.layers[{i}].{n}")
+    if not problems:
+        problems += _outer_forward_problems(model)
     if problems:
         raise TypeError(f"fusedpar.parallelize: {type(model).__name__} is not a supported model "
                         f"({'; '.join(problems)}). Supported: {SUPPORTED}. {_OWN_PLAN_HINT}")
@@ -145,6 +147,50 @@ def find_layout(model: nn.Module) -> ModelLayout:
     layout.hf_aux_loss_problem = _hf_aux_loss_problem(model, layout)
     layout.sliding_window = _sliding_window(getattr(model, "config", None))
     return layout
+
+
+def _outer_forward_problems(model: nn.Module) -> list[str]:
+    """What ``model``'s own forward does around its layers that the parallelized forward
+    (``decoder_forward``: embed_tokens -> layers -> norm, then lm_head) would not: scaled
+    embeddings (Gemma), scaled or soft-capped logits (Cohere, Granite, Gemma 2). Found by
+    running the model's forward with its layers taken out on four tokens, in eval mode
+    and without the router aux loss, and comparing what reaches ``model.norm`` and what
+    leaves ``lm_head`` with what the parallelized forward computes. fusedpar's own models
+    (whose forward is ``decoder_forward``) and models on the meta device are not run."""
+    from ..models.llama import LlamaForCausalLM
+
+    first = next(model.parameters(), None)
+    if isinstance(model, LlamaForCausalLM) or first is None or first.is_meta:
+        return []
+    inner, config = model.model, getattr(model, "config", None)
+    layers, training = inner.layers, model.training
+    router_logits = getattr(config, "output_router_logits", None)
+    seen = {}
+    hooks = [inner.norm.register_forward_pre_hook(lambda _, args: seen.setdefault("embedded", args[0])),
+             model.lm_head.register_forward_hook(lambda *out: seen.setdefault("logits", out[2]))]
+    ids = torch.arange(4, device=first.device)[None] % model.lm_head.weight.shape[0]
+    inner.layers = nn.ModuleList()
+    if router_logits:
+        config.output_router_logits = False
+    try:
+        with torch.no_grad():
+            logits = model.eval()(input_ids=ids).logits
+            embedded = inner.embed_tokens(ids)
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+        return [f"its forward cannot run without its layers to be checked ({type(e).__name__}: {e})"]
+    finally:
+        inner.layers = layers
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+        if router_logits:
+            config.output_router_logits = router_logits
+    problems = []
+    if "embedded" not in seen or not torch.equal(seen["embedded"], embedded):
+        problems.append("its forward changes the embeddings before the first layer (scales them?)")
+    if "logits" not in seen or not torch.equal(seen["logits"].float(), logits.float()):
+        problems.append("its forward changes lm_head's logits (scales or caps them?)")
+    return problems
 
 
 def _sliding_window(config) -> int | None:

@@ -178,6 +178,13 @@ def _invalid_configs() -> dict:
         pass
 
     own_aux = OwnAuxLoss(make_model("hf-qwen3-moe").config)
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, attn_implementation="sdpa")
+    scaled_logits = transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=16.0))
+    scaled_embedding = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=8,
+                                                                              pad_token_id=None))
     six_heads = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 48, "num_heads": 6,
                                                 "num_kv_heads": 6}))
     six_experts = MixtralForCausalLM(MixtralConfig(**TINY, num_experts=6, top_k=2))
@@ -192,6 +199,7 @@ def _invalid_configs() -> dict:
         "ep_dense": (llama, {"dp_shard": 4, "ep": 2}),
         "mla_cp": (mla, {"cp": 2, "dp_shard": 2}),
         "own_aux": (own_aux, {"dp_shard": 4}),
+        "outer_forward": (scaled_logits, {"dp_shard": 4}),
     }
     calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
              for name, (m, c) in cases.items()}
@@ -209,6 +217,10 @@ def _invalid_configs() -> dict:
     with _NoCommunication():
         errors = capture_errors(calls)
     fits()
+    # Gemma scales inside embed_tokens (the parallelized forward keeps that), which a
+    # vocab-parallel embedding would drop: refused when tp converts it (meshes exist by then)
+    errors.update(capture_errors({"tp_scaled_embedding": lambda: fusedpar.parallelize(
+        scaled_embedding, {"tp": 2, "dp_shard": 2})}))
     dist.barrier()  # every rank is still in step
     return errors
 
@@ -231,6 +243,8 @@ def test_invalid_configs_fail_before_any_communication(pools):
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
         "padding": "attention_mask masks some positions",
         "window": "sequence length 9 exceeds the model's sliding window 8 (config.sliding_window)",
+        "outer_forward": "GraniteForCausalLM is not a supported model (its forward changes lm_head's logits",
+        "tp_scaled_embedding": "GemmaTextScaledWordEmbedding.forward does more than look rows up",
         "loss_kwargs": "parallelized forward takes input_ids, labels, position_ids, attention_mask; "
                        "got 0 positional and num_items_in_batch keyword arguments",
     }
