@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.parallel import ParallelConfig, get_submesh
-from tests.parallel.parallel_cases import (assert_matches, batches, make_model, parallel_run,
+from tests.parallel.parallel_cases import (assert_matches, batches, full, make_model, parallel_run,
                                            reference_backends, reference_run)
 
 pytest.importorskip("transformers")  # the HF cases; the test dependencies include it
@@ -132,6 +132,37 @@ def test_expert_parallel_matches_single_process(pools):
     configs = [dict(dp_shard=4), dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=4),
                dict(cp=2, dp_shard=2, ep=2)]
     assert pools(4).run(_check_dense, "mixtral", configs, timeout=500) == [True] * 4
+
+
+def _compiled_matches_eager(kind: str, config: dict) -> bool:
+    """torch.compile over a parallelized model (FSDP2 hooks, ep exchanges run eagerly between
+    graphs): the loss and every gradient of one step equal the eager model's."""
+    from fusedpar.parallel import shard_batch
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    model = make_model(kind)
+    with reference_backends():
+        results = []
+        for compiled in (False, True):
+            par = fusedpar.parallelize(copy.deepcopy(model), config)
+            ids, labels = shard_batch(batches(steps=1)[0], par.fusedpar_mesh)
+            fn = torch.compile(par, backend="aot_eager") if compiled else par
+            loss = fn(input_ids=ids, labels=labels).loss
+            loss.backward()
+            results.append((loss.detach(), {n: full(p.grad) for n, p in par.named_parameters()}))
+    (loss, grads), (want_loss, want_grads) = results[1], results[0]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+    return True
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind, config", [("mixtral", dict(dp_shard=4, ep=2)),
+                                          ("hf-qwen3-moe", dict(dp_shard=4, ep=2))])
+def test_torch_compile_of_a_parallelized_moe_model(pools, kind, config):
+    assert pools(4).run(_compiled_matches_eager, kind, config, timeout=500) == [True] * 4
 
 
 # ---- invalid configs: a clear error before any communication -------------------------------
