@@ -280,6 +280,12 @@ def _stacked_experts(block: nn.Module, api: str):
         raise TypeError(f"{api}: {type(block).__name__} is neither a fusedpar MoEBlock nor a "
                         "Hugging Face MoE block with stacked experts (transformers >= 5: "
                         "experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])")
+    from torch.distributed.tensor import DTensor
+
+    if getattr(experts, "_is_expert_parallel", False) or any(isinstance(t, DTensor) for t in (w13, w2)):
+        raise ValueError(f"{api}: {type(experts).__name__}'s weights are already split (transformers' "
+                         "expert parallelism, or FSDP / DTensor); convert the block while it holds "
+                         "every expert whole (fusedpar.parallelize does this before FSDP)")
     odd = [f"{flag}={getattr(experts, flag)}" for flag, want in _HF_SWIGLU_FLAGS.items()
            if getattr(experts, flag, want) != want]
     act = getattr(experts, "act_fn", None)

@@ -263,6 +263,9 @@ def test_hugging_face_block_conversion(pools, kind, whole):
 def _hf_refusals():
     import torch.distributed as dist
 
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
     from fusedpar.nn.moe import ExpertParallelExperts, ExpertParallelMoE
     from tests.ops.collective_cases import capture_errors
 
@@ -271,6 +274,11 @@ def _hf_refusals():
     del sigmoid.shared_experts  # left: the router, which only running it tells apart
     jitter = _hf_block("mixtral")
     jitter.jitter_noise = 0.1
+    split = _hf_block("mixtral")
+    split.experts._is_expert_parallel = True  # what transformers' own expert parallelism sets
+    sharded = _hf_block("mixtral")  # e.g. FSDP applied first
+    sharded.experts.gate_up_proj = torch.nn.Parameter(DTensor.from_local(
+        sharded.experts.gate_up_proj.detach(), init_device_mesh("cpu", (1,)), [Replicate()]))
     return capture_errors({
         "shared": lambda: ExpertParallelMoE.from_module(_hf_block("qwen2-moe"), group),
         "shared_deepseek": lambda: ExpertParallelMoE.from_module(_hf_block("deepseek-v3"), group),
@@ -278,6 +286,8 @@ def _hf_refusals():
         "jitter": lambda: ExpertParallelMoE.from_module(jitter, group),
         "gpt_oss": lambda: ExpertParallelMoE.from_module(_hf_block("gpt-oss"), group),
         "gpt_oss_experts": lambda: ExpertParallelExperts.from_module(_hf_block("gpt-oss"), group),
+        "already_split": lambda: ExpertParallelExperts.from_module(split, group),
+        "dtensor": lambda: ExpertParallelMoE.from_module(sharded, group),
         "twice": lambda: ExpertParallelMoE.from_module(
             ExpertParallelMoE.from_module(_hf_block("mixtral"), group), group),
     })
@@ -300,6 +310,8 @@ def test_hugging_face_blocks_it_cannot_reproduce_are_refused(pools):
     for case, api in (("gpt_oss", "ExpertParallelMoE"), ("gpt_oss_experts", "ExpertParallelExperts")):
         assert errors[case][1].startswith(f"{api}.from_module: GptOssExperts (has_bias=True"), errors[case]
         assert "is_transposed=True" in errors[case][1]
+    for case in ("already_split", "dtensor"):
+        assert "MixtralExperts's weights are already split" in errors[case][1], errors[case]
     assert errors["twice"] == ("TypeError", "ExpertParallelMoE.from_module: the block is already "
                                             "expert-parallel")
 
