@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import resolve_group
 from ..ops.moe import expert_counts, experts_dense, topk_route
@@ -250,8 +251,6 @@ class ExpertParallelExperts(nn.Module):
 
 def _expert_param(local_experts: torch.Tensor, group) -> nn.Parameter:
     """A Parameter holding the DTensor ``Shard(0)`` with these local experts on the ep mesh."""
-    from torch.distributed.tensor import DTensor, Shard
-
     device_type = local_experts.device.type if not local_experts.is_meta else \
         ("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(group, (tuple, DeviceMesh)):
@@ -280,8 +279,6 @@ def _stacked_experts(block: nn.Module, api: str):
         raise TypeError(f"{api}: {type(block).__name__} is neither a fusedpar MoEBlock nor a "
                         "Hugging Face MoE block with stacked experts (transformers >= 5: "
                         "experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])")
-    from torch.distributed.tensor import DTensor
-
     if getattr(experts, "_is_expert_parallel", False) or any(isinstance(t, DTensor) for t in (w13, w2)):
         raise ValueError(f"{api}: {type(experts).__name__}'s weights are already split (transformers' "
                          "expert parallelism, or FSDP / DTensor); convert the block while it holds "
