@@ -200,9 +200,11 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
 
-def decoder_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None):
+def decoder_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None = None):
     """Run ``model.model``'s embedding, layers and final norm (HF structure); returns the
-    hidden states and the summed auxiliary loss of MoE layers (or None)."""
+    hidden states and the summed auxiliary loss of MoE layers (or None). ``attention_mask``
+    goes to every layer as it is (None: attention is causal by itself)."""
     inner = model.model
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
@@ -210,7 +212,7 @@ def decoder_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: tor
     position_embeddings = inner.rotary_emb(hidden, position_ids)
     aux = None
     for layer in inner.layers:
-        out = layer(hidden, position_embeddings=position_embeddings, attention_mask=None,
+        out = layer(hidden, position_embeddings=position_embeddings, attention_mask=attention_mask,
                     position_ids=position_ids)
         if isinstance(out, tuple):
             hidden, layer_aux = out

@@ -242,6 +242,7 @@ class _Plan:
     cp_group: str | None
     router_aux: _RouterAuxLoss | None = None
     sliding_window: int | None = None
+    hf_masks: bool = False  # a Hugging Face model whose layers get HF's attention masks
 
 
 def _check_batch(model: nn.Module, args, kwargs) -> None:
@@ -256,7 +257,15 @@ def _check_batch(model: nn.Module, args, kwargs) -> None:
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError("parallelized forward: pass input_ids (a [batch, seq] tensor)")
     _sequence_checks(model._fusedpar_plan, input_ids)
-    mask = kwargs.get("attention_mask")
+    plan = model._fusedpar_plan
+    positions = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    if plan.cp_group is not None and _is_hf(model) and positions is not None \
+            and bool((positions.diff(dim=-1) != 1).any()):  # one host read, only when passed
+        raise ValueError("parallelized forward: position_ids restart inside a row (packed "
+                         "sequences), which Hugging Face models attend to as separate "
+                         "documents; context parallelism attends over the whole row: use cp=1 "
+                         "or unpacked rows")
+    mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
     if mask is not None and not bool(mask.all()):  # one host read, only when a mask is passed
         raise ValueError("parallelized forward: attention_mask masks some positions, and the "
                          "parallelized forward runs causal attention over whole rows; pass no "
@@ -312,7 +321,8 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
         input_ids, position_ids, target = _cp_shard(plan, input_ids, position_ids, target)
     if plan.router_aux is not None:
         plan.router_aux.logits.clear()  # what a recompute in the last backward recorded
-    hidden, aux = decoder_forward(self, input_ids, position_ids)
+    mask = _hf_attention_mask(self, input_ids, position_ids) if plan.hf_masks else None
+    hidden, aux = decoder_forward(self, input_ids, position_ids, mask)
     logits = self.lm_head(hidden)
     loss = None
     if target is not None:
@@ -330,6 +340,21 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
 
 
 _FORWARD_ARGS = tuple(inspect.signature(_parallel_forward).parameters)[1:]
+
+
+def _hf_attention_mask(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    """The mask a Hugging Face model's own forward gives its layers
+    (``transformers.masking_utils.create_causal_mask``): None where the attention is causal by
+    itself (sdpa, flash), the causal mask for eager attention, and a block-diagonal one
+    where ``position_ids`` restart (packed sequences). Only the batch and sequence sizes
+    and the dtype of the (dummy) embeddings matter to it; the layers may see sequence
+    shards, the mask spans the whole sequence, as attention does."""
+    from transformers.masking_utils import create_causal_mask
+
+    embeds = torch.empty(*input_ids.shape, 0, dtype=model.model.embed_tokens.weight.dtype,
+                         device=input_ids.device)
+    return create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None,
+                              past_key_values=None, position_ids=position_ids)
 
 
 def _cp_shard(plan: _Plan, *tensors):
@@ -432,6 +457,12 @@ class _RouterAuxLoss:
         logits, self.logits = torch.cat(self.logits), []
         topk_idx = logits.softmax(-1).topk(self.top_k, dim=-1).indices  # as HF recomputes it
         return load_balancing_loss(logits, topk_idx, self.group, self.grad_scale)
+
+
+def _is_hf(model: nn.Module) -> bool:
+    """A Hugging Face transformers model (whose own forward builds its attention masks)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def _adds_router_aux_loss(model: nn.Module, layout: ModelLayout) -> bool:
@@ -571,7 +602,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         block.set_force_sum_reduction_for_comms(cfg.efsdp > 1)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None,
-                                 router_aux, layout.sliding_window)
+                                 router_aux, layout.sliding_window,
+                                 hf_masks=_is_hf(model) and cfg.cp == 1)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(_parallel_forward, model)
     model.register_forward_pre_hook(_check_batch, prepend=True, with_kwargs=True)

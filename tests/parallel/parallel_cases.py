@@ -35,7 +35,7 @@ def reference_backends(on: bool = True):
 
 
 def make_model(kind: str, seed: int = 0):
-    """The same seeded model on every rank: "llama", "mixtral", "hf-llama", "hf-qwen2",
+    """The same seeded model on every rank: "llama", "mixtral", "hf-llama", "hf-llama-eager", "hf-qwen2",
     "hf-mixtral", "hf-mistral" (a sliding window of 8), "hf-qwen2-moe" (a gated shared expert), "hf-olmoe" and "hf-qwen3-moe" (a
     dense first layer, top-k weights not renormalized) with their router aux loss in the loss,
     "hf-deepseek-v3" (multi-head latent attention, a dense first layer, sigmoid
@@ -52,6 +52,9 @@ def make_model(kind: str, seed: int = 0):
                   attn_implementation="sdpa", use_cache=False)
     if kind == "hf-llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if kind == "hf-llama-eager":  # its attention is causal only through the mask HF builds
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **{**common, "attn_implementation": "eager"}))
     if kind == "hf-qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     if kind == "hf-mixtral":

@@ -107,6 +107,7 @@ def test_own_llama_matches_single_process(pools):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind, configs", [
     ("hf-llama", [dict(tp=2, dp_shard=2), dict(cp=2, dp_shard=2)]),
+    ("hf-llama-eager", [dict(dp_shard=4), dict(tp=2, dp_shard=2)]),
     ("hf-qwen2", [dict(tp=2, dp_shard=2)]),
     ("hf-mixtral", [dict(dp_shard=4, ep=2)]),
     ("hf-qwen2-moe", [dict(dp_shard=4, ep=2)]),
@@ -163,6 +164,44 @@ def _compiled_matches_eager(kind: str, config: dict) -> bool:
                                           ("hf-qwen3-moe", dict(dp_shard=4, ep=2))])
 def test_torch_compile_of_a_parallelized_moe_model(pools, kind, config):
     assert pools(4).run(_compiled_matches_eager, kind, config, timeout=500) == [True] * 4
+
+
+def _packed_matches_single_process(kind: str, configs: list[dict]) -> bool:
+    """Rows packing two 8-token documents (position_ids restart at 8): the HF model attends
+    to each document alone; so must the parallelized one (HF's own mask for its layers).
+    One step's loss and every gradient against the single process."""
+    from fusedpar.parallel import shard_batch
+
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    (ids, labels), = batches(steps=1)
+    positions = torch.arange(8).repeat(ids.shape[0], 2)
+    reference = copy.deepcopy(model)
+    want = reference(input_ids=ids, labels=labels, position_ids=positions).loss
+    want.backward()
+    for config in configs:
+        with reference_backends():
+            par = fusedpar.parallelize(copy.deepcopy(model), config)
+            mine = shard_batch((ids, labels, positions), par.fusedpar_mesh)
+            loss = par(input_ids=mine[0], labels=mine[1], position_ids=mine[2]).loss
+            loss.backward()
+        dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)
+        torch.testing.assert_close(mean / dist.get_world_size(dp_group), want.detach(),
+                                   rtol=1e-5, atol=1e-6, msg=str(config))
+        for (name, p), ref in zip(par.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(full(p.grad), ref.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{config} {name}")
+    return True
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind, configs", [
+    ("hf-llama", [dict(tp=2, dp_shard=2)]), ("hf-llama-eager", [dict(dp_shard=4)]),
+    ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)])])
+def test_packed_sequences_attend_per_document(pools, kind, configs):
+    assert pools(4).run(_packed_matches_single_process, kind, configs, timeout=500) == [True] * 4
 
 
 # ---- invalid configs: a clear error before any communication -------------------------------
@@ -240,6 +279,9 @@ def _invalid_configs() -> dict:
     padded[1, 5:] = 0
     calls["padding"] = lambda: cp_model(input_ids=ids8, labels=ids8, attention_mask=padded)
     calls["loss_kwargs"] = lambda: cp_model(input_ids=ids8, labels=ids8, num_items_in_batch=9)
+    hf_cp = fusedpar.parallelize(make_model("hf-llama"), {"cp": 2, "dp_shard": 2}, backend="reference")
+    packed = torch.arange(4).repeat(2, 2)
+    calls["packed_cp"] = lambda: hf_cp(input_ids=ids8, labels=ids8, position_ids=packed)
     windowed = fusedpar.parallelize(make_model("hf-mistral"), {"dp_shard": 4}, backend="reference")
     calls["window_fits"] = lambda: windowed(input_ids=ids8, labels=ids8)  # runs: 8 <= the window
     long_ids = torch.zeros(2, 9, dtype=torch.long)
@@ -273,6 +315,7 @@ def test_invalid_configs_fail_before_any_communication(pools):
                    "the Mixtral / Switch one the parallelized forward reproduces",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
         "padding": "attention_mask masks some positions",
+        "packed_cp": "position_ids restart inside a row (packed sequences)",
         "window": "sequence length 9 exceeds the model's sliding window 8 (config.sliding_window)",
         "outer_forward": "GraniteForCausalLM is not a supported model (its forward changes lm_head's logits",
         "tp_scaled_embedding": "GemmaTextScaledWordEmbedding.forward does more than look rows up",
