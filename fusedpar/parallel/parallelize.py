@@ -176,8 +176,10 @@ def _outer_forward_problems(model: nn.Module) -> list[str]:
         with torch.no_grad():
             logits = model.eval()(input_ids=ids).logits
             embedded = inner.embed_tokens(ids)
+            decoder_forward(model, ids, None)  # e.g. a rotary embedding wanting a layer type
     except Exception as e:  # noqa: BLE001 - reported as the reason
-        return [f"its forward cannot run without its layers to be checked ({type(e).__name__}: {e})"]
+        return [f"running its forward and the parallelized one without its layers failed "
+                f"({type(e).__name__}: {e})"]
     finally:
         inner.layers = layers
         model.train(training)

@@ -255,6 +255,8 @@ def _invalid_configs() -> dict:
     scaled_logits = transformers.GraniteForCausalLM(transformers.GraniteConfig(**common, logits_scaling=16.0))
     scaled_embedding = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=8,
                                                                               pad_token_id=None))
+    per_layer_rope = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**common, "attn_implementation": "eager"}, head_dim=8))  # rotary_emb wants a layer type
     six_heads = LlamaForCausalLM(LlamaConfig(**{**TINY, "hidden_size": 48, "num_heads": 6,
                                                 "num_kv_heads": 6}))
     six_experts = MixtralForCausalLM(MixtralConfig(**TINY, num_experts=6, top_k=2))
@@ -270,6 +272,7 @@ def _invalid_configs() -> dict:
         "mla_cp": (mla, {"cp": 2, "dp_shard": 2}),
         "own_aux": (own_aux, {"dp_shard": 4}),
         "outer_forward": (scaled_logits, {"dp_shard": 4}),
+        "cannot_run": (per_layer_rope, {"dp_shard": 4}),
     }
     calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
              for name, (m, c) in cases.items()}
@@ -319,6 +322,8 @@ def test_invalid_configs_fail_before_any_communication(pools):
         "window": "sequence length 9 exceeds the model's sliding window 8 (config.sliding_window)",
         "outer_forward": "GraniteForCausalLM is not a supported model (its forward changes lm_head's logits",
         "tp_scaled_embedding": "GemmaTextScaledWordEmbedding.forward does more than look rows up",
+        "cannot_run": "Gemma3ForCausalLM is not a supported model (running its forward and the "
+                      "parallelized one without its layers failed",
         "loss_kwargs": "parallelized forward takes input_ids, labels, position_ids, attention_mask; "
                        "got 0 positional and num_items_in_batch keyword arguments",
     }
