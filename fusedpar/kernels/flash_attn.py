@@ -55,9 +55,14 @@ _FWD_SM90 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 _FWD_SM80 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
              128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
-_BWD_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-             128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2),
-             256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
+_DKDV_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2),
+              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
+# dQ's tiles hold 64 or 128 query rows: with 32, Triton compiles its dots to mma.sync, not
+# Hopper's wgmma (tests/kernels/test_aot.py checks which one each variant gets)
+_DQ_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+            128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+            256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
 _BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
@@ -68,7 +73,11 @@ _RING_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
 _RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
               256: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)}
-_TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "bwd": (_BWD_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
+_TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "dkdv": (_DKDV_SM90, _BWD_SM80),
+           "dq": (_DQ_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
+# Variants left on mma.sync on sm_90 (head dim 256), and why
+_MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32",
+                "ring": "the persistent ring step keeps its state in registers; wgmma tiles spill"}
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
 COPY_CONFIG = dict(BLOCK=1024, num_warps=4)
 # The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.
@@ -398,7 +407,7 @@ def block_d(head_dim: int) -> int:
 
 
 def attn_config(head_dim: int, device: torch.device, kernel: str, config: dict | None = None) -> dict:
-    """Block sizes and launch options of ``kernel`` ("fwd", "bwd" or "ring") for this head
+    """Block sizes and launch options of ``kernel`` ("fwd", "dkdv", "dq" or "ring") for this head
     dim and GPU generation (queried at launch, never at import); ``config`` overrides them."""
     if interpreting():
         cfg = dict(INTERPRETER_CONFIG)
@@ -461,23 +470,27 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
     like ``lse``. Both may come from a larger attention that this call is a block of."""
     batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    cfg = attn_config(head_dim, q.device, "bwd", config)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    common = dict(CAUSAL=causal, VARLEN=varlen, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(head_dim),
-                  UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    def launch_options(kernel: str) -> dict:
+        cfg = attn_config(head_dim, q.device, kernel, config)
+        return dict(CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                    BLOCK_D=block_d(head_dim), UPCAST=interpreting(), num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"])
+
     strides = (*_layout(q), *_layout(k), *_layout(v), *_layout(do))
-    n_blocks = triton.cdiv(seqlen_k, bn)
+    options = launch_options("dkdv")
+    n_blocks = triton.cdiv(seqlen_k, options["BLOCK_N"])
     if n_blocks * batch * n_kv_heads:
         flash_bwd_dkdv_kernel[(n_blocks * batch * n_kv_heads,)](
             q, k, v, do, lse, delta, dk, dv, cu, sm_scale, n_kv_heads, n_heads // n_kv_heads,
             seqlen_q, seqlen_k, head_dim, n_blocks, *strides, *_layout(dk), *_layout(dv),
-            *_stat_strides(lse), **common)
-    m_blocks = triton.cdiv(seqlen_q, bm)
+            *_stat_strides(lse), **options)
+    options = launch_options("dq")
+    m_blocks = triton.cdiv(seqlen_q, options["BLOCK_M"])
     if m_blocks * batch * n_heads:
         flash_bwd_dq_kernel[(m_blocks * batch * n_heads,)](
             q, k, v, do, lse, delta, dq, cu, sm_scale, n_heads, n_heads // n_kv_heads,
             seqlen_q, seqlen_k, head_dim, m_blocks, *strides, *_layout(dq), *_stat_strides(lse),
-            **common)
+            **options)
 
 
 def ring_copy_programs(pieces: int, sms: int | None) -> int:
@@ -565,23 +578,27 @@ def _aot_examples():
                 "world_size": i32, "epoch": i32, "meta": i32, "timeout_ns": "i64", "src": i32,
                 "row_lo": i32, "row_hi": i32, "segments": i32, "seqlen": i32, "row_elems": i32}
     out = []
-    for arch, fwd, bwd, ring in ((90, _FWD_SM90, _BWD_SM90, _RING_SM90),
-                                 (80, _FWD_SM80, _BWD_SM80, _RING_SM80)):
+    for arch, table in ((90, 0), (80, 1)):
+        def options(kernel: str, d: int) -> dict:
+            cfg = _TABLES[kernel][table][d]
+            mma_sync_ok = _MMA_SYNC_OK.get(kernel, "") if d == 256 else ""
+            return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
+                        mma_sync_ok=mma_sync_ok)
+
         for d in (64, 128, 256):
-            for kernel, sig, cfg in ((flash_fwd_kernel, fwd_sig, fwd[d]),
-                                     (flash_bwd_dkdv_kernel, dkdv_sig, bwd[d]),
-                                     (flash_bwd_dq_kernel, dq_sig, bwd[d])):
+            for kernel, sig, name in ((flash_fwd_kernel, fwd_sig, "fwd"),
+                                      (flash_bwd_dkdv_kernel, dkdv_sig, "dkdv"),
+                                      (flash_bwd_dq_kernel, dq_sig, "dq")):
+                cfg = _TABLES[name][table][d]
                 consts = dict(CAUSAL=True, VARLEN=False, BLOCK_M=cfg["BLOCK_M"],
                               BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d, UPCAST=False)
-                out.append((kernel, sig, consts, dict(num_warps=cfg["num_warps"],
-                                                      num_stages=cfg["num_stages"], arch=arch)))
-            cfg = ring[d]
+                out.append((kernel, sig, consts, options(name, d)))
+            cfg = _TABLES["ring"][table][d]
             for last in (False, True):  # a middle step (state in and out), the last step
                 out.append((ring_attn_step_kernel, step_sig,
                             dict(CAUSAL=True, ZIGZAG=True, FIRST=False, LAST=last,
                                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d,
-                                 UPCAST=False),
-                            dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch)))
+                                 UPCAST=False), options("ring", d)))
         out.append((ring_kv_copy_kernel, copy_sig, dict(BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=2),
                     dict(num_warps=COPY_CONFIG["num_warps"], arch=arch)))
     return out

@@ -3,7 +3,8 @@
 Run as ``python -m tests.kernels.aot_compile ARCH`` in a fresh process with
 TRITON_INTERPRET unset (triton reads it when the kernels are decorated). Prints one JSON
 line per variant: name, ok or error, the target, ptxas' registers / shared memory / spills,
-and whether the flag atomics have system scope.
+the tensor-core instruction its dots compile to, and whether the flag atomics have system
+scope.
 
 Each variant is compiled as the JIT would compile that launch: the launcher's block sizes,
 warps and stages for this arch (``AOT_EXAMPLES`` of each kernel module), ints equal to 1
@@ -69,6 +70,9 @@ def compile_variant(kernel, signature, constexprs, options, target):
             # 16 would compile a new binary mid-training): must be none
             "specialised_per_call": sorted(p.name for p in kernel.params
                                            if p.name in PER_CALL_ARGS and not p.do_not_specialize),
+            # Hopper's tensor-core matmul (wgmma) or the older mma.sync, where a variant has dots
+            "mma": ("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx
+                    else None),
             "acquire_sys": "sys.acquire" in ptx or "acquire.sys" in ptx,
             "release_sys": "sys.release" in ptx or "release.sys" in ptx}
 
@@ -85,7 +89,8 @@ def main(arch: int) -> None:
         row = {"name": name, "arch": arch, "triton": triton.__version__, "dtypes": ",".join(dtypes),
                "config": ",".join(f"{k}={v}" for k, v in shown.items()),
                "warps": options.get("num_warps", 4), "stages": options.get("num_stages", 3),
-               "spills_ok": options.get("spills_ok", "")}
+               "spills_ok": options.get("spills_ok", ""),
+               "mma_sync_ok": options.get("mma_sync_ok", "")}
         try:
             row.update(compile_variant(kernel, signature, constexprs, options, target))
         except Exception as e:  # noqa: BLE001 - reported to the test

@@ -115,6 +115,19 @@ def test_gpu_paths_do_not_spill(compiled):
         assert not spilling, spilling
 
 
+@pytest.mark.timeout(900)
+def test_hopper_dots_use_wgmma(compiled):
+    """On sm_90 a dot compiled to mma.sync runs at a fraction of wgmma's rate (Triton picks
+    mma.sync for tiles it cannot give a warpgroup 64 rows of); only variants that say why
+    (``mma_sync_ok``) may."""
+    for (triton_version, arch), rows in compiled.items():
+        if arch != 90:
+            continue
+        assert any(r.get("mma") == "wgmma" for r in rows), "no variant compiled to wgmma"
+        slow = [(r["name"], r["config"]) for r in rows if r.get("mma") == "mma.sync" and not r["mma_sync_ok"]]
+        assert not slow, (triton_version, slow)
+
+
 # the most shared memory one block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_PER_BLOCK = {90: 232448, 80: 166912}
 
