@@ -123,7 +123,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @requires_cuda
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])  # every config's head dim
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_bf16_within_twice_sdpa_error(d, causal):
     """The compiled kernels (the GPU configs): out and gradients within 2x the error of
