@@ -69,15 +69,14 @@ _BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
 # The ring kernel (persistent, position-masked) needs more registers than the plain forward.
 _RING_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)}
+              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
 _RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
               256: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)}
 _TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "dkdv": (_DKDV_SM90, _BWD_SM80),
            "dq": (_DQ_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
 # Variants left on mma.sync on sm_90 (head dim 256), and why
-_MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32",
-                "ring": "the persistent ring step keeps its state in registers; wgmma tiles spill"}
+_MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32"}
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
 COPY_CONFIG = dict(BLOCK=1024, num_warps=4)
 # The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.

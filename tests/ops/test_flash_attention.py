@@ -154,10 +154,11 @@ def test_gpu_bf16_within_twice_sdpa_error(d, causal):
 
 
 @requires_cuda
-def test_gpu_ring_loopback_matches_flash_attention():
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_ring_loopback_matches_flash_attention(d):
     world, s = 4, 512
     g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(1, s, n, 128, generator=g, device="cuda").to(torch.bfloat16) for n in (8, 2, 2))
+    q, k, v = (torch.randn(1, s, n, d, generator=g, device="cuda").to(torch.bfloat16) for n in (8, 2, 2))
     whole, whole_lse = fusedpar.ops.flash_attention(q, k, v, causal=True, return_lse=True)
     from fusedpar.parallel import zigzag_shard
 
