@@ -258,8 +258,8 @@ def _check_batch(model: nn.Module, args, kwargs) -> None:
     input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError("parallelized forward: pass input_ids (a [batch, seq] tensor)")
-    _sequence_checks(model._fusedpar_plan, input_ids)
     plan = model._fusedpar_plan
+    _sequence_checks(plan, input_ids)
     positions = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
     if plan.cp_group is not None and _is_hf(model) and positions is not None \
             and bool((positions.diff(dim=-1) != 1).any()):  # one host read, only when passed

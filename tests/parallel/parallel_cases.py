@@ -84,10 +84,12 @@ def make_model(kind: str, seed: int = 0):
     raise ValueError(kind)
 
 
-def batches(vocab: int = 64, steps: int = STEPS):
-    """``steps`` global batches ``(input_ids, labels)``, the same on every rank."""
+def batches(vocab: int = 64, steps: int = STEPS, packed: bool = False):
+    """``steps`` global batches ``(input_ids, labels, position_ids)``, the same on every rank;
+    ``packed``: each row holds two documents (position_ids restart halfway)."""
     g = torch.Generator().manual_seed(1234)
-    return [(ids, ids.clone()) for ids in
+    positions = torch.arange(SEQ // 2).repeat(GLOBAL_BATCH, 2) if packed else None
+    return [(ids, ids.clone(), positions) for ids in
             (torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps))]
 
 
@@ -106,8 +108,8 @@ def reference_run(model, data):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads0 = [], None
-    for step, (ids, labels) in enumerate(data):
-        loss = model(input_ids=ids, labels=labels).loss
+    for step, (ids, labels, positions) in enumerate(data):
+        loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
         loss.backward()
         if step == 0:
             grads0 = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -128,9 +130,10 @@ def parallel_run(model, data, dp_group=None, counters: list | None = None):
     losses, grads0 = [], None
     dp = dist.get_world_size(dp_group)
     for step, batch in enumerate(data):
-        ids, labels = shard_batch(batch, model.fusedpar_mesh)
+        ids, labels, positions = shard_batch(batch, model.fusedpar_mesh)
         with count_bytes() if (step == 0 and counters is not None) else contextlib.nullcontext() as c:
-            loss = model(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids)).loss
+            loss = model(input_ids=ids, labels=labels, position_ids=positions,
+                         attention_mask=torch.ones_like(ids)).loss
             loss.backward()
         if c is not None:
             counters.append(c)

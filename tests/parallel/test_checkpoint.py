@@ -28,7 +28,7 @@ def _save_then_continue_steps(path: str) -> list[float]:
     base = make_model("llama")
     model = fusedpar.parallelize(copy.deepcopy(base), {"tp": 2, "dp_shard": 2}, backend="reference")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for ids, labels in data[:SAVE_AT]:
+    for ids, labels, _ in data[:SAVE_AT]:
         ids, labels = fusedpar.parallel.shard_batch((ids, labels), model.fusedpar_mesh)
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
@@ -57,7 +57,7 @@ def _save_then_continue_steps(path: str) -> list[float]:
         num_key_value_heads=TINY["num_kv_heads"], intermediate_size=TINY["intermediate_size"],
         attn_implementation="sdpa", use_cache=False))
     hf.load_state_dict(state, strict=True)
-    ids, labels = data[0]
+    ids, labels, _ = data[0]
     plain = copy.deepcopy(base)
     plain.load_state_dict(state)
     torch.testing.assert_close(hf(input_ids=ids, labels=labels).loss, plain(ids, labels=labels).loss,
@@ -93,7 +93,7 @@ def test_round_trip_resharded_load_and_hf_export(pools, tmp_path):
 
 def _train(model, opt, data) -> list[float]:
     curve = []
-    for ids, labels in data:
+    for ids, labels, _ in data:
         ids, labels = fusedpar.parallel.shard_batch((ids, labels), model.fusedpar_mesh)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -123,7 +123,7 @@ def _expert_parallel_checkpoint_steps(path: str, kind: str) -> bool:
     assert {n: s.shape for n, s in state.items()} == {n: s.shape for n, s in base.state_dict().items()}
     plain = copy.deepcopy(base)
     plain.load_state_dict(state, strict=True)
-    ids, labels = data[1]
+    ids, labels, _ = data[1]
     want_loss = plain(input_ids=ids, labels=labels).loss
 
     dense = fusedpar.parallelize(make_model(kind, seed=7), {"dp_shard": 4})

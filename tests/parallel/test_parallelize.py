@@ -147,7 +147,7 @@ def _compiled_matches_eager(kind: str, config: dict) -> bool:
         results = []
         for compiled in (False, True):
             par = fusedpar.parallelize(copy.deepcopy(model), config)
-            ids, labels = shard_batch(batches(steps=1)[0], par.fusedpar_mesh)
+            ids, labels, _ = shard_batch(batches(steps=1)[0], par.fusedpar_mesh)
             fn = torch.compile(par, backend="aot_eager") if compiled else par
             loss = fn(input_ids=ids, labels=labels).loss
             loss.backward()
@@ -167,32 +167,17 @@ def test_torch_compile_of_a_parallelized_moe_model(pools, kind, config):
 
 
 def _packed_matches_single_process(kind: str, configs: list[dict]) -> bool:
-    """Rows packing two 8-token documents (position_ids restart at 8): the HF model attends
-    to each document alone; so must the parallelized one (HF's own mask for its layers).
-    One step's loss and every gradient against the single process."""
-    from fusedpar.parallel import shard_batch
-
+    """Rows packing two documents (position_ids restart halfway): the HF model attends to
+    each document alone; so must the parallelized one (HF's own mask for its layers)."""
     torch.set_num_threads(1)
+    data = batches(packed=True)
     model = make_model(kind)
-    (ids, labels), = batches(steps=1)
-    positions = torch.arange(8).repeat(ids.shape[0], 2)
-    reference = copy.deepcopy(model)
-    want = reference(input_ids=ids, labels=labels, position_ids=positions).loss
-    want.backward()
+    want = reference_run(model, data)
     for config in configs:
         with reference_backends():
             par = fusedpar.parallelize(copy.deepcopy(model), config)
-            mine = shard_batch((ids, labels, positions), par.fusedpar_mesh)
-            loss = par(input_ids=mine[0], labels=mine[1], position_ids=mine[2]).loss
-            loss.backward()
-        dp_group = get_submesh(par.fusedpar_mesh, "dp").get_group()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=dp_group)
-        torch.testing.assert_close(mean / dist.get_world_size(dp_group), want.detach(),
-                                   rtol=1e-5, atol=1e-6, msg=str(config))
-        for (name, p), ref in zip(par.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(full(p.grad), ref.grad, rtol=1e-5, atol=1e-6,
-                                       msg=f"{config} {name}")
+            got = parallel_run(par, data, get_submesh(par.fusedpar_mesh, "dp").get_group())
+        assert_matches(got, want, f"{kind} {config} packed")
     return True
 
 
@@ -361,7 +346,7 @@ def _without_custom_comms() -> list[str]:
     finally:
         for name, method in saved.items():
             setattr(FSDPModule, name, method)
-    ids, labels = fusedpar.parallel.shard_batch(data[0], par.fusedpar_mesh)
+    ids, labels, _ = fusedpar.parallel.shard_batch(data[0], par.fusedpar_mesh)
     with count_bytes() as counter:
         loss = par(input_ids=ids, labels=labels).loss
         loss.backward()
