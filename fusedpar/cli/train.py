@@ -256,7 +256,7 @@ class Progress:
 
 def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = None):
     """One AdamW step on the causal-LM loss of ``input_ids`` (the labels are the inputs;
-    the model shifts them); returns this rank's loss. ``memory`` (a dict) receives
+    the model shifts them); returns the loss (the global batch's mean token loss). ``memory`` (a dict) receives
     :func:`state_bytes` while the gradients still exist."""
     loss = model(input_ids, labels=input_ids).loss
     loss.backward()
@@ -314,7 +314,7 @@ def train_rank(group, device, spec: dict) -> dict:
 
     pcfg = fusedpar.ParallelConfig(**spec["parallel"])
     tcfg = TrainConfig(**spec["train"])
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     vocab = model_config(tcfg).vocab_size
     model = fusedpar.parallelize(build_model(tcfg, device), pcfg)
 
@@ -341,9 +341,8 @@ def train_rank(group, device, spec: dict) -> dict:
         mem = {}
         with fusedpar.comm.count_bytes() as counter:
             loss = train_step(model, optimizer, batches(step), mem)
-        dist.all_reduce(loss, group=group)  # tp/cp replicas hold the same loss, dp ranks theirs
         elapsed = time.perf_counter() - start
-        record["losses"].append(float(loss) / world)
+        record["losses"].append(float(loss))  # the global batch's: the same on every rank
         record["seconds"].append(elapsed)
         record["comm"].append({op: 0 for op in bounds})
         for (op, _), n in counter.by_op().items():

@@ -526,7 +526,7 @@ class _ParameterSwap:
             module._parameters.update(self.saved.pop())
 
 
-def sync_replicated_grads(module: nn.Module, group=None) -> _Handles:
+def sync_replicated_grads(module: nn.Module, group=None, *, skip: tuple[nn.Module, ...] = ()) -> _Handles:
     """Make the gradients of ``module``'s parameters (and its submodules') the sum over
     ``group``, for modules whose weights are replicated but that run on different data on
     each rank — the norms of a sequence-parallel block. The same as, after every backward::
@@ -543,12 +543,16 @@ def sync_replicated_grads(module: nn.Module, group=None) -> _Handles:
     working when the Parameter objects are replaced (``to_empty``, FSDP2's unsharded
     parameters), where tensor hooks registered on the old objects would be lost. The
     ``state_dict`` is unchanged. DDP/FSDP reduce over the data-parallel ranks only, never
-    over ``group``: this is what sums over it. Returns a handle whose ``remove()`` undoes it.
+    over ``group``: this is what sums over it. ``skip``: submodules left out, with theirs
+    (e.g. an MoE block whose experts see every rank's tokens through the expert-parallel
+    exchange). Returns a handle whose ``remove()`` undoes it.
     """
     name = resolve_group(group).group_name
+    skipped = {id(sub) for part in skip for sub in part.modules()}
     handles, modules = [], []
     for sub in module.modules():
-        if isinstance(sub, _TPLinear) or not any(True for _ in sub.parameters(recurse=False)):
+        if (isinstance(sub, _TPLinear) or id(sub) in skipped
+                or not any(True for _ in sub.parameters(recurse=False))):
             continue  # TP layers' parameters are shards (a row layer syncs its own bias)
         if getattr(sub, "_fusedpar_synced_over", None) is not None:
             raise ValueError(f"sync_replicated_grads: {type(sub).__name__} is already synced over "

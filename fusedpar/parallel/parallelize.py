@@ -3,7 +3,8 @@
 Plain-PyTorch (torchtitan-style) equivalent, for ``mesh = config.build_mesh()``::
 
     for block in model.model.layers:                       # 1. TP/SP (fused shared gathers)
-        parallelize_module(block, mesh["tp"], llama_tp_plan)
+        parallelize_module(block, mesh["tp"], llama_tp_plan)  # an MoE block: no "mlp" entries,
+        # it runs on the sequence shard; ep (below) borrows the tp ranks for its tokens
     parallelize_module(model, mesh["tp"], {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
@@ -22,7 +23,9 @@ The model's ``forward(input_ids, labels=None, position_ids=None, attention_mask=
 takes this data-parallel rank's batch (:func:`shard_batch`; the same on every rank of a
 tp/cp group), shards the sequence for CP itself, keeps the logits split over the
 vocabulary (``output.logits`` is ``[B, S_local, V/tp]``) and returns the mean token loss
-over the whole sequence, computed by a vocab-parallel cross-entropy; fusedpar's MoE blocks
+over the valid labels of the whole global batch (every rank returns the same value, the
+single process's, however the ignored labels fall across ranks; ``_mean_loss``), computed
+by a vocab-parallel cross-entropy; fusedpar's MoE blocks
 add the load-balancing loss of the whole global batch (see ``_global_aux_loss``), and so
 does a Hugging Face MoE model whose config asks for it (``output_router_logits``, see
 ``_RouterAuxLoss``), so the loss and every gradient are the single process's on the
@@ -219,9 +222,6 @@ def _check(layout: ModelLayout, cfg: ParallelConfig) -> None:
                            ("vocab size", layout.vocab), ("intermediate size", layout.intermediate)):
             if size is not None and size % cfg.tp:
                 problems.append(f"{what} {size} is not divisible by tp={cfg.tp}")
-        if layout.moe:
-            problems.append(f"tp={cfg.tp} with an MoE model: tensor parallelism of the experts is "
-                            "not implemented; use ep (it borrows the tp ranks) with tp=1")
     if layout.hf_aux_loss_problem:
         problems.append(layout.hf_aux_loss_problem)
     if cfg.ep > 1:
@@ -242,6 +242,7 @@ class _Plan:
     mesh: object
     tp_group: str | None
     cp_group: str | None
+    loss_group: str | None  # dp_cp: the ranks holding other tokens (None when one)
     router_aux: _RouterAuxLoss | None = None
     sliding_window: int | None = None
     hf_masks: bool = False  # a Hugging Face model whose layers get HF's attention masks
@@ -293,17 +294,19 @@ def _sequence_checks(plan: _Plan, input_ids: torch.Tensor) -> None:
                          "that length")
 
 
-def _mean_loss(per_token: torch.Tensor, target: torch.Tensor, cp_group: str | None, cp: int):
-    """Mean over the valid tokens of the whole sequence. With CP the value is reduced over
-    the cp group and each rank's gradient is scaled by cp, because FSDP averages the
-    gradients over dp_shard x cp while the true gradient is their sum over cp."""
+def _mean_loss(per_token: torch.Tensor, target: torch.Tensor, group: str | None, ranks: int):
+    """The mean over the valid tokens of the whole global batch, as one process computes it,
+    whatever each rank's share of ignored labels. ``group``: the ranks holding other tokens
+    (``dp_cp``, ``ranks`` of them; None when one), over which the sum and count are
+    all-reduced; each rank's gradient is scaled by ``ranks``, because FSDP averages the
+    gradients over them while the true gradient is their sum."""
     total, count = per_token.sum(), (target != IGNORE_INDEX).sum()
-    if cp_group is None:
+    if group is None:
         return total / count
     both = torch.stack([total.detach(), count.to(total.dtype)])
     both = torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_reduce(both, "sum", cp_group))
-    scaled = total * cp / both[1]
+        torch.ops._c10d_functional.all_reduce(both, "sum", group))
+    scaled = total * ranks / both[1]
     return both[0] / both[1] + (scaled - scaled.detach())
 
 
@@ -333,7 +336,7 @@ def _parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None
         else:
             per_token = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
                                         ignore_index=IGNORE_INDEX, reduction="none")
-        loss = _mean_loss(per_token, target, plan.cp_group, plan.config.cp)
+        loss = _mean_loss(per_token, target, plan.loss_group, plan.config.dp * plan.config.cp)
     if plan.router_aux is not None:  # Hugging Face MoE: its forward's load-balancing term
         aux = plan.router_aux.loss()
         loss = None if loss is None else loss + plan.router_aux.coef * aux
@@ -370,8 +373,11 @@ def _cp_shard(plan: _Plan, *tensors):
 
 
 def _apply_tensor_parallel(model: nn.Module, layout: ModelLayout, tp_mesh, backend) -> None:
+    """TP + SP on attention and dense MLPs; an MoE block stays whole and runs on this rank's
+    sequence shard (its tokens reach the experts through ep; ``_sync_moe_over_tp``)."""
     for layer in layout.layers:
-        apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend)
+        apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend,
+                 split_mlp=not _is_moe(layer.mlp))
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
     inner.embed_tokens = VocabParallelEmbedding.from_embedding(
@@ -411,6 +417,21 @@ def _apply_context_parallel(model: nn.Module, layout: ModelLayout, cp_mesh) -> N
                             f"{type(model).__name__} has neither")
         set_hf_context_parallel_group(cp_mesh)
         config._attn_implementation = "fusedpar_cp"
+
+
+def _sync_moe_over_tp(layout: ModelLayout, tp_mesh, ep: int) -> None:
+    """With tp > 1 each rank's MoE blocks see its sequence shard, other tokens than its tp
+    peers': the gradients of their replicated parameters are summed over tp. Left out: the
+    parameters that ep splits (each owner gets every rank's tokens' gradients through the
+    exchange) and fusedpar's router under ep (summed over the ep group, which holds the tp
+    ranks or sits beside them in efsdp, in the experts' FSDP unit)."""
+    from ..nn.moe import ExpertParallelMoE
+
+    for layer in layout.layers:
+        if isinstance(layer.mlp, ExpertParallelMoE):
+            continue
+        if _is_moe(layer.mlp):
+            sync_replicated_grads(layer.mlp, tp_mesh, skip=(layer.mlp.experts,) if ep > 1 else ())
 
 
 def _apply_expert_parallel(model: nn.Module, layout: ModelLayout, ep_mesh) -> list[nn.Module]:
@@ -496,17 +517,17 @@ def _hf_aux_loss_problem(model: nn.Module, layout: ModelLayout) -> str | None:
             "config.output_router_logits=False")
 
 
-def _global_aux_loss(layout: ModelLayout, cfg: ParallelConfig, mesh) -> None:
+def _global_aux_loss(layout: ModelLayout, cfg: ParallelConfig, group: str) -> None:
     """fusedpar's MoE blocks compute the load-balancing loss of the whole global batch (the
-    single-process loss), summing the routing statistics over every rank holding other
-    tokens (dp_replicate x dp_shard x cp); FSDP averages gradients over those ranks, so the
-    aux loss's gradient is scaled by their number."""
+    single-process loss), summing the routing statistics over ``group``, every rank holding
+    other tokens (dp_replicate x dp_shard x cp, x tp under sequence parallelism); FSDP
+    averages gradients over the data-parallel ranks (tp sums them first), so the aux loss's
+    gradient is scaled by their number."""
     from ..nn.moe import set_aux_loss_group
 
-    ranks = cfg.dp_replicate * cfg.dp_shard * cfg.cp
-    if ranks == 1:
+    ranks = cfg.dp * cfg.cp
+    if ranks * cfg.tp == 1:
         return
-    group = get_submesh(mesh, "dp_cp").get_group()
     for layer in layout.layers:
         if hasattr(layer.mlp, "aux_group"):
             set_aux_loss_group(layer.mlp, group, ranks)
@@ -577,12 +598,16 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         experts = _apply_expert_parallel(model, layout, ep_mesh["ep"])
         efsdp = ep_mesh["dp_replicate", "efsdp"] if cfg.dp_replicate > 1 else ep_mesh["efsdp"]
         expert_units = [(block, efsdp) for block in experts]
+    dp_cp = get_submesh(mesh, "dp_cp").get_group().group_name
+    # the ranks whose MoE blocks see other tokens: every one under tp (sequence shards)
+    tokens_group = dist.group.WORLD.group_name if cfg.tp > 1 else dp_cp
     if layout.moe:
-        _global_aux_loss(layout, cfg, mesh)
+        if cfg.tp > 1:
+            _sync_moe_over_tp(layout, tp_mesh, cfg.ep)
+        _global_aux_loss(layout, cfg, tokens_group)
     router_aux = None
     if _adds_router_aux_loss(model, layout):
-        router_aux = _RouterAuxLoss(model, layout, get_submesh(mesh, "dp_cp").get_group().group_name,
-                                    cfg.dp_replicate * cfg.dp_shard * cfg.cp)
+        router_aux = _RouterAuxLoss(model, layout, tokens_group, cfg.dp * cfg.cp)
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
     if cfg.dp_replicate > 1:
@@ -604,7 +629,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         block.set_force_sum_reduction_for_comms(cfg.efsdp > 1)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None,
-                                 router_aux, layout.sliding_window,
+                                 dp_cp if cfg.dp * cfg.cp > 1 else None, router_aux, layout.sliding_window,
                                  hf_masks=_is_hf(model) and cfg.cp == 1)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(_parallel_forward, model)

@@ -18,7 +18,8 @@ Plain-PyTorch (DTensor) equivalent of ``apply_tp(block, tp_mesh, sequence_parall
     block.self_attn.num_heads //= W; block.self_attn.num_key_value_heads //= W   # if present
 
 and with ``sequence_parallel=False``: ColwiseParallel / RowwiseParallel on the projections
-only (input and output replicated). Unlike DTensor, every tensor stays a plain tensor
+only (input and output replicated); with ``split_mlp=False`` (an MoE block) the "mlp" entries
+are left out and the block's mlp runs on the sequence shards as it is. Unlike DTensor, every tensor stays a plain tensor
 except the projections' parameters (DTensors on the TP axis, as there) and each gather
 runs fused with its matmuls.
 """
@@ -55,11 +56,15 @@ def _tp_axis(tp_mesh):
     return tp_mesh, resolve_group(tp_mesh)
 
 
-def _expect(block: nn.Module) -> tuple[nn.Module, nn.Module]:
+def _expect(block: nn.Module, split_mlp: bool) -> tuple[nn.Module, nn.Module]:
     problems = []
     attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-    for owner, owner_name, names in ((attn, "self_attn", (*ATTENTION_COLUMNS, ATTENTION_ROW)),
-                                     (mlp, "mlp", (*MLP_COLUMNS, MLP_ROW))):
+    split = [(attn, "self_attn", (*ATTENTION_COLUMNS, ATTENTION_ROW))]
+    if split_mlp:
+        split.append((mlp, "mlp", (*MLP_COLUMNS, MLP_ROW)))
+    elif not isinstance(mlp, nn.Module):
+        problems.append("no submodule 'mlp'")
+    for owner, owner_name, names in split:
         if owner is None:
             problems.append(f"no submodule {owner_name!r}")
             continue
@@ -83,14 +88,17 @@ def _expect(block: nn.Module) -> tuple[nn.Module, nn.Module]:
     return attn, mlp
 
 
-def _check_divisible(attn: nn.Module, mlp: nn.Module, world: int) -> dict[str, int]:
-    """Every size apply_tp splits must divide by ``world``; returns the head counts."""
+def _check_divisible(attn: nn.Module, mlp: nn.Module | None, world: int) -> dict[str, int]:
+    """Every size apply_tp splits must divide by ``world`` (``mlp``: None when not split);
+    returns the head counts."""
     problems = []
     heads = {name: getattr(attn, name) for name in HEAD_COUNT_ATTRS
              if isinstance(getattr(attn, name, None), int) and not isinstance(getattr(attn, name), bool)}
     problems += [f"self_attn.{name}={value}" for name, value in heads.items() if value % world]
-    for owner, owner_name, columns, row in ((attn, "self_attn", ATTENTION_COLUMNS, ATTENTION_ROW),
-                                            (mlp, "mlp", MLP_COLUMNS, MLP_ROW)):
+    split = [(attn, "self_attn", ATTENTION_COLUMNS, ATTENTION_ROW)]
+    if mlp is not None:
+        split.append((mlp, "mlp", MLP_COLUMNS, MLP_ROW))
+    for owner, owner_name, columns, row in split:
         for name in columns:
             out = getattr(owner, name).weight.shape[0]
             if out % world:
@@ -120,7 +128,7 @@ def _is_attention_width(attn: nn.Module, heads: dict[str, int]) -> bool:
 
 
 def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
-             backend: str | None = None) -> nn.Module:
+             backend: str | None = None, split_mlp: bool = True) -> nn.Module:
     """Shard a Llama-style decoder block over the tensor-parallel group, in place; returns it.
 
     What it expects (duck typing; Hugging Face ``LlamaDecoderLayer`` names, also Mistral /
@@ -135,6 +143,10 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
     - ``block.mlp`` with linear ``gate_proj``, ``up_proj``, ``down_proj``, its input passed
       unchanged to gate/up (e.g. ``down(act(gate(x)) * up(x))``).
     - ``block.input_layernorm`` and ``block.post_attention_layernorm`` (any modules).
+    - ``split_mlp=False`` (sequence parallelism only): ``block.mlp`` may be any module
+      (an MoE block); it is left whole and runs on this rank's sequence shard. Its
+      parameters' gradients are not summed over the group: the caller's part (an
+      expert-parallel exchange, or :func:`~fusedpar.nn.sync_replicated_grads`).
 
     What it does (W = size of the group, heads must divide by W):
 
@@ -167,10 +179,14 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
     Whole models: apply it to each layer; sharding the sequence of the embeddings'
     output and gathering before the head are the caller's (``fusedpar.parallelize``'s) part.
     """
+    if not split_mlp and not sequence_parallel:
+        raise ValueError("apply_tp: split_mlp=False needs sequence_parallel=True (the unsplit "
+                         "mlp runs on this rank's sequence shard; with replicated input every "
+                         "rank would repeat it on the same tokens)")
     axis, group = _tp_axis(tp_mesh)
     world = group.size()
-    attn, mlp = _expect(block)
-    heads = _check_divisible(attn, mlp, world)
+    attn, mlp = _expect(block, split_mlp)
+    heads = _check_divisible(attn, mlp if split_mlp else None, world)
 
     def column(layer):
         return ColumnParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
@@ -181,7 +197,7 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
                                              backend=backend)
 
     for owner, columns, row_name in ((attn, ATTENTION_COLUMNS, ATTENTION_ROW),
-                                     (mlp, MLP_COLUMNS, MLP_ROW)):
+                                     (mlp, MLP_COLUMNS, MLP_ROW))[:2 if split_mlp else 1]:
         for name in columns:
             setattr(owner, name, column(getattr(owner, name)))
         setattr(owner, row_name, row(getattr(owner, row_name)))
@@ -192,7 +208,7 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
     if _is_attention_width(attn, heads):  # older HF reshapes the output to self.hidden_size
         attn.hidden_size //= world
     if sequence_parallel:
-        sync_replicated_grads(block, group)
+        sync_replicated_grads(block, group, skip=() if split_mlp else (mlp,))
     else:
         sync_replicated_grads(attn, group)
         sync_replicated_grads(mlp, group)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from fusedpar.models.llama import IGNORE_INDEX
 
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 4, 5, 1e-2
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -84,12 +85,20 @@ def make_model(kind: str, seed: int = 0):
     raise ValueError(kind)
 
 
+#: How many labels at the start of each row of a global batch are ignored (-100): every
+#: data-parallel rank's rows hold another number of valid tokens (a rank at dp=4 none), so
+#: only the mean over the whole batch's valid tokens matches the single process.
+IGNORED_LABELS = (0, SEQ, 5, 11)
+
+
 def batches(vocab: int = 64, steps: int = STEPS, packed: bool = False):
-    """``steps`` global batches ``(input_ids, labels, position_ids)``, the same on every rank;
-    ``packed``: each row holds two documents (position_ids restart halfway)."""
+    """``steps`` global batches ``(input_ids, labels, position_ids)``, the same on every rank,
+    the labels ignored as :data:`IGNORED_LABELS` says; ``packed``: each row holds two
+    documents (position_ids restart halfway)."""
     g = torch.Generator().manual_seed(1234)
     positions = torch.arange(SEQ // 2).repeat(GLOBAL_BATCH, 2) if packed else None
-    return [(ids, ids.clone(), positions) for ids in
+    ignored = torch.arange(SEQ) < torch.tensor(IGNORED_LABELS)[:, None]
+    return [(ids, ids.masked_fill(ignored, IGNORE_INDEX), positions) for ids in
             (torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps))]
 
 

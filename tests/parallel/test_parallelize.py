@@ -109,11 +109,11 @@ def test_own_llama_matches_single_process(pools):
     ("hf-llama", [dict(tp=2, dp_shard=2), dict(cp=2, dp_shard=2)]),
     ("hf-llama-eager", [dict(dp_shard=4), dict(tp=2, dp_shard=2)]),
     ("hf-qwen2", [dict(tp=2, dp_shard=2)]),
-    ("hf-mixtral", [dict(dp_shard=4, ep=2)]),
-    ("hf-qwen2-moe", [dict(dp_shard=4, ep=2)]),
+    ("hf-mixtral", [dict(dp_shard=4, ep=2), dict(tp=2, dp_shard=2, ep=4)]),
+    ("hf-qwen2-moe", [dict(dp_shard=4, ep=2), dict(tp=2, dp_shard=2)]),
     ("hf-olmoe", [dict(dp_shard=4, ep=4)]),
     ("hf-qwen3-moe", [dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=2, activation_checkpointing=True),
-                      dict(cp=2, dp_shard=2, ep=2)]),
+                      dict(cp=2, dp_shard=2, ep=2), dict(tp=2, dp_shard=2, ep=2)]),
     ("hf-deepseek-v3", [dict(dp_shard=4), dict(dp_shard=4, ep=4)]),
 ])
 def test_hugging_face_models_match_single_process(pools, kind, configs):
@@ -128,10 +128,14 @@ def test_context_parallel_matches_single_process(pools):
 
 @pytest.mark.timeout(600)
 def test_expert_parallel_matches_single_process(pools):
-    """ep borrows its ranks from dp_shard (x cp): ep=2 (experts FSDP-sharded over efsdp=2),
-    ep=4, ep=2 with cp=2; and dp_shard=4 alone. The load-balancing loss is the whole batch's in every config."""
+    """ep borrows its ranks from dp_shard (x cp x tp): ep=2 (experts FSDP-sharded over
+    efsdp=2), ep=4, ep=2 with cp=2; and dp_shard=4 alone. With tp=2 the MoE blocks run on
+    sequence shards: their experts whole on every rank (ep=1), or split over ep=2 (inside
+    each tp pair) or ep=4 (across them). The load-balancing loss is the whole batch's in
+    every config."""
     configs = [dict(dp_shard=4), dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=4),
-               dict(cp=2, dp_shard=2, ep=2)]
+               dict(cp=2, dp_shard=2, ep=2), dict(tp=2, dp_shard=2), dict(tp=2, dp_shard=2, ep=2),
+               dict(tp=2, cp=2, ep=4)]
     assert pools(4).run(_check_dense, "mixtral", configs, timeout=500) == [True] * 4
 
 
@@ -252,7 +256,6 @@ def _invalid_configs() -> dict:
         "heads": (six_heads, {"tp": 4}),
         "kv_heads": (llama, {"tp": 4}),
         "experts": (six_experts, {"dp_shard": 4, "ep": 4}),
-        "moe_tp": (mixtral, {"tp": 2, "dp_shard": 2}),
         "ep_dense": (llama, {"dp_shard": 4, "ep": 2}),
         "mla_cp": (mla, {"cp": 2, "dp_shard": 2}),
         "own_aux": (own_aux, {"dp_shard": 4}),
@@ -294,7 +297,6 @@ def test_invalid_configs_fail_before_any_communication(pools):
         "heads": "attention heads 6 is not divisible by tp=4",
         "kv_heads": "KV heads 2 is not divisible by tp=4",
         "experts": "6 experts are not divisible by ep=4",
-        "moe_tp": "tp=2 with an MoE model",
         "ep_dense": "ep=2 but the model has no MoE blocks",
         "mla_cp": "cp=2: tensor and context parallelism split Llama-style attention (q/k/v/o "
                   "projections, an int head_dim), and this model's is not (self_attn.k_proj is not "

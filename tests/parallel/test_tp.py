@@ -243,6 +243,29 @@ def _check_block(sp: bool, legacy: bool, backend: str) -> bool:
     return True
 
 
+def _check_whole_mlp() -> bool:
+    """``split_mlp=False`` (an MoE block's place): the mlp stays whole and runs on this
+    rank's sequence shard, so the output is the single process's shard; every gradient
+    outside the mlp is the full one, the mlp's are this shard's part (summed over the ranks:
+    the full one), left for the caller to reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _seeded_block(True)
+    ours = apply_tp(copy.deepcopy(reference), tp_mesh(), backend="reference", split_mlp=False)
+    assert all(type(m) is nn.Linear for m in ours.mlp.children())
+    torch.manual_seed(1)
+    x_full, g_full = torch.randn(B, S, HIDDEN), torch.randn(B, S, HIDDEN)
+    x_ref = x_full.clone().requires_grad_()
+    (reference(x_ref) * g_full).sum().backward()
+    y, x_grad, grads, _ = _run(ours, x_full.chunk(world, 1)[rank], g_full.chunk(world, 1)[rank])
+    close(y, reference(x_full).detach().chunk(world, 1)[rank], "block output")
+    close(x_grad, x_ref.grad.chunk(world, 1)[rank], "block input grad")
+    for name, p in reference.named_parameters():
+        if name.startswith("mlp."):
+            dist.all_reduce(grads[name])
+        close(grads[name], p.grad, f"grad of {name}")
+    return True
+
+
 def _check_errors() -> list[str]:
     messages = []
 
@@ -254,9 +277,10 @@ def _check_errors() -> list[str]:
 
     odd = Block()
     odd.self_attn.num_heads = 3
-    for make in (NoMLP, lambda: odd, lambda: apply_tp(Block(), None)):
+    for make, options in ((NoMLP, {}), (lambda: odd, {}), (lambda: apply_tp(Block(), None), {}),
+                          (Block, dict(sequence_parallel=False, split_mlp=False))):
         try:
-            apply_tp(make(), None)
+            apply_tp(make(), None, **options)
         except (TypeError, ValueError) as e:
             messages.append(str(e))
         else:
@@ -320,11 +344,17 @@ def test_apply_tp_current_hf_attention(pools, sp, backend):
 
 @pytest.mark.timeout(300)
 def test_apply_tp_explains_what_it_expects(pools):
-    no_mlp, odd_heads, twice = pools(2).run(_check_errors)[0]
+    no_mlp, odd_heads, twice, replicated_whole_mlp = pools(2).run(_check_errors)[0]
     assert "Llama-style decoder block" in no_mlp and "no submodule 'mlp'" in no_mlp
     assert "post_attention_layernorm" in no_mlp
     assert "self_attn.num_heads=3" in odd_heads
     assert "already a ColumnParallelLinear" in twice
+    assert "split_mlp=False needs sequence_parallel=True" in replicated_whole_mlp
+
+
+@pytest.mark.timeout(300)
+def test_apply_tp_leaves_an_unsplit_mlp_on_the_sequence_shard(pools):
+    assert pools(2).run(_check_whole_mlp) == [True] * 2
 
 
 @pytest.mark.timeout(300)
