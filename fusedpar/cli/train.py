@@ -269,15 +269,16 @@ def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = 
 
 def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dict[str, int]:
     """Bytes one rank must receive per step through each of fusedpar's ops: FSDP's and
-    tp's (dense model, tp or cp but not both). Not modelled, so shown without a bound:
+    tp's (tp or cp but not both, ep=1). Not modelled, so shown without a bound:
     ring_attention (it depends on the algorithm: see ``fusedpar check``), and every op
     with ep > 1 or with tp and cp together.
 
     With ``x`` = one rank's sequence shard of the hidden states, ``[B/dp, S/tp, H]``:
 
-    - all_gather_matmul: 2 shared gathers per block (q/k/v, gate/up) + the ``lm_head``'s in
-      forward, the adjoints of the 2 reduce-scatters per block in backward:
-      ``(4 L + 1) (tp-1) |x|``; matmul_reduce_scatter: the same count.
+    - all_gather_matmul: a shared gather per block (q/k/v) and per dense MLP (gate/up; tp
+      leaves MoE blocks whole) + the ``lm_head``'s in forward, the adjoints of the
+      reduce-scatters (o, down) in backward: ``(2 (L + L_dense) + 1) (tp-1) |x|``;
+      matmul_reduce_scatter: the same count.
     - all_gather: FSDP's parameter gathers, ``(n-1) x`` this rank's shard of a unit per
       gather (n = dp_shard x cp), the blocks twice (re-gathered for backward), the root once
       (FSDP2 keeps it); plus, with tp, the backward of the embedding's reduce-scatter to the
@@ -290,7 +291,8 @@ def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dic
     param_elem = torch.empty((), dtype=getattr(torch, pcfg.param_dtype or "float32")).element_size()
     hidden = model.config.hidden_size
     x = tcfg.batch_size // pcfg.dp * tcfg.seq_len // pcfg.tp * hidden * param_elem
-    n, tp, layers = pcfg.dp_shard_cp, pcfg.tp, model.config.num_layers
+    n, tp = pcfg.dp_shard_cp, pcfg.tp
+    split = sum(1 + hasattr(layer.mlp, "down_proj") for layer in model.model.layers)  # TP's blocks
     block_ids = {id(p) for p in model.model.layers.parameters()}
     shard = {True: 0, False: 0}  # numel of this rank's FSDP shards: blocks, root
     for p in model.parameters():
@@ -301,7 +303,7 @@ def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dic
     if tp > 1:
         bounds["all_gather"] += (tp - 1) * x
         bounds["reduce_scatter"] += (tp - 1) * x
-        bounds["all_gather_matmul"] = bounds["matmul_reduce_scatter"] = (4 * layers + 1) * (tp - 1) * x
+        bounds["all_gather_matmul"] = bounds["matmul_reduce_scatter"] = (2 * split + 1) * (tp - 1) * x
     return {op: b for op, b in bounds.items() if b}
 
 

@@ -140,3 +140,17 @@ def test_moe_train_matches_one_process(tmp_path):
     m = json.loads(metrics.read_text())
     assert m["parallel"]["ep"] == 2
     assert train.max_rel_diff(m["losses"], m["reference_losses"]) <= 1e-5, m
+
+
+@pytest.mark.timeout(300)
+def test_moe_train_with_tp_moves_its_lower_bound(tmp_path):
+    """--moe --tp 2 --ep 1: the MoE blocks run whole on sequence shards (no gate/up gather,
+    no down reduce-scatter), so tp's fused ops move 2 L + 1 shards a step, not 4 L + 1,
+    and every op exactly its lower bound; the curve is the single process's."""
+    metrics = tmp_path / "moe_tp.json"
+    res = run_cli(["train", "--moe", "--tp", "2", "--dp-shard", "2", "--ep", "1", "--steps", "2",
+                   "--metrics", str(metrics)], timeout=240, env={"FUSEDPAR_BACKEND": "reference"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = json.loads(metrics.read_text())
+    assert m["comm"][-1] == m["lower_bounds"] and m["lower_bounds"]["all_gather_matmul"] > 0, m
+    assert train.max_rel_diff(m["losses"], m["reference_losses"]) <= 1e-5, m
