@@ -256,8 +256,8 @@ class Progress:
 
 def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = None):
     """One AdamW step on the causal-LM loss of ``input_ids`` (the labels are the inputs;
-    the model shifts them); returns the loss (the global batch's mean token loss). ``memory`` (a dict) receives
-    :func:`state_bytes` while the gradients still exist."""
+    the model shifts them); returns the loss (the global batch's mean token loss).
+    ``memory`` (a dict) receives :func:`state_bytes` while the gradients still exist."""
     loss = model(input_ids, labels=input_ids).loss
     loss.backward()
     optimizer.step()

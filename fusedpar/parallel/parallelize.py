@@ -629,7 +629,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         block.set_force_sum_reduction_for_comms(cfg.efsdp > 1)
     model._fusedpar_plan = _Plan(cfg, mesh, tp_mesh.get_group().group_name if cfg.tp > 1 else None,
                                  mesh["cp"].get_group().group_name if cfg.cp > 1 else None,
-                                 dp_cp if cfg.dp * cfg.cp > 1 else None, router_aux, layout.sliding_window,
+                                 dp_cp if cfg.dp * cfg.cp > 1 else None, router_aux,
+                                 layout.sliding_window,
                                  hf_masks=_is_hf(model) and cfg.cp == 1)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(_parallel_forward, model)

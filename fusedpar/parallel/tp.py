@@ -18,10 +18,10 @@ Plain-PyTorch (DTensor) equivalent of ``apply_tp(block, tp_mesh, sequence_parall
     block.self_attn.num_heads //= W; block.self_attn.num_key_value_heads //= W   # if present
 
 and with ``sequence_parallel=False``: ColwiseParallel / RowwiseParallel on the projections
-only (input and output replicated); with ``split_mlp=False`` (an MoE block) the "mlp" entries
-are left out and the block's mlp runs on the sequence shards as it is. Unlike DTensor, every tensor stays a plain tensor
-except the projections' parameters (DTensors on the TP axis, as there) and each gather
-runs fused with its matmuls.
+only (input and output replicated); with ``split_mlp=False`` (an MoE block) the "mlp"
+entries are left out and the block's mlp runs on the sequence shards as it is. Unlike
+DTensor, every tensor stays a plain tensor except the projections' parameters (DTensors on
+the TP axis, as there) and each gather runs fused with its matmuls.
 """
 
 from __future__ import annotations
@@ -56,19 +56,21 @@ def _tp_axis(tp_mesh):
     return tp_mesh, resolve_group(tp_mesh)
 
 
-def _expect(block: nn.Module, split_mlp: bool) -> tuple[nn.Module, nn.Module]:
+def _expect(block: nn.Module, split_mlp: bool) -> tuple[nn.Module, nn.Module, list[tuple]]:
+    """``(attn, mlp, parts)``: ``parts`` the modules apply_tp splits, as ``(module, name,
+    column layers, row layer)``."""
     problems = []
     attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-    split = [(attn, "self_attn", (*ATTENTION_COLUMNS, ATTENTION_ROW))]
+    parts = [(attn, "self_attn", ATTENTION_COLUMNS, ATTENTION_ROW)]
     if split_mlp:
-        split.append((mlp, "mlp", (*MLP_COLUMNS, MLP_ROW)))
+        parts.append((mlp, "mlp", MLP_COLUMNS, MLP_ROW))
     elif not isinstance(mlp, nn.Module):
         problems.append("no submodule 'mlp'")
-    for owner, owner_name, names in split:
+    for owner, owner_name, columns, row in parts:
         if owner is None:
             problems.append(f"no submodule {owner_name!r}")
             continue
-        for name in names:
+        for name in (*columns, row):
             layer = getattr(owner, name, None)
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 raise ValueError(f"apply_tp: {owner_name}.{name} is already a "
@@ -85,20 +87,17 @@ def _expect(block: nn.Module, split_mlp: bool) -> tuple[nn.Module, nn.Module]:
             f"names): self_attn.{{q,k,v,o}}_proj, mlp.{{gate,up,down}}_proj, {NORMS[0]}, "
             f"{NORMS[1]}; {type(block).__name__} has: " + "; ".join(problems)
         )
-    return attn, mlp
+    return attn, mlp, parts
 
 
-def _check_divisible(attn: nn.Module, mlp: nn.Module | None, world: int) -> dict[str, int]:
-    """Every size apply_tp splits must divide by ``world`` (``mlp``: None when not split);
+def _check_divisible(attn: nn.Module, parts: list[tuple], world: int) -> dict[str, int]:
+    """Every size apply_tp splits (``parts``, from ``_expect``) must divide by ``world``;
     returns the head counts."""
     problems = []
     heads = {name: getattr(attn, name) for name in HEAD_COUNT_ATTRS
              if isinstance(getattr(attn, name, None), int) and not isinstance(getattr(attn, name), bool)}
     problems += [f"self_attn.{name}={value}" for name, value in heads.items() if value % world]
-    split = [(attn, "self_attn", ATTENTION_COLUMNS, ATTENTION_ROW)]
-    if mlp is not None:
-        split.append((mlp, "mlp", MLP_COLUMNS, MLP_ROW))
-    for owner, owner_name, columns, row in split:
+    for owner, owner_name, columns, row in parts:
         for name in columns:
             out = getattr(owner, name).weight.shape[0]
             if out % world:
@@ -185,8 +184,8 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
                          "rank would repeat it on the same tokens)")
     axis, group = _tp_axis(tp_mesh)
     world = group.size()
-    attn, mlp = _expect(block, split_mlp)
-    heads = _check_divisible(attn, mlp if split_mlp else None, world)
+    attn, mlp, parts = _expect(block, split_mlp)
+    heads = _check_divisible(attn, parts, world)
 
     def column(layer):
         return ColumnParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
@@ -196,8 +195,7 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
         return RowParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
                                              backend=backend)
 
-    for owner, columns, row_name in ((attn, ATTENTION_COLUMNS, ATTENTION_ROW),
-                                     (mlp, MLP_COLUMNS, MLP_ROW))[:2 if split_mlp else 1]:
+    for owner, _, columns, row_name in parts:
         for name in columns:
             setattr(owner, name, column(getattr(owner, name)))
         setattr(owner, row_name, row(getattr(owner, row_name)))
