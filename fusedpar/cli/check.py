@@ -552,10 +552,11 @@ def _ep_case(rank: int, world: int, device):
     local = [t.detach()[...].float().to(device) for t in (every[rank][0], every[rank][2],
                                                          w13[local_experts], w2[local_experts],
                                                          every[rank][3])]
-    copies_in = sum(int(((every[r][1] // (EP_EXPERTS // world)) == rank).sum())
-                    for r in range(world) if r != rank)
-    copies_out = int(((idx // (EP_EXPERTS // world)) != rank).sum())
-    return local, idx.to(device), expected, copies_in, copies_out
+    from fusedpar.cli.bounds import rows_received, rows_sent
+
+    sent = torch.stack([rows_sent(i, EP_EXPERTS // world, world) for _, i, _, _ in every])
+    incoming, outgoing = rows_received(sent, rank)
+    return local, idx.to(device), expected, [int(n) for n in incoming + outgoing]
 
 
 def _cp_ep_rows(group, device, selected: list[str]):
@@ -593,8 +594,7 @@ def _cp_ep_rows(group, device, selected: list[str]):
             checks += [(f"grad of {n}", t.grad, e) for n, t, e in zip("qkv", leaves, expected[1:])]
             local.append(_error_row(CP_OP, name, str((CP_BATCH, CP_SEQ, CP_HEADS, CP_HEAD_DIM)),
                                     checks, counter.total(), 2 * (CP_SIZE - 1) * kv_bytes))
-        (x, weights, w13, w2, g), idx, expected, copies_in, copies_out = _ep_case(rank, EP_SIZE,
-                                                                                 device)
+        (x, weights, w13, w2, g), idx, expected, (rows, _) = _ep_case(rank, EP_SIZE, device)
         from fusedpar.ops.moe_experts import ExpertsCall
 
         call = ExpertsCall(x, idx, weights, w13, w2, sub)
@@ -615,7 +615,7 @@ def _cp_ep_rows(group, device, selected: list[str]):
             checks += [(n, t.grad, e) for n, t, e in zip(names, leaves, expected[1:])]
             row_bytes = EP_HIDDEN * x.element_size()
             local.append(_error_row(EP_OP, name, f"({EP_TOKENS}, {EP_HIDDEN})", checks,
-                                    counter.total(), (copies_in + copies_out) * row_bytes))
+                                    counter.total(), 2 * rows * row_bytes))
     gathered = [None] * world  # the other ranks contribute nothing but take part
     dist.all_gather_object(gathered, (local, skipped), group=group)
     return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
@@ -731,9 +731,10 @@ def _legend(result: dict) -> list[str]:
         "    again in backward moves 1.5x, Ulysses moves q and the output too.",
         f"  {EP_OP}: max |error| <= {TP_ATOL:g} over the output and the x, topk_weights, w13 "
         "and w2 grads; lower bound:",
-        "    the token copies routed across ranks, in (dispatch) and back (combine): "
-        "(copies in + out)*H of the forward,",
-        "    which is what the moe ops count (their backward exchanges are not counted).",
+        "    a row of H per token and other rank holding one of its experts, in (dispatch) "
+        "and back (combine), forward",
+        "    and backward; the moe ops send a row per routed copy, more where a token has "
+        "two experts on one rank.",
     ]
     block_n = result.get("pull_block_n")
     if block_n:

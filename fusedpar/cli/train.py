@@ -30,8 +30,9 @@ import time
 import torch
 
 import fusedpar
-from fusedpar.cli import launch
+from fusedpar.cli import bounds, launch
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from fusedpar.nn.linear import local
 from fusedpar.parallel.config import _KEY_ALIASES as PARALLEL_KEYS
 
 DEFAULT_WORLD = 4
@@ -208,14 +209,10 @@ def synthetic_batch(tcfg: TrainConfig, vocab: int, step: int) -> torch.Tensor:
 # ---- the ranks --------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def state_bytes(model, optimizer) -> dict:
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards)."""
     def size(t):
-        t = _local(t)
+        t = local(t)
         return t.numel() * t.element_size()
 
     params = list(model.parameters())
@@ -267,46 +264,6 @@ def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = 
     return loss.detach()
 
 
-def lower_bounds(model, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> dict[str, int]:
-    """Bytes one rank must receive per step through each of fusedpar's ops: FSDP's and
-    tp's (tp or cp but not both, ep=1). Not modelled, so shown without a bound:
-    ring_attention (it depends on the algorithm: see ``fusedpar check``), and every op
-    with ep > 1 or with tp and cp together.
-
-    With ``x`` = one rank's sequence shard of the hidden states, ``[B/dp, S/tp, H]``:
-
-    - all_gather_matmul: a shared gather per block (q/k/v) and per dense MLP (gate/up; tp
-      leaves MoE blocks whole) + the ``lm_head``'s in forward, the adjoints of the
-      reduce-scatters (o, down) in backward: ``(2 (L + L_dense) + 1) (tp-1) |x|``;
-      matmul_reduce_scatter: the same count.
-    - all_gather: FSDP's parameter gathers, ``(n-1) x`` this rank's shard of a unit per
-      gather (n = dp_shard x cp), the blocks twice (re-gathered for backward), the root once
-      (FSDP2 keeps it); plus, with tp, the backward of the embedding's reduce-scatter to the
-      sequence-parallel region, ``(tp-1) |x|``.
-    - reduce_scatter: FSDP's gradient reduce-scatter, ``(n-1) x`` this rank's shard of
-      every parameter in float32; plus, with tp, the embedding's ``(tp-1) |x|``.
-    """
-    if pcfg.ep > 1 or (pcfg.cp > 1 and pcfg.tp > 1):
-        return {}
-    param_elem = torch.empty((), dtype=getattr(torch, pcfg.param_dtype or "float32")).element_size()
-    hidden = model.config.hidden_size
-    x = tcfg.batch_size // pcfg.dp * tcfg.seq_len // pcfg.tp * hidden * param_elem
-    n, tp = pcfg.dp_shard_cp, pcfg.tp
-    split = sum(1 + hasattr(layer.mlp, "down_proj") for layer in model.model.layers)  # TP's blocks
-    block_ids = {id(p) for p in model.model.layers.parameters()}
-    shard = {True: 0, False: 0}  # numel of this rank's FSDP shards: blocks, root
-    for p in model.parameters():
-        shard[id(p) in block_ids] += _local(p).numel()
-    reduce_elem = torch.empty((), dtype=getattr(torch, pcfg.reduce_dtype)).element_size()
-    bounds = {"all_gather": (n - 1) * (2 * shard[True] + shard[False]) * param_elem,
-              "reduce_scatter": (n - 1) * (shard[True] + shard[False]) * reduce_elem}
-    if tp > 1:
-        bounds["all_gather"] += (tp - 1) * x
-        bounds["reduce_scatter"] += (tp - 1) * x
-        bounds["all_gather_matmul"] = bounds["matmul_reduce_scatter"] = (2 * split + 1) * (tp - 1) * x
-    return {op: b for op, b in bounds.items() if b}
-
-
 def train_rank(group, device, spec: dict) -> dict:
     """One rank's part (run by :mod:`fusedpar.cli.launch`): the parallel run and, on rank 0,
     the single-process run. Rank 0's result is the report's data."""
@@ -334,28 +291,34 @@ def train_rank(group, device, spec: dict) -> dict:
             raise ValueError(f"the checkpoint in {spec['resume']} is at step {first}: ask for "
                              f"more steps (--steps > {first}) to continue")
 
-    bounds = lower_bounds(model, pcfg, tcfg)
+    static = bounds.static_bounds(model, pcfg, tcfg.batch_size, tcfg.seq_len)
+    routed = bounds.RoutedRows(model, pcfg.param_dtype)
     progress = Progress(tcfg.steps, enabled=rank == 0)
     tokens = tcfg.batch_size * tcfg.seq_len
     record = {"losses": [], "seconds": [], "comm": []}
     for step in range(first, tcfg.steps):
         start = time.perf_counter()
         mem = {}
+        routed.start()
         with fusedpar.comm.count_bytes() as counter:
             loss = train_step(model, optimizer, batches(step), mem)
         elapsed = time.perf_counter() - start
         record["losses"].append(float(loss))  # the global batch's: the same on every rank
         record["seconds"].append(elapsed)
-        record["comm"].append({op: 0 for op in bounds})
+        comm = {op: 0 for op in static}
         for (op, _), n in counter.by_op().items():
-            record["comm"][-1][op] = record["comm"][-1].get(op, 0) + n
+            comm[op] = comm.get(op, 0) + n
+        record["comm"].append(comm)
+        moe = routed.bounds(set(comm))  # the last step's are reported
+        record["lower_bounds"] = {**static, **{op: bound for op, (bound, _) in moe.items()}}
+        record["per_copy_bytes"] = {op: copies for op, (_, copies) in moe.items()}
         record["state_bytes"] = mem
         progress.update(step, f"loss {record['losses'][-1]:.4f}  {tokens / elapsed:,.0f} tok/s  "
                               f"params+grads+optimizer {_fmt_bytes(sum(mem.values()))}/rank")
     progress.close()
     if spec.get("save"):
         checkpoint.save(spec["save"], model, optimizer, extra={"step": torch.tensor(tcfg.steps)})
-    result = {"first_step": first, **record, "lower_bounds": bounds,
+    result = {"first_step": first, **record,
               "parameters": sum(p.numel() for p in build_model(tcfg, "meta").parameters())}
     if rank == 0 and spec["compare"]:
         print("single-process run of the same seed ...", flush=True)
@@ -377,15 +340,19 @@ def max_rel_diff(losses: list[float], reference: list[float]) -> float:
 def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> list[str]:
     """The lines printed after the progress bar."""
     lines = []
-    comm, bounds = result["comm"][-1], result["lower_bounds"]
+    comm, lower = result["comm"][-1], result["lower_bounds"]
+    per_copy = result["per_copy_bytes"]
     lines.append("communication per step (the last one): bytes rank 0 received through "
                  "fusedpar's ops, and the lower bound")
     if comm:
         width = max(len(k) for k in comm)
         for op, n in sorted(comm.items()):
-            bound = bounds.get(op)
-            lines.append(f"  {op:<{width}}  {n:>12,} B   lower bound "
-                         + (f"{bound:>12,} B   ratio {n / bound:.2f}" if bound else "-"))
+            bound = lower.get(op)
+            line = f"  {op:<{width}}  {n:>12,} B   lower bound " + (
+                f"{bound:>12,} B   ratio {n / bound:.2f}" if bound else "-")
+            if op in per_copy:
+                line += f"   (a row per routed copy: {per_copy[op]:,} B)"
+            lines.append(line)
     else:
         lines.append("  none (every collective ran on torch's)")
     mem = result["state_bytes"]

@@ -196,7 +196,9 @@ class ExpertParallelMoE(nn.Module):
         topk_idx, topk_weights, aux_loss = _route(self, flat)
         y = moe_experts(flat, topk_idx, topk_weights, local(self.w13), local(self.w2), self.group_name,
                         max_tokens_per_rank=self.max_tokens_per_rank)
-        return y.view(x.shape), aux_loss
+        # not a view (y is this call's own): FSDP2, which wraps this module on its own,
+        # warns about a view output, whose in-place update would lose its backward hook
+        return torch.ops.aten._unsafe_view(y, x.shape), aux_loss
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

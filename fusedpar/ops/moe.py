@@ -212,22 +212,31 @@ class _Unpermute(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` of rows with uneven splits; its adjoint swaps the splits."""
+    """``dist.all_to_all_single`` of rows with uneven splits, moving them in direction
+    ``op`` (``"moe_dispatch"`` or ``"moe_combine"``); its adjoint swaps the splits and the
+    direction (counted under the other op, as the triton backend's)."""
 
     @staticmethod
-    def forward(ctx, x, send, recv, group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
+    def forward(ctx, x, send, recv, group, op):
+        ctx.send, ctx.recv, ctx.group, ctx.op = send, recv, group, op
+        return _counted_all_to_all(x, send, recv, group, op)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        other = "moe_combine" if ctx.op == "moe_dispatch" else "moe_dispatch"
+        return _counted_all_to_all(grad, ctx.recv, ctx.send, ctx.group, other), None, None, None, None
 
 
 def _all_to_all(x, send, recv, group):
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
+
+
+def _counted_all_to_all(x, send, recv, group, op):
+    peer_rows = sum(recv) - recv[dist.get_rank(group)]
+    counters.record(op, "reference", peer_rows * math.prod(x.shape[1:]) * x.element_size())
+    return _all_to_all(x, send, recv, group)
 
 
 # ---- dispatch / combine -------------------------------------------------------------------------
@@ -391,7 +400,7 @@ class ReferenceDispatch(Backend):
         x, topk_idx, weights, num_experts, group = (call.x, call.topk_idx, call.topk_weights,
                                                     call.num_experts, call.group)
         M = call.max_tokens_per_rank
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         local = num_experts // world
         _check_same_everywhere("moe_dispatch", group, [x.shape[1], topk_idx.shape[1], num_experts,
                                                       _DTYPE_CODES.get(x.dtype, 9), M or 0],
@@ -407,9 +416,7 @@ class ReferenceDispatch(Backend):
                                          f"gets {int(worst[1])} copies from one rank")
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         sorted_x = _Permute.apply(x, pos, topk_idx.shape[1], sum(send))
-        received = _AllToAll.apply(sorted_x, send, recv, group)
-        counters.record("moe_dispatch", self.name,
-                        (sum(recv) - recv[rank]) * x.shape[1] * x.element_size())
+        received = _AllToAll.apply(sorted_x, send, recv, group, "moe_dispatch")
         expert_order, source_order = _expert_major(recv_counts, x.device)
         per_expert = recv_counts.sum(0)
         recv_x, padded_rows = received[expert_order], None
@@ -427,10 +434,7 @@ class ReferenceDispatch(Backend):
         if handle.padded_rows is not None:
             y = y[handle.padded_rows]
         received = y[handle.source_order]
-        back = _AllToAll.apply(received, handle.recv, handle.send, handle.group)
-        rank = dist.get_rank(handle.group)
-        counters.record("moe_combine", handle.backend,
-                        (sum(handle.send) - handle.send[rank]) * y.shape[1] * y.element_size())
+        back = _AllToAll.apply(received, handle.recv, handle.send, handle.group, "moe_combine")
         return _Unpermute.apply(back, handle.weights, handle.pos, handle.k)
 
 

@@ -29,8 +29,8 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``). The only backend that takes ``max_tokens_per_rank``:
   the padded dispatch and ``grouped_mm(..., masked_m=)``, no host read.
-Every backend moves only the routed rows, once there and once back (no padding), and
-counts them. ``moe_experts_loopback`` runs every rank's part in one
+Every backend moves only the routed rows, once there and once back (no padding), in the
+forward pass and again in the backward, and counts both. ``moe_experts_loopback`` runs every rank's part in one
 process (fused, or the unfused ops, over loopback symmetric buffers).
 """
 
@@ -158,6 +158,10 @@ class _Plan:
         start = sum(self.send[:dst])
         return slice(start, start + self.send[dst])
 
+    def peer_rows(self) -> int:
+        """Rows one exchange there and back brings this rank from the others."""
+        return sum(self.recv) - self.recv[self.rank] + sum(self.send) - self.send[self.rank]
+
     def recv_rows(self, src: int) -> slice:
         start = sum(self.recv[:src])
         return slice(start, start + self.recv[src])
@@ -268,6 +272,7 @@ class _ExpertPipeline(torch.autograd.Function):
             return grouped_mm(act[mine], w2.transpose(1, 2), offs)
 
         back = _pipeline(plan, sorted_x.contiguous(), received, experts)
+        counters.record(OP, "pipelined", plan.peer_rows() * sorted_x.shape[1] * sorted_x.element_size())
         # act (the down GEMM's input) for w2's gradient: kept, as autograd keeps silu's output
         ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2)
         ctx.plan = plan
@@ -289,6 +294,7 @@ class _ExpertPipeline(torch.autograd.Function):
         # every rank runs the exchange, whatever it needs, so the ranks stay in step
         grad_incoming = torch.empty_like(received)
         grad_sorted = _pipeline(plan, grad_back.contiguous(), grad_incoming, experts_backward)
+        counters.record(OP, "pipelined", plan.peer_rows() * grad_back.shape[1] * grad_back.element_size())
         # the weight gradients once every source's rows are in (one launch each)
         return (grad_sorted, *_weight_grads(ctx, w13, w2, plan, received, act, grad_incoming, dh13),
                 None)
@@ -312,9 +318,6 @@ class Pipelined(Backend):
         plan = _Plan.from_counts(group, rank, *exchange_counts(OP, topk_idx, header, group), x.device)
         sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
         back = _ExpertPipeline.apply(sorted_x, w13, call.w2, plan)
-        row_bytes = x.shape[1] * x.element_size()
-        counters.record(OP, self.name, (sum(plan.recv) - plan.recv[rank]
-                                        + sum(plan.send) - plan.send[rank]) * row_bytes)
         return _Unpermute.apply(back, call.topk_weights, pos, k)
 
 
@@ -492,8 +495,9 @@ class _FusedExperts(torch.autograd.Function):
         # a fingerprint of its own: a rank still in the forward pass cannot pass for one here
         meta = symmetric.fingerprint("backward", ctx.meta)
         buf = _fused_buffer(plan, grad_back)
-        (grad_sorted, grad_received, _, dh13, _), = _fused_exchange(
+        (grad_sorted, grad_received, _, dh13, nbytes), = _fused_exchange(
             [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc, h13s=[h13])
+        counters.record(OP, "fused", nbytes)
         return (grad_sorted, *_weight_grads(ctx, w13, w2, plan, received, act, grad_received, dh13),
                 None)
 

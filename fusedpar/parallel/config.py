@@ -503,8 +503,12 @@ def get_submesh(mesh: DeviceMesh, name: str | tuple[str, ...]) -> DeviceMesh:
     For a flattened axis of :data:`FLATTENED_AXES` (``"dp_shard_cp"``, ``"dp"``, ``"dp_cp"``)
     this is ``mesh[axes]._flatten(name)``, which creates the flattened mesh (and its process
     group) on first use and returns the cached one afterwards: call it on every rank.
-    Anything else is ``mesh[name]``.
+    A tuple of names holding a flattened one (HSDP's ``("dp_replicate", "dp_shard_cp")``)
+    is those axes' meshes concatenated: their process groups, no new ones. Anything else
+    is ``mesh[name]``.
     """
+    if not isinstance(name, str) and any(axis in FLATTENED_AXES for axis in name):
+        return type(mesh)._concatenate([get_submesh(mesh, axis) for axis in name])
     if isinstance(name, str) and name in FLATTENED_AXES:
         axes = FLATTENED_AXES[name]
         dim_names = mesh.mesh_dim_names or ()

@@ -610,11 +610,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         router_aux = _RouterAuxLoss(model, layout, tokens_group, cfg.dp * cfg.cp)
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
-    if cfg.dp_replicate > 1:
-        get_submesh(mesh, "dp_shard_cp")
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
-    else:
-        dp_mesh = get_submesh(mesh, "dp_shard_cp")
+    dp_mesh = get_submesh(mesh, ("dp_replicate", "dp_shard_cp") if cfg.dp_replicate > 1 else "dp_shard_cp")
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype), reduce_dtype=_dtype(cfg.reduce_dtype))

@@ -127,7 +127,10 @@ def _check_dispatch_combine(T, H, k, E, mode, backend, M):
                                ("moe_combine", backend): sent_away * H * 4}
     # combine is the adjoint of dispatch: <dispatch(x), g> == <x, combine_unweighted(g)>
     g = torch.arange(recv_x.numel(), dtype=torch.float32).view_as(recv_x) % 5
-    (out * 1.0).sum().backward()
+    with fusedpar.comm.count_bytes() as backward:
+        (out * 1.0).sum().backward()
+    # the same rows again, each direction counted under the op that moves rows that way
+    assert backward.by_op() == counter.by_op()
     assert torch.equal(x.grad, (w.detach() * kept).sum(1, keepdim=True).expand_as(x))
     assert torch.equal(w.grad, x.detach().sum(1, keepdim=True).expand(T, k) * kept)
     recv2, _, handle2 = moe_dispatch(x.detach(), idx, torch.ones(T, k), E, max_tokens_per_rank=M,

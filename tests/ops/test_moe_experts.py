@@ -47,7 +47,8 @@ def _check_experts(T, H, I, k, E_local, backend, skew, max_tokens=None):
     idx, w, aux = topk_route(lg, k)
     with fusedpar.comm.count_bytes() as counter:
         y = moe_experts(x, idx, w, my_w13, my_w2, backend=backend, max_tokens_per_rank=max_tokens)
-    ((y ** 2).sum() + aux).backward()
+    with fusedpar.comm.count_bytes() as backward:
+        ((y ** 2).sum() + aux).backward()
     tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x.grad.double(), ref_xs[rank].grad, **tol)
     torch.testing.assert_close(lg.grad.double(), ref_logits[rank].grad, **tol)
@@ -60,6 +61,7 @@ def _check_experts(T, H, I, k, E_local, backend, skew, max_tokens=None):
     copies_in = sum(int((owner[r] == rank).sum()) for r in range(world) if r != rank)
     copies_out = int((owner[rank] != rank).sum())
     assert counter.total() == (copies_in + copies_out) * H * 4, (counter.by_op(), copies_in, copies_out)
+    assert backward.by_op() == counter.by_op()  # the output gradients, there and back
     return True
 
 

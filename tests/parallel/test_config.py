@@ -334,6 +334,9 @@ def _mesh_worker(config_kwargs: dict) -> dict:
                 "size": sub.size(),
                 "local_rank": sub.get_local_rank(),
             }
+        hsdp = get_submesh(mesh, ("dp_replicate", "dp_shard_cp"))  # FSDP2's 2-D HSDP mesh
+        axes["hsdp"] = {"names": list(hsdp.mesh_dim_names), "mesh": hsdp.mesh.tolist(),
+                        "groups": [dist.get_process_group_ranks(hsdp.get_group(d)) for d in range(2)]}
         getter_warnings = [str(w.message) for w in caught][len(build_warnings) :]
     with warnings.catch_warnings():
         # torch >= 2.10 warns that slicing a flattened axis from the root is deprecated
@@ -412,6 +415,12 @@ def test_build_mesh_on_four_ranks(pools, case):
             assert axes[name]["size"] == math.prod(shape[MESH_AXES.index(p)] for p in parts)
             assert axes[name]["local_rank"] == expected.index(rank)
             assert sorted(report["getitem"][name]) == expected, name  # mesh["dp_shard_cp"] works too
+        # HSDP's (dp_replicate, dp_shard_cp) mesh: the root's rows, the axes' own groups
+        hsdp = axes["hsdp"]
+        assert hsdp["names"] == ["dp_replicate", "dp_shard_cp"]
+        dp = _expected_group(shape, rank, ("dp_replicate", "dp_shard", "cp"))
+        assert hsdp["mesh"] == [dp[i:i + len(dp) // shape[0]] for i in range(0, len(dp), len(dp) // shape[0])]
+        assert hsdp["groups"] == [axes["dp_replicate"]["group"], axes["dp_shard_cp"]["group"]]
         # get_submesh is the warning-free way to reach a flattened axis
         assert not [w for w in report["getter_warnings"] if "flatten" in w.lower()], report["getter_warnings"]
         assert not [w for w in report["build_warnings"] if "flatten" in w.lower()], report["build_warnings"]

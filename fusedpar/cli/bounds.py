@@ -1,0 +1,128 @@
+"""The bytes one rank must receive per training step through each of fusedpar's ops, which
+``fusedpar train`` prints next to what the ops measured (``fusedpar.comm.count_bytes``).
+
+- FSDP (``all_gather``, ``reduce_scatter``): each parameter's shard from every other rank
+  of its FSDP group (``dp_shard x cp``; ``efsdp`` for experts split by ep), gathered twice
+  for a block (re-gathered for backward) and once for the root (FSDP2 keeps it), its
+  gradient reduce-scattered once in ``reduce_dtype``.
+- tp (``all_gather_matmul``, ``matmul_reduce_scatter``; the embedding's ``all_gather`` and
+  ``reduce_scatter``): with ``x`` one rank's sequence shard of the hidden states, ``[B/dp,
+  S/(cp tp), H]``, a shared gather per attention block (q/k/v) and per dense MLP (gate/up;
+  MoE blocks stay whole) + the ``lm_head``'s in forward, and the adjoints of the
+  reduce-scatters (o, down) in backward: ``(2 (L + L_dense) + 1) (tp-1) |x|`` each; the
+  embedding's reduce-scatter to the sequence-parallel region and its adjoint ``(tp-1) |x|``.
+- ep (``moe_experts``, or ``moe_dispatch`` + ``moe_combine`` where it runs unfused): it
+  depends on the routing, which :class:`RoutedRows` records. A token needs one row on each
+  other rank holding one of its experts, there and back, in forward and again in backward
+  (where the sum of its experts' outputs on that rank is one row): DeepEP's volume. A row
+  per routed copy is what moves when each copy travels on its own.
+- ``ring_attention`` has no bound here: it depends on the algorithm (``fusedpar check``
+  prints each backend's volume).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.comm import resolve_group
+from fusedpar.comm.groups import host_collective_device
+from fusedpar.nn.linear import local
+from fusedpar.nn.moe import ExpertParallelMoE
+from fusedpar.ops import topk_route
+
+#: Mesh axes over which FSDP2 shards a parameter (the dense blocks', the experts').
+FSDP_SHARD_AXES = ("dp_shard_cp", "efsdp")
+
+
+def _fsdp_ranks(p: torch.Tensor) -> int:
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return 1
+    return math.prod(mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names)
+                     if name in FSDP_SHARD_AXES)
+
+
+def _elem(dtype_name: str | None) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype_name or "float32")).element_size()
+
+
+def static_bounds(model, pcfg, batch_size: int, seq_len: int) -> dict[str, int]:
+    """FSDP's and tp's bounds (module docstring) for ``model`` after ``parallelize``."""
+    act_elem, reduce_elem = _elem(pcfg.param_dtype), _elem(pcfg.reduce_dtype)
+    block_ids = {id(p) for p in model.model.layers.parameters()}
+    gather = reduce = 0
+    for p in model.parameters():
+        shards = (_fsdp_ranks(p) - 1) * local(p).numel()  # FSDP pads: rank 0's is the largest
+        gather += (2 if id(p) in block_ids else 1) * shards * act_elem
+        reduce += shards * reduce_elem
+    bounds = {"all_gather": gather, "reduce_scatter": reduce}
+    tp = pcfg.tp
+    if tp > 1:
+        x = batch_size // pcfg.dp * seq_len // (pcfg.cp * tp) * model.config.hidden_size * act_elem
+        split = sum(1 + hasattr(layer.mlp, "down_proj") for layer in model.model.layers)
+        bounds["all_gather"] += (tp - 1) * x
+        bounds["reduce_scatter"] += (tp - 1) * x
+        bounds["all_gather_matmul"] = bounds["matmul_reduce_scatter"] = (2 * split + 1) * (tp - 1) * x
+    return {op: b for op, b in bounds.items() if b}
+
+
+class RoutedRows:
+    """Records the routing of the expert-parallel MoE blocks of ``model`` (forward hooks on
+    their routers; the ids ``fusedpar.ops.topk_route`` picks) between :meth:`start` and
+    :meth:`bounds`, which returns, per MoE op that ran, ``(lower bound, a row per copy)``
+    in bytes received by this rank (module docstring). Every rank of the ep groups calls
+    :meth:`bounds` (it all-gathers the counts)."""
+
+    def __init__(self, model, act_dtype: str | None):
+        self.blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+        self.row_bytes = model.config.hidden_size * _elem(act_dtype)
+        self.group = resolve_group(self.blocks[0].group_name) if self.blocks else None
+        self.routes: list[tuple[torch.Tensor, int]] = []
+        for block in self.blocks:
+            block.router.register_forward_hook(self._hook(block))
+
+    def _hook(self, block):
+        def record(_router, _args, logits):
+            idx = topk_route(logits.detach(), block.top_k, renormalize=block.renormalize)[0]
+            self.routes.append((idx, block.num_local_experts))
+        return record
+
+    def start(self) -> None:
+        self.routes.clear()
+
+    def bounds(self, ops: set[str]) -> dict[str, tuple[int, int]]:
+        if self.group is None:
+            return {}
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        sent = sum((rows_sent(idx, local, world) for idx, local in self.routes),
+                   torch.zeros(2, world, dtype=torch.int64))
+        device = host_collective_device(self.group)
+        every = [torch.empty_like(sent, device=device) for _ in range(world)]
+        dist.all_gather(every, sent.to(device), group=self.group)
+        incoming, outgoing = rows_received(torch.stack(every).cpu(), rank)
+        # forward and backward
+        totals = {"moe_experts": 2 * (incoming + outgoing) * self.row_bytes,
+                  "moe_dispatch": 2 * incoming * self.row_bytes,
+                  "moe_combine": 2 * outgoing * self.row_bytes}
+        return {op: (int(t[0]), int(t[1])) for op, t in totals.items() if op in ops}
+
+
+def rows_sent(topk_idx: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
+    """``[2, world]``: the rows a rank routing its tokens to ``topk_idx`` (ids of the ep
+    group's experts, rank r holding ``experts_per_rank`` of them from ``r *
+    experts_per_rank``) sends each rank (itself too): one per token and rank holding one
+    of its experts; one per routed copy."""
+    owner = (topk_idx // experts_per_rank).cpu().long()
+    held = torch.nn.functional.one_hot(owner, world).amax(1)  # [T, ranks]
+    return torch.stack([held.sum(0), torch.bincount(owner.flatten(), minlength=world)])
+
+
+def rows_received(sent: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From every rank's :func:`rows_sent` (``[src, 2, dst]``): the rows ``rank`` receives
+    in one exchange, into its experts and back to its tokens (each ``[per token and rank,
+    per copy]``)."""
+    others = torch.arange(sent.shape[0]) != rank
+    return sent[others, :, rank].sum(0), sent[rank][:, others].sum(1)
