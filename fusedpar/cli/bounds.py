@@ -14,8 +14,9 @@
 - ep (``moe_experts``, or ``moe_dispatch`` + ``moe_combine`` where it runs unfused): it
   depends on the routing, which :class:`RoutedRows` records. A token needs one row on each
   other rank holding one of its experts, there and back, in forward and again in backward
-  (where the sum of its experts' outputs on that rank is one row): DeepEP's volume. A row
-  per routed copy is what moves when each copy travels on its own.
+  (where the sum of its experts' outputs on that rank is one row): DeepEP's volume, and
+  the ``pipelined`` backend's (plus each row's expert ids and weights). A row per routed
+  copy is what the ``fused`` and unfused ones move.
 - ``ring_attention`` has no bound here: it depends on the algorithm (``fusedpar check``
   prints each backend's volume).
 """

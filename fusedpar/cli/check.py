@@ -185,12 +185,14 @@ def _grouped(rows: list[dict]) -> list[dict]:
 
 def _merge(per_rank_rows: list[list[dict]], members: list[int]) -> list[dict]:
     """The ``members``' rows (same cases, same order) as one list: correct where correct
-    on every member, bytes the maximum over them, the worst error of tolerance rows."""
+    on every member, the bytes and lower bound of the member that moved the most, the worst
+    error of tolerance rows."""
     rows = []
     for i, row in enumerate(per_rank_rows[members[0]]):
         per_rank = {r: per_rank_rows[r][i] for r in members}
+        busiest = max(per_rank.values(), key=lambda p: p["bytes"])
         merged = dict(row, correct=all(p["correct"] for p in per_rank.values()),
-                      bytes=max(p["bytes"] for p in per_rank.values()),
+                      bytes=busiest["bytes"], lower_bound=busiest["lower_bound"],
                       wrong_ranks=[r for r, p in per_rank.items() if not p["correct"]])
         if "max_err" in row:
             worst = max(per_rank.values(), key=lambda p: p["max_err"])
@@ -555,8 +557,8 @@ def _ep_case(rank: int, world: int, device):
     from fusedpar.cli.bounds import rows_received, rows_sent
 
     sent = torch.stack([rows_sent(i, EP_EXPERTS // world, world) for _, i, _, _ in every])
-    incoming, outgoing = rows_received(sent, rank)
-    return local, idx.to(device), expected, [int(n) for n in incoming + outgoing]
+    incoming, outgoing = rows_received(sent, rank)  # [a row per token and rank, per copy]
+    return local, idx.to(device), expected, (incoming.tolist(), outgoing.tolist())
 
 
 def _cp_ep_rows(group, device, selected: list[str]):
@@ -594,7 +596,8 @@ def _cp_ep_rows(group, device, selected: list[str]):
             checks += [(f"grad of {n}", t.grad, e) for n, t, e in zip("qkv", leaves, expected[1:])]
             local.append(_error_row(CP_OP, name, str((CP_BATCH, CP_SEQ, CP_HEADS, CP_HEAD_DIM)),
                                     checks, counter.total(), 2 * (CP_SIZE - 1) * kv_bytes))
-        (x, weights, w13, w2, g), idx, expected, (rows, _) = _ep_case(rank, EP_SIZE, device)
+        (x, weights, w13, w2, g), idx, expected, ((rows_in, _), (rows_out, _)) = _ep_case(
+            rank, EP_SIZE, device)
         from fusedpar.ops.moe_experts import ExpertsCall
 
         call = ExpertsCall(x, idx, weights, w13, w2, sub)
@@ -615,7 +618,7 @@ def _cp_ep_rows(group, device, selected: list[str]):
             checks += [(n, t.grad, e) for n, t, e in zip(names, leaves, expected[1:])]
             row_bytes = EP_HIDDEN * x.element_size()
             local.append(_error_row(EP_OP, name, f"({EP_TOKENS}, {EP_HIDDEN})", checks,
-                                    counter.total(), 2 * rows * row_bytes))
+                                    counter.total(), 2 * (rows_in + rows_out) * row_bytes))
     gathered = [None] * world  # the other ranks contribute nothing but take part
     dist.all_gather_object(gathered, (local, skipped), group=group)
     return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
@@ -733,8 +736,10 @@ def _legend(result: dict) -> list[str]:
         "and w2 grads; lower bound:",
         "    a row of H per token and other rank holding one of its experts, in (dispatch) "
         "and back (combine), forward",
-        "    and backward; the moe ops send a row per routed copy, more where a token has "
-        "two experts on one rank.",
+        "    and backward; fused and reference send a row per routed copy (more where a "
+        "token has two experts on one rank),",
+        "    pipelined a row per token and rank, plus each row's k expert ids and weights "
+        "there and their gradients back (fp32).",
     ]
     block_n = result.get("pull_block_n")
     if block_n:

@@ -323,16 +323,20 @@ def invalid_ids_error(op: str, flags: torch.Tensor, num_experts: int, topk_idxs:
                       f"[0, {num_experts}){span}; -1 marks a dropped copy")
 
 
-def exchange_counts(op: str, topk_idx: torch.Tensor, header: torch.Tensor, group):
+def exchange_counts(op: str, topk_idx: torch.Tensor, header: torch.Tensor, group,
+                    rows: torch.Tensor | None = None):
     """``(sent, received)``, host int64 ``[W, E_local]``: this rank's copies per expert of each
     rank, and each rank's copies per expert of this rank (``all_to_all_single``), in one host
     read. ``header``: ``_sort``'s; its id flag goes to every rank with the counts, so if any
-    rank's topk_idx holds an id out of range, every rank raises here."""
+    rank's topk_idx holds an id out of range, every rank raises here. ``rows`` (``[W]``,
+    optional): a count per rank exchanged with them, as one more column of both."""
     world, rank, E = dist.get_world_size(group), dist.get_rank(group), header.numel() - 1
     local = E // world
-    sent = torch.cat([header[:E].view(world, local), header[E:].view(1, 1).expand(world, 1)], 1)
+    extra = [] if rows is None else [rows.to(header.dtype).view(world, 1)]
+    sent = torch.cat([header[:E].view(world, local), *extra,
+                      header[E:].view(1, 1).expand(world, 1)], 1)
     host = torch.stack([sent, _all_to_all(sent, [1] * world, [1] * world, group)]).cpu()
-    return host[0, :, :local].long(), checked_counts(op, host[1], E, {rank: topk_idx})
+    return host[0, :, :-1].long(), checked_counts(op, host[1], E, {rank: topk_idx})
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -17,11 +17,16 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   weight gradients are computed where the experts live, one launch each over every
   source's rows.
 - ``pipelined``: the exchange split by source rank with async P2P (gloo on CPU, NCCL on
-  GPU). Step ``s`` sends to ``rank + s`` and receives from ``rank - s`` (every pair is
+  GPU). A token travels once to each rank holding any of its experts (DeepEP's layout),
+  after its expert ids and weights there (fp32, a few bytes a row); the receiver expands
+  each row into its copies, sorted by expert, and returns one row per token: its copies'
+  outputs, weighted and summed. Step ``s`` sends to ``rank + s`` and receives from
+  ``rank - s`` (every pair is
   matched in the same step on both sides, so NCCL cannot deadlock); the expert GEMMs run on
   this rank's own tokens while the other sources' rows travel, then on each source's rows
   as they arrive, and each source's results go back as soon as they are done. The backward
-  pass is the same pipeline over the output gradients, then the weight gradients in one
+  pass is the same pipeline over the output gradients (the weights' gradients are computed
+  where the experts' outputs are, and go back after), then the weight gradients in one
   launch each. SwiGLU and its backward run in the grouped GEMMs' epilogues
   (``kernels.grouped_gemm.grouped_mm_rows``), as in ``fused``. Each source's rows are their
   own GEMM, so each pays its partial tiles (~10% more tiles than one GEMM over all rows at
@@ -29,8 +34,9 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
   ``grouped_mm`` -> ``moe_combine``). The only backend that takes ``max_tokens_per_rank``:
   the padded dispatch and ``grouped_mm(..., masked_m=)``, no host read.
-Every backend moves only the routed rows, once there and once back (no padding), in the
-forward pass and again in the backward, and counts both. ``moe_experts_loopback`` runs every rank's part in one
+Every backend moves only routed rows, once there and once back (no padding), in the
+forward pass and again in the backward, and counts both: a row per token and rank holding
+its experts (``pipelined``), or a row per routed copy (``fused``, ``reference``). ``moe_experts_loopback`` runs every rank's part in one
 process (fused, or the unfused ops, over loopback symmetric buffers).
 """
 
@@ -129,30 +135,34 @@ class Reference(Backend):
 
 @dataclass
 class _Plan:
-    """Who sends what to whom: ``send[d]`` rows to rank d, ``recv[s]`` rows from rank s (in
-    (local expert, token) order), ``offs[s]`` the group ends of source s's rows."""
+    """Who sends what to whom: ``send[d]`` rows to rank d, ``recv[s]`` rows from rank s;
+    ``copies[s]`` the copies source s's rows hold (one per row unless the rows carry a token
+    for several experts), in (local expert, token) order, ``offs[s]`` their group ends."""
 
     group: dist.ProcessGroup
     rank: int
     world: int
     send: list
     recv: list
+    copies: list
     offs: torch.Tensor  # int32 [W, E_local]
-    segment_ends: torch.Tensor  # int32 [W * E_local]: of the (source, expert) segments of all rows
+    segment_ends: torch.Tensor  # int32 [W * E_local]: of the (source, expert) segments of all copies
     table: torch.Tensor | None = None  # fused: every rank's copies per expert (host, [W, E])
     k: int = 0
 
     @classmethod
     def from_counts(cls, group, rank: int, send_counts: torch.Tensor, recv_counts: torch.Tensor,
-                    device: torch.device):
+                    device: torch.device, rows: tuple[list, list] | None = None):
         """``send_counts[d, e]`` copies this rank sends to rank d's expert e, ``recv_counts[s,
         e]`` it receives from rank s for its expert e (host int ``[W, E_local]``); the group
-        ends go to ``device`` in one copy that does not wait for its stream."""
+        ends go to ``device`` in one copy that does not wait for its stream. ``rows``: the
+        rows sent to and received from each rank, where not a row per copy."""
         ends = host_to_device(torch.cat([recv_counts.cumsum(1).flatten(),
                                          recv_counts.flatten().cumsum(0)]).to(torch.int32), device)
-        world = send_counts.shape[0]
-        return cls(group, rank, world, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(),
-                   ends[:recv_counts.numel()].view(world, -1), ends[recv_counts.numel():])
+        world, copies = send_counts.shape[0], recv_counts.sum(1).tolist()
+        send, recv = rows or (send_counts.sum(1).tolist(), copies)
+        return cls(group, rank, world, send, recv, copies, ends[:recv_counts.numel()].view(world, -1),
+                   ends[recv_counts.numel():])
 
     def send_rows(self, dst: int) -> slice:
         start = sum(self.send[:dst])
@@ -165,6 +175,10 @@ class _Plan:
     def recv_rows(self, src: int) -> slice:
         start = sum(self.recv[:src])
         return slice(start, start + self.recv[src])
+
+    def copy_rows(self, src: int) -> slice:
+        start = sum(self.copies[:src])
+        return slice(start, start + self.copies[src])
 
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> list:
         """Start sending ``send`` to ``dst`` and receiving ``recv`` from ``src`` (empty ones
@@ -203,6 +217,18 @@ def _pipeline(plan: _Plan, outgoing: torch.Tensor, incoming: torch.Tensor, compu
     return returned
 
 
+def _swap(plan: _Plan, outgoing: torch.Tensor, incoming: torch.Tensor, back: bool = False) -> None:
+    """``outgoing``'s rows for each rank into ``incoming``, as ``_pipeline`` moves them
+    (``back``: the other way, each source's rows returned to it); waits for them."""
+    there, here = (plan.recv_rows, plan.send_rows) if back else (plan.send_rows, plan.recv_rows)
+    rank, world = plan.rank, plan.world
+    incoming[here(rank)] = outgoing[there(rank)]
+    for s in range(1, world):
+        dst, src = (rank + s) % world, (rank - s) % world
+        for request in plan.exchange(outgoing[there(dst)], dst, incoming[here(src)], src):
+            request.wait()
+
+
 def _grouped_swiglu(x_rows, w13, offs, act, h13=None, backend: str = "") -> None:
     """``act = swiglu(grouped_mm(x_rows, w13.transpose(1, 2), offs))``, and ``h13`` the
     product when given: one launch with SwiGLU in the GEMM's epilogue where grouped_mm runs
@@ -229,15 +255,14 @@ def _grouped_swiglu_vjp(dy, w2, offs, h13, backend: str = "", out=None) -> torch
     return out.copy_(swiglu_vjp(grouped_mm(dy, w2, offs, backend=backend))[0])
 
 
-def _weight_grads(ctx, w13, w2, plan: _Plan, x_rows, act, dy, dh13) -> tuple:
+def _weight_grads(needs: tuple, w13, w2, plan: _Plan, x_rows, act, dy, dh13) -> tuple:
     """``(dw13, dw2)`` (None where autograd needs none) from every source's received rows
     (source-major, expert-sorted within): ``dw2[e] = Σ dyᵀ act`` and ``dw13[e] = Σ dh13ᵀ x``
     over expert e's rows. Where grouped_mm runs Triton, one launch per weight sums each
     expert's segments of every source (``kernels.grouped_mm_k(..., sources=W)``): not a
     launch, a whole-gradient write and an add per source."""
     grads = []
-    for need, left, right, w in ((ctx.needs_input_grad[1], dh13, x_rows, w13),
-                                 (ctx.needs_input_grad[2], dy, act, w2)):
+    for need, left, right, w in ((needs[0], dh13, x_rows, w13), (needs[1], dy, act, w2)):
         if not need:
             grads.append(None)
         elif runs_triton(left.t(), right, plan.segment_ends):
@@ -246,58 +271,91 @@ def _weight_grads(ctx, w13, w2, plan: _Plan, x_rows, act, dy, dh13) -> tuple:
         else:
             grads.append(torch.zeros_like(w))
             for src in range(plan.world):
-                rows = plan.recv_rows(src)
+                rows = plan.copy_rows(src)
                 if rows.stop > rows.start:
                     grads[-1] += grouped_mm(left[rows].t(), right[rows], plan.offs[src])
     return tuple(grads)
 
 
 class _ExpertPipeline(torch.autograd.Function):
-    """``sorted_x`` (this rank's copies, sorted by destination rank and expert) -> the expert
-    MLP outputs of those copies, computed on the ranks owning the experts."""
+    """``rows`` (this rank's tokens, one row per token and rank holding one of its experts,
+    sorted by that rank), their experts there (``ids``: local ids, -1 where the expert is
+    elsewhere) and ``weights`` (0 there) -> per row, the weighted sum of the expert MLP
+    outputs of its copies, computed on the rank owning them (DeepEP's layout: a token
+    travels once to each rank, however many of its experts live there)."""
 
     @staticmethod
-    def forward(ctx, sorted_x, w13, w2, plan: _Plan):
-        rows = sum(plan.recv)
-        received = sorted_x.new_empty(rows, sorted_x.shape[1])
-        keep_h = any(ctx.needs_input_grad[:3])  # the [gate | up] products, for the backward
-        h13 = sorted_x.new_empty(rows, w13.shape[1]) if keep_h else None
-        act = sorted_x.new_empty(rows, w13.shape[1] // 2)
+    def forward(ctx, rows, weights, w13, w2, ids, plan: _Plan):
+        k, local = ids.shape[1], w13.shape[0]
+        copies = sum(plan.copies)
+        received = rows.new_empty(copies, rows.shape[1])  # every source's copies, expert-sorted
+        keep_h = any(ctx.needs_input_grad[:4])
+        h13 = rows.new_empty(copies, w13.shape[1]) if keep_h else None
+        act = rows.new_empty(copies, w13.shape[1] // 2)
+        out = rows.new_empty(copies, rows.shape[1]) if ctx.needs_input_grad[1] else None
+        # each row's experts and weights (fp32, ids exact), before the rows themselves
+        meta = torch.empty(sum(plan.recv), 2 * k, device=rows.device)
+        _swap(plan, torch.cat([ids.float(), weights.float()], 1), meta)
+        pos = torch.empty(meta.shape[0] * k, dtype=torch.int32, device=rows.device)
 
         def experts(src, x_rows):
-            if x_rows.shape[0] == 0:
-                return x_rows.new_empty(0, w2.shape[1])
-            offs, mine = plan.offs[src], plan.recv_rows(src)
-            _grouped_swiglu(x_rows, w13, offs, act[mine], None if h13 is None else h13[mine])
-            return grouped_mm(act[mine], w2.transpose(1, 2), offs)
+            mine, r = plan.copy_rows(src), plan.recv_rows(src)
+            if mine.stop == mine.start:
+                return x_rows.new_zeros(x_rows.shape)
+            pos[r.start * k:r.stop * k] = _sort(meta[r, :k].long(), local)[0]
+            src_pos = pos[r.start * k:r.stop * k]
+            received[mine] = _permute(x_rows, src_pos, k, mine.stop - mine.start)
+            offs = plan.offs[src]
+            _grouped_swiglu(received[mine], w13, offs, act[mine], None if h13 is None else h13[mine])
+            y = grouped_mm(act[mine], w2.transpose(1, 2), offs)
+            if out is not None:
+                out[mine] = y
+            return _unpermute(y, src_pos, k, x_rows.shape[0], meta[r, k:])
 
-        back = _pipeline(plan, sorted_x.contiguous(), received, experts)
-        counters.record(OP, "pipelined", plan.peer_rows() * sorted_x.shape[1] * sorted_x.element_size())
+        back = _pipeline(plan, rows.contiguous(), rows.new_empty(sum(plan.recv), rows.shape[1]),
+                         experts)
+        counters.record(OP, "pipelined", plan.peer_rows() * rows.shape[1] * rows.element_size()
+                        + (sum(plan.recv) - plan.recv[plan.rank]) * 2 * k * meta.element_size())
         # act (the down GEMM's input) for w2's gradient: kept, as autograd keeps silu's output
-        ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2)
-        ctx.plan = plan
+        ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[3] else None, out, meta,
+                              pos, w13, w2)
+        ctx.plan, ctx.weights_dtype = plan, weights.dtype
         return back
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_back):
-        received, h13, act, w13, w2 = ctx.saved_tensors
-        plan = ctx.plan
+        received, h13, act, out, meta, pos, w13, w2 = ctx.saved_tensors
+        plan, k = ctx.plan, meta.shape[1] // 2
         dh13 = torch.empty_like(h13)
+        grad_copies = torch.empty_like(received)  # the down GEMMs' output gradients
+        grad_meta = meta.new_zeros(meta.shape[0], k)  # of each received row's weights
 
         def experts_backward(src, dy):
-            if dy.shape[0] == 0:
-                return dy.new_empty(0, w13.shape[2])
-            offs, rows = plan.offs[src], plan.recv_rows(src)
-            return grouped_mm(_grouped_swiglu_vjp(dy, w2, offs, h13[rows], out=dh13[rows]), w13, offs)
+            mine, r = plan.copy_rows(src), plan.recv_rows(src)
+            if mine.stop == mine.start:
+                return dy.new_zeros(dy.shape)
+            src_pos, offs = pos[r.start * k:r.stop * k], plan.offs[src]
+            if out is not None:  # d weight = <dy of the row, its copy's output>
+                dots = (out[mine][src_pos.clamp(min=0).long()].float()
+                        * dy.float().repeat_interleave(k, 0)).sum(-1)
+                grad_meta[r] = torch.where(src_pos >= 0, dots, 0.0).view(-1, k)
+            grad_copies[mine] = _permute(dy, src_pos, k, mine.stop - mine.start, meta[r, k:])
+            dx = grouped_mm(_grouped_swiglu_vjp(grad_copies[mine], w2, offs, h13[mine],
+                                                out=dh13[mine]), w13, offs)
+            return _unpermute(dx, src_pos, k, dy.shape[0])
 
-        # every rank runs the exchange, whatever it needs, so the ranks stay in step
-        grad_incoming = torch.empty_like(received)
-        grad_sorted = _pipeline(plan, grad_back.contiguous(), grad_incoming, experts_backward)
-        counters.record(OP, "pipelined", plan.peer_rows() * grad_back.shape[1] * grad_back.element_size())
+        # every rank runs the exchanges, whatever it needs, so the ranks stay in step
+        grad_rows = _pipeline(plan, grad_back.contiguous(),
+                              grad_back.new_empty(sum(plan.recv), grad_back.shape[1]), experts_backward)
+        grad_weights = meta.new_empty(sum(plan.send), k)
+        _swap(plan, grad_meta, grad_weights, back=True)
+        counters.record(OP, "pipelined", plan.peer_rows() * grad_back.shape[1] * grad_back.element_size()
+                        + (sum(plan.send) - plan.send[plan.rank]) * k * grad_weights.element_size())
         # the weight gradients once every source's rows are in (one launch each)
-        return (grad_sorted, *_weight_grads(ctx, w13, w2, plan, received, act, grad_incoming, dh13),
-                None)
+        return (grad_rows, grad_weights.to(ctx.weights_dtype),
+                *_weight_grads(ctx.needs_input_grad[2:4], w13, w2, plan, received, act, grad_copies,
+                               dh13), None, None)
 
 
 class Pipelined(Backend):
@@ -314,11 +372,25 @@ class Pipelined(Backend):
     def run(self, call: ExpertsCall) -> torch.Tensor:
         x, topk_idx, w13, group = call.x, call.topk_idx, call.w13, call.group
         world, rank, local, k = call.agree()
-        pos, header = _sort(topk_idx, local * world)
-        plan = _Plan.from_counts(group, rank, *exchange_counts(OP, topk_idx, header, group), x.device)
-        sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
-        back = _ExpertPipeline.apply(sorted_x, w13, call.w2, plan)
-        return _Unpermute.apply(back, call.topk_weights, pos, k)
+        _, header = _sort(topk_idx, local * world)
+        # a row per token and rank holding one of its experts (none for a dropped copy)
+        owner = torch.where(topk_idx >= 0, topk_idx // local, world).long()
+        held = x.new_zeros(x.shape[0], world + 1, dtype=torch.int32).scatter_(1, owner, 1)[:, :world]
+        sent, received = exchange_counts(OP, topk_idx, header, group, rows=held.sum(0))
+        plan = _Plan.from_counts(group, rank, sent[:, :local], received[:, :local], x.device,
+                                 rows=(sent[:, local].tolist(), received[:, local].tolist()))
+        rows = sum(plan.send)
+        dst, token = torch.nonzero_static(held.t(), size=rows).unbind(1)  # by rank, then token
+        there = owner[token] == dst[:, None]
+        ids = torch.where(there, topk_idx[token] % local, -1)
+        weights = torch.where(there, call.topk_weights[token], 0)
+        # row of each (token, rank), -1 where none: the permutation kernels move the rows
+        # (and sum each token's rows back in fp32, in a fixed order)
+        row_of = (held.t().flatten().cumsum(0) - 1).view(world, -1).t()
+        pos = torch.where(held > 0, row_of, -1).to(torch.int32).flatten()
+        back = _ExpertPipeline.apply(_Permute.apply(x, pos, world, rows), weights, w13, call.w2, ids,
+                                     plan)
+        return _Unpermute.apply(back, held.new_ones(held.shape, dtype=torch.float32), pos, world)
 
 
 # ---- fused: symmetric memory ------------------------------------------------------------------
@@ -498,7 +570,8 @@ class _FusedExperts(torch.autograd.Function):
         (grad_sorted, grad_received, _, dh13, nbytes), = _fused_exchange(
             [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc, h13s=[h13])
         counters.record(OP, "fused", nbytes)
-        return (grad_sorted, *_weight_grads(ctx, w13, w2, plan, received, act, grad_received, dh13),
+        return (grad_sorted, *_weight_grads(ctx.needs_input_grad[1:3], w13, w2, plan, received, act,
+                                            grad_received, dh13),
                 None)
 
 

@@ -91,10 +91,20 @@ def test_check_two_ranks_all_correct():
     kv_bytes = 2 * 1 * 8 * 2 * 16 * 4  # k and v parts [1, 8, 2, 16] fp32
     assert all(_bytes(r[6]) == 2 * kv_bytes for r in cp_ep_rows[:4])
     assert cp_ep_rows[1][5] == f"{3 * kv_bytes:,}"  # pipelined: K/V ring again in backward
-    # moe_experts, every backend: a row per routed copy, there and back, forward and backward
-    copies = max(check._ep_case(rank, 2, "cpu")[3][1] for rank in range(2))  # bytes: the max
-    assert all(_bytes(r[5]) == 2 * copies * 16 * 4 for r in cp_ep_rows[4:]), cp_ep_rows
-    assert float(cp_ep_rows[4][7]) > 1  # some token has both experts on the other rank
+    # moe_experts: there and back, forward and backward, fused and reference a row per routed
+    # copy, pipelined a row per token and rank + k=2 fp32 ids and weights in, k gradients
+    # back; the table shows the rank that moved the most, with its bound
+    row = 16 * 4
+    ranks = [check._ep_case(rank, 2, "cpu")[3] for rank in range(2)]
+    moved = {"fused": [2 * (c_in + c_out) * row for (_, c_in), (_, c_out) in ranks],
+             "pipelined": [2 * (r_in + r_out) * row + r_in * 16 + r_out * 8
+                           for (r_in, _), (r_out, _) in ranks]}
+    moved["reference"] = moved["fused"]
+    for r in cp_ep_rows[4:]:
+        busiest = moved[r[1]].index(max(moved[r[1]]))
+        (r_in, c_in), (r_out, c_out) = ranks[busiest]
+        assert (_bytes(r[5]), _bytes(r[6])) == (max(moved[r[1]]), 2 * (r_in + r_out) * row), r
+    assert sum(r for (r, _), _ in ranks) < sum(c for (_, c), _ in ranks)  # a token sent once
     assert len(dist_rows) == 60 and len(tp_rows) == 3 and len(lb_rows) == 24
     assert "OK: all 94 results match the reference (84 bit for bit, 10 within atol 1e-05)" \
         in res.stdout

@@ -56,8 +56,18 @@ def _check_experts(T, H, I, k, E_local, backend, skew, max_tokens=None):
     torch.testing.assert_close(my_w2.grad.double(), ref_w2.grad[sl], **tol)
     ref_y = experts_dense(xs[rank].double(), idx, w.detach().double(), w13.double(), w2.double())
     torch.testing.assert_close(y.double(), ref_y, **tol)
-    # bytes: exactly the routed copies, there (into our experts) and back (our tokens' results)
     owner = [i // E_local for i in idxs]
+    if backend == "pipelined":
+        # a row per token and rank holding one of its experts, there (with its k expert ids
+        # and weights, fp32) and back; backward the same rows, the weights' gradients back
+        def rows(src, dst):
+            return int((owner[src] == dst).any(1).sum())
+        rows_in = sum(rows(r, rank) for r in range(world) if r != rank)
+        rows_out = sum(rows(rank, d) for d in range(world) if d != rank)
+        assert counter.total() == (rows_in + rows_out) * H * 4 + rows_in * 2 * k * 4, counter.by_op()
+        assert backward.total() == (rows_in + rows_out) * H * 4 + rows_out * k * 4, backward.by_op()
+        return True
+    # exactly the routed copies, there (into our experts) and back (our tokens' results)
     copies_in = sum(int((owner[r] == rank).sum()) for r in range(world) if r != rank)
     copies_out = int((owner[rank] != rank).sum())
     assert counter.total() == (copies_in + copies_out) * H * 4, (counter.by_op(), copies_in, copies_out)
@@ -122,10 +132,6 @@ def test_groups_match_a_loop_and_join_one_experts_sources(world, local):
             assert runs_per_view == [1] + [2] * (world - 1)
 
 
-class _NeedsGrads:
-    needs_input_grad = (True, True, True, False)
-
-
 @pytest.mark.parametrize("grouped_backend", ["", "reference"], ids=["triton", "reference"])
 def test_weight_grads_sum_every_sources_rows(grouped_backend):
     """The expert weights' gradients over source-major received rows: one k-grouped launch
@@ -138,7 +144,7 @@ def test_weight_grads_sum_every_sources_rows(grouped_backend):
     x, act, dy, dh13 = (torch.randn(rows, n) for n in (H, I, H, 2 * I))
     w13, w2 = torch.randn(3, 2 * I, H), torch.randn(3, H, I)
     with env(FUSEDPAR_BACKEND=grouped_backend):
-        dw13, dw2 = _weight_grads(_NeedsGrads(), w13, w2, plan, x, act, dy, dh13)
+        dw13, dw2 = _weight_grads((True, True), w13, w2, plan, x, act, dy, dh13)
     expert = torch.repeat_interleave(torch.arange(3).repeat(3), recv.flatten())
     for e in range(3):
         mine = expert == e
@@ -171,6 +177,38 @@ def test_padded_moe_experts_matches_dense_loop(pools, world):
 
 def test_pipelined_with_empty_experts_and_sources(pools):
     assert pools(4).run(_check_experts, 5, 8, 6, 2, 1, "pipelined", True) == [True] * 4
+
+
+def test_pipelined_sends_a_token_once_per_rank(pools):
+    """Top-4 of 4 experts per rank: most tokens have several experts on one rank, and a
+    token's row goes there once (the bytes checked in ``_check_experts``)."""
+    assert pools(2).run(_check_experts, 13, 8, 6, 4, 4, "pipelined", False) == [True] * 2
+
+
+def _check_dropped_copies():
+    """Copies dropped by a capacity (-1 ids), a token with all of them dropped included:
+    the pipelined backend's outputs and gradients are the reference backend's."""
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    x, w = torch.randn(9, 8), torch.rand(9, 3)
+    idx = torch.randint(0, 4 * dist.get_world_size(), (9, 3))
+    idx[::2, 1], idx[3] = -1, -1
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(4, 12, 8), torch.randn(4, 8, 6)
+    results = []
+    for backend in ("pipelined", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+        y = moe_experts(leaves[0], idx, *leaves[1:], backend=backend)
+        (y * torch.arange(8.0)).sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert results[0][0][3].abs().sum() == 0  # every copy of token 3 dropped
+    return True
+
+
+def test_pipelined_with_dropped_copies(pools):
+    assert pools(2).run(_check_dropped_copies) == [True] * 2
 
 
 def _chosen():
