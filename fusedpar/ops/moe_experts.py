@@ -223,9 +223,11 @@ def _swap(plan: _Plan, outgoing: torch.Tensor, incoming: torch.Tensor, back: boo
     there, here = (plan.recv_rows, plan.send_rows) if back else (plan.send_rows, plan.recv_rows)
     rank, world = plan.rank, plan.world
     incoming[here(rank)] = outgoing[there(rank)]
-    for s in range(1, world):
-        dst, src = (rank + s) % world, (rank - s) % world
-        for request in plan.exchange(outgoing[there(dst)], dst, incoming[here(src)], src):
+    steps = [plan.exchange(outgoing[there((rank + s) % world)], (rank + s) % world,
+                           incoming[here((rank - s) % world)], (rank - s) % world)
+             for s in range(1, world)]
+    for requests in steps:
+        for request in requests:
             request.wait()
 
 
