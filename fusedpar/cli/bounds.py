@@ -47,7 +47,7 @@ def _fsdp_ranks(p: torch.Tensor) -> int:
 
 
 def _elem(dtype_name: str | None) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype_name or "float32")).element_size()
+    return getattr(torch, dtype_name or "float32").itemsize
 
 
 def static_bounds(model, pcfg, batch_size: int, seq_len: int) -> dict[str, int]:

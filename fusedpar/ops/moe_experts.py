@@ -304,8 +304,8 @@ class _ExpertPipeline(torch.autograd.Function):
             mine, r = plan.copy_rows(src), plan.recv_rows(src)
             if mine.stop == mine.start:
                 return x_rows.new_zeros(x_rows.shape)
-            pos[r.start * k:r.stop * k] = _sort(meta[r, :k].long(), local)[0]
-            src_pos = pos[r.start * k:r.stop * k]
+            src_pos = pos[r.start * k:r.stop * k]  # kept for the backward pass
+            src_pos.copy_(_sort(meta[r, :k].long(), local)[0])
             received[mine] = _permute(x_rows, src_pos, k, mine.stop - mine.start)
             offs = plan.offs[src]
             _grouped_swiglu(received[mine], w13, offs, act[mine], None if h13 is None else h13[mine])
