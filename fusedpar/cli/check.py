@@ -50,8 +50,7 @@ def _matmul_variants(world: int):
     """(op, label, A shape, dim, N of each B, reduce_op) of the fused matmul ops.
 
     The 3-D all_gather_matmul gathers the sequence dim of ``[batch, seq, hidden]`` for two
-    Bs at once (q/k projections sharing one gather). Every N stays at or below the
-    interpreter's BLOCK_N (32), so the triton pull kernel reads each peer shard once."""
+    Bs at once (q/k projections sharing one gather)."""
     return [
         ("all_gather_matmul", "dim=1", (2, 3, 40), 1, (24, 8), ""),
         ("all_gather_matmul", "dim=0", (5, 40), 0, (24,), ""),
@@ -624,19 +623,6 @@ def _cp_ep_rows(group, device, selected: list[str]):
     return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
 
 
-def _pull_block_n(device) -> int | None:
-    """BLOCK_N of the triton AG-GEMM where it pulls A tiles from peers (no copy engine:
-    CPU interpreter, loopback); None where the triton kernels cannot run here."""
-    from fusedpar.kernels import ag_gemm
-
-    if device.type == "cpu" and not _collective._interpreting():
-        return None
-    try:
-        return min(ag_gemm.gemm_config(dtype, device)["BLOCK_N"] for dtype in DEMO_DTYPES)
-    except Exception:  # noqa: BLE001 - only a legend line depends on it
-        return None
-
-
 def check_rank(group, device, spec: dict) -> dict:
     """One rank's part (run by :mod:`fusedpar.cli.launch`): the distributed rows, the TP
     block, and on rank 0 the loopback rows."""
@@ -648,7 +634,7 @@ def check_rank(group, device, spec: dict) -> dict:
     cp_ep_rows, cp_ep_skipped = _cp_ep_rows(group, device, selected)
     result = {"rows": rows, "skipped": skipped, "tp_rows": tp_rows, "tp_skipped": tp_skipped,
               "cp_ep_rows": cp_ep_rows, "cp_ep_skipped": cp_ep_skipped,
-              "loopback_rows": [], "loopback_skipped": [], "pull_block_n": _pull_block_n(device)}
+              "loopback_rows": [], "loopback_skipped": []}
     if dist.get_rank(group) == 0:
         lb_rows, lb_skipped = _loopback_rows(dist.get_world_size(group), device, selected)
         result["loopback_rows"], result["loopback_skipped"] = lb_rows, lb_skipped
@@ -741,16 +727,6 @@ def _legend(result: dict) -> list[str]:
         "    pipelined a row per token and rank, plus each row's k expert ids and weights "
         "there and their gradients back (fp32).",
     ]
-    block_n = result.get("pull_block_n")
-    if block_n:
-        lines += [
-            "  triton all_gather_matmul without a copy engine (CPU ranks, loopback) pulls A "
-            "tiles straight from the peers'",
-            f"    buffers and re-reads a peer shard once per BLOCK_N-wide band of the first B's "
-            f"columns: bytes = lower bound",
-            f"    * ceil(N / BLOCK_N), BLOCK_N = {block_n} here; every N above is <= {block_n}, "
-            "so its ratio is 1.00.",
-        ]
     return lines
 
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ag_gemm import mma
+from .gemm import mma
 from .signal import (PER_CALL_ARGS, STATUS, data_ptr, pad_ptr, sm_count, spinning_grid,
                      wait_ready_and_match)
 

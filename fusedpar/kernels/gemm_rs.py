@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .ag_gemm import aot_variants, gemm_config, grouped_tile, interpreting, mma, persistent_grid
+from .gemm import SM_COUNT, aot_variants, grouped_tile, persistent_grid
+from .grouped_gemm import (B_UNIT, aot_example, gemm_operands, gpu_config, launch_options, store_tile,
+                           tile_product, tile_product_tma)
 from .signal import pad_ptr
 
 READY = tl.constexpr(layout.READY)
@@ -29,10 +31,14 @@ CHUNK_TILES = tl.constexpr(layout.CHUNK_TILES)
 
 
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch"])
-def gemm_rs_kernel(a_ptr, b_ptr, p_ptr, pad_table, rank, world_size, epoch, m_chunk, N, K,
+def gemm_rs_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, m_chunk, N, K,
                    stride_am, stride_ak, stride_bk, stride_bn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr):
+                   GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
+                   B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors over ``a [M, K]`` and ``b`` as ``[1, K, N]``
+    (``B_KMAJOR``: its transpose ``[1, N, K]``; the strides are then unused). A TMA tile's
+    rows past its chunk read the next chunk's rows: computed, never stored."""
     m_tiles = tl.cdiv(m_chunk, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     chunk_tiles = m_tiles * n_tiles
@@ -42,24 +48,15 @@ def gemm_rs_kernel(a_ptr, b_ptr, p_ptr, pad_table, rank, world_size, epoch, m_ch
         step = tile // chunk_tiles
         chunk = (rank + 1 + step) % world_size
         pid_m, pid_n = grouped_tile(tile - step * chunk_tiles, m_tiles, n_tiles, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        row_ok = rm < m_chunk
-        col_ok = rn < N
-        rows = (chunk * m_chunk + rm).to(tl.int64)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
-        b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_ok = rk < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = mma(a, b, acc, UPCAST)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        p_ptrs = p_ptr + rows[:, None] * N + rn[None, :]
-        tl.store(p_ptrs, acc.to(p_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        m0 = chunk * m_chunk + pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        chunk_end = (chunk + 1) * m_chunk
+        if TMA:
+            acc = tile_product_tma(a, b, m0, n0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
+        else:
+            acc = tile_product(a, b, m0, n0, chunk_end, N, 0, K, stride_am, stride_ak, stride_bk,
+                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        store_tile(p_ptr, acc, m0, n0, chunk_end, N, N, 1, BLOCK_M, BLOCK_N)
         # every thread's stores of this tile happen before the count (and, through the
         # acq_rel chain on the counter, before the release of the chunk's flag)
         tl.debug_barrier()
@@ -80,7 +77,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
     ``a @ b`` (``a``: ``[M, K]``, ``b``: ``[K, N]``, any strides; ``M = W * m_chunk``), raising
     ``READY + rank = epoch`` in rank ``c``'s pad as soon as chunk ``c`` of ``p`` is complete.
     Call ``reset_chunk_counters`` on this rank's pad first. The kernel never waits, so its
-    persistent grid (one program per SM) can hold every SM.
+    persistent grid (one program per SM) can hold every SM. It loads through TMA
+    descriptors where the GPU has them and the layouts allow (as the grouped GEMM does).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -92,20 +90,23 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
     m_chunk = M // world_size
     if m_chunk == 0 or N == 0:
         raise ValueError("gemm_rs: empty output: no tile would raise the chunks' READY flags")
-    cfg = gemm_config(a.dtype, a.device, config)
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_tiles = world_size * triton.cdiv(m_chunk, bm) * triton.cdiv(N, bn)
-    grid = persistent_grid(num_tiles, cfg)
-    gemm_rs_kernel[grid](
-        a, b, p, pad_table, rank, world_size, epoch, m_chunk, N, K,
+    gemm_rs_kernel[persistent_grid(num_tiles, cfg)](
+        a_arg, b_arg, p, pad_table, rank, world_size, epoch, m_chunk, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=cfg["NUM_PROGRAMS"], UPCAST=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"], B_KMAJOR=kmajor, **launch_options(cfg))
 
 
-AOT_EXAMPLES = aot_variants(
-    gemm_rs_kernel,
-    {"a_ptr": "*T", "b_ptr": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
-     "world_size": "i32", "epoch": "i32", "m_chunk": "i32", "N": "i32", "K": "i32",
-     "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"})
+_SIG = {"a": "*T", "b": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
+        "world_size": "i32", "epoch": "i32", "m_chunk": "i32", "N": "i32", "K": "i32",
+        "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
+AOT_EXAMPLES = (
+    # pointer loads: sm_80, and sm_90 where TMA cannot cover the operands
+    aot_variants(gemm_rs_kernel, _SIG, TMA=False, B_KMAJOR=False)
+    # sm_90 with TMA loads: B row-major, or a Linear's weightᵀ
+    + [aot_example(gemm_rs_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
+                   {B_UNIT[kmajor][0]: 1}, dict(gpu_config(9, True, False), NUM_PROGRAMS=SM_COUNT[90]),
+                   90, kmajor)
+       for kmajor in (False, True)])

@@ -12,7 +12,8 @@ host loop and no device-to-host sync).
   along K: ``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]``; an empty group gives
   zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
 
-- ``grouped_mm_peers_kernel`` (the fused expert MLP of ``ops/moe_experts.py``): the rows
+- ``grouped_mm_peers_kernel`` (the fused expert MLP of ``ops/moe_experts.py``, and
+  ``ops/all_gather_matmul.py``'s GEMM: one expert, a block per source shard): the rows
   come in blocks listed in a table of ``(src, expert, peer_row, local_row, rows)``,
   ordered own rank first; A rows are local (``a[local_row]``). Tiles cover runs of blocks
   (consecutive blocks of one expert whose rows follow each other, ``block_runs``), not
@@ -21,7 +22,7 @@ host loop and no device-to-host sync).
   paid. Gather mode (``PUSH=False``): the sources' rows were copied into ``a`` by a
   producer that raises this rank's ``GATHERED + src`` flag after each source's block (the
   copy engine on a GPU), and a tile waits for the flags of the sources it holds rows of,
-  so a source's tokens are multiplied as soon as they land; C goes to ``c[local_row]``. A
+  so a source's rows are multiplied as soon as they land; C goes to ``c[local_row]``. A
   failed wait (recorded in STATUS) makes the program skip the tiles that hold that source's
   rows. Push (``PUSH=True``): each row of a C tile goes straight into its source's region
   at its block's ``peer_row`` onward.
@@ -51,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .ag_gemm import gemm_config, grouped_tile, interpreting, mma
+from .gemm import GPU_CONFIG_FP32, gemm_config, grouped_tile, interpreting, mma
 from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, spinning_grid,
                      wait_flag)
 
@@ -61,7 +62,7 @@ from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, s
 # warp specialisation: 0.68 ms where 128x128x64 took 0.76 and pointer loads 0.88 on the
 # benchmark's uniform case). Pointer loads (the k-grouped wgrad kernel, whose ragged K needs
 # masks, and operands TMA cannot cover) fit 128x128x64 (128x256 spills). sm_80: 128x128x32
-# on 8 warps. fp32 uses ag_gemm's FMA config.
+# on 8 warps. fp32 uses gemm.py's FMA config.
 GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
                        TMA=True)
 POINTER_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_N=128, TMA=False)
@@ -433,8 +434,8 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
     """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
     Tiles cover runs (``runs_ptr``: first block, blocks, rows), not blocks: a tile may hold
     the rows of several sources, so a source's partial tile does not cost a whole one.
-    Gather epilogues (``h`` is ``[rows, 2N]``, the gate and up products side by side):
-    ``SWIGLU``: b holds ``[gate | up]`` along its ``2N`` columns; C tiles are ``silu(a @
+    The gather stores C tiles to ``c`` (``[rows, N]``), or with an epilogue (``h`` is
+    ``[rows, 2N]``, the gate and up products side by side): ``SWIGLU``: b holds ``[gate | up]`` along its ``2N`` columns; C tiles are ``silu(a @
     gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
     ``h``. ``SWIGLU_VJP``: the product P = a @ b is the gradient of SwiGLU's output; C
     (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``."""
@@ -485,6 +486,8 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
                     swiglu_epilogue(c_base, h_base, gate, up, m0, n0, rows, N, KEEP_H, BLOCK_M, BLOCK_N)
                 elif SWIGLU_VJP:
                     swiglu_vjp_epilogue(c_base, h_base, acc, m0, n0, rows, N, BLOCK_M, BLOCK_N)
+                elif not PUSH:
+                    store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
                 else:
                     push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, local_row, acc, m0, n0, rows,
                               N, c_offset, BLOCK_M, BLOCK_N)
@@ -531,6 +534,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     ``a`` first); with ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes
     ``c[local_row:+rows]``:
 
+    - None: ``c = P`` (all_gather_matmul: one expert, a block per source shard).
     - ``"swiglu"``: b's columns are ``[gate | up]`` and ``c = swiglu(P)`` (``ops.moe.swiglu``
       from fp32 products: no ``[rows, 2N]`` round trip through memory); given ``h``, it
       also gets ``P``.
@@ -544,12 +548,12 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     on a side stream) or, without one, before this launch in stream order; neither needs an SM
     this kernel holds, and the grid is ``spinning_grid``-capped.
     """
-    if (epilogue is None) != push or epilogue not in (None, *EPILOGUES):
+    if epilogue not in (None, *EPILOGUES) or push and epilogue is not None:
         raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}; the gather "
-                         f"takes one of {EPILOGUES}, the push none")
+                         f"takes None (the product) or one of {EPILOGUES}, the push None")
     swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
-    cfg, a_arg, b_arg, kmajor = _operands(a, b, push=push, epilogue=epilogue)
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, push=push, epilogue=epilogue)
     tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
@@ -557,7 +561,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
         a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
         timeout_ns, runs.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
         PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
-        SWIGLU_VJP=epilogue == "swiglu_vjp", **_launch_options(cfg))
+        SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
 
 
 def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
@@ -580,9 +584,10 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
 
 
-def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
-              push: bool = False, epilogue: str | None = None) -> tuple[dict, object, object, bool]:
-    """``(config, a, b, b_kmajor)`` for the rows and peers kernels: TMA descriptors over
+def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
+                  push: bool = False, epilogue: str | None = None) -> tuple[dict, object, object, bool]:
+    """``(config, a, b, b_kmajor)`` for the rows and peers kernels (and ``gemm_rs``'s, with
+    one group): TMA descriptors over
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
     as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
     has TMA and the layouts allow, else the tensors themselves and the pointer-load config."""
@@ -599,7 +604,7 @@ def _operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
             TensorDescriptor.from_tensor(b_view, [1, bn, bk] if kmajor else [1, bk, bn]), kmajor)
 
 
-def _launch_options(cfg: dict) -> dict:
+def launch_options(cfg: dict) -> dict:
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 GROUP_M=cfg["GROUP_M"], UPCAST=interpreting(), num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
@@ -631,7 +636,7 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
     E, N = b.shape[0], b.shape[2] // 2 if swiglu else b.shape[2]
     if T == 0 or N == 0:
         return
-    cfg, a_arg, b_arg, kmajor = _operands(a, b, config, epilogue=epilogue)
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, config, epilogue=epilogue)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     bound = (triton.cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
     grid = (min(bound, cfg["NUM_PROGRAMS"]),)
@@ -639,7 +644,7 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
         a_arg, b_arg, c, c if h is None else h, offs, T, N, K, E, pad_rows or 0, a.stride(0),
         a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         TMA=cfg["TMA"], B_KMAJOR=kmajor, MASKED=pad_rows is not None, SWIGLU=swiglu,
-        KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp", **_launch_options(cfg))
+        KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
@@ -664,7 +669,7 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
     grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
         a, b, c, offs, M, N, E, pad_rows or 0, sources, a.stride(0), a.stride(1), b.stride(0),
         b.stride(1), c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None,
-        **_launch_options(cfg))
+        **launch_options(cfg))
 
 
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
@@ -682,10 +687,10 @@ _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "b
               "c_offset": "i32", "stride_be": "i32"}
 # b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
 # (unit stride along K), the weights themselves in the backward (unit stride along N)
-_B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
+B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
 
 
-def _example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
+def aot_example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
     """One variant: with TMA in ``cfg``, ``a``/``b`` are descriptors of the launcher's blocks;
     ``spills_ok``: why it may spill."""
     if cfg["TMA"]:
@@ -700,10 +705,12 @@ def _example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
 
 
 _GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
-# the peers kernel's variants with the B layouts the expert MLP passes (kmajor: ``_B_UNIT``):
+# the peers kernel's variants with the B layouts the expert MLP passes (kmajor: ``B_UNIT``):
 # the forward's SwiGLU gather (b = w13ᵀ) with and without the gate/up products kept, the
-# backward's VJP gather (b = w2), the push (w2ᵀ in the forward, w13 in the backward)
-PEERS_MODES = [(dict(_GATHER, SWIGLU=True), "swiglu", (True,)),
+# backward's VJP gather (b = w2), the push (w2ᵀ in the forward, w13 in the backward); and
+# all_gather_matmul's plain gather (B row-major, or a Linear's weightᵀ)
+PEERS_MODES = [(dict(_GATHER), None, (True, False)),
+               (dict(_GATHER, SWIGLU=True), "swiglu", (True,)),
                (dict(_GATHER, SWIGLU=True, KEEP_H=True), "swiglu", (True,)),
                (dict(_GATHER, SWIGLU_VJP=True), "swiglu_vjp", (False,)),
                (dict(_GATHER, PUSH=True), None, (True, False))]
@@ -713,31 +720,33 @@ def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool,
     cfg = gpu_config(major, tma, mode["PUSH"], epilogue)
     spills = (PUSH_SPILLS if cfg is PUSH_CONFIG_SM90
               else GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
-    return [_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{_B_UNIT[kmajor][1]: "i32"}),
-                     dict(mode, **{_B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
+    return [aot_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
+                        dict(mode, **{B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
             for kmajor in layouts]
 
 
 def _rows_epilogue_example(mode: dict, epilogue: str, kmajor: bool, tma: bool, major: int):
     """The rows kernel with an epilogue, as the pipelined expert MLP launches it: b =
     w13ᵀ (unit stride along K) or w2 (along N), c and h contiguous."""
-    unit, other = _B_UNIT[kmajor]
+    unit, other = B_UNIT[kmajor]
     sig = {k: v for k, v in _ROWS_SIG.items() if k != unit}
     consts = {k: v for k, v in _ROWS_UNIT.items() if k != other}
     cfg = gpu_config(major, tma, False, epilogue)
-    return _example(grouped_mm_rows_kernel, dict(sig, **{other: "i32"}),
-                    dict(consts, MASKED=False, **mode, **{unit: 1}), cfg, major * 10, kmajor,
-                    ROWS_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
+    return aot_example(grouped_mm_rows_kernel, dict(sig, **{other: "i32"}),
+                       dict(consts, MASKED=False, **mode, **{unit: 1}), cfg, major * 10, kmajor,
+                       ROWS_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
 
 
 # triton 3.8 (not 3.6) spills 16 B in this variant's h stores
 ROWS_KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs), 16 B"
 
 
+# fp32 is the exact path for tests and fp32 training, not a fast one
+FP32_SPILLS = "fp32 FMA tiles on sm_80, 32 B under triton 3.8 (tests and fp32 training only)"
 _NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
 AOT_EXAMPLES = (
-    [_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
-              gpu_config(major, tma, False), major * 10, kmajor)
+    [aot_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
+                 gpu_config(major, tma, False), major * 10, kmajor)
      for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))
      for masked in (False, True)]
     + [_rows_epilogue_example(dict(_NO_EPILOGUE, **mode), epilogue, kmajor, tma, major)
@@ -745,7 +754,13 @@ AOT_EXAMPLES = (
                                       (dict(SWIGLU=True, KEEP_H=True), "swiglu", True),
                                       (dict(SWIGLU_VJP=True), "swiglu_vjp", False))
        for major, tma in ((9, True), (9, False), (8, False))]
-    + [_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
+    + [aot_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
     + [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))
-       for example in _peers_examples(*mode, tma, major)])
+       for example in _peers_examples(*mode, tma, major)]
+    # all_gather_matmul in fp32 (tests, fp32 training): pointer loads on gemm.py's FMA config
+    + [aot_example(grouped_mm_peers_kernel,
+                   {k: v.replace("bf16", "fp32") for k, v in dict(_PEERS_SIG, stride_bk="i32").items()},
+                   dict(_GATHER, stride_bn=1), dict(GPU_CONFIG_FP32, TMA=False), arch,
+                   spills_ok=FP32_SPILLS if arch == 80 else None)
+       for arch in (90, 80)])

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .ag_gemm import interpreting
+from .gemm import interpreting
 from .moe_permute import ROW_BLOCK_GPU, row_blocks, rows_grid
 from .signal import PAD_BYTES, STATUS, call_epoch, pad_ptr, record_failure
 

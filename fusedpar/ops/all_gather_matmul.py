@@ -3,11 +3,14 @@ with the gather hidden behind the GEMM (torch ``symm_mem.fused_all_gather_matmul
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
-from ..kernels import ag_gemm as ag_gemm_kernels
+from ..kernels import grouped_gemm
 from . import _collective as C
 from .backend import Backend, Dispatcher
 
@@ -129,15 +132,13 @@ class Pipelined(Backend):
 
 
 class Triton(Backend):
-    """One persistent Triton GEMM over the gathered rows in rank-rotated shard order (own
-    shard first), each tile waiting on its shard's flag.
-
-    On GPU the producer is the copy engine: a side stream copies each peer's staged shard
-    from its symmetric buffer into the local gathered buffer and then writes the shard's
-    GATHERED flag with ``stream_write_value32``; the GEMM keeps every SM. Without a copy
-    engine (CPU interpreter, loopback) the GEMM pulls A tiles straight from the peers'
-    buffers once their READY flags flip (it re-reads a shard once per N tile band, which
-    the byte count reports). Further Bs reuse the gathered A with a plain matmul.
+    """Each peer's staged shard is copied into the local gathered buffer, raising this
+    rank's ``GATHERED + src`` flag after it (``C.gathering``: on a GPU a side stream, the
+    copy engine with ``stream_write_value32`` flags; on CPU and in a loopback, in stream
+    order before the GEMM), while one persistent Triton GEMM multiplies each shard's rows
+    as soon as its flag is up, own shard first in rank-rotated order (the grouped GEMM's
+    peers kernel with one expert and a block per shard; TMA loads on Hopper). Each peer
+    shard crosses once. Further Bs reuse the gathered A with a plain matmul.
     """
 
     name = "triton"
@@ -158,37 +159,37 @@ class Triton(Backend):
         meta = call.fingerprint()
 
         def gemm(buf, staged, epoch):
-            m, k = staged.shape
+            rank, (m, k) = buf.rank, staged.shape
             new = dict(dtype=staged.dtype, device=staged.device)
             gathered = torch.empty(world * m, k, **new)
             outs = [torch.empty(world * m, b.shape[1], **new) for b in bs]
-            if copy_engine:
-                self._copy_engine_gemm(buf, staged, bs[0], epoch, meta, gathered, outs[0])
-                moved = (world - 1) * staged.numel() * staged.element_size()
-            else:
-                ag_gemm_kernels.ag_gemm(staged, bs[0], outs[0], gathered, buf.pad_table, buf.rank,
-                                        world, epoch, meta, buf.timeout_ns, pull=True, store_a=True)
-                n_bands = -(-bs[0].shape[1] // ag_gemm_kernels.gemm_config(
-                    staged.dtype, staged.device)["BLOCK_N"])
-                moved = (world - 1) * staged.numel() * staged.element_size() * n_bands
-            counters.record(OP, self.name, moved)
+            sources = [(rank + step) % world for step in range(world)]
+            blocks = [(src, gathered[src * m:(src + 1) * m],
+                       buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
+                      for src in sources]
+            with C.gathering(buf, blocks, epoch, meta, copy_engine):
+                grouped_gemm.grouped_mm_peers(gathered, bs[0].unsqueeze(0), outs[0],
+                                              *_shard_blocks(rank, world, m, staged.device),
+                                              buf.pad_table, rank, world, epoch, buf.timeout_ns,
+                                              push=False)
+            counters.record(OP, self.name, (world - 1) * staged.numel() * staged.element_size())
             for b, out in zip(bs[1:], outs[1:]):
                 torch.matmul(gathered, b, out=out)
             return gathered, outs
 
         return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, call.description(), gemm)
 
-    def _copy_engine_gemm(self, buf, staged, b, epoch, meta, gathered, out):
-        """The persistent GEMM holds every SM and spins on GATHERED flags, which the copy
-        engine raises (``C.gathering``), after the one-program READY wait ran before the
-        launch: no tile computes on data that was not synchronised."""
-        rank, world, m = buf.rank, buf.world_size, staged.shape[0]
-        sources = [(rank + step) % world for step in range(world)]
-        blocks = [(src, gathered[src * m:(src + 1) * m],
-                   buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged)) for src in sources]
-        with C.gathering(buf, blocks, epoch, meta, copy_engine=True):
-            ag_gemm_kernels.ag_gemm(staged, b, out, gathered, buf.pad_table, rank, world, epoch,
-                                    meta, buf.timeout_ns, pull=False, store_a=False)
+
+@functools.lru_cache(maxsize=64)
+def _shard_blocks(rank: int, world: int, m: int, device: torch.device):
+    """The peers kernel's tables for a gathered A of ``world`` shards of ``m`` rows, own shard
+    first (rank-rotated): blocks ``(src, expert 0, -, local_row src * m, m)`` on the device,
+    their runs there, and the runs' rows on the host. The same every call: made once."""
+    table = np.array([(src, 0, 0, src * m, m) for src in
+                      ((rank + step) % world for step in range(world))], dtype=np.int64)
+    runs = grouped_gemm.block_runs(table)
+    as_device = lambda t: torch.from_numpy(t.astype(np.int32)).to(device)  # noqa: E731
+    return as_device(table), as_device(runs), runs[:, 2].tolist()
 
 
 BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
@@ -244,7 +245,9 @@ def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tens
                                gather_dim: int = 0, *, return_A: bool = True):
     """Every rank's part of ``all_gather_matmul`` in this process (rank r's shard is
     ``a_shards[r]``; every rank multiplies by the same ``Bs``) over a loopback buffer, with
-    the ``triton`` backend pulling tiles from the peers' buffers. Returns each rank's
+    the ``triton`` backend's GEMM as a group runs it; the peers' shards are copied in stream
+    order before each view's GEMM (one GPU has no link to overlap them with, and a
+    same-device copy may need the SMs a spinning GEMM holds). Returns each rank's
     ``(A_gathered or None, outs)``. For single-device benchmarks and tests of the protocol."""
     if not a_shards:
         raise ValueError(f"fusedpar.{OP}_loopback: a_shards must hold one tensor per simulated rank")

@@ -11,6 +11,7 @@ import torch
 
 from fusedpar.comm import layout
 from fusedpar.kernels.gemm_rs import gemm_rs, reset_chunk_counters
+from fusedpar.kernels.grouped_gemm import gemm_operands
 from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
 
 META = 4242
@@ -68,13 +69,17 @@ def ready_words(bufs, src):
     return [buf.pad()[layout.READY + src].item() for buf in bufs]
 
 
-CASES = [  # world, m_chunk, N, K, dtype, strided A, transposed B, config
+CASES = [  # world, m_chunk, N, K, dtype, strided A, transposed B, config; TMA loads where rows
+    # of A and B (or Bᵀ) are 16-byte multiples and A's unit stride is along K (the last two)
     (1, 5, 7, 33, torch.float32, False, False, None),
     (2, 5, 7, 33, torch.float16, True, True, None),
     (2, 7, 33, 5, torch.float32, False, True, SMALL),
     (4, 17, 20, 40, torch.float32, True, False, SMALL),
     (4, 5, 7, 33, torch.float16, False, True, None),
+    (2, 9, 24, 40, torch.float32, False, False, SMALL),
+    (4, 17, 8, 16, torch.float16, False, True, None),
 ]
+TMA_CASES = CASES[-2:]
 
 
 @pytest.mark.parametrize("wait_self", [False, True])
@@ -86,6 +91,8 @@ def test_gemm_then_reduce_scatter_exact(loopback, world, m, n, k, dtype, strided
     a = [int_activation(r, world * m, k, dtype, strided) for r in range(world)]
     b = [int_weight(r, k, n, dtype, transposed) for r in range(world)]
     partial = [(a[r].double() @ b[r].double()) for r in range(world)]
+    tma = (world, m, n, k, dtype, strided, transposed, config) in TMA_CASES
+    assert gemm_operands(a[0], b[0].unsqueeze(0), config)[0]["TMA"] == tma
     for buf in bufs:
         r = buf.rank
         assert ready_words(bufs, r) == [0] * world

@@ -5,7 +5,7 @@ hold at most a few programs per SM (they loop over their work)."""
 import pytest
 import torch
 
-from fusedpar.kernels import ag_gemm, all_gather, grouped_gemm, moe_permute, reduce_scatter
+from fusedpar.kernels import all_gather, gemm, grouped_gemm, moe_permute, reduce_scatter
 from fusedpar.kernels.signal import PROGRAMS_PER_SM, poison_grid
 
 SMS = 132  # H100 SXM
@@ -43,11 +43,11 @@ def test_the_poison_grid_is_capped_and_legal(outer, inner):
 def test_persistent_gemm_grids_hold_one_program_per_sm():
     for arch, major in ((90, 9), (80, 8)):
         for dtype in (torch.bfloat16, torch.float32):
-            cfg = dict(ag_gemm.gpu_gemm_config(dtype, major), NUM_PROGRAMS=ag_gemm.SM_COUNT[arch])
+            cfg = dict(gemm.gpu_gemm_config(dtype, major), NUM_PROGRAMS=gemm.SM_COUNT[arch])
             tiles = 256 * (2**20 // cfg["BLOCK_M"]) * (2**16 // cfg["BLOCK_N"])
-            grid = ag_gemm.persistent_grid(tiles, cfg)
+            grid = gemm.persistent_grid(tiles, cfg)
             _within_cuda_limits(grid)
-            assert grid == (ag_gemm.SM_COUNT[arch],)
+            assert grid == (gemm.SM_COUNT[arch],)
 
 
 @pytest.mark.parametrize("rows, H", [(2**31 - 1, 7168), (2**20 + 3, 65535 * 256), (1, 1), (0, 0)])

@@ -1,6 +1,6 @@
 """The grouped GEMM kernels against a loop of fp64 matmuls, exact on small integers; the
-fused expert MLP's gather GEMM (its SwiGLU and SwiGLU-backward epilogues, and a source
-whose rows never arrive)."""
+fused expert MLP's and all_gather_matmul's gather GEMM (its plain, SwiGLU and SwiGLU-backward
+epilogues, and a source whose rows never arrive)."""
 
 import time
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.grouped_gemm import (_operands, block_runs, grouped_mm_k, grouped_mm_peers,
+from fusedpar.kernels.grouped_gemm import (block_runs, gemm_operands, grouped_mm_k, grouped_mm_peers,
                                            grouped_mm_rows)
 from fusedpar.ops.moe import swiglu
 
@@ -34,7 +34,7 @@ def test_rows_grouped(sizes, K, N, tail, b_kmajor):
     b = _ints(len(sizes), N, K, seed=2).transpose(1, 2) if b_kmajor else _ints(len(sizes), K, N, seed=2)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     c = torch.full((T, N), float("nan"))
-    assert _operands(a, b)[0]["TMA"] == ((sizes, K, N, tail) in TMA_CASES)
+    assert gemm_operands(a, b)[0]["TMA"] == ((sizes, K, N, tail) in TMA_CASES)
     grouped_mm_rows(a, b, offs, c)
     # rows past offs[-1] are zeros, not left unwritten
     assert torch.equal(c.double(), grouped_product(a, b, offs))
@@ -51,9 +51,9 @@ def grouped_product(a, b, offs):
 
 
 def _epilogue_b(groups, K, N, b_kmajor, epilogue):
-    """b of an epilogue test, ``[groups, K, 2N]`` (``[gate | up]``) or, for the VJP,
-    ``[groups, K, N]``; unit stride along K or along N."""
-    cols = N if epilogue == "swiglu_vjp" else 2 * N
+    """b of an epilogue test, ``[groups, K, 2N]`` (``[gate | up]``) or, for the VJP and the
+    plain product, ``[groups, K, N]``; unit stride along K or along N."""
+    cols = N if epilogue in ("swiglu_vjp", "product") else 2 * N
     b = _ints(groups, cols, K, seed=6).transpose(1, 2) if b_kmajor else _ints(groups, K, cols, seed=6)
     return b / 8
 
@@ -61,7 +61,9 @@ def _epilogue_b(groups, K, N, b_kmajor, epilogue):
 def _epilogue_outputs(epilogue, rows, N, product):
     """``(the kernels' epilogue, c, h, expected c)`` for a test epilogue with ``product``
     the fp64 P: NaN-poisoned c (and h, kept products) or, for the VJP, h the forward's
-    products."""
+    products. ``"product"``: no epilogue, c = P."""
+    if epilogue == "product":
+        return None, torch.full((rows, N), float("nan")), None, product
     if epilogue == "swiglu_vjp":
         h = _ints(rows, 2 * N, seed=7) / 4
         expected = torch.func.vjp(swiglu, h.double())[1](product)[0]
@@ -87,7 +89,7 @@ def test_rows_epilogues(sizes, K, N, tail, b_kmajor, tma, epilogue):
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     product = grouped_product(a, b, offs)
     kind, c, h, expected = _epilogue_outputs(epilogue, T, N, product)
-    assert _operands(a, b, epilogue=kind)[0]["TMA"] == tma
+    assert gemm_operands(a, b, epilogue=kind)[0]["TMA"] == tma
     grouped_mm_rows(a, b, offs, c, epilogue=kind, h=h)
     torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
     if epilogue == "swiglu_keep_h":
@@ -148,7 +150,7 @@ def test_rows_masked(counts, P, K, N, b_kmajor):
     a = _ints(E * P, K, seed=5)
     b = _ints(E, N, K, seed=6).transpose(1, 2) if b_kmajor else _ints(E, K, N, seed=6)
     c = torch.full((E * P, N), float("nan"))
-    assert _operands(a, b)[0]["TMA"] == (K % 4 == 0 and N % 4 == 0)
+    assert gemm_operands(a, b)[0]["TMA"] == (K % 4 == 0 and N % 4 == 0)
     grouped_mm_rows(a, b, torch.tensor(counts, dtype=torch.int32), c, pad_rows=P)
     expected = torch.zeros(E * P, N, dtype=torch.float64)
     for g, n in enumerate(counts):
@@ -206,7 +208,7 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     source = torch.repeat_interleave(table[:, 0], table[:, 4]).float()
     a = _ints(at, K, seed=3) / 8 + source[:, None]
     b = _ints(2, K, 2 * N, seed=4) / 8
-    assert _operands(a, b, epilogue="swiglu")[0]["TMA"] == (K % 4 == 0)  # rows of 16-byte multiples
+    assert gemm_operands(a, b, epilogue="swiglu")[0]["TMA"] == (K % 4 == 0)  # rows of 16-byte multiples
     c = torch.full((at, N), float("nan"))
     pad = buf.pad()
     pad[layout.GATHERED:layout.GATHERED + world] = 1
@@ -223,14 +225,15 @@ def test_peers_gather_skips_a_source_whose_rows_never_landed(loopback, K):
     assert c[late_rows].isnan().all()
 
 
-@pytest.mark.parametrize("epilogue", ["swiglu", "swiglu_keep_h", "swiglu_vjp"])
+@pytest.mark.parametrize("epilogue", ["product", "swiglu", "swiglu_keep_h", "swiglu_vjp"])
 @pytest.mark.parametrize("K, N, b_kmajor, tma", [(36, 7, True, True), (36, 40, True, True),
                                                   (36, 8, False, True), (36, 10, False, False),
                                                   (33, 40, True, False)],
                          ids=["tma_unit_k", "tma_two_n_tiles", "tma_unit_n", "pointer_unaligned_up",
                               "pointer_two_n_tiles"])
 def test_peers_gather_epilogues(loopback, K, N, b_kmajor, tma, epilogue):
-    """The gather's epilogues per row block, with P = a @ b[expert]: c = swiglu(P) (b's
+    """The gather's epilogues per row block, with P = a @ b[expert]: c = P
+    (all_gather_matmul's), c = swiglu(P) (b's
     columns [gate | up]; h = P when given), or c = [d gate | d up] = vjp(swiglu, h)(P) at
     the forward's products h. N below, across and not a multiple of the block, so a gate
     tile's columns past N read up's columns and must not reach c or h. With unit stride
@@ -246,7 +249,7 @@ def test_peers_gather_epilogues(loopback, K, N, b_kmajor, tma, epilogue):
     expert = torch.repeat_interleave(table[:, 1], table[:, 4]).long()
     product = torch.einsum("rk,rkn->rn", a.double(), b.double()[expert])
     kind, c, h, expected = _epilogue_outputs(epilogue, rows, N, product)
-    assert _operands(a, b, epilogue=kind)[0]["TMA"] == tma
+    assert gemm_operands(a, b, epilogue=kind)[0]["TMA"] == tma
     buf.pad()[layout.GATHERED:layout.GATHERED + world] = 1
     _peers(a, b, c, table, buf, me, world, push=False, epilogue=kind, h=h)
     torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
@@ -341,6 +344,6 @@ def test_peers_epilogue_must_match_the_mode(loopback):
     buf = loopback(1)[0]
     a, b, c = torch.zeros(2, 4), torch.zeros(1, 4, 4), torch.zeros(2, 4)
     table = torch.tensor([[0, 0, 0, 0, 2]], dtype=torch.int32)
-    for push, epilogue in ((False, None), (True, "swiglu"), (False, "gelu")):
+    for push, epilogue in ((True, "swiglu"), (True, "swiglu_vjp"), (False, "gelu")):
         with pytest.raises(ValueError, match="epilogue"):
             _peers(a, b, c, table, buf, 0, 1, push=push, epilogue=epilogue)

@@ -10,6 +10,7 @@ from tests.ops.collective_cases import (
     rank_data,
     requires_cuda,
     subgroup,
+    timeout_case,
 )
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -155,6 +156,19 @@ def test_bad_inputs_give_clear_errors(pools):
         message = errors[f"mismatch_{backend}"][1]
         # says what each rank passed
         assert "passed different inputs" in message and "(4, 6)" in message and "(5, 6)" in message
+
+
+def _triton_matmul(x, group):
+    return fusedpar.ops.all_gather_matmul(x, [torch.ones(3, 5)], 0, group, backend="triton")
+
+
+def test_a_stalled_peer_times_out(pools):
+    """Rank 1 never makes its second call: rank 0 waits for its READY flag before copying its
+    shard, gives up at the timeout and raises naming it (no hang, no wrong result)."""
+    results = pools(2).run(timeout_case, _triton_matmul, 1, "stall", 2.0)
+    assert results[1] is None
+    assert results[0]["elapsed"] < 2.0 * 3, results[0]
+    assert "rank 1" in results[0]["message"] and "READY[1]" in results[0]["message"], results[0]
 
 
 def _torch_schema_and_fp64():
