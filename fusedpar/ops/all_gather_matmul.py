@@ -163,13 +163,12 @@ class Triton(Backend):
             new = dict(dtype=staged.dtype, device=staged.device)
             gathered = torch.empty(world * m, k, **new)
             outs = [torch.empty(world * m, b.shape[1], **new) for b in bs]
-            sources = [(rank + step) % world for step in range(world)]
+            sources, tables = _shard_blocks(rank, world, m, staged.device)
             blocks = [(src, gathered[src * m:(src + 1) * m],
                        buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
                       for src in sources]
             with C.gathering(buf, blocks, epoch, meta, copy_engine):
-                grouped_gemm.grouped_mm_peers(gathered, bs[0].unsqueeze(0), outs[0],
-                                              *_shard_blocks(rank, world, m, staged.device),
+                grouped_gemm.grouped_mm_peers(gathered, bs[0].unsqueeze(0), outs[0], *tables,
                                               buf.pad_table, rank, world, epoch, buf.timeout_ns,
                                               push=False)
             counters.record(OP, self.name, (world - 1) * staged.numel() * staged.element_size())
@@ -182,14 +181,15 @@ class Triton(Backend):
 
 @functools.lru_cache(maxsize=64)
 def _shard_blocks(rank: int, world: int, m: int, device: torch.device):
-    """The peers kernel's tables for a gathered A of ``world`` shards of ``m`` rows, own shard
-    first (rank-rotated): blocks ``(src, expert 0, -, local_row src * m, m)`` on the device,
-    their runs there, and the runs' rows on the host. The same every call: made once."""
-    table = np.array([(src, 0, 0, src * m, m) for src in
-                      ((rank + step) % world for step in range(world))], dtype=np.int64)
+    """``(sources, tables)`` for a gathered A of ``world`` shards of ``m`` rows: the shards in
+    the order they are multiplied (own first, rank-rotated), and the peers kernel's tables:
+    blocks ``(src, expert 0, -, local_row src * m, m)`` on the device, their runs there, and
+    the runs' rows on the host. The same every call: made once."""
+    sources = [(rank + step) % world for step in range(world)]
+    table = np.array([(src, 0, 0, src * m, m) for src in sources], dtype=np.int64)
     runs = grouped_gemm.block_runs(table)
     as_device = lambda t: torch.from_numpy(t.astype(np.int32)).to(device)  # noqa: E731
-    return as_device(table), as_device(runs), runs[:, 2].tolist()
+    return sources, (as_device(table), as_device(runs), runs[:, 2].tolist())
 
 
 BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
