@@ -3,7 +3,8 @@
 
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 matmul_reduce_scatter in one
   process (``matmul_reduce_scatter_loopback``: the triton GEMMs write their partials into
-  loopback symmetric buffers, a reduction kernel sums each rank's chunk), against W
+  loopback symmetric buffers; then, in stream order, each rank's peer partials are copied
+  into its staging buffer and one pass sums its chunk), against W
   ``torch.matmul`` calls of the same per-rank GEMM (``A_r @ B_r``, the reduction left out).
   Target: >= 0.9x torch.matmul's TFLOP/s.
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend

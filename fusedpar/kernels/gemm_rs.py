@@ -1,19 +1,19 @@
-"""Matmul + reduce-scatter, producer side: ``P = A @ B`` into this rank's symmetric data
-region, with a READY flag per finished row chunk.
+"""Matmul + reduce-scatter: ``P = A @ B`` into this rank's symmetric data region with a
+READY flag per finished row chunk (``gemm_rs``), and the local sum of a chunk's partials
+once they are here (``reduce_chunks``).
 
 ``A`` is ``[M, K]`` with ``M = W * m_chunk``; chunk ``c`` is rows ``[c*m_chunk, (c+1)*m_chunk)``
 of ``P`` and is reduced on rank ``c``. One persistent kernel computes the tiles in
 rank-rotated chunk order: step ``s`` covers chunk ``c = (rank + 1 + s) % W``, so peers'
-chunks come first and the own chunk last (the reducer on rank ``c`` can start while this
-rank still computes). Tiles never straddle chunks; within a chunk, GROUP_M-grouped order.
+chunks come first and the own chunk last (rank ``c`` can fetch a peer's partial while
+both still compute). Tiles never straddle chunks; within a chunk, GROUP_M-grouped order.
 
 After storing a tile, the program counts it in this rank's ``CHUNK_TILES + c`` pad word
 (zeroed by the host before the launch, see ``reset_chunk_counters``); the program that
 finishes chunk ``c`` raises ``READY + rank = epoch`` in rank ``c``'s pad (release, system
-scope), own pad included, so that a reducer on another stream of this rank can wait for
-it too. The reduction itself is ``reduce_scatter.reduce_scatter_pull`` with ``outer=1,
-inner=m_chunk*N`` (``wait_self=True`` when it may run before this kernel finished).
-This kernel never waits on anything.
+scope). This kernel never waits on anything. Rank ``c`` copies each peer's partial of
+its chunk into a local staging buffer once that flag is up (``matmul_reduce_scatter``: the
+copy engine, overlapping the GEMM), then ``reduce_chunks`` sums them with its own.
 """
 
 import torch
@@ -24,7 +24,8 @@ from ..comm import layout
 from .gemm import SM_COUNT, aot_variants, grouped_tile, persistent_grid
 from .grouped_gemm import (B_UNIT, aot_example, gemm_operands, gpu_config, launch_options, store_tile,
                            tile_product, tile_product_tma)
-from .signal import pad_ptr
+from .reduce_scatter import BLOCK, NUM_WARPS, reduce_scatter_grid
+from .signal import pad_ptr, sm_count
 
 READY = tl.constexpr(layout.READY)
 CHUNK_TILES = tl.constexpr(layout.CHUNK_TILES)
@@ -65,6 +66,42 @@ def gemm_rs_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, m_chunk, N, 
             tl.atomic_xchg(pad_ptr(pad_table, chunk) + READY + rank, epoch, sem="release", scope="sys")
 
 
+@triton.jit(do_not_specialize=["rank", "world_size"])
+def reduce_chunks_kernel(out_ptr, own_ptr, stage_ptr, rank, world_size, n, divisor, BLOCK: tl.constexpr):
+    """``out = sum over src in rank order of src's partial / divisor``, in fp32, rounded once:
+    the own partial at ``own_ptr``, peer ``src``'s at row ``(rank - 1 - src) % W`` of
+    ``stage_ptr`` (``[W - 1, n]``, the order the peers finish them)."""
+    n = tl.cast(n, tl.int64)
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        offs = block * BLOCK + tl.arange(0, BLOCK)  # int64, as n is
+        mask = offs < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for src in range(0, world_size):
+            if src == rank:
+                acc += tl.load(own_ptr + offs, mask=mask, other=0).to(tl.float32)
+            else:
+                row = (rank - 1 - src + world_size) % world_size
+                acc += tl.load(stage_ptr + row * n + offs, mask=mask, other=0).to(tl.float32)
+        tl.store(out_ptr + offs, (acc / divisor).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_chunks(out: torch.Tensor, own: torch.Tensor, stage: torch.Tensor, rank: int,
+                  world_size: int, divisor: float = 1.0) -> None:
+    """Fill ``out`` (contiguous, ``n`` elements) with the sum of this rank's partial ``own``
+    and the peers' partials in ``stage`` (contiguous ``[W - 1, n]``, row ``j`` from rank
+    ``(rank - 1 - j) % W``), divided by ``divisor``: summed in rank order in fp32 and rounded
+    once, so the result is the same whichever order the partials arrived in."""
+    n = out.numel()
+    if own.numel() != n or tuple(stage.shape) != (world_size - 1, n) or not (
+            out.is_contiguous() and own.is_contiguous() and stage.is_contiguous()):
+        raise ValueError(f"reduce_chunks: out ({out.numel()}), own ({own.numel()}) and stage "
+                         f"{tuple(stage.shape)} must be contiguous with n and [W - 1 = "
+                         f"{world_size - 1}, n] elements")
+    grid = reduce_scatter_grid(1, n, sm_count(out.device))
+    reduce_chunks_kernel[grid](out, own, stage, rank, world_size, n, divisor, BLOCK=BLOCK,
+                               num_warps=NUM_WARPS)
+
+
 def reset_chunk_counters(pad: torch.Tensor, world_size: int) -> None:
     """Before a launch: zero this rank's ``CHUNK_TILES`` words (``pad``: this rank's
     signal pad as an int32 tensor, e.g. ``buf.pad()``)."""
@@ -77,8 +114,10 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
     ``a @ b`` (``a``: ``[M, K]``, ``b``: ``[K, N]``, any strides; ``M = W * m_chunk``), raising
     ``READY + rank = epoch`` in rank ``c``'s pad as soon as chunk ``c`` of ``p`` is complete.
     Call ``reset_chunk_counters`` on this rank's pad first. The kernel never waits, so its
-    persistent grid (one program per SM) can hold every SM. It loads through TMA
-    descriptors where the GPU has them and the layouts allow (as the grouped GEMM does).
+    persistent grid (``NUM_PROGRAMS``, one program per SM by default) may hold every SM; a
+    caller that spins on its flags from another stream leaves ``REDUCER_SMS`` free. It loads
+    through TMA descriptors where the GPU has them and the layouts allow (as the grouped
+    GEMM does).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -99,6 +138,10 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
         NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"], B_KMAJOR=kmajor, **launch_options(cfg))
 
 
+# SMs a GEMM of a group call leaves to the kernel that waits for the peers' flags on the
+# side stream (one program; the copies themselves run on the copy engine)
+REDUCER_SMS = 1
+
 _SIG = {"a": "*T", "b": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
         "world_size": "i32", "epoch": "i32", "m_chunk": "i32", "N": "i32", "K": "i32",
         "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
@@ -107,6 +150,10 @@ AOT_EXAMPLES = (
     aot_variants(gemm_rs_kernel, _SIG, TMA=False, B_KMAJOR=False)
     # sm_90 with TMA loads: B row-major, or a Linear's weightᵀ
     + [aot_example(gemm_rs_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
-                   {B_UNIT[kmajor][0]: 1}, dict(gpu_config(9, True, False), NUM_PROGRAMS=SM_COUNT[90]),
-                   90, kmajor)
-       for kmajor in (False, True)])
+                   {B_UNIT[kmajor][0]: 1},
+                   dict(gpu_config(9, True, False), NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS), 90, kmajor)
+       for kmajor in (False, True)]
+    + [(reduce_chunks_kernel,
+        {"out_ptr": f"*{t}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "rank": "i32",
+         "world_size": "i32", "n": "i32", "divisor": "fp32"}, {"BLOCK": BLOCK}, {"num_warps": NUM_WARPS})
+       for t in ("bf16", "fp32")])

@@ -5,10 +5,6 @@ Every rank has staged its whole input ``[outer, W, inner]`` and raised its READY
 rank), in fp32, divides (by 1 or W) and rounds once into the ``[outer, inner]`` output.
 The grid is capped (``signal.spinning_grid``); each program loops over blocks
 ``pid, pid + G, ...`` and checks each source's flag once, on its first block.
-
-``wait_self=True`` also waits for this rank's own READY flag (in its own pad) before
-reading its own slice: for a reducer that may start before this rank's producer (e.g. the
-fused matmul + reduce-scatter GEMM) has finished writing it.
 """
 
 import torch
@@ -26,8 +22,7 @@ NUM_WARPS = 8
 
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
 def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta, outer, inner,
-                               timeout_ns, stats_ptr, divisor, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                               WAIT_SELF: tl.constexpr = False):
+                               timeout_ns, stats_ptr, divisor, BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
     # int64 offsets: outer/inner arrive as i32 when they fit, or as constexpr 1
     outer = tl.cast(outer, tl.int64)
     inner = tl.cast(inner, tl.int64)
@@ -43,7 +38,7 @@ def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for src in range(0, world_size):
             if first:  # every source's flag, once per program, before its first read
-                if WAIT_SELF or src != rank:
+                if src != rank:
                     ok = ok & wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
             if ok:
                 shard = data_ptr(pad_table, src, out_ptr.dtype.element_ty)
@@ -61,23 +56,20 @@ def reduce_scatter_grid(outer: int, inner: int, sms: int | None, block: int = BL
 
 def reduce_scatter_pull(out: torch.Tensor, pad_table: torch.Tensor, rank: int, world_size: int,
                         epoch: int, meta: int, outer: int, inner: int, timeout_ns: int,
-                        stats: torch.Tensor, divisor: float = 1.0, block: int = BLOCK,
-                        wait_self: bool = False) -> None:
+                        stats: torch.Tensor, divisor: float = 1.0, block: int = BLOCK) -> None:
     """Fill ``out`` (contiguous ``[outer, inner]``) with the sum of every rank's slice
     ``rank``, divided by ``divisor`` (``W`` gives the average, rounded like torch's).
-    ``wait_self``: also wait for this rank's own READY flag (see the module docstring).
-    Spins with a capped grid (``spinning_grid``): with ``wait_self`` the producer it waits
-    for (the GEMM-RS kernel) runs before it in stream order, so it never needs these SMs."""
+    Spins with a capped grid (``spinning_grid``)."""
     grid = reduce_scatter_grid(outer, inner, sm_count(out.device), block)
     reduce_scatter_pull_kernel[grid](out, pad_table, rank, world_size, epoch, meta, outer, inner,
                                      timeout_ns, stats, divisor, BLOCK=block, ELEM_BYTES=out.element_size(),
-                                     WAIT_SELF=wait_self, num_warps=NUM_WARPS)
+                                     num_warps=NUM_WARPS)
 
 
 AOT_EXAMPLES = [
     (reduce_scatter_pull_kernel,
      {"out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32", "outer": "i32", "inner": "i32", "timeout_ns": "i64", "stats_ptr": "*i64", "divisor": "fp32"},
-     {"BLOCK": BLOCK, "ELEM_BYTES": nbytes, "WAIT_SELF": wait_self}, {"num_warps": NUM_WARPS})
-    for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4)) for wait_self in (False, True)
+     {"BLOCK": BLOCK, "ELEM_BYTES": nbytes}, {"num_warps": NUM_WARPS})
+    for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4))
 ]

@@ -144,14 +144,15 @@ def wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns):
     return ok
 
 
-@triton.jit(do_not_specialize=["word_base", "code", *PER_CALL_ARGS])
-def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, timeout_ns, code, meta):
-    """One program: wait until ``pad[word_base + src] >= epoch`` for every peer ``src``;
-    with ``meta >= 0`` also check each peer's published fingerprint."""
+@triton.jit(do_not_specialize=["word_base", "code", "only", *PER_CALL_ARGS])
+def wait_flags_kernel(pad_table, word_base, rank, world_size, epoch, timeout_ns, code, meta, only):
+    """One program: wait until ``pad[word_base + src] >= epoch`` for every peer ``src``
+    (``only >= 0``: for peer ``only`` alone); with ``meta >= 0`` also check each such peer's
+    published fingerprint."""
     my_pad = pad_ptr(pad_table, rank)
     epoch = call_epoch(pad_table, rank, epoch)
     for src in range(0, world_size):
-        if src != rank:
+        if (src != rank) & ((only < 0) | (src == only)):
             if wait_flag(my_pad, word_base + src, src, epoch, timeout_ns, code):
                 if meta >= 0:
                     check_meta(pad_table, rank, src, epoch, meta)
@@ -226,9 +227,10 @@ def poison_if_failed(pad: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def wait_flags(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
-               timeout_ns: int, code: int, meta: int = -1) -> None:
-    """One one-program kernel (never holds more than one SM while it spins)."""
-    wait_flags_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, timeout_ns, code, meta)
+               timeout_ns: int, code: int, meta: int = -1, only: int = -1) -> None:
+    """One one-program kernel (never holds more than one SM while it spins); ``only``: wait
+    for that peer's flag alone."""
+    wait_flags_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, timeout_ns, code, meta, only)
 
 
 def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size: int, epoch: int,
@@ -239,7 +241,7 @@ def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size:
 AOT_EXAMPLES = [
     (wait_flags_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
-      "timeout_ns": "i64", "code": "i32", "meta": "i32"}, {}, {"num_warps": 4}),
+      "timeout_ns": "i64", "code": "i32", "meta": "i32", "only": "i32"}, {}, {"num_warps": 4}),
     (signal_peers_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
       "meta": "i32"}, {}, {"num_warps": 4}),

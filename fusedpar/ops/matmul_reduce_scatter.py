@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
 from ..kernels import gemm_rs as gemm_rs_kernels
-from ..kernels import reduce_scatter as reduce_scatter_kernels
+from ..kernels import signal as signal_kernels
+from ..kernels.signal import sm_count
 from . import _collective as C
 from .all_gather_matmul import BACKENDS as ALL_GATHER_MATMUL
 from .all_gather_matmul import MatmulCall, all_gather_matmul, check_matmul_inputs
@@ -89,11 +90,14 @@ class Pipelined(Backend):
 class Triton(Backend):
     """One persistent Triton GEMM writes A @ B into this rank's symmetric buffer, chunks in
     rank-rotated order (own chunk last); the tile that completes a chunk raises READY in
-    that chunk owner's pad. Then a reduction kernel sums chunk ``rank`` of all W partials
-    in fp32, in rank order, rounding once, as each peer's flag flips. The partials are kept
-    in the output dtype (the W-1 chunks a rank reads are the lower bound of the traffic).
-    The reduction runs after the local GEMM on the same stream: overlapping it with the
-    GEMM on a side stream needs a persistent reduction kernel (not written yet)."""
+    that chunk owner's pad. Meanwhile each peer's partial of this rank's chunk is copied
+    into a local staging buffer as soon as its flag is up, in the order the peers finish
+    them (``_fetch_partials``: on a GPU in a group, a side stream, one single-program flag
+    wait and a copy-engine copy per peer, while the GEMM leaves ``REDUCER_SMS`` SMs free;
+    on CPU and in a loopback, in stream order after the GEMMs). Once the own GEMM is done
+    one pass sums the W partials in fp32, in rank order, rounding once. The partials are
+    kept in the output dtype, so the W-1 chunks a rank copies are the lower bound of the
+    traffic; the staging buffer costs (W-1)/W of the product's size."""
 
     name = "triton"
 
@@ -104,32 +108,62 @@ class Triton(Backend):
         a = call.rows()
         nbytes = a.shape[0] * call.bs[0].shape[1] * a.element_size()
         buf = get_buffer(call.group, nbytes, a.device)
-        return _chunk_out(call, self.run_views([buf], [a], call.bs, call)[0])
+        return _chunk_out(call, self.run_views([buf], [a], call.bs, call, copy_engine=a.is_cuda)[0])
 
-    def run_views(self, bufs, a_rows, bs, call: MatmulCall) -> list[torch.Tensor]:
+    def run_views(self, bufs, a_rows, bs, call: MatmulCall, copy_engine: bool) -> list[torch.Tensor]:
         """Each rank view's ``[rows / W, N]`` chunk of the reduced product."""
         world, meta = call.world_size, call.fingerprint()
         m, n = a_rows[0].shape[0], bs[0].shape[1]
         m_chunk = m // world
         divisor = float(world) if call.reduce_op == "avg" else 1.0
+        dtype, device = a_rows[0].dtype, a_rows[0].device
+        main = torch.cuda.current_stream(device) if copy_engine else None
+        side = C.side_stream(device) if copy_engine else None
+        # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
+        config = ({"NUM_PROGRAMS": sm_count(device) - gemm_rs_kernels.REDUCER_SMS}
+                  if copy_engine else None)
         epochs = [buf.next_epoch() for buf in bufs]
+        partials, stages = [], []
         for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
             C.wait_peers_done(C.TRITON_LAUNCHERS, buf, epoch)  # nobody reads our last partials
             gemm_rs_kernels.reset_chunk_counters(buf.pad(), world)
             buf.publish(call.description(), meta)
-            partials = buf.data(a.dtype, m * n).view(m, n)
-            gemm_rs_kernels.gemm_rs(a, b, partials, buf.pad_table, buf.rank, world, epoch)
+            partials.append(buf.data(dtype, m * n).view(world, m_chunk * n))
+            stages.append(torch.empty(world - 1, m_chunk * n, dtype=dtype, device=device))
+            if side is not None:
+                side.wait_stream(main)  # before the GEMM launch: the copies overlap it
+            gemm_rs_kernels.gemm_rs(a, b, partials[-1].view(m, n), buf.pad_table, buf.rank, world,
+                                    epoch, config=config)
+            if side is not None:
+                with torch.cuda.stream(side):
+                    _fetch_partials(buf, stages[-1], epoch, meta, m * n)
         outs = []
-        for buf, a, epoch in zip(bufs, a_rows, epochs):
-            out = torch.empty(m_chunk, n, dtype=a.dtype, device=a.device)
-            stats = C.stats_tensor(a.device)
-            reduce_scatter_kernels.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch,
-                                                       meta, 1, m_chunk * n, buf.timeout_ns, stats,
-                                                       divisor)
-            counters.record(OP, self.name, stats)
+        for buf, own, stage, epoch in zip(bufs, partials, stages, epochs):
+            if side is not None:
+                main.wait_stream(side)
+            else:
+                _fetch_partials(buf, stage, epoch, meta, m * n)
+            out = torch.empty(m_chunk, n, dtype=dtype, device=device)
+            gemm_rs_kernels.reduce_chunks(out, own[buf.rank], stage, buf.rank, world, divisor)
+            counters.record(OP, self.name, stage.numel() * stage.element_size())
             outs.append(out)
         C.release(C.TRITON_LAUNCHERS, bufs, epochs, OP, outs)
         return outs
+
+
+def _fetch_partials(buf, stage: torch.Tensor, epoch: int, meta: int, numel: int) -> None:
+    """Copy each peer's partial of this rank's chunk (in its data region of ``numel``
+    elements) into ``stage`` row ``j`` for peer ``(rank - 1 - j) % W``: the order in which
+    the peers' GEMMs finish it. Each copy waits for the peer's READY flag and checks its
+    fingerprint first (a one-program kernel). A copy cannot be made conditional on a
+    device value, so after a failed wait it brings unsynchronised rows: ``release``
+    NaN-fills the output."""
+    rank, world = buf.rank, buf.world_size
+    for j in range(world - 1):
+        src = (rank - 1 - j) % world
+        signal_kernels.wait_flags(buf.pad_table, layout.READY, rank, world, epoch, buf.timeout_ns,
+                                  layout.TIMEOUT_READY, meta, only=src)
+        stage[j].copy_(buf.data(stage.dtype, numel, rank=src).view(world, -1)[rank])
 
 
 BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
@@ -188,7 +222,7 @@ def matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor
     rows = [MatmulCall(OP, a, dim, world, None, [b]).rows() for a, b in zip(As, Bs)]
     nbytes = rows[0].shape[0] * Bs[0].shape[1] * rows[0].element_size()
     bufs = get_loopback_buffers(world, nbytes, As[0].device)
-    return [_chunk_out(call, out) for out in backend.run_views(bufs, rows, Bs, call)]
+    return [_chunk_out(call, out) for out in backend.run_views(bufs, rows, Bs, call, copy_engine=False)]
 
 
 def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "sum",

@@ -1,6 +1,7 @@
 """The fused matmul + reduce-scatter kernels, one process playing every rank over loopback
 buffers: each rank's GEMM writes ``P_r = A_r @ B_r`` into its data region and raises the
-chunks' READY flags; then each rank's ``reduce_scatter_pull`` sums its chunk over ranks.
+chunks' READY flags; then each rank stages its peers' partials of its chunk (as the op's
+copies do) and ``reduce_chunks`` sums them with its own.
 
 Rank r's inputs encode r, so a misrouted chunk cannot pass; the data regions start as NaN,
 so a skipped tile cannot pass either.
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.gemm_rs import gemm_rs, reset_chunk_counters
+from fusedpar.kernels.gemm_rs import gemm_rs, reduce_chunks, reset_chunk_counters
 from fusedpar.kernels.grouped_gemm import gemm_operands
-from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
+from fusedpar.kernels.signal import wait_flags
 
 META = 4242
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3)
@@ -52,15 +53,17 @@ def run_gemm(buf, a, b, epoch, config=None):
     return p
 
 
-def run_reduce(buf, m_chunk, n, dtype, epoch, *, wait_self=False, expired=False):
-    """``expired``: this call's deadline has already passed (what the watchdog of a real call
-    writes after FUSEDPAR_TIMEOUT), so a missing flag fails at once."""
+def run_reduce(buf, m_chunk, n, dtype, divisor=1.0):
+    """One rank's consumer: each peer's partial of its chunk into a NaN-poisoned staging
+    buffer, row j from rank (rank - 1 - j) % W (the order the op copies them in), then
+    ``reduce_chunks``."""
+    world, rank = buf.world_size, buf.rank
+    partial = lambda src: buf.data(dtype, world * m_chunk * n, rank=src).view(world, -1)[rank]  # noqa: E731
+    stage = torch.full((world - 1, m_chunk * n), float("nan"), dtype=dtype)
+    for j in range(world - 1):
+        stage[j] = partial((rank - 1 - j) % world)
     out = torch.full((m_chunk, n), float("nan"), dtype=dtype)
-    stats = torch.zeros(1, dtype=torch.int64)
-    if expired:
-        buf.pad()[layout.DEADLINE] = epoch
-    reduce_scatter_pull(out, buf.pad_table, buf.rank, buf.world_size, epoch, META, 1, m_chunk * n,
-                        buf.timeout_ns, stats, wait_self=wait_self)
+    reduce_chunks(out, partial(rank), stage, rank, world, divisor)
     return out
 
 
@@ -82,10 +85,8 @@ CASES = [  # world, m_chunk, N, K, dtype, strided A, transposed B, config; TMA l
 TMA_CASES = CASES[-2:]
 
 
-@pytest.mark.parametrize("wait_self", [False, True])
 @pytest.mark.parametrize("world,m,n,k,dtype,strided,transposed,config", CASES)
-def test_gemm_then_reduce_scatter_exact(loopback, world, m, n, k, dtype, strided, transposed, config,
-                                        wait_self):
+def test_gemm_then_reduce_scatter_exact(loopback, world, m, n, k, dtype, strided, transposed, config):
     bufs = loopback(world)
     epoch = 1
     a = [int_activation(r, world * m, k, dtype, strided) for r in range(world)]
@@ -105,10 +106,11 @@ def test_gemm_then_reduce_scatter_exact(loopback, world, m, n, k, dtype, strided
         assert buf.pad()[layout.META].item() == META
     for buf in bufs:
         r = buf.rank
-        out = run_reduce(buf, m, n, dtype, epoch, wait_self=wait_self)
-        assert status(buf) == [0, 0, 0]
-        expected = sum(partial[s].to(dtype).double() for s in range(world))[r * m : (r + 1) * m]
-        assert torch.equal(out, expected.to(dtype)), (r, (out.double() - expected).abs().max())
+        for divisor in (1.0, float(world)):
+            out = run_reduce(buf, m, n, dtype, divisor)
+            expected = sum(partial[s].to(dtype).double() for s in range(world))[r * m : (r + 1) * m]
+            expected = (expected.float() / divisor).to(dtype)  # fp32 sum, one rounding
+            assert torch.equal(out, expected), (r, divisor, (out.double() - expected.double()).abs().max())
 
 
 def test_second_epoch_recounts_chunks(loopback):
@@ -122,7 +124,7 @@ def test_second_epoch_recounts_chunks(loopback):
             assert ready_words(bufs, buf.rank) == [epoch] * world
             assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [1] * world
         for buf in bufs:
-            out = run_reduce(buf, m, n, torch.float32, epoch, wait_self=True)
+            out = run_reduce(buf, m, n, torch.float32)
             expected = sum(a[s].double() @ b[s].double() for s in range(world))[buf.rank * m : (buf.rank + 1) * m]
             assert torch.equal(out, expected.float())
 
@@ -146,26 +148,27 @@ def test_random_bf16_within_twice_torch_error(loopback):
         run_gemm(buf, a[buf.rank], b[buf.rank], 1)
     for buf in bufs:
         r = buf.rank
-        out = run_reduce(buf, m, n, torch.bfloat16, 1)
+        out = run_reduce(buf, m, n, torch.bfloat16)
         ours_err = (out.double() - exact[r * m : (r + 1) * m]).abs().max()
         assert ours_err <= 2 * torch_err + slack, (ours_err, torch_err)
 
 
-def test_reducer_times_out_on_a_missing_chunk(loopback):
-    """Rank 2's GEMM never runs: every reducer records a timeout naming it and returns; with
-    ``wait_self`` a reducer also waits for its own GEMM."""
-    world, m, n, k, late = 4, 5, 7, 33, 2
+def test_reduce_chunks_rejects_a_misshaped_stage():
+    out, own = torch.zeros(6), torch.zeros(6)
+    with pytest.raises(ValueError, match=r"\[W - 1 = 2, n\]"):
+        reduce_chunks(out, own, torch.zeros(3, 6), 0, 3)
+
+
+def test_a_single_peer_wait_waits_for_that_peer_only(loopback):
+    """The op's copies wait for one peer's chunk at a time (``wait_flags(only=src)``): rank
+    2's flag is up, rank 1's is not; waiting for 2 succeeds, waiting for 1 gives up at the
+    deadline naming it."""
+    world, late = 4, 1
     bufs = loopback(world)
-    a = [int_activation(r, world * m, k, torch.float32, False) for r in range(world)]
-    b = [int_weight(r, k, n, torch.float32, False) for r in range(world)]
-    for buf in bufs:
-        if buf.rank != late:
-            run_gemm(buf, a[buf.rank], b[buf.rank], 1)
-    assert ready_words(bufs, late) == [0] * world
-    out = run_reduce(bufs[0], m, n, torch.float32, 1, expired=True)
-    assert status(bufs[0]) == [layout.TIMEOUT_READY, late, 1]
-    assert out.isnan().all()  # nothing is stored: no partial sum passes for the result
-    # own READY not raised yet: the default reducer does not wait for it, wait_self does
-    reset_chunk_counters(bufs[late].pad(), world)
-    run_reduce(bufs[late], m, n, torch.float32, 1, expired=True, wait_self=True)
-    assert status(bufs[late]) == [layout.TIMEOUT_READY, late, 1]
+    buf = bufs[0]
+    buf.pad()[layout.READY + 2] = 1
+    wait_flags(buf.pad_table, layout.READY, 0, world, 1, buf.timeout_ns, layout.TIMEOUT_READY, only=2)
+    assert status(buf) == [0, 0, 0]
+    buf.pad()[layout.DEADLINE] = 1  # what the watchdog writes once the call's time is up
+    wait_flags(buf.pad_table, layout.READY, 0, world, 1, buf.timeout_ns, layout.TIMEOUT_READY, only=late)
+    assert status(buf) == [layout.TIMEOUT_READY, late, 1]

@@ -110,6 +110,17 @@ def timeout_case(op, stall_rank, mode, timeout_s):
         raise AssertionError("the op returned although a peer never called it")
 
 
+def stalled_peer_error(pools, op, timeout_s=2.0) -> str:
+    """Rank 1 of two never makes its second ``op`` call (``timeout_case``): rank 0 must give
+    up within 3x the timeout and raise naming READY[1] (no hang, no wrong result). Returns
+    rank 0's message."""
+    results = pools(2).run(timeout_case, op, 1, "stall", timeout_s)
+    assert results[1] is None
+    assert results[0]["elapsed"] < 3 * timeout_s, results[0]
+    assert "READY[1]" in results[0]["message"], results[0]
+    return results[0]["message"]
+
+
 def captured(step):
     """``(graph, outputs)``: ``step()`` captured in a CUDA graph after a warm-up call on a side
     stream (as torch advises); replaying the graph refills the captured outputs."""

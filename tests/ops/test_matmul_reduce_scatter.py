@@ -10,6 +10,7 @@ from tests.ops.collective_cases import (
     rank_data,
     requires_cuda,
     subgroup,
+    stalled_peer_error,
 )
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -125,6 +126,42 @@ def test_bad_inputs_give_clear_errors(pools):
         assert "passed different inputs" in errors[f"mismatch_{backend}"][1]
 
 
+def _triton_matmul_rs(x, group):
+    return fusedpar.ops.matmul_reduce_scatter(x, torch.ones(3, 5), "sum", 0, group, backend="triton")
+
+
+def test_a_stalled_peer_times_out(pools):
+    """Rank 1 never makes its second call: rank 0 waits for its READY flag before copying its
+    partial, gives up at the timeout and raises naming it (no hang, no wrong result)."""
+    assert "rank 1" in stalled_peer_error(pools, _triton_matmul_rs)
+
+
+def _late_peer():
+    """Rank 0 sleeps before its second call: every other rank waits for its partial at its
+    place in the copy order (first on rank 1, last on rank 3), and the result is bit for bit
+    that of the first call, where every rank started together (the partials are summed in
+    rank order, whenever they arrived)."""
+    import time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    a = torch.randn(2 * world, 24) * (rank + 1)
+    b = torch.randn(24, 9)
+    together = fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 0, backend="triton")
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)
+    late = fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 0, backend="triton")
+    exact = a.double() @ b.double()
+    dist.all_reduce(exact)
+    close = torch.allclose(late.double(), exact.chunk(world)[rank], atol=1e-4)
+    return torch.equal(late, together) and close
+
+
+def test_a_late_peer_changes_nothing(pools):
+    assert pools(4).run(_late_peer) == [True] * 4
+
+
 # ---- GPU: skipped without CUDA ----------------------------------------------------------
 
 
@@ -155,3 +192,27 @@ def _gpu_one_rank():
 @requires_cuda
 def test_gpu_one_rank_symmetric_memory(pools):
     assert pools(1).run(_gpu_one_rank)[0] <= 1.0
+
+
+@requires_cuda
+def test_gpu_side_stream_copies_while_the_gemms_hold_all_but_one_sm():
+    """A group call's path on one GPU: the peers' partials are copied on the side stream (a
+    one-program flag wait, then a copy) while the GEMMs run on all SMs but ``REDUCER_SMS``.
+    In a loopback the first view's copies wait for GEMMs launched after them, and each copy
+    is same-device: if a copy needed an SM the GEMMs held, this would stall into the
+    timeout. Exact on integer data, and equal to the stream-order path."""
+    from fusedpar.comm import get_loopback_buffers
+    from fusedpar.ops.matmul_reduce_scatter import BACKENDS, MatmulCall
+
+    world, m, k, n = 4, 4 * 1024, 512, 768
+    As = [(rank_data((m, k), torch.float32, r) - 20).cuda() for r in range(world)]
+    Bs = [(rank_data((k, n), torch.float32, r, salt=1) / 8).cuda() for r in range(world)]
+    total = sum(a.double() @ b.double() for a, b in zip(As, Bs)).float()
+    call = MatmulCall("matmul_reduce_scatter", As[0], 0, world, None, [Bs[0]], reduce_op="sum")
+    backend = BACKENDS.select(call, "triton")
+    bufs = get_loopback_buffers(world, m * n * 4, As[0].device)
+    for copy_engine in (True, False):
+        outs = backend.run_views(bufs, As, Bs, call, copy_engine=copy_engine)
+        torch.cuda.synchronize()
+        for rank, (out, want) in enumerate(zip(outs, total.chunk(world))):
+            assert torch.equal(out, want), (copy_engine, rank)

@@ -12,7 +12,7 @@ from tests.ops.collective_cases import (
     rank_data,
     requires_cuda,
     subgroup,
-    timeout_case,
+    stalled_peer_error,
 )
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -143,9 +143,7 @@ def _scatter(x, group):
 
 
 def test_a_stalled_peer_times_out(pools):
-    results = pools(2).run(timeout_case, _scatter, 1, "stall", 2.0)
-    assert results[1] is None
-    assert results[0]["elapsed"] < 6.0 and "READY[1]" in results[0]["message"]
+    stalled_peer_error(pools, _scatter)
     assert not leftover_shm()
 
 
