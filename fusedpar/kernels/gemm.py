@@ -8,15 +8,20 @@ import triton
 import triton.language as tl
 
 
-# Pointer-load GPU configs, chosen so that the variants the launchers produce (unit-stride B
-# or Bᵀ, aligned pointers; tests/kernels/test_aot.py prints registers and spills) compile
-# without spills: sm_90 (H100/H200), 16-bit: 128x128x64 tiles, 8 warps (two wgmma
-# warpgroups), 4 stages (128x256 spills with pointer loads: 255 registers + 300-650 B of
-# stack; with TMA loads it fits, see grouped_gemm.gpu_config). sm_80, 16-bit: mma.sync needs
-# more registers: 128x128x32. fp32 runs on FMAs (exact, no TF32) and is for tests and fp32
-# training only: 64x64x32.
-GPU_CONFIG_16BIT = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-GPU_CONFIG_16BIT_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)
+# 16-bit inputs; ptxas reports no spills for any variant with unit inner strides (what the
+# JIT specializes for row-major operands; tests/kernels/test_aot.py prints registers and
+# spills). sm_90: TMA loads on 128x256x64 tiles, two warpgroups, 4 stages (a sweep on the
+# H100 over 128/256 tiles, 3-4 stages, 4-8 warps and warp specialisation: 0.68 ms where
+# 128x128x64 took 0.76 and pointer loads 0.88 on bench_grouped_mm's uniform case). Pointer
+# loads (ragged K needs masks; operands TMA cannot cover) fit 128x128x64 (128x256 spills:
+# 255 registers + 300-650 B of stack). sm_80: mma.sync needs more registers: 128x128x32 on
+# 8 warps. fp32 runs on FMAs (exact, no TF32) and is for tests and fp32 training only:
+# 64x64x32.
+GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
+                       TMA=True)
+POINTER_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_N=128, TMA=False)
+GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3,
+                       TMA=False)
 GPU_CONFIG_FP32 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
 # The interpreter's cost grows with programs x loop iterations: big blocks, few programs.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1,
@@ -55,10 +60,11 @@ def interpreting() -> bool:
 
 
 def gpu_gemm_config(dtype: torch.dtype, arch_major: int) -> dict:
-    """The GPU launch config of the persistent GEMMs for ``dtype`` on a GPU generation."""
+    """The pointer-load GPU launch config of the persistent GEMMs for ``dtype`` on a GPU
+    generation (``grouped_gemm.gpu_config`` picks the TMA and push ones)."""
     if dtype == torch.float32:
         return dict(GPU_CONFIG_FP32)
-    return dict(GPU_CONFIG_16BIT if arch_major >= 9 else GPU_CONFIG_16BIT_SM80)
+    return dict(POINTER_CONFIG_SM90 if arch_major >= 9 else GPU_CONFIG_SM80)
 
 
 def gemm_config(dtype: torch.dtype, device: torch.device, config: dict | None = None) -> dict:
@@ -84,10 +90,11 @@ SM_COUNT = {90: 132, 80: 108}  # H100 SXM, A100: NUM_PROGRAMS of the persistent 
 
 
 def aot_variants(kernel, signature: dict, **consts):
-    """``AOT_EXAMPLES`` entries of a persistent GEMM: what ``gemm_config`` picks per arch and
-    dtype (bf16 stands for both 16-bit types), for B contiguous (``stride_bn`` = 1) and, in
-    16 bits, transposed (``stride_bk`` = 1, the backward's Bᵀ): the JIT makes a unit stride
-    a constexpr."""
+    """``AOT_EXAMPLES`` entries of a persistent GEMM on pointer loads: ``gpu_gemm_config``
+    per arch and dtype (bf16 stands for both 16-bit types), A row-major (``stride_ak`` = 1),
+    B contiguous (``stride_bn`` = 1) and, in 16 bits, transposed (``stride_bk`` = 1, the
+    backward's Bᵀ): the JIT makes a unit stride a constexpr, so these are the binaries that
+    run."""
     out = []
     for arch in SM_COUNT:
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -96,7 +103,7 @@ def aot_variants(kernel, signature: dict, **consts):
             blocks = {k: v for k, v in cfg.items() if k.isupper()}
             options = {"arch": arch, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
             for unit in ("stride_bn", "stride_bk")[: 2 if name == "bf16" else 1]:
-                unit_consts = {unit: 1, **({"stride_cn": 1} if "stride_cn" in sig else {})}
+                unit_consts = {unit: 1, **{k: 1 for k in ("stride_ak", "stride_cn") if k in sig}}
                 out.append((kernel, sig, dict(blocks, NUM_PROGRAMS=SM_COUNT[arch], UPCAST=False,
                                               **unit_consts, **consts), options))
     return out

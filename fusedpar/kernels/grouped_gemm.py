@@ -52,24 +52,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import GPU_CONFIG_FP32, gemm_config, grouped_tile, interpreting, mma
+from .gemm import (GPU_CONFIG_FP32, GPU_CONFIG_SM80, GPU_CONFIG_SM90, POINTER_CONFIG_SM90, gemm_config,
+                   grouped_tile, interpreting, mma)
 from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, spinning_grid,
                      wait_flag)
 
-# 16-bit inputs; ptxas reports no spills for any variant with unit inner strides (what the
-# JIT specializes for row-major operands). sm_90: TMA loads on 128x256x64 tiles, two
-# warpgroups, 4 stages (a sweep on the H100 over 128/256 tiles, 3-4 stages, 4-8 warps and
-# warp specialisation: 0.68 ms where 128x128x64 took 0.76 and pointer loads 0.88 on the
-# benchmark's uniform case). Pointer loads (the k-grouped wgrad kernel, whose ragged K needs
-# masks, and operands TMA cannot cover) fit 128x128x64 (128x256 spills). sm_80: 128x128x32
-# on 8 warps. fp32 uses gemm.py's FMA config.
-GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
-                       TMA=True)
-POINTER_CONFIG_SM90 = dict(GPU_CONFIG_SM90, BLOCK_N=128, TMA=False)
-GPU_CONFIG_SM80 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3,
-                       TMA=False)
 # The peers kernel's push variant (C tiles into a peer's region through computed pointers)
-# spills on those: 236 B on sm_90 under triton 3.6, 80 B on sm_80. With pointer loads two
+# spills on gemm.py's configs: 236 B on sm_90 under triton 3.6, 80 B on sm_80. With pointer loads two
 # warpgroups on 128x64 fit both B layouts on sm_90 (128x128 spills 288 B under triton 3.6).
 # With TMA loads, 128x256 on 3 stages spilled ~100 B (the store's addresses: PUSH_SPILLS)
 # and was still the fastest: the W=8 loopback expert MLP took 28.6 / 30.1 ms in two runs on
