@@ -83,7 +83,7 @@ def _loopback_measure(backend, shape, device, gpu_times):
     return fn, gpu_times(fn), bytes_moved, None
 
 
-@pytest.mark.parametrize("backend", SUITE.LOOPBACK_BACKENDS)  # the baseline first
+@pytest.mark.parametrize("backend", SUITE.loopback_backends)  # the baseline first
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, matmul_roofline, report_target,
                   shape, backend):

@@ -6,7 +6,9 @@
   loopback symmetric buffers; then, in stream order, each rank's peer partials are copied
   into its staging buffer and one pass sums its chunk), against W
   ``torch.matmul`` calls of the same per-rank GEMM (``A_r @ B_r``, the reduction left out).
-  Target: >= 0.9x torch.matmul's TFLOP/s.
+  Target: >= 0.9x torch.matmul's TFLOP/s. ``triton.side_stream``: the same with the copies
+  of a group call (``side_stream=True``: on the side stream while the GEMMs run on all SMs
+  but one; a rank's copies wait for the GEMMs of the ranks after it).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against the unfused cuBLAS matmul then NCCL ``reduce_scatter_tensor``, and against torch
   ``symm_mem.fused_matmul_reduce_scatter`` (async-TP). Targets: >= 1.0x symm_mem, >= 1.2x
@@ -36,7 +38,8 @@ OP = "matmul_reduce_scatter"
 SHAPES = [(8192, 1024, 8192), (8192, 3584, 8192), (1000 * W_LOOPBACK, 1032, 1288)]  # M, K, N
 SYMM_MEM = "symm_mem.fused_matmul_reduce_scatter"
 UNFUSED = "matmul+nccl"
-SUITE = MatmulSuite(OP, symm_mem=SYMM_MEM, unfused=UNFUSED,
+SIDE_STREAM = "triton.side_stream"  # the loopback with a group call's copies (module docstring)
+SUITE = MatmulSuite(OP, symm_mem=SYMM_MEM, unfused=UNFUSED, loopback_extra=(SIDE_STREAM,),
                     moved_cols=lambda m, k, n: n)  # the [M, N] product crosses ranks
 
 
@@ -68,7 +71,8 @@ def _loopback_measure(backend, shape, device, gpu_times):
         outs, bytes_moved = torch_outs, None
     else:
         def fn():
-            return fusedpar.ops.matmul_reduce_scatter_loopback(As, Bs, "sum", 0)
+            return fusedpar.ops.matmul_reduce_scatter_loopback(As, Bs, "sum", 0,
+                                                               side_stream=backend == SIDE_STREAM)
         outs, bytes_moved = counted(fn)
     ref64 = torch.zeros(m, n, dtype=torch.float64, device=device)
     for a, b in zip(As, Bs):
@@ -84,7 +88,7 @@ def _loopback_measure(backend, shape, device, gpu_times):
     return fn, gpu_times(fn), bytes_moved, None
 
 
-@pytest.mark.parametrize("backend", SUITE.LOOPBACK_BACKENDS)  # the baseline first
+@pytest.mark.parametrize("backend", SUITE.loopback_backends)  # the baseline first
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, matmul_roofline, report_target,
                   shape, backend):

@@ -182,15 +182,17 @@ class MatmulSuite:
     its ``lower_bound`` the W-1 peers' ``[M / W, cols]`` parts, both times the ranks this
     process plays (W in loopback, 1 under torchrun). ``medians``: the median ms of each case
     run so far per ``(mode, shape, world, backend)``, None where it could not run; the
-    speedups are taken from them.
+    speedups are taken from them. ``loopback_extra``: more fusedpar variants to time in
+    loopback after ``triton``.
     """
 
     FUSEDPAR = ("reference", "pipelined", "triton")
-    LOOPBACK_BACKENDS = ["torch.matmul", "triton"]  # the baseline first
 
-    def __init__(self, op, *, symm_mem, unfused, moved_cols):
+    def __init__(self, op, *, symm_mem, unfused, moved_cols, loopback_extra=()):
         self.op = op
         self.moved_cols = moved_cols
+        self.loopback_backends = ["torch.matmul", "triton", *loopback_extra]  # the baseline first
+        self.ours = (*self.FUSEDPAR, *loopback_extra)
         self.targets = {  # per mode: {baseline: the least speedup over it (TFLOP/s ratio)}
             "loopback": {"torch.matmul": 0.9},
             "torchrun": {symm_mem: 1.0, unfused: 1.2},
@@ -218,7 +220,7 @@ class MatmulSuite:
         notes.update(tflops=f"{tflops:.1f}", roofline_tflops=f"{roofline:.1f}",
                      pct_roofline=f"{100 * tflops / roofline:.1f}")
         targets = self.targets[mode]
-        if backend in self.FUSEDPAR:
+        if backend in self.ours:
             for baseline in targets:  # a -k selection may have left a baseline out
                 if (*key, baseline) not in self.medians:
                     with contextlib.suppress(Unavailable):

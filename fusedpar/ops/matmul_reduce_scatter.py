@@ -206,12 +206,20 @@ _matmul_reduce_scatter_op.register_autograd(_backward, setup_context=_setup_cont
 
 
 def matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor],
-                                   reduce_op: str = "sum", scatter_dim: int = 0) -> list[torch.Tensor]:
+                                   reduce_op: str = "sum", scatter_dim: int = 0, *,
+                                   side_stream: bool = False) -> list[torch.Tensor]:
     """Every rank's part of ``matmul_reduce_scatter`` in this process (rank r multiplies
     ``As[r]`` by ``Bs[r]``) over a loopback buffer with the ``triton`` backend; returns each
-    rank's output. For single-device benchmarks and tests of the protocol."""
+    rank's output. For single-device benchmarks and tests of the protocol.
+
+    The peers' partials are copied in stream order after every rank's GEMM, or with
+    ``side_stream`` (CUDA) as a group call copies them: on the side stream while the GEMMs
+    run (a rank's copies wait there for the GEMMs of the ranks after it, which never wait)."""
     if not As or len(As) != len(Bs):
         raise ValueError(f"fusedpar.{OP}_loopback: As and Bs must hold one tensor per simulated rank")
+    if side_stream and not As[0].is_cuda:
+        raise ValueError(f"fusedpar.{OP}_loopback: side_stream=True needs CUDA tensors (the copy "
+                         f"engine); As are on {As[0].device}")
     world = len(As)
     for r, (a, b) in enumerate(zip(As, Bs)):
         if (a.shape, b.shape, a.dtype, a.device) != (As[0].shape, Bs[0].shape, As[0].dtype, As[0].device):
@@ -222,7 +230,7 @@ def matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor
     rows = [MatmulCall(OP, a, dim, world, None, [b]).rows() for a, b in zip(As, Bs)]
     nbytes = rows[0].shape[0] * Bs[0].shape[1] * rows[0].element_size()
     bufs = get_loopback_buffers(world, nbytes, As[0].device)
-    return [_chunk_out(call, out) for out in backend.run_views(bufs, rows, Bs, call, copy_engine=False)]
+    return [_chunk_out(call, out) for out in backend.run_views(bufs, rows, Bs, call, side_stream)]
 
 
 def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "sum",

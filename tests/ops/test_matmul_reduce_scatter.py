@@ -198,21 +198,21 @@ def test_gpu_one_rank_symmetric_memory(pools):
 def test_gpu_side_stream_copies_while_the_gemms_hold_all_but_one_sm():
     """A group call's path on one GPU: the peers' partials are copied on the side stream (a
     one-program flag wait, then a copy) while the GEMMs run on all SMs but ``REDUCER_SMS``.
-    In a loopback the first view's copies wait for GEMMs launched after them, and each copy
+    In a loopback the first rank's copies wait for GEMMs launched after them, and each copy
     is same-device: if a copy needed an SM the GEMMs held, this would stall into the
-    timeout. Exact on integer data, and equal to the stream-order path."""
-    from fusedpar.comm import get_loopback_buffers
-    from fusedpar.ops.matmul_reduce_scatter import BACKENDS, MatmulCall
-
+    timeout. Exact on integer data, for both paths."""
     world, m, k, n = 4, 4 * 1024, 512, 768
     As = [(rank_data((m, k), torch.float32, r) - 20).cuda() for r in range(world)]
     Bs = [(rank_data((k, n), torch.float32, r, salt=1) / 8).cuda() for r in range(world)]
     total = sum(a.double() @ b.double() for a, b in zip(As, Bs)).float()
-    call = MatmulCall("matmul_reduce_scatter", As[0], 0, world, None, [Bs[0]], reduce_op="sum")
-    backend = BACKENDS.select(call, "triton")
-    bufs = get_loopback_buffers(world, m * n * 4, As[0].device)
-    for copy_engine in (True, False):
-        outs = backend.run_views(bufs, As, Bs, call, copy_engine=copy_engine)
+    for side_stream in (True, False):
+        outs = fusedpar.ops.matmul_reduce_scatter_loopback(As, Bs, side_stream=side_stream)
         torch.cuda.synchronize()
         for rank, (out, want) in enumerate(zip(outs, total.chunk(world))):
-            assert torch.equal(out, want), (copy_engine, rank)
+            assert torch.equal(out, want), (side_stream, rank)
+
+
+def test_loopback_side_stream_needs_cuda():
+    with pytest.raises(ValueError, match="side_stream=True needs CUDA tensors"):
+        fusedpar.ops.matmul_reduce_scatter_loopback([torch.ones(2, 3)] * 2, [torch.ones(3, 4)] * 2,
+                                                    side_stream=True)
