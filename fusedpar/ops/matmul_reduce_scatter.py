@@ -108,20 +108,22 @@ class Triton(Backend):
         a = call.rows()
         nbytes = a.shape[0] * call.bs[0].shape[1] * a.element_size()
         buf = get_buffer(call.group, nbytes, a.device)
-        return _chunk_out(call, self.run_views([buf], [a], call.bs, call, copy_engine=a.is_cuda)[0])
+        side_stream = a.is_cuda and call.world_size > 1  # a group of one copies nothing
+        return _chunk_out(call, self.run_views([buf], [a], call.bs, call, side_stream)[0])
 
-    def run_views(self, bufs, a_rows, bs, call: MatmulCall, copy_engine: bool) -> list[torch.Tensor]:
-        """Each rank view's ``[rows / W, N]`` chunk of the reduced product."""
+    def run_views(self, bufs, a_rows, bs, call: MatmulCall, side_stream: bool) -> list[torch.Tensor]:
+        """Each rank view's ``[rows / W, N]`` chunk of the reduced product; ``side_stream``
+        (CUDA): the copies on the side stream, overlapping the GEMMs."""
         world, meta = call.world_size, call.fingerprint()
         m, n = a_rows[0].shape[0], bs[0].shape[1]
         m_chunk = m // world
         divisor = float(world) if call.reduce_op == "avg" else 1.0
         dtype, device = a_rows[0].dtype, a_rows[0].device
-        main = torch.cuda.current_stream(device) if copy_engine else None
-        side = C.side_stream(device) if copy_engine else None
+        main = torch.cuda.current_stream(device) if side_stream else None
+        side = C.side_stream(device) if side_stream else None
         # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
         config = ({"NUM_PROGRAMS": sm_count(device) - gemm_rs_kernels.REDUCER_SMS}
-                  if copy_engine else None)
+                  if side_stream else None)
         epochs = [buf.next_epoch() for buf in bufs]
         partials, stages = [], []
         for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
