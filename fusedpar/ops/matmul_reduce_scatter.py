@@ -139,11 +139,11 @@ class Triton(Backend):
             if side is not None:
                 with torch.cuda.stream(side):
                     _fetch_partials(buf, stages[-1], epoch, meta, m * n)
+        if side is not None:
+            main.wait_stream(side)
         outs = []
         for buf, own, stage, epoch in zip(bufs, partials, stages, epochs):
-            if side is not None:
-                main.wait_stream(side)
-            else:
+            if side is None:
                 _fetch_partials(buf, stage, epoch, meta, m * n)
             out = torch.empty(m_chunk, n, dtype=dtype, device=device)
             gemm_rs_kernels.reduce_chunks(out, own[buf.rank], stage, buf.rank, world, divisor)
