@@ -193,8 +193,9 @@ class _Unpermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weights, pos, k):
-        ctx.save_for_backward(y, weights, pos)
-        ctx.k = k
+        # y only for the weights' gradient (fused moe_experts' y is a view of a buffer)
+        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, weights, pos)
+        ctx.k, ctx.rows = k, y.shape[0]
         return _unpermute(y, pos, k, weights.shape[0], weights)
 
     @staticmethod
@@ -203,7 +204,7 @@ class _Unpermute(torch.autograd.Function):
         k, kept = ctx.k, pos >= 0
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:  # the permutation kernel: no host read of pos
-            grad_y = _permute(grad, pos, k, y.shape[0], weights)
+            grad_y = _permute(grad, pos, k, ctx.rows, weights)
         if ctx.needs_input_grad[1]:
             rows = y[pos.clamp(min=0).long()].float()
             dots = (rows * grad.repeat_interleave(k, 0).float()).sum(-1)

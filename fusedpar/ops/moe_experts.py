@@ -149,6 +149,7 @@ class _Plan:
     segment_ends: torch.Tensor  # int32 [W * E_local]: of the (source, expert) segments of all copies
     table: torch.Tensor | None = None  # fused: every rank's copies per expert (host, [W, E])
     k: int = 0
+    keep_back: bool = True  # fused: the forward's results outlive the call (autograd saves them)
 
     @classmethod
     def from_counts(cls, group, rank: int, send_counts: torch.Tensor, recv_counts: torch.Tensor,
@@ -436,7 +437,8 @@ def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple:
 
 
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
-                    desc: list[int], keep_h: bool = False, h13s: list | None = None):
+                    desc: list[int], keep_h: bool = False, h13s: list | None = None,
+                    copy_back: bool = True):
     """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
     their experts, which compute ``epilogue(rows @ first_b[e]) @ second_b[e]`` and write the
     results straight back; one view per process, or all W in a loopback. ``epilogue`` runs
@@ -446,6 +448,9 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     view), ``w13``. Returns per view ``(back, received, first product (None when not
     kept), the epilogue's output, bytes from peers)``: the results of its own rows in their
     order, the rows it received (source-major) and what the epilogue made of them.
+    ``copy_back=False``: ``back`` is a view of this rank's region 2, valid until this rank's
+    next exchange on the group's buffer (a peer writes there only after our next stage); for
+    a caller that consumes it at once, not for one that autograd saves.
 
     Two epochs per call. Epoch 1: stage the rows (after DONE of the last call), READY;
     ``C.gathering`` copies each source's block of rows for this rank's experts (one
@@ -514,7 +519,8 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
                                                                        states):
         launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
                              layout.TIMEOUT_READY, meta)
-        back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape).clone()
+        back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape)
+        back = back.clone() if copy_back else back
         pushed_here = x.shape[0] - per_sources[buf.rank][buf.rank]
         outs.append((back, received, product, mid,
                      (peer_rows + pushed_here) * hidden * x.element_size()))
@@ -522,9 +528,11 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     return outs
 
 
-def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, keep_h: bool = False):
+def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, keep_h: bool = False,
+                   copy_back: bool = True):
     return _fused_exchange(bufs, sorted_xs, [w.transpose(1, 2) for w in w13s],
-                           [w.transpose(1, 2) for w in w2s], table, meta, desc, keep_h=keep_h)
+                           [w.transpose(1, 2) for w in w2s], table, meta, desc, keep_h=keep_h,
+                           copy_back=copy_back)
 
 
 def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype) -> tuple[int, list[int]]:
@@ -554,7 +562,8 @@ class _FusedExperts(torch.autograd.Function):
         meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
         (back, received, h13, act, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
                                                              [w2], table, meta, desc,
-                                                             keep_h=any(ctx.needs_input_grad[:3]))
+                                                             keep_h=any(ctx.needs_input_grad[:3]),
+                                                             copy_back=plan.keep_back)
         counters.record(OP, "fused", nbytes)
         # act (the push GEMM's input) for w2's gradient: kept, as autograd keeps silu's output
         ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2)
@@ -600,6 +609,8 @@ class Fused(Backend):
         plan = _Plan.from_counts(group, rank, table[rank].view(world, local),
                                  table[:, rank * local:(rank + 1) * local], x.device)
         plan.table, plan.k = table, k
+        # the results are weighted and summed at once; kept only for topk_weights' gradient
+        plan.keep_back = torch.is_grad_enabled() and call.topk_weights.requires_grad
         sorted_x = _Permute.apply(x, pos, k, sum(plan.send))
         back = _FusedExperts.apply(sorted_x, w13, call.w2, plan)
         return _Unpermute.apply(back, call.topk_weights, pos, k)
@@ -615,7 +626,7 @@ def _fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
                  for r, (x, (pos, _)) in enumerate(zip(xs, sorts))]
     bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden, dtype), xs[0].device)
     meta, desc = _fused_meta(hidden, w13s[0], local * world, k, dtype)
-    outs = _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc)
+    outs = _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, copy_back=False)
     for *_, nbytes in outs:
         counters.record(OP, "fused", nbytes)
     return [_unpermute(back, pos, k, x.shape[0], w)

@@ -185,6 +185,47 @@ def test_pipelined_sends_a_token_once_per_rank(pools):
     assert pools(2).run(_check_experts, 13, 8, 6, 4, 4, "pipelined", False) == [True] * 2
 
 
+def _check_fused_results_outlive_the_next_call():
+    """The fused forward reads its results straight from the symmetric buffer's region 2
+    where they are weighted and summed at once (no autograd, or no gradient for the
+    weights), and copies them out where autograd saves them for topk_weights' gradient: a
+    second call on the group, which rewrites region 2, leaves the first call's gradient
+    right, and so does x's (autograd saves no results when only x needs one)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(2 * world, 12, 8) / 4, torch.randn(2 * world, 8, 6) / 4
+    mine = slice(2 * rank, 2 * rank + 2)
+    calls = []
+    for call in range(3):
+        torch.manual_seed(10 * call + rank)  # rank- and call-encoded tokens and routes
+        x = torch.randn(7, 8) + rank
+        idx, w, _ = topk_route(torch.randn(7, 2 * world), 2)
+        calls.append((x, idx, w))
+    (x, idx, w), later, unweighted = calls
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for leaf in ("topk_weights", "x"):  # what needs a gradient
+        x, w = x.detach().requires_grad_(leaf == "x"), w.detach().requires_grad_(leaf != "x")
+        y = moe_experts(x, idx, w, w13[mine], w2[mine], backend="fused")
+        moe_experts(*later, w13[mine], w2[mine], backend="fused")  # rewrites region 2
+        (y * torch.arange(8.0)).sum().backward()
+        ref_x, ref_w = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref = experts_dense(ref_x, idx, ref_w, w13.double(), w2.double())
+        (ref * torch.arange(8.0, dtype=torch.float64)).sum().backward()
+        torch.testing.assert_close(y.detach().double(), ref.detach(), **tol)
+        got, want = (x.grad, ref_x.grad) if leaf == "x" else (w.grad, ref_w.grad)
+        torch.testing.assert_close(got.double(), want, **tol)
+    with torch.no_grad():
+        y_no_grad = moe_experts(*unweighted, w13[mine], w2[mine], backend="fused")
+    x3, idx3, w3 = unweighted
+    torch.testing.assert_close(y_no_grad.double(), experts_dense(x3.double(), idx3, w3.double(),
+                                                                 w13.double(), w2.double()), **tol)
+    return True
+
+
+def test_fused_results_outlive_the_next_call(pools):
+    assert pools(2).run(_check_fused_results_outlive_the_next_call) == [True] * 2
+
+
 def _check_dropped_copies():
     """Copies dropped by a capacity (-1 ids), a token with all of them dropped included:
     the pipelined backend's outputs and gradients are the reference backend's."""
