@@ -7,10 +7,18 @@ unfused sequence a user would write from fusedpar's pieces::
           for (recv_x, tokens_per_expert, _), w13, w2 in ...]   # offs = tokens_per_expert.cumsum(0)
     outs = moe_combine_loopback(ys, handles)
 
-Mixtral-8x7B-like shapes: H=4096, I=14336, 8 experts (one per simulated rank), top-2,
-2048 tokens per rank, bf16, router logits drawn at random (nearly uniform routing).
+Two shapes, bf16, router logits drawn at random (nearly uniform routing):
+- ``mixtral`` (Mixtral 8x7B): H=4096, I=14336, 8 experts (one per simulated rank), top-2,
+  2048 tokens per rank;
+- ``fine`` (fine-grained experts, Qwen3-30B-A3B's layer): H=2048, I=768, 128 experts (16
+  per simulated rank), top-8, 4096 tokens per rank.
 TFLOP/s counts ``2 * 3 * H * I`` per routed copy. Target (recorded, never asserted): the
-fused backend >= 1.15x the unfused sequence. Each case is checked once against the dense
+fused backend >= 1.15x the unfused sequence. Each row notes ``m_tiles``: the 128-row tiles
+(over every simulated rank) of the first GEMM's rows, counted from the routing. The unfused
+GEMMs tile each expert's rows; the fused GEMMs tile runs of rows that lie back to back:
+with one expert per rank a run holds every source's rows; with several, each (source,
+expert) block is its own run, and its last tile is partial. A profile of one call (GPU
+time per kernel and copy) goes to ``results/profiles/``. Each case is checked once against the dense
 expert loop in fp32 before it is timed. Skips without a GPU: no number is ever printed for
 a machine that did not run it. The loopback runs the fused backend's GPU path: the copy
 engine brings each source's rows once (bytes_moved = lower bound) while the first grouped
@@ -24,17 +32,22 @@ in ``moe_experts_train.csv`` without a target.
 the routed copies whose expert lives on another rank, there and back (the lower bound).
 """
 
+import numpy as np
 import pytest
 import torch
 
 import fusedpar
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
+from fusedpar.ops.moe_experts import _groups
 
-from common import DTYPE, W_LOOPBACK, busy_ms, counted, gpu_busy_ms, host_ms, name, or_skip, rel_err
+from common import (DTYPE, W_LOOPBACK, busy_ms, by_name, counted, gpu_profile, host_ms, name, or_skip,
+                    rel_err)
 
 OP = "moe_experts"
-TOKENS, HIDDEN, INTERMEDIATE, TOP_K = 2048, 4096, 14336, 2  # per simulated rank; Mixtral 8x7B
-EXPERTS_PER_RANK = 1
+# per simulated rank: tokens, hidden, intermediate, experts, top-k
+SHAPES = {"mixtral": (2048, 4096, 14336, 1, 2), "fine": (4096, 2048, 768, 16, 8)}
+_, HIDDEN, INTERMEDIATE, _, TOP_K = SHAPES["mixtral"]  # the train rows' sizes
+TILE_ROWS = 128  # BLOCK_M of both backends' first GEMM on sm_90 and sm_80
 BACKENDS = ["unfused", "fused"]  # the baseline first
 TARGET = 1.15
 _medians: dict = {}
@@ -86,30 +99,48 @@ def _check(outs, case) -> float:
                for out, x, idx, w in zip(outs, xs, idxs, weights))
 
 
+def _m_tiles(backend, idxs, local) -> int:
+    """The first GEMM's TILE_ROWS-row tiles over every simulated rank (see the docstring)."""
+    world = len(idxs)
+    table = torch.stack([torch.bincount(idx[idx >= 0].flatten().cpu(), minlength=world * local)
+                         for idx in idxs])
+    if backend == "unfused":
+        rows = table.sum(0).numpy()
+    else:
+        rows = _groups(table, list(range(world)), local)[1][:, 2]
+    return int(np.ceil(rows / TILE_ROWS).sum())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, backend):
+@pytest.mark.parametrize("shape_name", SHAPES)
+def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, report_target, synced,
+                  shape_name, backend):
     world = W_LOOPBACK
-    case = _case(world, TOKENS, HIDDEN, INTERMEDIATE, EXPERTS_PER_RANK, TOP_K, DTYPE, gpu)
+    tokens, hidden, inter, local, k = SHAPES[shape_name]
+    case = _case(world, tokens, hidden, inter, local, k, DTYPE, gpu)
     fn = _fn(backend, case)
     outs, moved = or_skip(counted, fn)
     err = _check(outs, case)
     assert err < 2e-2, f"{backend}: relative error {err}"
     median, p20, p80 = gpu_times(fn)
-    copies = world * TOKENS * TOP_K
-    tflops = 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
-    _medians[backend] = median
-    notes = {"tflops": f"{tflops:.1f}", "top_k": TOP_K, "experts": world * EXPERTS_PER_RANK,
-             "gpu_busy_ms": f"{gpu_busy_ms(fn):.2f}", "host_ms": f"{host_ms(fn):.2f}"}
-    if backend != "unfused" and "unfused" in _medians:
-        speedup = _medians["unfused"] / median
+    copies = world * tokens * k
+    tflops = 2 * 3 * hidden * inter * copies / (median * 1e-3) / 1e12
+    _medians[(shape_name, backend)] = median
+    busy, kernels = gpu_profile(fn)
+    notes = {"tflops": f"{tflops:.1f}", "top_k": k, "experts": world * local,
+             "m_tiles": _m_tiles(backend, case[1], local), "gpu_busy_ms": f"{busy:.2f}",
+             "host_ms": f"{host_ms(fn):.2f}"}
+    if backend != "unfused" and (shape_name, "unfused") in _medians:
+        speedup = _medians[(shape_name, "unfused")] / median
         notes["x_unfused"] = f"{speedup:.2f}"
-        report_target(f"moe_experts loopback W={world}: {backend} {speedup:.2f}x unfused "
-                      f"(target >= {TARGET}x)")
-    shape = (world, TOKENS, HIDDEN, INTERMEDIATE)
-    lower_bound = _lower_bound(case[1], EXPERTS_PER_RANK, HIDDEN, outs[0].element_size())
+        report_target(f"moe_experts loopback W={world} {shape_name}: {backend} {speedup:.2f}x "
+                      f"unfused (target >= {TARGET}x)")
+    shape = (world, tokens, hidden, inter)
+    lower_bound = _lower_bound(case[1], local, hidden, outs[0].element_size())
     record_row(OP, backend, shape, DTYPE, world, median, p20, p80,
-               algo_bytes=2 * copies * HIDDEN * outs[0].element_size(),
+               algo_bytes=2 * copies * hidden * outs[0].element_size(),
                bytes_moved=moved, lower_bound=lower_bound, **notes)
+    record_profile(OP, backend, shape, median, busy, kernels)
     benchmark.group = f"{OP} loopback {name(shape)}"
     benchmark.extra_info.update(tflops=tflops)
     benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)
@@ -122,7 +153,8 @@ TRAIN_BACKENDS = ["reference", "pipelined", "fused"]  # the baseline first
 
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
-def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, record_row, backend):
+def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, record_row,
+                             record_profile, backend):
     """Forward + backward of ``moe_experts`` on a one-rank group (ep=1): nothing crosses
     ranks, so the rows price each backend's compute in training, the part the loopback rows
     (forward only) leave out: the fused backend's SwiGLU epilogues (the forward keeping the
@@ -149,14 +181,15 @@ def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, recor
     copies = TRAIN_TOKENS * TOP_K
     tflops = 3 * 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
     _medians[f"train {backend}"] = median
+    busy, kernels = gpu_profile(step)
     notes = {"mode": "train_one_rank", "tflops": f"{tflops:.1f}", "top_k": TOP_K,
-             "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{gpu_busy_ms(step):.2f}",
-             "host_ms": f"{host_ms(step):.2f}"}
+             "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{busy:.2f}", "host_ms": f"{host_ms(step):.2f}"}
     if backend != "reference" and "train reference" in _medians:
         notes["x_reference"] = f"{_medians['train reference'] / median:.2f}"
     shape = (1, TRAIN_TOKENS, HIDDEN, INTERMEDIATE)
     record_row(f"{OP}_train", backend, shape, DTYPE, 1, median, p20, p80,
                algo_bytes=2 * copies * HIDDEN * x.element_size(), **notes)
+    record_profile(f"{OP}_train", backend, shape, median, busy, kernels)
     benchmark.group = f"{OP} train one rank {name(shape)}"
     benchmark.extra_info.update(tflops=tflops)
     benchmark.pedantic(synced(step), rounds=10, warmup_rounds=2, iterations=1)
@@ -183,3 +216,41 @@ def test_busy_ms_counts_overlaps_once_and_gaps_not_at_all():
     once, the host's gaps between kernels not at all."""
     assert busy_ms([(0, 1000), (500, 1500), (3000, 3500), (100, 200)]) == 2.0
     assert busy_ms([]) == 0
+
+
+def test_profile_sums_each_kernels_intervals():
+    """The arithmetic behind results/profiles/: each name's intervals summed and counted
+    (overlaps included), the largest total first."""
+    intervals = [("gemm", 0, 1000), ("copy", 500, 1500), ("gemm", 3000, 4500), ("sum", 10, 20)]
+    assert by_name(intervals) == [("gemm", 2.5, 2), ("copy", 1.0, 1), ("sum", 0.01, 1)]
+    assert by_name([]) == []
+
+
+def test_m_tiles_count_the_first_gemms_tiles():
+    """Hand-counted: 2 ranks, one expert each, top-1; each rank routes 100 tokens to expert 0
+    and 60 to expert 1. Unfused: expert 0's 200 rows are 2 tiles, expert 1's 120 one. Fused:
+    rank 0 multiplies its own 100 rows, then rank 1's, which follow them (one run, 2 tiles);
+    rank 1's own 60 rows lie after rank 0's 60 (source order), so its two blocks are two runs
+    of one tile each."""
+    idx = torch.tensor([0] * 100 + [1] * 60)[:, None]
+    assert _m_tiles("unfused", [idx, idx], 1) == 3
+    assert _m_tiles("fused", [idx, idx], 1) == 4
+    # two experts per rank, so each (source, expert) block is its own run with its own
+    # partial tile: rank 0 gets 100 + 60 rows from each source, rank 1 30 + 130
+    idx = torch.tensor([0] * 100 + [1] * 60 + [2] * 30 + [3] * 130)[:, None]
+    assert _m_tiles("unfused", [idx, idx], 2) == 2 + 1 + 1 + 3  # 200, 120, 60, 260 rows
+    assert _m_tiles("fused", [idx, idx], 2) == 2 * (1 + 1) + 2 * (1 + 2)
+
+
+def test_profile_file_lists_the_largest_kernels(record_profile, tmp_path, monkeypatch):
+    monkeypatch.setitem(record_profile.__globals__, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+    kernels = [("gemm", 3.0, 2), ("copy", 1.0, 4), ("sum", 0.5, 1)]
+    path = record_profile(OP, "fused", (8, 16), 5.0, 4.0, kernels, top=2)
+    assert path == tmp_path / "profiles" / f"{OP}_fused_8x16.txt"
+    lines = path.read_text().splitlines()
+    assert "a test GPU" in lines[0] and "median 5.000 ms, GPU busy 4.000 ms" in lines[1]
+    assert lines[3].split() == ["3.000", "2", "75.0", "gemm"]
+    assert lines[4].split() == ["1.000", "4", "25.0", "copy"]
+    assert lines[5].split() == ["0.500", "1", "(1", "more", "names)"]
+

@@ -14,7 +14,8 @@ three ways:
 
 Decode-sized batches of DeepSeek-V3-like shapes: H=7168, 256 experts (32 per simulated
 rank), top-8, bf16, router logits drawn at random. No target: the rows say what the graph
-and the padding buy at these sizes. Each case is checked once against ``x * sum(weights)``
+and the padding buy at these sizes; a profile of one call (GPU time per kernel and copy)
+goes to ``results/profiles/``. Each case is checked once against ``x * sum(weights)``
 before it is timed. Skips without a GPU: no number is ever printed for a machine that did
 not run it.
 """
@@ -24,7 +25,7 @@ import torch
 
 from fusedpar.ops.moe import moe_combine_loopback, moe_dispatch_loopback, topk_route
 
-from common import DTYPE, W_LOOPBACK, counted, gpu_busy_ms, host_ms, name, or_skip, rel_err
+from common import DTYPE, W_LOOPBACK, counted, gpu_profile, host_ms, name, or_skip, rel_err
 
 OP = "moe_dispatch"
 HIDDEN, EXPERTS, TOP_K = 7168, 256, 8
@@ -83,7 +84,7 @@ def _lower_bound(idxs, local, element_size) -> int:
 
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("mode", MODES)
-def test_loopback(benchmark, gpu, gpu_times, record_row, synced, mode, tokens):
+def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, synced, mode, tokens):
     world = W_LOOPBACK
     case = _case(world, tokens, gpu)
     fn = _fn(mode, case)
@@ -93,7 +94,8 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, mode, tokens):
     median, p20, p80 = gpu_times(fn)
     key = (world, tokens)
     _medians[key, mode] = median
-    notes = {"top_k": TOP_K, "experts": EXPERTS, "gpu_busy_ms": f"{gpu_busy_ms(fn):.2f}",
+    busy, kernels = gpu_profile(fn)
+    notes = {"top_k": TOP_K, "experts": EXPERTS, "gpu_busy_ms": f"{busy:.2f}",
              "host_ms": f"{host_ms(fn):.2f}"}
     if mode != "unpadded" and (key, "unpadded") in _medians:
         notes["x_unpadded"] = f"{_medians[key, 'unpadded'] / median:.2f}"
@@ -106,5 +108,6 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, mode, tokens):
                algo_bytes=2 * copies * HIDDEN * element_size,
                bytes_moved=None if mode == "padded_graph" else moved,  # a replay runs no Python to count
                lower_bound=_lower_bound(case[1], EXPERTS // world, element_size), **notes)
+    record_profile(OP, mode, shape, median, busy, kernels)
     benchmark.group = f"{OP} loopback {name(shape)}"
     benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)

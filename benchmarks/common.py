@@ -82,10 +82,22 @@ def busy_ms(intervals) -> float:
     return total / 1e3
 
 
-def gpu_busy_ms(fn) -> float:
-    """How long one call of ``fn`` keeps the GPU busy: the union of the intervals of its
-    kernels, copies and memsets on every stream (torch.profiler's CUDA activity). A median
-    well above it is time the GPU waited for the host."""
+def by_name(intervals) -> list[tuple[str, float, int]]:
+    """``(name, start_us, end_us)`` intervals as ``(name, total ms, count)`` per name, the
+    largest total first."""
+    totals: dict[str, list] = {}
+    for event, start, end in intervals:
+        total = totals.setdefault(event, [0.0, 0])
+        total[0] += (end - start) / 1e3
+        total[1] += 1
+    return sorted(((event, ms, n) for event, (ms, n) in totals.items()), key=lambda row: -row[1])
+
+
+def gpu_profile(fn) -> tuple[float, list[tuple[str, float, int]]]:
+    """One call of ``fn`` (after a warm-up call) under torch.profiler's CUDA activity:
+    ``(busy ms, kernels)``. Busy: the union of the intervals of its kernels, copies and
+    memsets on every stream; a median well above it is time the GPU waited for the host.
+    Kernels: ``by_name`` of those intervals (where the busy time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -93,14 +105,15 @@ def gpu_busy_ms(fn) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return busy_ms((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    return busy_ms((start, end) for _, start, end in intervals), by_name(intervals)
 
 
 def host_ms(fn, repeats: int = 5) -> float:
     """Median time the host spends in one call of ``fn`` started on an idle GPU: issuing its
-    work plus waiting at its host reads. Near ``gpu_busy_ms`` or above it, the GPU waits for
-    the host (the call is host-bound)."""
+    work plus waiting at its host reads. Near ``gpu_profile``'s busy time or above it, the
+    GPU waits for the host (the call is host-bound)."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()

@@ -221,9 +221,41 @@ def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, 
     return path
 
 
+def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 15) -> Path | None:
+    """Write where one call's GPU time goes (``common.gpu_profile``: its busy ms and the
+    ``(name, ms, count)`` per kernel or copy) to ``results/profiles/<op>_<backend>_<shape>.txt``
+    (rank 0 only; replaced each run): the ``top`` largest, each with its share of the busy
+    time, next to the row's median."""
+    if _rank() != 0:
+        return None
+    import triton
+
+    path = RESULTS_DIR / "profiles" / f"{op}_{backend}_{'x'.join(map(str, shape))}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {op} {backend} {'x'.join(map(str, shape))} on {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__}, triton {triton.__version__}, "
+             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+             f"# median {median_ms:.3f} ms, GPU busy {busy_ms:.3f} ms (one profiled call); "
+             "the kernels' sum exceeds busy where streams overlap",
+             f"{'ms':>9} {'calls':>6} {'% busy':>7}  name"]
+    lines += [f"{ms:9.3f} {n:6d} {100 * ms / busy_ms if busy_ms else 0:7.1f}  {event[:120]}"
+              for event, ms, n in kernels[:top]]
+    if len(kernels) > top:
+        rest = kernels[top:]
+        lines.append(f"{sum(ms for _, ms, _ in rest):9.3f} {sum(n for *_, n in rest):6d} "
+                     f"{'':>7}  ({len(rest)} more names)")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture
 def record_row():
     return _record_row
+
+
+@pytest.fixture
+def record_profile():
+    return _record_profile
 
 
 @pytest.fixture
