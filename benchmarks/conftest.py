@@ -185,6 +185,15 @@ def _gpu_times(fn, warmup_ms: float = 25, rep_ms: float = 100) -> tuple[float, f
 # ---- result rows ---------------------------------------------------------------------------
 
 
+def _provenance() -> dict[str, str]:
+    """What a result was measured on and with: the GPU, torch, triton, CUDA, the time (UTC)."""
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda or "",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, algo_bytes,
                 bytes_moved=None, lower_bound=None, **extra) -> Path | None:
     """Append one measured row to ``results/<op>.csv`` (rank 0 only; header if the file is new).
@@ -196,20 +205,18 @@ def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, 
     """
     if _rank() != 0:
         return None
-    import triton
-
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{op}.csv"
+    where = _provenance()
     row = {
         "op": op, "backend": backend, "shape": "x".join(map(str, shape)),
         "dtype": str(dtype).replace("torch.", ""), "world": world,
-        "device": torch.cuda.get_device_name(), "median_ms": f"{median_ms:.5f}",
+        "device": where["device"], "median_ms": f"{median_ms:.5f}",
         "p20_ms": f"{p20_ms:.5f}", "p80_ms": f"{p80_ms:.5f}",
         "gbps": f"{algo_bytes / (median_ms * 1e-3) / 1e9:.2f}",
         "bytes_moved": "" if bytes_moved is None else int(bytes_moved),
         "lower_bound": "" if lower_bound is None else int(lower_bound),
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda or "",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **{key: where[key] for key in ("torch", "triton", "cuda", "date")},
         "notes": ";".join(f"{k}={v}" for k, v in extra.items()),
     }
     new = not path.exists() or path.stat().st_size == 0
@@ -228,13 +235,11 @@ def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 
     time, next to the row's median."""
     if _rank() != 0:
         return None
-    import triton
-
     path = RESULTS_DIR / "profiles" / f"{op}_{backend}_{'x'.join(map(str, shape))}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {op} {backend} {'x'.join(map(str, shape))} on {torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}, triton {triton.__version__}, "
-             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    where = _provenance()
+    lines = [f"# {op} {backend} {'x'.join(map(str, shape))} on {where['device']}, "
+             f"torch {where['torch']}, triton {where['triton']}, {where['date']}",
              f"# median {median_ms:.3f} ms, GPU busy {busy_ms:.3f} ms (one profiled call); "
              "the kernels' sum exceeds busy where streams overlap",
              f"{'ms':>9} {'calls':>6} {'% busy':>7}  name"]
