@@ -107,6 +107,10 @@ class SymmetricBuffer:
         self.group_name = group_name
         self.device = segments[0].device
         self.capacity = segments[0].numel() - layout.PAD_BYTES
+        misaligned = [r for r, s in enumerate(segments) if (s.data_ptr() + layout.PAD_BYTES) % 16]
+        if misaligned:  # the kernels access data regions 16 bytes at a time (signal.data_ptr)
+            raise FusedparError(f"symmetric segments of ranks {misaligned} of group {group_name!r} "
+                                "do not start on a 16-byte boundary")
         self.pad_table = torch.tensor(
             [s.data_ptr() for s in segments], dtype=torch.int64, device=self.device
         )

@@ -58,16 +58,17 @@ from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, s
                      wait_flag)
 
 # The peers kernel's push variant (C tiles into a peer's region through computed pointers)
-# spills on gemm.py's configs: 236 B on sm_90 under triton 3.6, 80 B on sm_80. With pointer loads two
-# warpgroups on 128x64 fit both B layouts on sm_90 (128x128 spills 288 B under triton 3.6).
-# With TMA loads, 128x256 on 3 stages spilled ~100 B (the store's addresses: PUSH_SPILLS)
-# and was still the fastest: the W=8 loopback expert MLP took 28.6 / 30.1 ms in two runs on
-# the H100, where 128x64 (no spill) took 33.4 / 32.9 and 128x128 (56 B) 29.8 / 30.3. Since
-# tiles span the blocks of a run it spills 156-196 B, all of it per-tile scalars (the
-# run's blocks) outside the K loop (nvdisasm: no local loads or stores among the HGMMAs).
+# spilled on gemm.py's configs: 236 B on sm_90 under triton 3.6, 80 B on sm_80. With pointer loads two
+# warpgroups on 128x64 fit both B layouts on sm_90 (128x128 spilled 288 B under triton 3.6).
+# With TMA loads, 128x256 on 3 stages was the fastest although it spilled 100-196 B: the W=8
+# loopback expert MLP took 28.6 / 30.1 ms in two runs on the H100, where 128x64 (no spill)
+# took 33.4 / 32.9 and 128x128 (56 B) 29.8 / 30.3. Those spills were the store's per-element
+# 64-bit addresses: since peers' data pointers carry their 16-byte alignment
+# (signal.data_ptr) and the region offset is a row count, the stores are 16-byte vectors and
+# no sm_90 variant spills (triton 3.6 and 3.8). Under triton 3.8 the sm_80 push keeps 60 B of
+# per-tile scalars outside the K loop (nvdisasm: no local loads or stores among the HMMAs).
 PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, num_stages=3)
-PUSH_SPILLS = ("per-tile scalars outside the K loop (a run's blocks, peer store addresses); "
-               "128x256 measured faster than the unspilled 128x64")
+PUSH_SM80_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 60 B"
 # triton 3.8 (not 3.6) spills 28 B of them in the SwiGLU gather that keeps the products
 GATHER_KEEP_H_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 28 B"
 PUSH_POINTER_CONFIG_SM90 = dict(POINTER_CONFIG_SM90, BLOCK_N=64)
@@ -389,13 +390,14 @@ def wait_run_rows(blocks_ptr, b0, nb, run_row, m0, my_pad, epoch, timeout_ns, ch
 
 
 @triton.jit
-def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, N, c_offset,
+def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, N, c_row,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Store the tile's rows ``m0 : m0 + BLOCK_M`` of a run (blocks ``b0 : b0 + nb``, from
     received row ``run_row``; ``rows`` in all) into their sources' regions: the i-th row of
-    block ``(src, peer_row)`` goes to row ``peer_row + i`` of src's data from element
-    ``c_offset`` on. One masked store per block the tile holds rows of (per-row pointers
-    spill)."""
+    block ``(src, peer_row)`` goes to row ``c_row + peer_row + i`` of src's data (rows of N
+    elements: with N a multiple of 16, whole rows start 16-byte aligned and the tile is
+    stored 16 bytes at a time). One masked store per block the tile holds rows of (per-row
+    pointers spill)."""
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     cols = (n0 + rn < N)[None, :]
@@ -406,15 +408,15 @@ def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, 
         if overlaps(start, n, m0, BLOCK_M):
             peer_row = tl.load(blocks_ptr + blk * 5 + 2).to(tl.int64)
             base = (data_ptr(pad_table, tl.load(blocks_ptr + blk * 5), c_ptr.dtype.element_ty)
-                    + c_offset + (peer_row - start + m0) * N + n0)  # the tile's first row
+                    + (c_row + peer_row - start + m0) * N + n0)  # the tile's first row
             mask = ((rm >= start) & (rm < tl.minimum(start + n, rows)))[:, None] & cols
             tl.store(base + (rm - m0)[:, None] * N + rn[None, :], out, mask=mask)
 
 
 # meta is not an argument: the READY waits (with the fingerprints) ran before the gather
-@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_runs", "c_offset"])
+@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_runs", "c_row"])
 def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table, rank,
-                            world_size, epoch, timeout_ns, num_runs, N, K, c_offset, stride_be,
+                            world_size, epoch, timeout_ns, num_runs, N, K, c_row, stride_be,
                             stride_bk, stride_bn,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
@@ -479,7 +481,7 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
                     store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
                 else:
                     push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, local_row, acc, m0, n0, rows,
-                              N, c_offset, BLOCK_M, BLOCK_N)
+                              N, c_row, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
 
@@ -511,7 +513,7 @@ def block_runs(blocks, firsts=()) -> np.ndarray:
 
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: torch.Tensor,
                      runs: torch.Tensor, run_rows: list[int], pad_table: torch.Tensor, rank: int,
-                     world_size: int, epoch: int, timeout_ns: int, *, push: bool, c_offset: int = 0,
+                     world_size: int, epoch: int, timeout_ns: int, *, push: bool, c_row: int = 0,
                      epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
     """One launch over the row blocks in ``blocks`` (int32 ``[G, 5]``: src, expert,
     peer_row, local_row, rows), tiled by ``runs`` (int32 ``[R, 3]``, ``block_runs``; their
@@ -530,7 +532,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     - ``"swiglu_vjp"``: ``c [rows, 2N] = vjp(swiglu, h)(P)``, SwiGLU's backward at the
       forward's products ``h [rows, 2N]``.
 
-    Push (no epilogue): ``src's region[c_offset + (peer_row:+rows) * N] =
+    Push (no epilogue): ``src's region[(c_row + peer_row:+rows) * N] =
     a[local_row:+rows] @ b[expert]``; ``c`` only gives the dtype. ``a``, ``c`` and ``h``
     contiguous; ``b [E, K, N]`` any strides.
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
@@ -548,7 +550,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
         return
     grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
         a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
-        timeout_ns, runs.shape[0], N, K, c_offset, b.stride(0), b.stride(1), b.stride(2),
+        timeout_ns, runs.shape[0], N, K, c_row, b.stride(0), b.stride(1), b.stride(2),
         PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
         SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
 
@@ -673,7 +675,7 @@ _K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i3
 _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
               "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
               "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32",
-              "c_offset": "i32", "stride_be": "i32"}
+              "c_row": "i32", "stride_be": "i32"}
 # b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
 # (unit stride along K), the weights themselves in the backward (unit stride along N)
 B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
@@ -707,7 +709,7 @@ PEERS_MODES = [(dict(_GATHER), None, (True, False)),
 
 def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool, major: int) -> list:
     cfg = gpu_config(major, tma, mode["PUSH"], epilogue)
-    spills = (PUSH_SPILLS if cfg is PUSH_CONFIG_SM90
+    spills = (PUSH_SM80_SPILLS if cfg is PUSH_CONFIG_SM80
               else GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
     return [aot_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
                         dict(mode, **{B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)

@@ -38,7 +38,7 @@ NUM_WARPS = 4
 CHECK_BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["rank", "rows", "H"])
+@triton.jit(do_not_specialize=["rank", "rows"])
 def pull_rows_kernel(out_ptr, src_rank_ptr, src_row_ptr, pad_table, rank, rows, H, stats_ptr,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ELEM_BYTES: tl.constexpr):
     failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True) != 0
@@ -48,8 +48,10 @@ def pull_rows_kernel(out_ptr, src_rank_ptr, src_row_ptr, pad_table, rank, rows, 
     src = tl.load(src_rank_ptr + r, mask=in_range, other=-1)
     keep = (src >= 0) & (failed == 0)
     src_row = tl.load(src_row_ptr + r, mask=keep, other=0).to(tl.int64)
-    # each row's source data region, as a pointer valid in this process
-    base = (tl.load(pad_table + src, mask=keep, other=0) + PAD_BYTES).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    # each row's source data region, as a pointer valid in this process: 16-byte aligned
+    # (signal.data_ptr), so rows are read 16 bytes at a time where H allows
+    base = tl.multiple_of(tl.load(pad_table + src, mask=keep, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty)), 16)
+    base += PAD_BYTES // ELEM_BYTES
     h_ok = (h < H)[None, :]
     vals = tl.load(base[:, None] + src_row[:, None] * H + h[None, :], mask=keep[:, None] & h_ok, other=0)
     tl.store(out_ptr + r[:, None] * H + h[None, :], vals, mask=in_range[:, None] & h_ok)

@@ -464,7 +464,8 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     world, local = table.shape[0], first_bs[0].shape[0]
     hidden, dtype = outgoing[0].shape[1], outgoing[0].dtype
     counts, staged = _by_owner(table, local)
-    region2 = int(counts.sum((1, 2)).max()) * hidden  # where region 2 starts in every rank's data
+    region2_rows = int(counts.sum((1, 2)).max())  # where region 2 starts in every rank's data
+    region2 = region2_rows * hidden
     # per owner: the rows each source sends it, and where that block starts in the source's
     # sorted copies
     per_sources = counts.sum(2).T.tolist()
@@ -512,7 +513,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     for buf, x, second_b, epoch, (_, _, mid, group_table, rows, _) in zip(
             bufs, outgoing, second_bs, epochs, states):
         kernels.grouped_mm_peers(mid, second_b, x, *group_table, rows, buf.pad_table, buf.rank,
-                                 world, epoch, buf.timeout_ns, push=True, c_offset=region2)
+                                 world, epoch, buf.timeout_ns, push=True, c_row=region2_rows)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []
     for buf, x, epoch, (received, product, mid, *_, peer_rows) in zip(bufs, outgoing, epochs,

@@ -91,6 +91,18 @@ def test_buffer_refuses_out_of_range_views_and_non_loopback_rank_views():
         shm_like.as_rank(0)
 
 
+def test_buffer_refuses_segments_whose_data_is_not_16_byte_aligned():
+    """The kernels read and write data regions 16 bytes at a time (``signal.data_ptr`` tells
+    the compiler so): a segment breaking that must fail here, not as a misaligned access."""
+    storage = torch.zeros(layout.PAD_BYTES + 128, dtype=torch.uint8)
+    offset = -storage.data_ptr() % 16  # the first 16-byte boundary
+    aligned, shifted = storage[offset:offset + layout.PAD_BYTES + 64], \
+        storage[offset + 4:offset + 4 + layout.PAD_BYTES + 64]
+    symmetric.SymmetricBuffer([aligned, aligned], 0, "shm", "g")
+    with pytest.raises(FusedparError, match=r"ranks \[1\] of group 'g' do not start on a 16-byte"):
+        symmetric.SymmetricBuffer([aligned, shifted], 0, "shm", "g")
+
+
 def test_recorded_failures_raise_once_then_the_buffer_refuses_work():
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "shm", "g")

@@ -34,6 +34,8 @@ from fusedpar.kernels.signal import PER_CALL_ARGS  # noqa: E402
 
 PTXAS = re.compile(r"Used (\d+) registers")
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# a 2-byte global load or store (not a vector of them): flags and pointers are wider
+SCALAR_16BIT = re.compile(r"\b(?:ld|st)\.global(?:\.[a-z]+)*\.[bfsu]16\b")
 
 
 def attrs_for(kernel, signature: dict) -> dict:
@@ -73,6 +75,9 @@ def compile_variant(kernel, signature, constexprs, options, target):
             # Hopper's tensor-core matmul (wgmma) or the older mma.sync, where a variant has dots
             "mma": ("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx
                     else None),
+            # 2-byte scalar global accesses: an access pattern the compiler could not prove
+            # contiguous and 16-byte aligned moves one element per instruction
+            "scalar_16bit": len(SCALAR_16BIT.findall(ptx)),
             "acquire_sys": "sys.acquire" in ptx or "acquire.sys" in ptx,
             "release_sys": "sys.release" in ptx or "release.sys" in ptx}
 

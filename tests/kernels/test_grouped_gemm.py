@@ -319,9 +319,10 @@ def test_peers_gather_tiles_span_the_sources_of_a_run(loopback, K):
 @pytest.mark.parametrize("K", [33, 36], ids=["pointer", "tma"])
 def test_peers_push_writes_each_row_of_a_spanning_tile_to_its_source(loopback, K):
     """The push over one run of three sources' rows: row i of source s's block lands at row
-    ``peer_row + i`` of s's region (past ``c_offset``), tiles holding two sources' rows
+    ``c_row + peer_row + i`` of s's region, tiles holding two sources' rows
     included; nothing else in any region is written (NaN-poisoned)."""
-    world, me, N, c_offset = 3, 1, 12, 5 * 12
+    world, me, N, c_row = 3, 1, 12, 5
+    c_offset = c_row * N
     table, source, a = _spanning_case(K)
     b = _ints(1, N, K, seed=12).transpose(1, 2) / 8  # w2ᵀ of row-major weights, as the MLP
     product = a.double() @ b[0].double()
@@ -329,7 +330,7 @@ def test_peers_push_writes_each_row_of_a_spanning_tile_to_its_source(loopback, K
     regions = [bufs[0].data(torch.float32, 1024, rank=r) for r in range(world)]
     for region in regions:
         region.fill_(float("nan"))
-    _peers(a, b, a.new_empty(0), table, bufs[me], me, world, push=True, c_offset=c_offset)
+    _peers(a, b, a.new_empty(0), table, bufs[me], me, world, push=True, c_row=c_row)
     for src, rows in SPANNING.items():
         region = regions[src][c_offset:c_offset + 60 * N].view(60, N)
         peer_row = 3 * src

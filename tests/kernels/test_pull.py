@@ -1,0 +1,76 @@
+"""The all_gather / reduce_scatter pull kernels over tiles, one process playing every rank
+over loopback buffers. Small ``block`` sizes give many tiles per call, partial in rows and
+columns, several per program (the op tests' shapes fit one 4096-element tile).
+
+Rank r's data encode r, the outputs start poisoned, and each kernel's byte count must be
+exactly the peers' share.
+"""
+
+import pytest
+import torch
+
+from fusedpar.comm import layout
+from fusedpar.kernels.all_gather import all_gather_pull, copy_tiles
+from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
+
+META, EPOCH, WORLD = 4242, 1, 3
+# (outer, inner, block): column tiles with a partial last one; rows of 8 with a partial last
+# row tile; one long row; single-column rows
+CASES = [(5, 200, 64), (37, 6, 64), (1, 1000, 128), (9, 1, 64)]
+
+
+def _ready(bufs):
+    """Every rank staged (READY from every source at EPOCH) with the same fingerprint."""
+    for buf in bufs:
+        buf.pad()[layout.META] = META
+        buf.pad()[layout.READY:layout.READY + len(bufs)] = EPOCH
+
+
+def _rank_data(rank, shape, dtype):
+    """Integers below 256 (exact in bf16): the position mod 61 and 64 x the rank."""
+    return (torch.arange(torch.Size(shape).numel()).reshape(shape) % 61 + 64 * rank).to(dtype)
+
+
+def test_tiles_cover_the_rows_as_wide_as_they_allow():
+    assert copy_tiles(5, 200, 64) == (1, 64, 5 * 4)
+    assert copy_tiles(37, 6, 64) == (8, 8, 5)
+    assert copy_tiles(9, 1, 64) == (64, 1, 1)
+    assert copy_tiles(0, 7, 64) == (8, 8, 0)
+
+
+@pytest.mark.parametrize("outer, inner, block", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_all_gather_pull_copies_every_tile_of_every_source(loopback, outer, inner, block, dtype):
+    bufs = loopback(WORLD)
+    shards = [_rank_data(r, (outer, inner), dtype) for r in range(WORLD)]
+    for buf, shard in zip(bufs, shards):
+        buf.data(dtype, shard.numel()).copy_(shard.flatten())
+    _ready(bufs)
+    for buf in bufs:
+        out = torch.full((outer, WORLD, inner), -7, dtype=dtype)
+        stats = torch.zeros(1, dtype=torch.int64)
+        all_gather_pull(out, shards[buf.rank], buf.pad_table, buf.rank, WORLD, EPOCH, META, outer,
+                        inner, int(10e9), stats, block=block)
+        assert buf.pad()[layout.STATUS] == layout.OK
+        assert torch.equal(out, torch.stack(shards, 1)), (buf.rank, dtype)
+        assert stats.item() == (WORLD - 1) * outer * inner * shards[0].element_size()
+
+
+@pytest.mark.parametrize("outer, inner, block", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reduce_scatter_pull_sums_every_tile_of_every_source(loopback, outer, inner, block, dtype):
+    bufs = loopback(WORLD)
+    inputs = [_rank_data(r, (outer, WORLD, inner), dtype) for r in range(WORLD)]
+    for buf, x in zip(bufs, inputs):
+        buf.data(dtype, x.numel()).copy_(x.flatten())
+    _ready(bufs)
+    for buf in bufs:
+        out = torch.full((outer, inner), float("nan"), dtype=dtype)
+        stats = torch.zeros(1, dtype=torch.int64)
+        reduce_scatter_pull(out, buf.pad_table, buf.rank, WORLD, EPOCH, META, outer, inner,
+                            int(10e9), stats, divisor=float(WORLD), block=block)
+        # the kernel's arithmetic: an exact fp32 sum, one fp32 division, one rounding
+        expected = sum(x[:, buf.rank].float() for x in inputs) / WORLD
+        assert buf.pad()[layout.STATUS] == layout.OK
+        assert torch.equal(out, expected.to(dtype)), (buf.rank, dtype)
+        assert stats.item() == (WORLD - 1) * outer * inner * out.element_size()
