@@ -61,7 +61,7 @@ def interpreting() -> bool:
 
 def gpu_gemm_config(dtype: torch.dtype, arch_major: int) -> dict:
     """The pointer-load GPU launch config of the persistent GEMMs for ``dtype`` on a GPU
-    generation (``grouped_gemm.gpu_config`` picks the TMA and push ones)."""
+    generation (``grouped_gemm.gpu_config`` picks the TMA ones)."""
     if dtype == torch.float32:
         return dict(GPU_CONFIG_FP32)
     return dict(POINTER_CONFIG_SM90 if arch_major >= 9 else GPU_CONFIG_SM80)

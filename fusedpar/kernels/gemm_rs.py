@@ -151,7 +151,7 @@ AOT_EXAMPLES = (
     # sm_90 with TMA loads: B row-major, or a Linear's weightᵀ
     + [aot_example(gemm_rs_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
                    {B_UNIT[kmajor][0]: 1},
-                   dict(gpu_config(9, True, False), NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS), 90, kmajor)
+                   dict(gpu_config(9, True), NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS), 90, kmajor)
        for kmajor in (False, True)]
     + [(reduce_chunks_kernel,
         {"out_ptr": f"*{t}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "rank": "i32",

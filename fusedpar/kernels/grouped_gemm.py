@@ -58,34 +58,23 @@ from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, s
                      wait_flag)
 
 # The peers kernel's push variant (C tiles into a peer's region through computed pointers)
-# spilled on gemm.py's configs: 236 B on sm_90 under triton 3.6, 80 B on sm_80. With pointer loads two
-# warpgroups on 128x64 fit both B layouts on sm_90 (128x128 spilled 288 B under triton 3.6).
-# With TMA loads, 128x256 on 3 stages was the fastest although it spilled 100-196 B: the W=8
-# loopback expert MLP took 28.6 / 30.1 ms in two runs on the H100, where 128x64 (no spill)
-# took 33.4 / 32.9 and 128x128 (56 B) 29.8 / 30.3. Those spills were the store's per-element
-# 64-bit addresses: since peers' data pointers carry their 16-byte alignment
-# (signal.data_ptr) and the region offset is a row count, the stores are 16-byte vectors and
-# no sm_90 variant spills (triton 3.6 and 3.8). Under triton 3.8 the sm_80 push keeps 60 B of
-# per-tile scalars outside the K loop (nvdisasm: no local loads or stores among the HMMAs).
-PUSH_CONFIG_SM90 = dict(GPU_CONFIG_SM90, num_stages=3)
-PUSH_SM80_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 60 B"
+# used to spill on these configs (100-288 B), and took smaller tiles or fewer stages to
+# spill less: those spills were the stores' per-element 64-bit addresses. Since peers'
+# data pointers carry their 16-byte alignment (signal.data_ptr) and the region offset is a
+# row count, its stores are 16-byte vectors and it takes the same configs as the other
+# GEMMs without spilling (triton 3.6 and 3.8). (On the H100, 128x256 TMA tiles had been
+# the fastest push even spilling: the W=8 loopback expert MLP took 28.6 / 30.1 ms with
+# them, 33.4 / 32.9 with 128x64 tiles, 29.8 / 30.3 with 128x128.)
 # triton 3.8 (not 3.6) spills 28 B of them in the SwiGLU gather that keeps the products
 GATHER_KEEP_H_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 28 B"
-PUSH_POINTER_CONFIG_SM90 = dict(POINTER_CONFIG_SM90, BLOCK_N=64)
-PUSH_CONFIG_SM80 = dict(GPU_CONFIG_SM80, BLOCK_M=64)
 
 
-def gpu_config(major: int, tma: bool, push: bool, epilogue: str | None = None) -> dict:
+def gpu_config(major: int, tma: bool, epilogue: str | None = None) -> dict:
     """The 16-bit launch config on a GPU of compute capability ``major``: TMA loads where the
-    GPU has them and ``tma``; ``push``: the peers kernel's push variant; ``epilogue``: its
-    gather's, on half the columns (SwiGLU's two accumulators, gate and up, or the VJP's two
-    tiles of the forward's products)."""
-    if major < 9:
-        cfg = PUSH_CONFIG_SM80 if push else GPU_CONFIG_SM80
-    elif tma:
-        cfg = PUSH_CONFIG_SM90 if push else GPU_CONFIG_SM90
-    else:
-        cfg = PUSH_POINTER_CONFIG_SM90 if push else POINTER_CONFIG_SM90
+    GPU has them and ``tma``; ``epilogue``: the peers kernel's gather's, on half the columns
+    (SwiGLU's two accumulators, gate and up, or the VJP's two tiles of the forward's
+    products). The push takes the same configs."""
+    cfg = GPU_CONFIG_SM80 if major < 9 else GPU_CONFIG_SM90 if tma else POINTER_CONFIG_SM90
     return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if epilogue else cfg
 
 
@@ -544,7 +533,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
                          f"takes None (the product) or one of {EPILOGUES}, the push None")
     swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
-    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, push=push, epilogue=epilogue)
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, epilogue=epilogue)
     tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * triton.cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
@@ -556,14 +545,14 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
 
 
 def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
-                   push: bool = False, epilogue: str | None = None) -> dict:
+                   epilogue: str | None = None) -> dict:
     """Blocks and launch options for ``a``'s dtype and GPU (queried at launch): the TMA
-    config where the GPU has TMA and ``tma``, else the pointer-load one; ``push`` /
-    ``epilogue``: the peers kernel's variants (``gpu_config``). The interpreter takes the TMA
+    config where the GPU has TMA and ``tma``, else the pointer-load one; ``epilogue``: the
+    peers kernel's gather variants (``gpu_config``). The interpreter takes the TMA
     path when ``tma``."""
     base = {"TMA": tma and interpreting()}
     if not interpreting() and a.dtype != torch.float32:
-        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, push, epilogue)
+        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, epilogue)
     return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
 
 
@@ -576,7 +565,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
-                  push: bool = False, epilogue: str | None = None) -> tuple[dict, object, object, bool]:
+                  epilogue: str | None = None) -> tuple[dict, object, object, bool]:
     """``(config, a, b, b_kmajor)`` for the rows and peers kernels (and ``gemm_rs``'s, with
     one group): TMA descriptors over
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
@@ -587,7 +576,7 @@ def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, 
     # swiglu reads b's up half from column N: a TMA box must start 16-byte aligned
     up_aligned = kmajor or epilogue != "swiglu" or b.shape[2] // 2 * b.element_size() % 16 == 0
     cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view) and up_aligned,
-                         push=push, epilogue=epilogue)
+                         epilogue=epilogue)
     if not cfg["TMA"]:
         return cfg, a, b, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -708,9 +697,8 @@ PEERS_MODES = [(dict(_GATHER), None, (True, False)),
 
 
 def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool, major: int) -> list:
-    cfg = gpu_config(major, tma, mode["PUSH"], epilogue)
-    spills = (PUSH_SM80_SPILLS if cfg is PUSH_CONFIG_SM80
-              else GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
+    cfg = gpu_config(major, tma, epilogue)
+    spills = GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None
     return [aot_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
                         dict(mode, **{B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
             for kmajor in layouts]
@@ -722,7 +710,7 @@ def _rows_epilogue_example(mode: dict, epilogue: str, kmajor: bool, tma: bool, m
     unit, other = B_UNIT[kmajor]
     sig = {k: v for k, v in _ROWS_SIG.items() if k != unit}
     consts = {k: v for k, v in _ROWS_UNIT.items() if k != other}
-    cfg = gpu_config(major, tma, False, epilogue)
+    cfg = gpu_config(major, tma, epilogue)
     return aot_example(grouped_mm_rows_kernel, dict(sig, **{other: "i32"}),
                        dict(consts, MASKED=False, **mode, **{unit: 1}), cfg, major * 10, kmajor,
                        ROWS_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
@@ -737,7 +725,7 @@ FP32_SPILLS = "fp32 FMA tiles on sm_80, 32 B under triton 3.8 (tests and fp32 tr
 _NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
 AOT_EXAMPLES = (
     [aot_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
-                 gpu_config(major, tma, False), major * 10, kmajor)
+                 gpu_config(major, tma), major * 10, kmajor)
      for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))
      for masked in (False, True)]
     + [_rows_epilogue_example(dict(_NO_EPILOGUE, **mode), epilogue, kmajor, tma, major)
