@@ -30,7 +30,7 @@ import triton.language as tl
 from ..comm import layout
 from .gemm import interpreting
 from .moe_permute import ROW_BLOCK_GPU, row_blocks, rows_grid
-from .signal import PAD_BYTES, STATUS, call_epoch, pad_ptr, record_failure
+from .signal import STATUS, call_epoch, data_ptr, pad_ptr, record_failure
 
 CAPACITY_EXCEEDED = tl.constexpr(layout.CAPACITY_EXCEEDED)
 
@@ -48,10 +48,9 @@ def pull_rows_kernel(out_ptr, src_rank_ptr, src_row_ptr, pad_table, rank, rows, 
     src = tl.load(src_rank_ptr + r, mask=in_range, other=-1)
     keep = (src >= 0) & (failed == 0)
     src_row = tl.load(src_row_ptr + r, mask=keep, other=0).to(tl.int64)
-    # each row's source data region, as a pointer valid in this process: 16-byte aligned
-    # (signal.data_ptr), so rows are read 16 bytes at a time where H allows
-    base = tl.multiple_of(tl.load(pad_table + src, mask=keep, other=0).to(tl.pointer_type(out_ptr.dtype.element_ty)), 16)
-    base += PAD_BYTES // ELEM_BYTES
+    # each row's source data region, as a pointer valid in this process (16-byte aligned: rows
+    # are read 16 bytes at a time where H allows)
+    base = data_ptr(pad_table, src, out_ptr.dtype.element_ty, keep)
     h_ok = (h < H)[None, :]
     vals = tl.load(base[:, None] + src_row[:, None] * H + h[None, :], mask=keep[:, None] & h_ok, other=0)
     tl.store(out_ptr + r[:, None] * H + h[None, :], vals, mask=in_range[:, None] & h_ok)

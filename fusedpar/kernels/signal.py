@@ -60,13 +60,18 @@ def call_epoch(pad_table, rank, epoch):
 
 
 @triton.jit
-def data_ptr(pad_table, rank, dtype: tl.constexpr):
+def data_ptr(pad_table, rank, dtype: tl.constexpr, mask=None):
     """Rank ``rank``'s data region (just past its pad), as a ``dtype`` pointer, known to be
     16-byte aligned (``SymmetricBuffer`` checks every segment): without that, a pointer
-    loaded from memory has unknown alignment and every access through it is a scalar one."""
+    loaded from memory has unknown alignment and every access through it is a scalar one.
+    ``rank`` may be a tensor of ranks, ``mask`` saying which to look up (0 elsewhere)."""
+    if mask is None:
+        base = tl.load(pad_table + rank)
+    else:
+        base = tl.load(pad_table + rank, mask=mask, other=0)
     # the hint on the loaded pointer itself: an integer sum cast to a pointer becomes a
     # different op when the compiler folds it, and loses its hint
-    base = tl.multiple_of(tl.load(pad_table + rank).to(tl.pointer_type(dtype)), 16)
+    base = tl.multiple_of(base.to(tl.pointer_type(dtype)), 16)
     return base + PAD_BYTES // (dtype.primitive_bitwidth // 8)
 
 
