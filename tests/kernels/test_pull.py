@@ -9,8 +9,8 @@ exactly the peers' share.
 import pytest
 import torch
 
-from fusedpar.comm import layout
-from fusedpar.kernels.all_gather import all_gather_pull, copy_tiles
+from fusedpar.comm import get_loopback_buffers, layout, release_buffers
+from fusedpar.kernels.all_gather import BLOCK, all_gather_pull, copy_tiles
 from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
 
 META, EPOCH, WORLD = 4242, 1, 3
@@ -38,17 +38,15 @@ def test_tiles_cover_the_rows_as_wide_as_they_allow():
     assert copy_tiles(0, 7, 64) == (8, 8, 0)
 
 
-@pytest.mark.parametrize("outer, inner, block", CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
-def test_all_gather_pull_copies_every_tile_of_every_source(loopback, outer, inner, block, dtype):
-    bufs = loopback(WORLD)
-    shards = [_rank_data(r, (outer, inner), dtype) for r in range(WORLD)]
+def _check_all_gather(bufs, outer, inner, dtype, block=BLOCK):
+    device = bufs[0].device
+    shards = [_rank_data(r, (outer, inner), dtype).to(device) for r in range(WORLD)]
     for buf, shard in zip(bufs, shards):
         buf.data(dtype, shard.numel()).copy_(shard.flatten())
     _ready(bufs)
     for buf in bufs:
-        out = torch.full((outer, WORLD, inner), -7, dtype=dtype)
-        stats = torch.zeros(1, dtype=torch.int64)
+        out = torch.full((outer, WORLD, inner), -7, dtype=dtype, device=device)
+        stats = torch.zeros(1, dtype=torch.int64, device=device)
         all_gather_pull(out, shards[buf.rank], buf.pad_table, buf.rank, WORLD, EPOCH, META, outer,
                         inner, int(10e9), stats, block=block)
         assert buf.pad()[layout.STATUS] == layout.OK
@@ -56,17 +54,15 @@ def test_all_gather_pull_copies_every_tile_of_every_source(loopback, outer, inne
         assert stats.item() == (WORLD - 1) * outer * inner * shards[0].element_size()
 
 
-@pytest.mark.parametrize("outer, inner, block", CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_reduce_scatter_pull_sums_every_tile_of_every_source(loopback, outer, inner, block, dtype):
-    bufs = loopback(WORLD)
-    inputs = [_rank_data(r, (outer, WORLD, inner), dtype) for r in range(WORLD)]
+def _check_reduce_scatter(bufs, outer, inner, dtype, block=BLOCK):
+    device = bufs[0].device
+    inputs = [_rank_data(r, (outer, WORLD, inner), dtype).to(device) for r in range(WORLD)]
     for buf, x in zip(bufs, inputs):
         buf.data(dtype, x.numel()).copy_(x.flatten())
     _ready(bufs)
     for buf in bufs:
-        out = torch.full((outer, inner), float("nan"), dtype=dtype)
-        stats = torch.zeros(1, dtype=torch.int64)
+        out = torch.full((outer, inner), float("nan"), dtype=dtype, device=device)
+        stats = torch.zeros(1, dtype=torch.int64, device=device)
         reduce_scatter_pull(out, buf.pad_table, buf.rank, WORLD, EPOCH, META, outer, inner,
                             int(10e9), stats, divisor=float(WORLD), block=block)
         # the kernel's arithmetic: an exact fp32 sum, one fp32 division, one rounding
@@ -74,3 +70,34 @@ def test_reduce_scatter_pull_sums_every_tile_of_every_source(loopback, outer, in
         assert buf.pad()[layout.STATUS] == layout.OK
         assert torch.equal(out, expected.to(dtype)), (buf.rank, dtype)
         assert stats.item() == (WORLD - 1) * outer * inner * out.element_size()
+
+
+@pytest.mark.parametrize("outer, inner, block", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_all_gather_pull_copies_every_tile_of_every_source(loopback, outer, inner, block, dtype):
+    _check_all_gather(loopback(WORLD), outer, inner, dtype, block)
+
+
+@pytest.mark.parametrize("outer, inner, block", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reduce_scatter_pull_sums_every_tile_of_every_source(loopback, outer, inner, block, dtype):
+    _check_reduce_scatter(loopback(WORLD), outer, inner, dtype, block)
+
+
+# (outer, inner): 16-byte vectors over many tiles; rows whose width is no multiple of 16
+# (scalar accesses); many short rows per tile
+GPU_SHAPES = [(3, 70000), (1001, 24), (5000, 48)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("outer, inner", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_pull_kernels_over_tiles(outer, inner, dtype):
+    """The compiled kernels, 16-byte vectors where the widths allow, on the default tiles."""
+    release_buffers()
+    try:
+        bufs = get_loopback_buffers(WORLD, WORLD * outer * inner * 4, torch.device("cuda"))
+        _check_all_gather(bufs, outer, inner, dtype)
+        _check_reduce_scatter(bufs, outer, inner, dtype)
+    finally:
+        release_buffers()
