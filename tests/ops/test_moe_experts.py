@@ -228,7 +228,7 @@ def test_fused_results_outlive_the_next_call(pools):
 
 def _check_dropped_copies():
     """Copies dropped by a capacity (-1 ids), a token with all of them dropped included:
-    the pipelined backend's outputs and gradients are the reference backend's."""
+    the pipelined and fused backends' outputs and gradients are the reference backend's."""
     rank = dist.get_rank()
     torch.manual_seed(rank)
     x, w = torch.randn(9, 8), torch.rand(9, 3)
@@ -237,19 +237,21 @@ def _check_dropped_copies():
     torch.manual_seed(0)
     w13, w2 = torch.randn(4, 12, 8), torch.randn(4, 8, 6)
     results = []
-    for backend in ("pipelined", "reference"):
+    for backend in ("reference", "pipelined", "fused"):
         leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
         y = moe_experts(leaves[0], idx, *leaves[1:], backend=backend)
         (y * torch.arange(8.0)).sum().backward()
         results.append([y.detach()] + [t.grad for t in leaves])
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert results[0][0][3].abs().sum() == 0  # every copy of token 3 dropped
+    for result in results[1:]:
+        for got, want in zip(result, results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert result[0][3].abs().sum() == 0  # every copy of token 3 dropped
     return True
 
 
-def test_pipelined_with_dropped_copies(pools):
-    assert pools(2).run(_check_dropped_copies) == [True] * 2
+@pytest.mark.parametrize("world", [2, 3])
+def test_dropped_copies(pools, world):
+    assert pools(world).run(_check_dropped_copies) == [True] * world
 
 
 def _chosen():
@@ -321,6 +323,35 @@ def test_loopback_matches_dense_loop(backend, world, k, skew, E_local):
     # each crossing copy there and back (reference: the counts' all_gather is not rows)
     rows = sum(n for (op, _), n in counter.by_op().items() if op != "all_gather")
     assert rows == 2 * crossing * H * 4, counter.by_op()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_loopback_over_random_routings(seed):
+    """Seeded random cases of what the row-block tables must get right: 1 to 5 ranks, 1 to
+    4 experts per rank, ranks without tokens, dropped copies (-1 ids), routing skewed onto
+    one expert, hidden and intermediate sizes that fit no tile; outputs and bytes (the
+    crossing copies that are not dropped, there and back)."""
+    rnd = np.random.default_rng(seed)
+    world, local = int(rnd.integers(1, 6)), int(rnd.integers(1, 5))
+    E, k = world * local, int(rnd.integers(1, min(world * local, 4) + 1))
+    H, I = int(rnd.choice([3, 17, 40])), int(rnd.choice([5, 17]))
+    tokens = [int(t) for t in rnd.choice([0, 1, 7, 40], world)]
+    tokens[int(rnd.integers(world))] = 40  # some tokens somewhere
+    torch.manual_seed(seed)
+    w13, w2 = torch.randn(E, 2 * I, H) / 4, torch.randn(E, H, I) / 4
+    xs, idxs, weights = [torch.randn(t, H) for t in tokens], [], []
+    for t in tokens:
+        logits = torch.randn(t, E) + (20 * torch.eye(E)[int(rnd.integers(E))] if seed % 2 else 0)
+        idx, w, _ = topk_route(logits, k)
+        idxs.append(torch.where(torch.rand(idx.shape) < 0.25, -1, idx))
+        weights.append(w)
+    with fusedpar.comm.count_bytes() as counter:
+        ys = moe_experts_loopback(xs, idxs, weights, list(w13.chunk(world)), list(w2.chunk(world)))
+    for x, idx, w, y in zip(xs, idxs, weights, ys):
+        ref = experts_dense(x.double(), idx, w.double(), w13.double(), w2.double())
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    crossing = sum(int(((idx >= 0) & (idx // local != r)).sum()) for r, idx in enumerate(idxs))
+    assert counter.total() == 2 * crossing * H * 4, (counter.by_op(), crossing)
 
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
