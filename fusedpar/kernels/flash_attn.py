@@ -55,8 +55,11 @@ _FWD_SM90 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 _FWD_SM80 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
              128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
+# dK/dV at head dim 128: 128 keys per program. Its query tiles (Q, dO) are loaded once per
+# 128 keys, not 64, for the same occupancy (one 8-warp program per SM: 248 registers here,
+# 181 with 64 keys); the Triton tutorial's block shape, no spills (tests/kernels/test_aot.py)
 _DKDV_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2),
+              128: dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2),
               256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
 # dQ's tiles hold 64 or 128 query rows: with 32, Triton compiles its dots to mma.sync, not
 # Hopper's wgmma (tests/kernels/test_aot.py checks which one each variant gets)
