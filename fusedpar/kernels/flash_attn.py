@@ -5,9 +5,11 @@ softmax (base-2 exponent, fp32 statistics) and writes the output and the natural
 log-sum-exp ``lse`` (fp32, ``[B, H, S]``; packed: ``[H, T]``). GQA/MQA: query head ``h``
 reads K/V head ``h // (H // H_kv)`` in place (no repeat in memory). Causal masking is
 top-left aligned (key ``j`` is visible to query ``i`` iff ``j <= i``, like SDPA's
-``is_causal``); fully masked K/V blocks are never loaded. Any head dim ``D <= 256``
-runs in a ``BLOCK_D = next_pow2(D)`` register tile with the tail masked; any sequence
-length runs with masked tails.
+``is_causal``); fully masked K/V blocks are never loaded. The forward and dQ kernels run
+the K/V blocks that every row of their query block sees whole (most blocks of a long
+sequence) in a loop of their own that computes no mask: masks made up a third of their
+loops' sm_90 instructions. Any head dim ``D <= 256`` runs in a ``BLOCK_D = next_pow2(D)``
+register tile with the tail masked; any sequence length runs with masked tails.
 
 Backward (from the saved ``lse`` and ``delta = rowsum(dO * O) - dlse``): one kernel per
 K/V block for dK/dV that loops over the query heads of its KV group (so GQA needs no
@@ -52,8 +54,10 @@ MAX_HEAD_DIM = 256
 _FWD_SM90 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
              128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}
+# sm_80 at head dim 128: 64-row tiles, two programs per SM (128 rows on 8 warps spill 12-24 B
+# since the unmasked loop was split off)
 _FWD_SM80 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-             128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+             128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
 # dK/dV at head dim 128: 128 keys per program. Its query tiles (Q, dO) are loaded once per
 # 128 keys, not 64, for the same occupancy (one 8-warp program per SM: 248 registers here,
@@ -63,9 +67,10 @@ _DKDV_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
 # dQ's tiles hold 64 or 128 query rows: with 32, Triton compiles its dots to mma.sync, not
 # Hopper's wgmma (tests/kernels/test_aot.py checks which one each variant gets)
+# (8 warps at head dim 256: with 4, its two loops, unmasked and masked, spill 56-160 B)
 _DQ_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-            256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
+            256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}
 _BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
@@ -98,20 +103,36 @@ def _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _unmasked_keys(len_k, first_row, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """End of the key blocks (from 0) that rows ``first_row`` onward see whole: inside
+    ``len_k`` and, causal, before ``first_row``."""
+    full = len_k // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        full = tl.minimum(full, first_row // BLOCK_N * BLOCK_N)
+    return full
+
+
+@triton.jit
 def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d_ok, visible,
-                  m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+                  m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
     """One online-softmax step: fold keys ``cols`` (``visible[row, key]``) into the running
-    row max ``m_i`` (base 2), row sum ``l_i`` and fp32 output ``acc``."""
-    kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
-                 mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    row max ``m_i`` (base 2), row sum ``l_i`` and fp32 output ``acc``. Not ``MASKED``: every
+    row sees every key (``n_ok`` and ``visible`` unused), so no mask is computed."""
+    if MASKED:
+        k_ok = n_ok[None, :] & d_ok[:, None]
+        v_ok = n_ok[:, None] & d_ok[None, :]
+    else:
+        k_ok = d_ok[:, None]
+        v_ok = d_ok[None, :]
+    kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=k_ok, other=0.0)
     qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST) * qk_scale
-    qk = tl.where(visible, qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
     p = tl.exp2(qk - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :],
-                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=v_ok, other=0.0)
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -157,7 +178,14 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr, sm_sca
         hi = len_k
         if CAUSAL:
             hi = tl.minimum(len_k, (m_block + 1) * BLOCK_M)
-        for start_n in range(0, hi, BLOCK_N):
+        # key blocks that every row sees whole go without masks (most of a long sequence);
+        # then the causal diagonal and the tail past len_k, masked
+        full = _unmasked_keys(len_k, m_block * BLOCK_M, CAUSAL, BLOCK_N)
+        for start_n in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, start_n + offs_n,
+                                          m_ok, offs_d, d_ok, m_ok, m_i, l_i, acc, qk_scale, UPCAST,
+                                          MASKED=False)
+        for start_n in range(full, hi, BLOCK_N):
             cols = start_n + offs_n
             n_ok = cols < len_k
             visible = n_ok[None, :]
@@ -238,6 +266,32 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 
 
 @triton.jit
+def _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, cols, offs_m, m_ok, len_k,
+              offs_d, d_ok, qk_scale, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+              MASKED: tl.constexpr):
+    """``dq`` plus the keys ``cols``' share (``lse`` already in base 2). Not ``MASKED``:
+    every row sees every key (a key past ``len_k`` must be masked: its zero K row would turn
+    an overflowed ``p`` into NaN)."""
+    if MASKED:
+        n_ok = cols < len_k
+        kv_ok = n_ok[None, :] & d_ok[:, None]
+    else:
+        kv_ok = d_ok[:, None]
+    kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=kv_ok, other=0.0)
+    vt = tl.load(v_base + cols[None, :] * stride_vs + offs_d[:, None], mask=kv_ok, other=0.0)
+    qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
+    p = tl.exp2(qk * qk_scale - lse[:, None])
+    if MASKED:
+        visible = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(visible, p, 0.0)
+    dp = mma(do, vt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
+    ds = p * (dp - delta[:, None])
+    return mma(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST)
+
+
+@triton.jit
 def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
                         sm_scale, n_heads, kv_group, seqlen_q, seqlen_k, head_dim, m_blocks,
                         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -274,22 +328,16 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         hi = len_k
         if CAUSAL:
             hi = tl.minimum(len_k, (m_block + 1) * BLOCK_M)
-        for start_n in range(0, hi, BLOCK_N):
-            cols = start_n + offs_n
-            n_ok = cols < len_k
-            kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
-                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            vt = tl.load(v_base + cols[None, :] * stride_vs + offs_d[:, None],
-                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
-            p = tl.exp2(qk * qk_scale - lse[:, None])
-            visible = m_ok[:, None] & n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None])
-            p = tl.where(visible, p, 0.0)
-            dp = mma(do, vt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
-            ds = p * (dp - delta[:, None])
-            dq = mma(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST)
+        # as in the forward: whole key blocks without masks, then the diagonal and the tail
+        full = _unmasked_keys(len_k, m_block * BLOCK_M, CAUSAL, BLOCK_N)
+        for start_n in range(0, full, BLOCK_N):
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs,
+                           start_n + offs_n, offs_m, m_ok, len_k, offs_d, d_ok, qk_scale, CAUSAL,
+                           UPCAST, MASKED=False)
+        for start_n in range(full, hi, BLOCK_N):
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs,
+                           start_n + offs_n, offs_m, m_ok, len_k, offs_d, d_ok, qk_scale, CAUSAL,
+                           UPCAST, MASKED=True)
         dq = dq * sm_scale
         tl.store(dq_ptr + b64 * stride_dqb + row0 * stride_dqs + h * stride_dqh
                  + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
