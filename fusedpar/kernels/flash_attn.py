@@ -28,9 +28,11 @@ wall-clock bounded, fingerprint checked) and copies the K/V rows this rank's que
 see from the peer's symmetric data region into a local slot, counting the bytes, so each
 peer's K/V crosses the link once whatever the number of query blocks and GQA heads;
 ``ring_attn_step_kernel`` folds one local K/V block into the online-softmax state
-(``m``, ``l``, ``acc`` in fp32 between steps; the last step writes out and lse), with
-causal masking by global positions (zigzag or contiguous layout) and fully masked K/V
-blocks skipped.
+(``m``, ``l``, ``acc`` in fp32 between steps; the last step writes out and lse). The host
+gives each step its geometry (``RingCall.block``): under causal masking, in either layout, a
+peer's block is seen whole by the query rows from some row on and not at all before it, and
+the own block is causal in local indices; so only the own block's diagonal, key tails and a
+query block straddling that row compute masks.
 
 Every grid keeps its long axis on axis 0 (flattened query block x batch x head).
 """
@@ -74,12 +76,14 @@ _DQ_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
 _BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
-# The ring kernel (persistent, position-masked) needs more registers than the plain forward.
+# The ring kernel carries fp32 state between steps: more registers than the plain forward.
+# sm_80 at head dim 128: 64-row tiles, two programs per SM (128 rows on 8 warps spill 4-32 B
+# in the last step, which normalises and stores the output)
 _RING_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
               256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
 _RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-              128: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+              128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
               256: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)}
 _TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "dkdv": (_DKDV_SM90, _BWD_SM80),
            "dq": (_DQ_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
@@ -344,17 +348,6 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                  mask=row_mask)
 
 
-@triton.jit
-def _global_pos(local, rank, world_size, chunk, ZIGZAG: tl.constexpr):
-    """Global sequence positions of ``rank``'s local rows: zigzag holds chunks ``rank`` and
-    ``2W-1-rank`` (``chunk`` rows each); contiguous holds chunk ``rank`` (``chunk = S_local``)."""
-    if ZIGZAG:
-        return tl.where(local < chunk, rank * chunk + local,
-                        (2 * world_size - 1 - rank) * chunk + local - chunk)
-    else:
-        return rank * chunk + local
-
-
 @triton.jit(do_not_specialize=PER_CALL_ARGS + ["src", "row_lo", "row_hi"])
 def ring_kv_copy_kernel(slot_ptr, pad_table, stats_ptr, rank, world_size, epoch, meta, timeout_ns,
                         src, row_lo, row_hi, segments, seqlen, row_elems,
@@ -379,18 +372,19 @@ def ring_kv_copy_kernel(slot_ptr, pad_table, stats_ptr, rank, world_size, epoch,
             tl.atomic_add(stats_ptr, moved)
 
 
-@triton.jit(do_not_specialize=["rank", "world_size", "src", "key_lo", "key_hi"])
-def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_table, rank,
-                          world_size, src, key_lo, key_hi, sm_scale, batch, n_heads, kv_group,
-                          seqlen, head_dim, chunk, m_blocks, stride_qb, stride_qs, stride_qh,
-                          stride_ob, stride_os, stride_oh, CAUSAL: tl.constexpr,
-                          ZIGZAG: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          UPCAST: tl.constexpr):
+@triton.jit(do_not_specialize=["rank", "src", "row_lo", "key_lo", "key_hi"])
+def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_table, rank, src,
+                          row_lo, key_lo, key_hi, sm_scale, batch, n_heads, kv_group, seqlen,
+                          head_dim, m_blocks, stride_qb, stride_qs, stride_qh, stride_ob,
+                          stride_os, stride_oh, CAUSAL: tl.constexpr, FIRST: tl.constexpr,
+                          LAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """One ring step: fold keys ``[key_lo, key_hi)`` of ``src``'s K/V (local memory,
-    ``[2, B, S_local, H_kv, D]``) into the online-softmax state of this rank's queries,
-    kept in fp32 between steps (``acc [B, S, H, D]``, ``stat = [m, l]`` ``[2, B, H, S]``);
-    FIRST starts it, LAST writes ``out`` and the natural-log ``lse`` instead."""
+    ``[2, B, S_local, H_kv, D]``) into the online-softmax state of this rank's query rows
+    ``row_lo`` onward (the others see none of them), kept in fp32 between steps
+    (``acc [B, S, H, D]``, ``stat = [m, l]`` ``[2, B, H, S]``); CAUSAL: local row i sees
+    local keys up to i (the own block). FIRST starts the state, LAST writes ``out`` and the
+    natural-log ``lse`` instead."""
     pid = tl.program_id(0)  # (query block, batch, head) flattened on the long axis
     m_block = pid % m_blocks
     b = ((pid // m_blocks) // n_heads).to(tl.int64)
@@ -415,7 +409,8 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
     failed = tl.zeros([], tl.int32)
     if src != rank:  # the copy of src's K/V gave up (recorded): never read that slot
         failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True)
-    if failed == 0:
+    first_row = m_block * BLOCK_M
+    if (failed == 0) & (first_row + BLOCK_M > row_lo):
         n_kv_heads = n_heads // kv_group
         stride_ks = n_kv_heads * head_dim
         stride_kb = tl.cast(seqlen, tl.int64) * stride_ks
@@ -423,21 +418,28 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
         v_base = k_base + batch * stride_kb  # K, then V
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                     + offs_d[None, :], mask=row_mask, other=0.0)
-        pos_q = _global_pos(offs_m, rank, world_size, chunk, ZIGZAG)
-        last_q = tl.max(tl.where(m_ok, pos_q, -1), 0)
         qk_scale = sm_scale * 1.4426950408889634  # exponents in base 2
-        for start_n in range(key_lo, key_hi, BLOCK_N):
+        hi = key_hi
+        if CAUSAL:
+            hi = tl.minimum(key_hi, first_row + BLOCK_M)
+        # key blocks every row sees whole go without masks (every block of a peer's visible
+        # rows but the tail); then the causal diagonal, the tail, and a query block that
+        # straddles row_lo, masked
+        full = key_lo
+        if first_row >= row_lo:
+            full += _unmasked_keys(key_hi - key_lo, first_row - key_lo, CAUSAL, BLOCK_N)
+        for start_n in range(key_lo, full, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, start_n + offs_n,
+                                          m_ok, offs_d, d_ok, m_ok, m_i, l_i, acc, qk_scale, UPCAST,
+                                          MASKED=False)
+        for start_n in range(full, hi, BLOCK_N):
             cols = start_n + offs_n
             n_ok = cols < key_hi
-            visible = n_ok[None, :]
-            needed = True
+            visible = n_ok[None, :] & (offs_m >= row_lo)[:, None]
             if CAUSAL:
-                pos_k = _global_pos(cols, src, world_size, chunk, ZIGZAG)
-                visible = visible & (pos_k[None, :] <= pos_q[:, None])
-                needed = tl.min(tl.where(n_ok, pos_k, 2**30), 0) <= last_q  # skip masked blocks
-            if needed:
-                m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
-                                              offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST)
+                visible = visible & (cols[None, :] <= offs_m[:, None])
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
+                                          offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST)
     if LAST:
         _store_rows(o_ptr + b * stride_ob + h * stride_oh, stride_os,
                     lse_ptr + (b * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc)
@@ -577,26 +579,26 @@ def ring_attn_state(q):
             torch.empty(2, b, h, s, dtype=torch.float32, device=q.device))
 
 
-def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, world_size: int, src: int,
-                   keys: tuple[int, int], causal: bool, sm_scale: float, zigzag: bool,
-                   first: bool, last: bool, config: dict | None = None) -> None:
+def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, src: int, rows: int,
+                   keys: tuple[int, int], causal: bool, sm_scale: float, first: bool, last: bool,
+                   config: dict | None = None) -> None:
     """Fold keys ``keys = (lo, hi)`` of ``src``'s K/V (local: this rank's own, or a slot
     ``ring_kv_copy`` filled; ``[2, B, S_local, H_kv, D]`` contiguous) into the attention
-    of this rank's ``q [B, S_local, H, D]``; ``state`` from ``ring_attn_state``. ``last``
-    writes ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_local]``, contiguous). Causal
-    masking uses global positions (``zigzag`` or contiguous layout); key blocks no query of
-    a tile can see are skipped. Skips a peer's K/V if this rank recorded a failure. One
-    program per (query block, batch, head); it waits on nothing."""
+    of this rank's query rows ``rows`` onward (``q [B, S_local, H, D]``; rows before it see
+    none of these keys); ``state`` from ``ring_attn_state``. ``causal``: row i sees keys up
+    to i (the own block); otherwise every key of the range. ``last`` writes ``out`` (like q)
+    and ``lse`` (fp32 ``[B, H, S_local]``, contiguous). Skips a peer's K/V if this rank
+    recorded a failure. One program per (query block, batch, head); it waits on nothing."""
     batch, seqlen, n_heads, head_dim = q.shape
     cfg = attn_config(head_dim, q.device, "ring", config)
     m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
     acc, stat = state
     ring_attn_step_kernel[(m_blocks * batch * n_heads,)](
-        q, kv, acc, stat, out, lse, pad_table, rank, world_size, src, keys[0], keys[1], sm_scale,
-        batch, n_heads, n_heads // kv.shape[3], seqlen, head_dim, seqlen // 2 if zigzag else seqlen,
-        m_blocks, *_layout(q), *_layout(out), CAUSAL=causal, ZIGZAG=zigzag, FIRST=first, LAST=last,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim),
-        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, kv, acc, stat, out, lse, pad_table, rank, src, rows, keys[0], keys[1], sm_scale,
+        batch, n_heads, n_heads // kv.shape[3], seqlen, head_dim, m_blocks, *_layout(q),
+        *_layout(out), CAUSAL=causal, FIRST=first, LAST=last, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim), UPCAST=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _aot_examples():
@@ -620,9 +622,9 @@ def _aot_examples():
               **{f"stride_dq{a}": i32 for a in "bsh"}, "stride_lb": i32, "stride_lh": i32}
     step_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "acc_ptr": "*fp32", "stat_ptr": "*fp32",
                 "o_ptr": "*bf16", "lse_ptr": "*fp32", "pad_table": "*i64", "rank": i32,
-                "world_size": i32, "src": i32, "key_lo": i32, "key_hi": i32, "sm_scale": "fp32",
+                "src": i32, "row_lo": i32, "key_lo": i32, "key_hi": i32, "sm_scale": "fp32",
                 "batch": i32, "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32,
-                "chunk": i32, "m_blocks": i32,
+                "m_blocks": i32,
                 **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"}}
     copy_sig = {"slot_ptr": "*bf16", "pad_table": "*i64", "stats_ptr": "*i64", "rank": i32,
                 "world_size": i32, "epoch": i32, "meta": i32, "timeout_ns": "i64", "src": i32,
@@ -644,9 +646,12 @@ def _aot_examples():
                               BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d, UPCAST=False)
                 out.append((kernel, sig, consts, options(name, d)))
             cfg = _TABLES["ring"][table][d]
-            for last in (False, True):  # a middle step (state in and out), the last step
+            # the own (causal) block first, a peer's block in the middle (state in and
+            # out), a peer's block last
+            for causal, first, last in ((True, True, False), (False, False, False),
+                                        (False, False, True)):
                 out.append((ring_attn_step_kernel, step_sig,
-                            dict(CAUSAL=True, ZIGZAG=True, FIRST=False, LAST=last,
+                            dict(CAUSAL=causal, FIRST=first, LAST=last,
                                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d,
                                  UPCAST=False), options("ring", d)))
         out.append((ring_kv_copy_kernel, copy_sig, dict(BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=2),

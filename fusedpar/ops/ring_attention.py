@@ -96,11 +96,6 @@ class RingCall:
         half = self.q.shape[1] // 2
         return (every, slice(0, half), False) if src < rank else (slice(half, None), every, False)
 
-    def key_rows(self, src: int, rank: int) -> tuple[int, int] | None:
-        """``(lo, hi)``: the rows of ``src``'s K/V that some query of ``rank`` sees, or None."""
-        block = self.block(src, rank)
-        return None if block is None else block[1].indices(self.q.shape[1])[:2]
-
     def chunks(self) -> list[tuple[slice, int]]:
         """``(local rows, global chunk index)`` of this rank's chunks, chunk size
         ``chunk_len``."""
@@ -302,26 +297,30 @@ class TritonRing(Pipelined):
         state = kernels.ring_attn_state(q)
         stats = C.stats_tensor(q.device)
         peers = [(rank - step) % world for step in range(1, world)]
-        rows = {src: call.key_rows(src, rank) for src in range(world)}
-        steps = [rank] + [src for src in peers if rows[src]]  # the attention steps, in order
+        blocks = {}  # per source some query sees: (first query row, (key lo, hi), causal)
+        for src in range(world):
+            block = call.block(src, rank)
+            if block is not None:
+                blocks[src] = (block[0].indices(s)[0], block[1].indices(s)[:2], block[2])
+        steps = [rank] + [src for src in peers if src in blocks]  # the attention steps, in order
         slots = [torch.empty_like(own_kv) for _ in range(min(2, len(peers)))]
         side = C.side_stream(q.device) if q.is_cuda else None
 
         def copy(i):  # peer i's visible rows into slot i % 2 (no rows: check its fingerprint)
+            keys = blocks[peers[i]][1] if peers[i] in blocks else (0, 0)
             kernels.ring_kv_copy(slots[i % 2], buf.pad_table, rank, world, epoch, meta,
-                                 buf.timeout_ns, peers[i], rows[peers[i]] or (0, 0), stats)
+                                 buf.timeout_ns, peers[i], keys, stats)
 
         def attend(src, kv):
-            kernels.ring_attn_step(q, kv, state, out, lse, buf.pad_table, rank, world, src,
-                                   rows[src], call.causal, call.scale, call.layout == "zigzag",
-                                   first=src == rank, last=src == steps[-1])
+            kernels.ring_attn_step(q, kv, state, out, lse, buf.pad_table, rank, src, *blocks[src],
+                                   call.scale, first=src == rank, last=src == steps[-1])
 
         copied = [_after_main(side, copy, 0)] if peers else []
         attend(rank, own_kv)
         for i, src in enumerate(peers):
             if i + 1 < len(peers):  # after the attention that last read slot (i+1) % 2
                 copied.append(_after_main(side, copy, i + 1))
-            if rows[src]:
+            if src in blocks:
                 if copied[i] is not None:
                     torch.cuda.current_stream().wait_event(copied[i])
                 attend(src, slots[i % 2])

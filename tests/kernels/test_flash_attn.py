@@ -7,18 +7,23 @@ import pytest
 import torch
 
 from fusedpar.kernels import flash_attn as kernels
+from fusedpar.ops.ring_attention import RingCall
+from fusedpar.parallel import zigzag_shard
 
 SMALL_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16)
 
 
 def attention64(q, k, v, causal, scale):
-    """fp64 ``(out, lse)`` of ``[B, S, H, D]`` inputs, K/V heads repeated for GQA."""
+    """fp64 ``(out, lse)`` of ``[B, S, H, D]`` inputs, K/V heads repeated for GQA; ``causal``:
+    a bool, or a ``[S_q, S_k]`` mask of the keys each query sees."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bshd,bthd->bhst", q, k) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(), float("-inf"))
+    if causal is True:
+        causal = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+    if causal is not False:
+        s = s.masked_fill(~causal, float("-inf"))
     lse = torch.logsumexp(s, -1)
     return torch.einsum("bhst,bthd->bshd", torch.exp(s - lse[..., None]), v), lse
 
@@ -99,6 +104,47 @@ def test_strided_inputs():
     kernels.flash_attn_forward(q, k, v, out, lse, False, 0.25)
     ref_out, _ = attention64(q, k, v, False, 0.25)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+
+
+def _ring_shard(x, layout, rank, world):
+    return zigzag_shard(x, 1, rank, world) if layout == "zigzag" else x.chunk(world, 1)[rank]
+
+
+@pytest.mark.parametrize("blocks", BLOCK_SHAPES, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}")
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_steps_match_fp64(layout, blocks):
+    """Each rank's ring steps (own K/V first, then the peers' in ring order, as the triton
+    ring runs them) against fp64 attention of its rows to the full sequence, masked by
+    global position. Half of a zigzag rank's rows (19) is not a multiple of any block
+    size, so a query block straddles the rows that see a later rank's K/V; key tails too.
+    State, outputs and lse start as NaN."""
+    world, s_local, h, hk, d, scale = 3, 38, 2, 1, 24, 0.3
+    q, k, v = (t.detach() for t in _inputs(2, world * s_local, world * s_local, h, hk, d, seed=4))
+    pos = torch.arange(world * s_local)[None, :, None, None]
+    pad = torch.zeros(1024, dtype=torch.int32)  # every rank's signal pad: no failure recorded
+    pad_table = torch.full((world,), pad.data_ptr(), dtype=torch.int64)
+    for causal in (True, False):
+        for rank in range(world):
+            mine = [_ring_shard(t, layout, rank, world).float().contiguous() for t in (q, k, v)]
+            q_pos = _ring_shard(pos, layout, rank, world).flatten()
+            visible = (pos.flatten()[None, :] <= q_pos[:, None]) if causal else False
+            ref_out, ref_lse = attention64(_ring_shard(q, layout, rank, world), k, v, visible, scale)
+            call = RingCall(*mine, None, causal, scale, layout, world_size=world)
+            steps = [rank] + [(rank - i) % world for i in range(1, world)]
+            steps = [src for src in steps if call.block(src, rank) is not None]
+            state = [torch.full_like(t, float("nan")) for t in kernels.ring_attn_state(mine[0])]
+            out = torch.full_like(mine[0], float("nan"))
+            lse = torch.full((2, h, s_local), float("nan"))
+            for src in steps:
+                kv = torch.stack([_ring_shard(t, layout, src, world) for t in (k, v)]).float()
+                rows, keys, block_causal = call.block(src, rank)
+                kernels.ring_attn_step(mine[0], kv.contiguous(), state, out, lse, pad_table, rank,
+                                       src, rows.indices(s_local)[0], keys.indices(s_local)[:2],
+                                       block_causal, scale, first=src == rank,
+                                       last=src == steps[-1], config=blocks)
+            where = (causal, rank)
+            torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0, msg=str(where))
+            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0, msg=str(where))
 
 
 def test_gpu_configs_cover_every_head_dim():
