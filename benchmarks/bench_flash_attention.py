@@ -4,8 +4,10 @@
 and forward+backward, bf16; each case is checked once against SDPA's output (and
 gradients) before it is timed; do_bench quantiles go to ``results/flash_attention.csv``
 with TFLOP/s (causal counts half the scores) and the ratio to SDPA flash in ``notes``.
-Target (recorded, never asserted): >= 0.9x SDPA flash's TFLOP/s. No timing runs without
-a GPU: the cases skip.
+Target (recorded, never asserted): >= 0.9x SDPA flash's TFLOP/s. Each row also notes
+``gpu_busy_ms`` and ``host_ms``, and writes ``results/profiles/`` (the GPU time per kernel
+of one call: how the backward splits between the dK/dV and dQ kernels, next to SDPA's). No
+timing runs without a GPU: the cases skip.
 """
 
 import pytest
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 
 import fusedpar
 
-from common import DTYPE, Unavailable, bench, or_skip, rel_err
+from common import DTYPE, Unavailable, bench, gpu_profile, host_ms, or_skip, rel_err
 
 OP = "flash_attention"
 B, H, D = 1, 32, 128
@@ -73,13 +75,16 @@ def _measure(backend, s, causal, mode, device, gpu_times):
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("s", SEQS)
-def test_kernel(benchmark, gpu, gpu_times, record_row, report_target, synced, s, causal, mode, backend):
+def test_kernel(benchmark, gpu, gpu_times, record_row, record_profile, report_target, synced, s, causal,
+                mode, backend):
     benchmark.group = f"{OP} B{B} H{H} S{s} D{D} {'causal' if causal else 'full'} {mode} bf16"
     key = (s, causal, mode)
     fn, times = or_skip(_measure, backend, s, causal, mode, gpu, gpu_times)
     _medians[(*key, backend)] = times[0]
     flops = 4 * B * H * s * s * D * (0.5 if causal else 1.0) * (3.5 if mode == "fwd+bwd" else 1.0)
-    notes = dict(tflops=f"{flops / (times[0] * 1e-3) / 1e12:.1f}", causal=causal, mode=mode)
+    busy, kernels = gpu_profile(fn)
+    notes = dict(tflops=f"{flops / (times[0] * 1e-3) / 1e12:.1f}", causal=causal, mode=mode,
+                 gpu_busy_ms=f"{busy:.2f}", host_ms=f"{host_ms(fn):.2f}")
     base = _medians.get((*key, "sdpa_flash"))
     if backend != "sdpa_flash" and base is not None:
         ratio = base / times[0]
@@ -87,4 +92,6 @@ def test_kernel(benchmark, gpu, gpu_times, record_row, report_target, synced, s,
         notes["vs_sdpa_flash"] = f"{ratio:.3f}x (target >= {TARGET}x: {verdict})"
         report_target(f"{benchmark.group} {backend}: {ratio:.3f}x SDPA flash ({verdict})")
     record_row(OP, backend, (B, s, H, D), DTYPE, 1, *times, algo_bytes=4 * B * s * H * D * 2, **notes)
+    record_profile(f"{OP}_{'causal' if causal else 'full'}_{mode.replace('+', '_')}", backend,
+                   (B, s, H, D), times[0], busy, kernels)
     bench(benchmark, synced, fn, times, **notes)

@@ -6,7 +6,10 @@ on the full sequence (fusedpar's flash_attention kernel, and SDPA flash for refe
 ``test_loopback`` (one GPU): B=1, H=32, D=128, full S in {16k, 32k}, causal (zigzag) and
 not, forward, bf16; checked once against monolithic attention, then timed; rows in
 ``results/ring_attention.csv`` with TFLOP/s and the ratio to monolithic. Target (recorded,
-never asserted): >= 0.85x of the monolithic kernel's TFLOP/s. Skips without a GPU.
+never asserted): >= 0.85x of the monolithic kernel's TFLOP/s. Each row also notes
+``gpu_busy_ms`` (a median well above it: the GPU waited for the host, whose ``host_ms``
+issues 8 simulated ranks' steps and copies) and writes ``results/profiles/`` (GPU time per
+kernel and copy of one call). Skips without a GPU.
 ``test_loopback_volume``: bytes read from peers = the K/V lower bound (CPU too). Causal
 zigzag: a rank needs half of each earlier rank's K/V and all of each later one's, so the
 bound is 3/4 of the non-causal (W-1) x K/V.
@@ -18,7 +21,8 @@ import torch
 import fusedpar
 from fusedpar.parallel import zigzag_shard
 
-from common import DTYPE, W_LOOPBACK, bench, counted, nbytes, or_skip, rel_err
+from common import (DTYPE, W_LOOPBACK, bench, counted, gpu_profile, host_ms, nbytes, or_skip,
+                    rel_err)
 
 OP = "ring_attention"
 B, H, D = 1, 32, 128
@@ -58,13 +62,16 @@ def _measure(backend, s, causal, device, gpu_times):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("s", SEQS)
-def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, s, causal, backend):
+def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, report_target, synced, s,
+                  causal, backend):
     benchmark.group = f"{OP} B{B} H{H} S{s} D{D} {'causal' if causal else 'full'} loopback W={W_LOOPBACK} bf16"
     fn, times, moved = or_skip(_measure, backend, s, causal, gpu, gpu_times)
     key = (s, causal)
     _medians[(*key, backend)] = times[0]
     flops = 4 * B * H * s * s * D * (0.5 if causal else 1.0)
-    notes = dict(tflops=f"{flops / (times[0] * 1e-3) / 1e12:.1f}", causal=causal)
+    busy, kernels = gpu_profile(fn)
+    notes = dict(tflops=f"{flops / (times[0] * 1e-3) / 1e12:.1f}", causal=causal,
+                 gpu_busy_ms=f"{busy:.2f}", host_ms=f"{host_ms(fn):.2f}")
     base = _medians.get((*key, "monolithic"))
     if backend == "loopback" and base is not None:
         ratio = base / times[0]
@@ -75,6 +82,8 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, report_target, synced, 
     bound = (W_LOOPBACK - 1) * kv_bytes * (0.75 if causal else 1)  # causal zigzag: see above
     record_row(OP, backend, (B, s, H, D), DTYPE, W_LOOPBACK, *times, algo_bytes=kv_bytes,
                bytes_moved=moved, lower_bound=int(bound), **notes)
+    record_profile(f"{OP}_{'causal' if causal else 'full'}", backend, (B, s, H, D), times[0], busy,
+                   kernels)
     bench(benchmark, synced, fn, times, **notes)
 
 
