@@ -118,6 +118,7 @@ class SymmetricBuffer:
         self.failure: str | None = None
         self._keepalive = keepalive  # torch symm_mem handle: owns the mappings
         self._pending_status = None  # (op, event, pinned host copy) on CUDA
+        self._last_end = None  # (stream, event): where the last call ended, on CUDA
         self.in_call = False  # between next_epoch and finish
         self.device_epochs = False  # see use_device_epochs
         self._captured_op: str | None = None  # the last op finished under CUDA-graph capture
@@ -175,6 +176,7 @@ class SymmetricBuffer:
             )
         if not capture:  # no host query of an event while a stream captures
             self._check_pending()
+            self._after_last_call()
         if self.failure:
             raise FusedparError(
                 f"symmetric buffer of group {self.group_name!r} is unusable after an earlier "
@@ -194,6 +196,18 @@ class SymmetricBuffer:
         if self.device.type == "cpu":
             self._arm_watchdog(self.epoch)
         return epoch
+
+    def _after_last_call(self) -> None:
+        """Make this call's stream wait (on the device) for the last call's end if that ran
+        on another stream: calls take turns on the buffer. FSDP2 issues its all-gathers and
+        reduce-scatters on two streams, and a call restages this rank's data region, which
+        the previous call may still be reading there."""
+        if self._last_end is None:
+            return
+        stream, event = self._last_end
+        current = torch.cuda.current_stream(self.device)
+        if stream != current:
+            current.wait_event(event)
 
     def use_device_epochs(self) -> None:
         """From now on keep the epoch count in this rank's ``EPOCH`` pad word, where calls
@@ -273,9 +287,11 @@ class SymmetricBuffer:
             return
         host = torch.empty(3, dtype=torch.int32, pin_memory=True)
         host.copy_(status, non_blocking=True)
+        stream = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event()
-        event.record()
+        event.record(stream)
         self._pending_status = (op, event, host)
+        self._last_end = (stream, event)
         if sync_errors():
             self.synchronize()
 

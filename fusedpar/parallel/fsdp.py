@@ -10,7 +10,7 @@ Plain-PyTorch equivalent of ``shard_model(model, blocks, dp_mesh, mp_policy)``::
 With ``comm="fusedpar"`` every FSDP module then gets
 ``set_custom_all_gather(FusedparAllGather())`` and
 ``set_custom_reduce_scatter(FusedparReduceScatter())`` (FSDP2's ``Comm`` hooks, present in
-torch >= 2.12): the flat all-gather / reduce-scatter buffers FSDP builds are moved by
+torch 2.11 and later): the flat all-gather / reduce-scatter buffers FSDP builds are moved by
 ``fusedpar.ops.all_gather`` / ``reduce_scatter`` (symmetric memory where the backend has
 it, counted by ``fusedpar.comm.count_bytes``). Where the installed torch lacks the hooks,
 FSDP keeps its NCCL/gloo collectives and a one-line notice says so. HSDP's all-reduce over
@@ -29,9 +29,9 @@ from .config import FSDP_COMMS
 
 __all__ = ["FusedparAllGather", "FusedparReduceScatter", "shard_model"]
 
-try:  # torch >= 2.12
+try:  # torch 2.11 and later
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - torch 2.11 (the GPU image)
+except ImportError:  # pragma: no cover - an older torch
     AllGather = ReduceScatter = object
 
 
@@ -73,7 +73,7 @@ class FusedparReduceScatter(_Alloc, ReduceScatter):
 
 
 def fused_comms_available() -> bool:
-    """Whether this torch's FSDP2 takes custom collectives (torch >= 2.12)."""
+    """Whether this torch's FSDP2 takes custom collectives (torch 2.11 and later)."""
     from torch.distributed.fsdp import FSDPModule
 
     return (hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_custom_reduce_scatter")

@@ -209,6 +209,29 @@ def test_gpu_collectives_replay_from_a_cuda_graph(backend):
             fusedpar.ops.matmul_reduce_scatter_loopback(xs, [torch.eye(5, device="cuda")] * world)
 
 
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_calls_on_two_streams_take_turns(backend):
+    """FSDP2 issues its all-gathers and reduce-scatters on two streams, on one group's
+    symmetric buffer, and a call restages this rank's data region: a call on another stream
+    waits (on the device) for the previous call to end. Stream ``a`` is held back by a sleep
+    kernel; the call issued after it on stream ``b`` must not change what ``a`` gathers."""
+    for world in (1, 2):
+        xs = [[rank_data((64, 33), torch.float32, r, salt=salt).cuda() for r in range(world)]
+              for salt in (1, 2)]
+        fusedpar.ops.all_gather_loopback(xs[0], 0, backend=backend)  # compiled, buffers made
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s
+            first = fusedpar.ops.all_gather_loopback(xs[0], 0, backend=backend)
+        with torch.cuda.stream(b):
+            second = fusedpar.ops.all_gather_loopback(xs[1], 0, backend=backend)
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, torch.cat(xs[0])) for out in first), world
+        assert all(torch.equal(out, torch.cat(xs[1])) for out in second), world
+
+
 def _gpu_single_rank(backend):
     x = rank_data((5, 3, 7), torch.bfloat16, 0).cuda()
     out = fusedpar.ops.all_gather(x, 1, backend=backend)
