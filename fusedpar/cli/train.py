@@ -275,7 +275,10 @@ def train_rank(group, device, spec: dict) -> dict:
     tcfg = TrainConfig(**spec["train"])
     rank = dist.get_rank(group)
     vocab = model_config(tcfg).vocab_size
-    model = fusedpar.parallelize(build_model(tcfg, device), pcfg)
+    # the mesh on the ranks' device: CPU ranks on a machine with a GPU (--device cpu, or
+    # fewer GPUs than ranks) would otherwise get a CUDA mesh
+    model = fusedpar.parallelize(build_model(tcfg, device), pcfg,
+                                 device_type=torch.device(device).type)
 
     def batches(step):  # this data-parallel rank's rows of the global batch
         return fusedpar.parallel.shard_batch(synthetic_batch(tcfg, vocab, step),

@@ -3,6 +3,7 @@ spawned CPU ranks against the single-process run, and save/resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -129,6 +130,41 @@ def test_save_then_resume_continues_with_identical_losses(full_run, tmp_path):
 
 
 MOE_OPS = {"moe_experts", "moe_dispatch", "moe_combine"}
+
+
+def _train_cpu_ranks_on_a_machine_with_a_gpu():
+    """One spawned rank's ``train_rank`` on CPU while, as ``parallelize`` builds the mesh,
+    torch reports a GPU (patched: as with ``--device cpu`` on a GPU machine)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    parallelize, available = fusedpar.parallelize, torch.cuda.is_available
+
+    def parallelize_seeing_a_gpu(*args, **kwargs):
+        torch.cuda.is_available = lambda: True
+        try:
+            return parallelize(*args, **kwargs)
+        finally:
+            torch.cuda.is_available = available
+
+    fusedpar.parallelize = parallelize_seeing_a_gpu
+    try:
+        pcfg, tcfg, _ = _resolve(["--tp", "1", "--dp-shard", "2", "--steps", "2", "--no-compare"],
+                                 world=2)
+        spec = {"parallel": dataclasses.asdict(pcfg), "train": dataclasses.asdict(tcfg),
+                "save": None, "resume": None, "compare": False}
+        result = train.train_rank(dist.group.WORLD, torch.device("cpu"), spec)
+    finally:
+        fusedpar.parallelize = parallelize
+    return dist.get_rank() != 0 or all(math.isfinite(loss) for loss in result["losses"])
+
+
+def test_cpu_ranks_build_a_cpu_mesh_where_a_gpu_exists(pools):
+    """``fusedpar train`` on CPU ranks (``--device cpu``, or fewer GPUs than ranks) builds
+    its mesh on the model's device type, not on "cuda" because torch sees a GPU."""
+    assert pools(2).run(_train_cpu_ranks_on_a_machine_with_a_gpu) == [True, True]
 
 
 def _check_bounds(m: dict) -> None:
