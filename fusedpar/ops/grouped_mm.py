@@ -179,7 +179,8 @@ class Triton(Backend):
 
     def run(self, call: GroupedCall) -> torch.Tensor:
         out = torch.empty(call.out_shape(), dtype=call.a.dtype, device=call.a.device)
-        groups = call.offs if call.offs is not None else call.masked_m
+        # the kernels read offs / masked_m with stride 1
+        groups = (call.offs if call.offs is not None else call.masked_m).contiguous()
         if call.k_grouped:
             kernels.grouped_mm_k(call.a, call.b, groups, out, pad_rows=pad_rows(call))
         else:

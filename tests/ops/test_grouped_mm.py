@@ -98,6 +98,29 @@ def test_masked_k_grouped_form_and_its_gradients(backend):
     assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_offs_and_masked_m(backend):
+    """offs / masked_m as strided views (every other element; out-of-range values between):
+    the kernels read them with stride 1, so the op must not pass the view as it is."""
+    offs = torch.tensor([3, 99, 3, -7, 12, 10**6, 13, 5], dtype=torch.int32)[::2]
+    a = _ints(14, 11, seed=20).requires_grad_()
+    b = _ints(4, 11, 7, seed=21).requires_grad_()
+    out = grouped_mm(a, b, offs, backend=backend)
+    grad = _ints(14, 7, seed=22)
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = _loop(a64, b64, offs)
+    ref.backward(grad.double())
+    assert torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+
+    counts = torch.tensor([0, 77, 3, -1, 5, 9], dtype=torch.int32)[::2]
+    a, b = _ints(3, 5, 11, seed=23), _ints(3, 11, 7, seed=24)
+    keep = (torch.arange(5)[None, :] < counts[:, None].long())[..., None]
+    assert torch.equal(grouped_mm(a, b, masked_m=counts, backend=backend),
+                       torch.where(keep, a @ b, 0.0))
+
+
 def test_matches_torch_grouped_mm_where_available():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm does not exist in this torch")
