@@ -82,7 +82,8 @@ def reduce_chunks_kernel(out_ptr, own_ptr, stage_ptr, rank, world_size, n, divis
             else:
                 row = (rank - 1 - src + world_size) % world_size
                 acc += tl.load(stage_ptr + row * n + offs, mask=mask, other=0).to(tl.float32)
-        tl.store(out_ptr + offs, (acc / divisor).to(out_ptr.dtype.element_ty), mask=mask)
+        # div_rn: fp32 ``/`` compiles to an approximate division (the average rounds as torch's)
+        tl.store(out_ptr + offs, tl.math.div_rn(acc, divisor).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def reduce_chunks(out: torch.Tensor, own: torch.Tensor, stage: torch.Tensor, rank: int,

@@ -43,9 +43,10 @@ def reduce_scatter_pull_kernel(out_ptr, pad_table, rank, world_size, epoch, meta
                 if src != rank:
                     moved += count * ELEM_BYTES
         first = tl.full([], 0, tl.int1)
+        # div_rn: fp32 ``/`` compiles to an approximate division (the average rounds as torch's)
         if ok:
             tl.store(out_ptr + rows[:, None] * inner + cols[None, :],
-                     (acc / divisor).to(out_ptr.dtype.element_ty), mask=mask)
+                     tl.math.div_rn(acc, divisor).to(out_ptr.dtype.element_ty), mask=mask)
     if moved > 0:
         tl.atomic_add(stats_ptr, moved, sem="relaxed")
 

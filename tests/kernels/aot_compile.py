@@ -78,6 +78,8 @@ def compile_variant(kernel, signature, constexprs, options, target):
             # 2-byte scalar global accesses: an access pattern the compiler could not prove
             # contiguous and 16-byte aligned moves one element per instruction
             "scalar_16bit": len(SCALAR_16BIT.findall(ptx)),
+            # fp32 division that is not IEEE-rounded (``a / b`` in Triton compiles to it)
+            "approx_div": len(re.findall(r"\bdiv\.(?:full|approx)(?:\.ftz)?\.f32\b", ptx)),
             "acquire_sys": "sys.acquire" in ptx or "acquire.sys" in ptx,
             "release_sys": "sys.release" in ptx or "release.sys" in ptx}
 

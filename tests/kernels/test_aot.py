@@ -143,6 +143,19 @@ def test_16_bit_data_moves_in_vectors(compiled):
         assert not scalar, (triton_version, arch, scalar)
 
 
+def test_averages_divide_with_ieee_rounding(compiled):
+    """reduce_scatter's "avg" (the pull kernel's, and matmul_reduce_scatter's chunk sum)
+    rounds like torch's sum / W: Triton's ``/`` on fp32 compiles to the approximate
+    ``div.full.f32`` (up to 2 ulp off at a W that is not a power of two), so both divide with
+    ``tl.math.div_rn``."""
+    averaging = ("reduce_scatter.reduce_scatter_pull_kernel", "gemm_rs.reduce_chunks_kernel")
+    for (triton_version, arch), rows in compiled.items():
+        found = [r for r in rows if r["name"] in averaging]
+        assert {r["name"] for r in found} == set(averaging), (triton_version, arch)
+        assert all(r["approx_div"] == 0 for r in found), \
+            (triton_version, arch, [(r["name"], r["approx_div"]) for r in found])
+
+
 # the most shared memory one block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_PER_BLOCK = {90: 232448, 80: 166912}
 
