@@ -294,9 +294,11 @@ def gathering(buf, blocks, epoch: int, meta: int, copy_engine: bool):
         for block in blocks:
             if block[0] != buf.rank:
                 copy(*block)
-    yield
-    if side is not None:
-        main.wait_stream(side)
+    try:
+        yield
+    finally:  # also when the body raises: the copies write into tensors the caller frees
+        if side is not None:
+            main.wait_stream(side)
 
 
 class SymmetricBackend(Backend):
