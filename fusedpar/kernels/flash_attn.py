@@ -90,7 +90,10 @@ _TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "dkdv": (_DKDV_SM90, _BWD_SM80),
 # Variants left on mma.sync on sm_90 (head dim 256), and why
 _MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32"}
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
-COPY_CONFIG = dict(BLOCK=1024, num_warps=4)
+# Its grid is capped at a quarter of the SMs, so its bandwidth is the bytes each program has
+# in flight over the latency: 16384 bf16 elements on 8 warps are eight 16-byte loads per
+# thread issued before their stores (32 KB a program; 1024 on 4 warps had one, 2 KB)
+COPY_CONFIG = dict(BLOCK=16384, num_warps=8)
 # The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
 
@@ -554,21 +557,23 @@ def ring_copy_programs(pieces: int, sms: int | None) -> int:
 
 
 def ring_kv_copy(slot, pad_table, rank: int, world_size: int, epoch: int, meta: int,
-                 timeout_ns: int, src: int, rows: tuple[int, int], stats) -> None:
+                 timeout_ns: int, src: int, rows: tuple[int, int], stats,
+                 block: int = COPY_CONFIG["BLOCK"]) -> None:
     """Copy rows ``rows = (lo, hi)`` (of S_local) of ``src``'s staged K/V (its symmetric
     data region, ``[2, B, S_local, H_kv, D]`` like ``slot``) into ``slot`` once ``src``'s
     READY flag is at ``epoch`` and its fingerprint equals ``meta`` (wall-clock bounded;
     a failure is recorded in this rank's STATUS words and nothing is copied); adds the
     bytes copied to ``stats``. ``lo == hi`` only checks. The grid is capped
     (``ring_copy_programs``) and loops; what it waits on (a peer staging and signalling on
-    its own device) needs none of this device's SMs."""
+    its own device) needs none of this device's SMs. ``block``: elements per pass (tests
+    make it small: many passes per segment)."""
     lo, hi = rows
     segments, seqlen = slot.shape[0] * slot.shape[1], slot.shape[2]
     row_elems = slot.shape[3] * slot.shape[4]
-    pieces = segments * triton.cdiv(max(hi - lo, 1) * row_elems, COPY_CONFIG["BLOCK"])
+    pieces = segments * triton.cdiv(max(hi - lo, 1) * row_elems, block)
     ring_kv_copy_kernel[(ring_copy_programs(pieces, sm_count(slot.device)),)](
         slot, pad_table, stats, rank, world_size, epoch, meta, timeout_ns, src, lo, hi,
-        segments, seqlen, row_elems, BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=slot.element_size(),
+        segments, seqlen, row_elems, BLOCK=block, ELEM_BYTES=slot.element_size(),
         num_warps=COPY_CONFIG["num_warps"])
 
 
