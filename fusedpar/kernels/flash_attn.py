@@ -401,19 +401,26 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
     stat_rows = stat_ptr + (b * n_heads + h) * seqlen + offs_m
     stat_half = batch * n_heads * tl.cast(seqlen, tl.int64)
     acc_rows = acc_ptr + ((b * seqlen + offs_m[:, None]) * n_heads + h) * head_dim + offs_d[None, :]
+    failed = tl.zeros([], tl.int32)
+    if src != rank:  # the copy of src's K/V gave up (recorded): never read that slot
+        failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True)
+    first_row = m_block * BLOCK_M
+    work = (failed == 0) & (first_row + BLOCK_M > row_lo)
+    # a middle step neither loads nor stores the state of a query block that sees none of
+    # its keys (half of them in a zigzag step from a later rank); the first step writes
+    # every block's, the last reads every block's
+    keep = m_ok
+    if not FIRST and not LAST:
+        keep = m_ok & work
     if FIRST:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     else:
-        m_i = tl.load(stat_rows, mask=m_ok, other=float("-inf"))
-        l_i = tl.load(stat_rows + stat_half, mask=m_ok, other=0.0)
-        acc = tl.load(acc_rows, mask=row_mask, other=0.0)
-    failed = tl.zeros([], tl.int32)
-    if src != rank:  # the copy of src's K/V gave up (recorded): never read that slot
-        failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True)
-    first_row = m_block * BLOCK_M
-    if (failed == 0) & (first_row + BLOCK_M > row_lo):
+        m_i = tl.load(stat_rows, mask=keep, other=float("-inf"))
+        l_i = tl.load(stat_rows + stat_half, mask=keep, other=0.0)
+        acc = tl.load(acc_rows, mask=keep[:, None] & d_ok[None, :], other=0.0)
+    if work:
         n_kv_heads = n_heads // kv_group
         stride_ks = n_kv_heads * head_dim
         stride_kb = tl.cast(seqlen, tl.int64) * stride_ks
@@ -447,9 +454,9 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
         _store_rows(o_ptr + b * stride_ob + h * stride_oh, stride_os,
                     lse_ptr + (b * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc)
     else:
-        tl.store(stat_rows, m_i, mask=m_ok)
-        tl.store(stat_rows + stat_half, l_i, mask=m_ok)
-        tl.store(acc_rows, acc, mask=row_mask)
+        tl.store(stat_rows, m_i, mask=keep)
+        tl.store(stat_rows + stat_half, l_i, mask=keep)
+        tl.store(acc_rows, acc, mask=keep[:, None] & d_ok[None, :])
 
 
 def interpreting() -> bool:
