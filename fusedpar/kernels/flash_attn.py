@@ -497,8 +497,8 @@ def _stat_strides(lse: torch.Tensor):
 
 def _geometry(q, k, cu_seqlens, max_seqlen):
     """``(batch, seqlen_q, seqlen_k, cu_seqlens or a dummy pointer, varlen)``."""
-    if cu_seqlens is not None:
-        return cu_seqlens.numel() - 1, max_seqlen, max_seqlen, cu_seqlens, True
+    if cu_seqlens is not None:  # the kernels read it with stride 1
+        return cu_seqlens.numel() - 1, max_seqlen, max_seqlen, cu_seqlens.contiguous(), True
     return q.shape[0], q.shape[1], k.shape[1], q, False  # q: any pointer; never read
 
 

@@ -558,10 +558,10 @@ def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = T
 
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether a TMA descriptor can cover ``t``: unit inner stride, 16-byte aligned base and
-    outer strides, no empty dimension."""
+    outer strides, none zero (an expanded tensor), no empty dimension."""
     size = t.element_size()
     return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
+            and all(stride > 0 and stride * size % 16 == 0 for stride in t.stride()[:-1]))
 
 
 def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,

@@ -113,7 +113,7 @@ def sort_by_expert(topk_idx: torch.Tensor, num_experts: int,
     ``[-1, num_experts)``. Such an id counts nowhere and gets a position in ``[0, T*k)``, or
     ``-1`` if negative: memory-safe (the callers send the flag with the counts, and the call
     raises)."""
-    flat = topk_idx.reshape(-1)
+    flat = topk_idx.reshape(-1).contiguous()  # reshape may keep a stride; the kernel reads 1
     pos = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
     header = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
     sort_by_expert_kernel[(1,)](flat, pos, header, flat.numel(), num_experts, flag_value,

@@ -96,6 +96,17 @@ def test_rows_epilogues(sizes, K, N, tail, b_kmajor, tma, epilogue):
         assert torch.equal(h.double(), product)  # small multiples of 1/64: exact in fp32
 
 
+def test_an_expanded_operand_takes_pointer_loads():
+    """A TMA descriptor takes no zero stride: b expanded from one expert's weights (stride 0
+    over experts) goes to the pointer loads, and the product is still every group's."""
+    a, offs = _ints(11, 36, seed=30), torch.tensor([4, 4, 11], dtype=torch.int32)
+    b = _ints(1, 36, 8, seed=31).expand(3, 36, 8)
+    assert gemm_operands(a, b.contiguous())[0]["TMA"] and not gemm_operands(a, b)[0]["TMA"]
+    c = torch.full((11, 8), float("nan"))
+    grouped_mm_rows(a, b, offs, c)
+    assert torch.equal(c.double(), grouped_product(a, b, offs))
+
+
 def test_rows_epilogue_needs_offs_and_contiguous_outputs():
     a, b, offs = torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32)
     for kwargs in (dict(epilogue="gelu"), dict(epilogue="swiglu", pad_rows=2),

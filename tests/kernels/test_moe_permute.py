@@ -47,6 +47,20 @@ def test_sort_flags_ids_out_of_range_and_stays_in_bounds(dtype):
         assert (-1 if bad < 0 else 0) <= int(pos[2]) < idx.numel() and int(pos[5]) == -1, (bad, pos)
 
 
+def test_sort_reads_strided_ids_by_value():
+    """``topk_idx`` views whose flattening keeps a stride (every other column of a wider
+    tensor, k=1 as one column, a stride-0 expansion) sort like their contiguous copies (the
+    kernel reads ids with stride 1; the gaps hold ids that would route elsewhere)."""
+    idx = _routing(13, 2, 4, seed=3, dropped=[(2, 1)])
+    wide = torch.stack([idx, (idx + 1) % 4], 2).reshape(13, 4)  # columns 0 and 2: idx
+    views = [wide[:, ::2], wide[:, :1], torch.tensor([[3]]).expand(9, 1)]
+    for view in views:
+        assert not view.reshape(-1).is_contiguous()
+        expected = sort_by_expert(view.contiguous(), 4, flag_value=5)
+        for got, want in zip(sort_by_expert(view, 4, flag_value=5), expected):
+            assert torch.equal(got, want), view.stride()
+
+
 def test_all_copies_on_one_expert():
     idx = torch.full((33, 1), 2)
     pos, header = sort_by_expert(idx, 4)

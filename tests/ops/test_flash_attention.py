@@ -87,6 +87,20 @@ def test_packed_documents(backend):
             torch.testing.assert_close(t.grad[a:z].double(), r.grad[0], atol=1e-4, rtol=0)
 
 
+def test_strided_cu_seqlens():
+    """cu_seqlens as a view with stride 2 (gaps holding other, valid-looking ends): the
+    kernels read it with stride 1, so the op passes its values, not the view."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(30, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 7, 11, 8, 19, 30, 29], dtype=torch.int32)[::2]  # [0, 7, 8, 30]
+    outs = []
+    for ends in (cu, cu.contiguous()):
+        out = fusedpar.ops.flash_attention(q, k, v, causal=True, cu_seqlens=ends, backend="triton")
+        outs.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+
+
 def test_default_backend_and_compile():
     q, k, v = (t.detach() for t in _leaves(1, 8, 2, 1, 16, torch.float32))
     from fusedpar.ops.flash_attention import AttentionCall
