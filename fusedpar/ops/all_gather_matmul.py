@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
 from ..kernels import grouped_gemm
 from . import _collective as C
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "all_gather_matmul"
 # torch's symm_mem.fused_all_gather_matmul schema, plus a keyword-only backend: a call with
@@ -277,9 +277,13 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
     sharing the gather (q/k/v, gate/up). fp32, fp16 or bf16. ``group`` and ``backend``
     as in ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``).
     Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` and ``dB = A_gatheredᵀ dY``
-    (A_gathered is kept from the forward pass).
+    (A_gathered is kept from the forward pass). Under ``torch.autocast``, A and the Bs are
+    cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
+    A_shard, *Bs = autocast_inputs(A_shard, *Bs)
     wants_grad = torch.is_grad_enabled() and any(b.requires_grad for b in Bs)
-    gathered, outs = _all_gather_matmul_op(A_shard, list(Bs), gather_dim, group_name(group),
-                                           return_A=return_A or wants_grad, backend=backend or "")
+    with autocast_off(A_shard):
+        gathered, outs = _all_gather_matmul_op(A_shard, list(Bs), gather_dim, group_name(group),
+                                               return_A=return_A or wants_grad,
+                                               backend=backend or "")
     return (gathered if return_A else None), outs

@@ -11,7 +11,10 @@ picks the same backend; the choice is cached per (op, group, device type, dtype)
 
 from __future__ import annotations
 
+import contextlib
 import os
+
+import torch
 
 from ..errors import BackendNotSupportedError
 
@@ -29,6 +32,32 @@ class Backend:
 
 
 _DISPATCHERS: list["Dispatcher"] = []
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as torch's matmul and attention see them: inside a ``torch.autocast``
+    region of their device type, fp32/fp16/bf16 tensors are cast to its dtype (so fp32
+    weights meet the bf16 activations of the ops before; the casts are differentiable);
+    outside one, or fp64, unchanged (so are non-tensors: the op's checks name them). The
+    matmul and attention ops call this first, then run under ``autocast_off``."""
+    kind = _autocast_device(tensors[0])
+    if kind is None or not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in tensors)
+
+
+def autocast_off(t: torch.Tensor):
+    """A region where autocast is off on ``t``'s device: an op's own math (the reference
+    backends' fp32 accumulation) keeps the dtypes it chose."""
+    kind = _autocast_device(t)
+    return contextlib.nullcontext() if kind is None else torch.autocast(kind, enabled=False)
+
+
+def _autocast_device(t) -> str | None:
+    kind = t.device.type if isinstance(t, torch.Tensor) else None
+    return kind if kind in ("cuda", "cpu") else None
 
 
 def known_backends() -> list[str]:

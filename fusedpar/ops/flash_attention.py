@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import flash_attn as kernels
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "flash_attention"
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, Tensor? cu_seqlens, "
@@ -311,9 +311,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     lse is then ``[H, T]``. Returns ``out`` (q's dtype), or ``(out, lse)`` with
     ``return_lse`` (lse fp32, differentiable too). Backends: ``triton`` (GPU; CPU in the
     interpreter), ``reference`` (the math above in fp32). fp16/bf16/fp32 in the kernels.
+    Under ``torch.autocast``, q, k and v are cast to its dtype first, as SDPA's inputs are.
     """
-    out, lse = _flash_attention_op(q, k, v, bool(causal), default_scale(q, softmax_scale),
-                                   cu_seqlens, int(max_seqlen or 0), backend or "")
+    q, k, v = autocast_inputs(q, k, v)
+    with autocast_off(q):
+        out, lse = _flash_attention_op(q, k, v, bool(causal), default_scale(q, softmax_scale),
+                                       cu_seqlens, int(max_seqlen or 0), backend or "")
     return (out, lse) if return_lse else out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import grouped_gemm as kernels
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "grouped_mm"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -282,8 +282,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     fp32, fp16 or bf16, any strides; differentiable in ``a`` and ``b``.
     Backends: ``triton`` (one persistent launch over every group's tiles, reading ``offs``
     / ``masked_m`` on the device: no host sync) and ``reference``. Bad values raise on CPU;
-    on CUDA they trip a device-side assert (checking on the host would sync).
+    on CUDA they trip a device-side assert (checking on the host would sync). Under
+    ``torch.autocast``, a and b are cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
+    a, b = autocast_inputs(a, b)
     if isinstance(a, torch.Tensor) and a.dim() == 3 and offs is None and masked_m is None:
         masked_m = torch.full((a.shape[0],), a.shape[1], dtype=torch.int32, device=a.device)
-    return _grouped_mm_op(a, b, offs, masked_m, backend or "")
+    with autocast_off(a):
+        return _grouped_mm_op(a, b, offs, masked_m, backend or "")

@@ -13,7 +13,7 @@ from ..kernels.signal import sm_count
 from . import _collective as C
 from .all_gather_matmul import BACKENDS as ALL_GATHER_MATMUL
 from .all_gather_matmul import MatmulCall, all_gather_matmul, check_matmul_inputs
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "matmul_reduce_scatter"
 
@@ -246,6 +246,10 @@ def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "su
     ``A``: 2-D or 3-D ``[..., K]`` (K is this rank's shard of the contraction),
     ``A.shape[scatter_dim]`` divisible by the world size; ``B``: ``[K, N]``. fp32, fp16 or
     bf16. Backends: ``triton``, ``pipelined``, ``reference``. Differentiable:
-    ``dA = all_gather_matmul(dY, Bᵀ)`` and ``dB = Aᵀ all_gather(dY)``.
+    ``dA = all_gather_matmul(dY, Bᵀ)`` and ``dB = Aᵀ all_gather(dY)``. Under
+    ``torch.autocast``, A and B are cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
-    return _matmul_reduce_scatter_op(A, B, reduce_op, scatter_dim, group_name(group), backend or "")
+    A, B = autocast_inputs(A, B)
+    with autocast_off(A):
+        return _matmul_reduce_scatter_op(A, B, reduce_op, scatter_dim, group_name(group),
+                                         backend or "")

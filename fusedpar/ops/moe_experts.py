@@ -52,7 +52,7 @@ from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_g
 from ..errors import BackendNotSupportedError
 from ..kernels import grouped_gemm as kernels
 from . import _collective as C
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .grouped_mm import grouped_mm, runs_triton
 from .moe import (_DTYPE_CODES, _check_same_everywhere, _eager_under_compile, _permute, _Permute,
                   _sort, _unpermute, _Unpermute, check_routing, checked_counts, exchange_counts,
@@ -665,13 +665,17 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     ``pipelined`` (the default: the exchange split by source rank, async P2P overlapping the
     expert GEMMs, own tokens first) and
     ``reference`` (the unfused ops above; the default with ``max_tokens_per_rank``).
+    Under ``torch.autocast``, x, w13 and w2 are cast to its dtype first, as ``torch.matmul``'s
+    inputs are (``topk_weights`` keep theirs).
     """
+    x, w13, w2 = autocast_inputs(x, w13, w2)
     group = resolve_group(group)
     check_expert_weights(OP, x, w13, w2)
     world = dist.get_world_size(group)
     check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world, max_tokens_per_rank)
     call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank)
-    return BACKENDS.select(call, backend or "").run(call)
+    with autocast_off(x):
+        return BACKENDS.select(call, backend or "").run(call)
 
 
 def moe_experts_loopback(xs: list, topk_idxs: list, topk_weights: list, w13s: list, w2s: list, *,

@@ -28,7 +28,7 @@ from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, reso
                     symmetric)
 from ..kernels import flash_attn as kernels
 from . import _collective as C
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
                               check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
 
@@ -569,10 +569,14 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Packed documents: ``cu_seqlens`` (int32 cumulative ends over the *global* sequence,
     in global order, identical on every rank; B = 1) confines attention to each document,
     also across ranks (``allgather_kv`` only). Every rank must pass the same shapes; a
-    difference raises ``ValueError`` before any K/V moves.
+    difference raises ``ValueError`` before any K/V moves. Under ``torch.autocast``, q, k
+    and v are cast to its dtype first, as SDPA's inputs are.
     """
-    return _ring_attention_op(q, k, v, group_name(group), bool(causal),
-                              default_scale(q, softmax_scale), layout, cu_seqlens, backend or "")
+    q, k, v = autocast_inputs(q, k, v)
+    with autocast_off(q):
+        return _ring_attention_op(q, k, v, group_name(group), bool(causal),
+                                  default_scale(q, softmax_scale), layout, cu_seqlens,
+                                  backend or "")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
