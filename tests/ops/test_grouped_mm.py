@@ -24,21 +24,25 @@ def _loop(a, b, offs):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_and_gradients_exact(backend):
-    sizes = [3, 0, 9, 1]
-    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    a = _ints(14, 11, seed=0).requires_grad_()  # 14 rows: the last one past offs[-1]
-    b = _ints(4, 11, 7, seed=1).requires_grad_()
+def _check_rows_form(offs, backend, seed):
+    """``a [14, 11] x b [4, 11, 7]`` grouped by ``offs`` (ends [3, 3, 12, 13]: the last row past
+    them), and its dgrad ``grouped_mm(dy, b^T)`` and wgrad ``grouped_mm(a^T, dy)`` (groups
+    along K), exactly the fp64 loop's."""
+    a = _ints(14, 11, seed=seed).requires_grad_()
+    b = _ints(4, 11, 7, seed=seed + 1).requires_grad_()
     out = grouped_mm(a, b, offs, backend=backend)
-    grad = _ints(14, 7, seed=2)
+    grad = _ints(14, 7, seed=seed + 2)
     out.backward(grad)
     a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
     ref = _loop(a64, b64, offs)
     ref.backward(grad.double())
     assert torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad)  # dgrad: grouped_mm(dy, b^T)
-    assert torch.equal(b.grad.double(), b64.grad)  # wgrad: grouped_mm(a^T, dy), groups along K
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_and_gradients_exact(backend):
+    _check_rows_form(torch.tensor([3, 0, 9, 1]).cumsum(0).to(torch.int32), backend, seed=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,18 +106,8 @@ def test_masked_k_grouped_form_and_its_gradients(backend):
 def test_strided_offs_and_masked_m(backend):
     """offs / masked_m as strided views (every other element; out-of-range values between):
     the kernels read them with stride 1, so the op must not pass the view as it is."""
-    offs = torch.tensor([3, 99, 3, -7, 12, 10**6, 13, 5], dtype=torch.int32)[::2]
-    a = _ints(14, 11, seed=20).requires_grad_()
-    b = _ints(4, 11, 7, seed=21).requires_grad_()
-    out = grouped_mm(a, b, offs, backend=backend)
-    grad = _ints(14, 7, seed=22)
-    out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = _loop(a64, b64, offs)
-    ref.backward(grad.double())
-    assert torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
-
+    _check_rows_form(torch.tensor([3, 99, 3, -7, 12, 10**6, 13, 5], dtype=torch.int32)[::2],
+                     backend, seed=20)
     counts = torch.tensor([0, 77, 3, -1, 5, 9], dtype=torch.int32)[::2]
     a, b = _ints(3, 5, 11, seed=23), _ints(3, 11, 7, seed=24)
     keep = (torch.arange(5)[None, :] < counts[:, None].long())[..., None]
