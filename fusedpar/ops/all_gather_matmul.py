@@ -44,7 +44,8 @@ class MatmulCall(C.CollectiveCall):
 
     def rows(self) -> torch.Tensor:
         """A with ``dim`` moved first, as a ``[rows, K]`` matrix (a copy only if needed)."""
-        return self.x.movedim(self.dim, 0).reshape(-1, self.x.shape[-1])
+        moved = self.x.movedim(self.dim, 0)
+        return moved.flatten(0, -2)  # not reshape(-1, K): K or the rows may be 0
 
     def unflatten(self, t: torch.Tensor, world: int) -> torch.Tensor:
         """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank."""
@@ -233,8 +234,8 @@ def _backward(ctx, grad_gathered, grad_outs):
     if grad_gathered is not None:
         grad_a = grad_a + reduce_scatter(grad_gathered, "sum", ctx.dim, ctx.group_name,
                                          backend=REDUCE_SCATTER.carry(ctx.backend))
-    rows = gathered.reshape(-1, gathered.shape[-1]).t()
-    grad_bs = [None if g is None else rows @ g.reshape(-1, g.shape[-1]) for g in grad_outs]
+    rows = gathered.flatten(0, -2).t()
+    grad_bs = [None if g is None else rows @ g.flatten(0, -2) for g in grad_outs]
     return grad_a, grad_bs, None, None
 
 

@@ -51,7 +51,7 @@ class Reference(Backend):
         if call.reduce_op == "avg":  # gloo has no AVG
             out.div_(world)
         counters.record(OP, self.name, (world - 1) * out.numel() * out.element_size())
-        return _chunk_out(call, out.view(-1, product.shape[1]))
+        return _chunk_out(call, out.view(product.shape[0] // world, product.shape[1]))
 
 
 class Pipelined(Backend):
@@ -66,7 +66,7 @@ class Pipelined(Backend):
         group, world = call.group, call.world_size
         rank, left, right = C.ring_neighbours(group)
         C.raise_on_mismatch(call)
-        chunks = call.rows().reshape(world, -1, call.x.shape[-1])
+        chunks = call.rows().unflatten(0, (world, -1))
         b = call.bs[0]
         divisor = world if call.reduce_op == "avg" else 1
         acc = chunks[(rank - 1) % world] @ b
@@ -119,6 +119,8 @@ class Triton(Backend):
         m_chunk = m // world
         divisor = float(world) if call.reduce_op == "avg" else 1.0
         dtype, device = a_rows[0].dtype, a_rows[0].device
+        if m_chunk == 0 or n == 0:  # an empty result (every rank's: shapes agree), no exchange
+            return [torch.empty(m_chunk, n, dtype=dtype, device=device) for _ in bufs]
         main = torch.cuda.current_stream(device) if side_stream else None
         side = C.side_stream(device) if side_stream else None
         # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
@@ -200,7 +202,7 @@ def _backward(ctx, grad):
     grad_gathered, (grad_a,) = all_gather_matmul(
         grad, [b.t()], ctx.dim, ctx.group_name, return_A=True,
         backend=ALL_GATHER_MATMUL.carry(ctx.backend))
-    grad_b = a.reshape(-1, a.shape[-1]).t() @ grad_gathered.reshape(-1, grad.shape[-1])
+    grad_b = a.flatten(0, -2).t() @ grad_gathered.flatten(0, -2)
     return grad_a, grad_b, None, None, None, None
 
 

@@ -73,6 +73,9 @@ def check_expert_weights(op: str, x, w13, w2) -> None:
     if not x.dtype == w13.dtype == w2.dtype:
         raise TypeError(f"fusedpar.{op}: x is {x.dtype}, w13 {w13.dtype} and w2 {w2.dtype}; cast "
                         "them to one dtype")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"fusedpar.{op}: x, w13 and w2 are {x.dtype}; the expert GEMMs take "
+                        "float32, float16 or bfloat16")
     if not x.device == w13.device == w2.device:
         raise ValueError(f"fusedpar.{op}: x, w13 and w2 must be on one device, got {x.device}, "
                          f"{w13.device} and {w2.device}")

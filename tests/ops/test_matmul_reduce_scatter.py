@@ -101,6 +101,31 @@ def test_gradients_match_single_process(pools, backend, op):
     assert pools(2).run(_check_gradients, backend, op) == [True, True]
 
 
+def _check_empty(backend):
+    """Zero rows, zero columns or zero K give the empty (or zero) result on every backend,
+    forward and backward, also through all_gather_matmul with a 0-row shard (its backward is
+    this op); the triton backend then moves nothing, and the group's buffer still works."""
+    world, group = dist.get_world_size(), subgroup()
+    for m, k, n in ((0, 3, 5), (2 * world, 3, 0), (2 * world, 0, 5)):
+        a, b = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
+        out = fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 0, group, backend=backend)
+        assert out.shape == (m // world, n) and not out.any(), (m, k, n)
+        out.sum().backward()
+        assert not a.grad.any() and not b.grad.any() and a.grad.shape == a.shape, (m, k, n)
+        shard = torch.randn(0, k, requires_grad=True)
+        _, (y,) = fusedpar.ops.all_gather_matmul(shard, [b], 0, group, backend=backend)
+        y.sum().backward()
+        assert y.shape == (0, n) and shard.grad.shape == (0, k), (m, k, n)
+    full = fusedpar.ops.matmul_reduce_scatter(torch.ones(2 * world, 3), torch.ones(3, 5), "sum", 0,
+                                              group, backend=backend)
+    return torch.equal(full, torch.full((2, 5), 3.0 * world))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_shapes(pools, backend):
+    assert pools(2).run(_check_empty, backend) == [True, True]
+
+
 def _bad_inputs():
     errors = {}
     for backend in ("pipelined", "triton"):  # shapes differ across ranks: detected, no hang

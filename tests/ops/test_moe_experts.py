@@ -273,6 +273,9 @@ def _errors():
     return capture_errors({
         "weights_shape": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 5), torch.zeros(1, 3, 2)),
         "dtype": lambda: moe_experts(x, idx, w, torch.zeros(1, 4, 3).half(), torch.zeros(1, 3, 2)),
+        # raised before any exchange, not by a grouped GEMM after the dispatch
+        "float64": lambda: moe_experts(x.double(), idx, w, torch.zeros(1, 4, 3).double(),
+                                       torch.zeros(1, 3, 2).double(), backend="pipelined"),
         # one rank's bad ids, each backend: every rank raises (none waits for that rank)
         **{f"expert_range_{backend}": lambda backend=backend: moe_experts(
             x, idx + 2 * dist.get_rank(), w, torch.zeros(1, 4, 3), torch.zeros(1, 3, 2),
@@ -291,6 +294,8 @@ def test_bad_inputs_raise_clear_errors(pools):
     for rank, rank_errors in enumerate(pools(2).run(_errors)):
         assert "do not fit" in rank_errors["weights_shape"][1]
         assert "cast them to one dtype" in rank_errors["dtype"][1]
+        kind, message = rank_errors["float64"]
+        assert kind == "TypeError" and "moe_experts: x, w13 and w2 are torch.float64" in message
         for backend in ("fused", "pipelined", "reference"):
             kind, message = rank_errors[f"expert_range_{backend}"]
             assert kind == "ValueError" and "rank 1's topk_idx holds expert ids outside [0, 2)" in message
