@@ -44,8 +44,7 @@ class MatmulCall(C.CollectiveCall):
 
     def rows(self) -> torch.Tensor:
         """A with ``dim`` moved first, as a ``[rows, K]`` matrix (a copy only if needed)."""
-        moved = self.x.movedim(self.dim, 0)
-        return moved.flatten(0, -2)  # not reshape(-1, K): K or the rows may be 0
+        return self.x.movedim(self.dim, 0).flatten(0, -2)  # not reshape(-1, K): K may be 0
 
     def unflatten(self, t: torch.Tensor, world: int) -> torch.Tensor:
         """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank."""
