@@ -14,7 +14,9 @@ share (constants, checks, the torchrun case runner, the fused matmul rows) is in
 
 import csv
 import datetime
+import functools
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ import pytest  # noqa: E402
 NO_GPU = "no CUDA GPU: timings of interpreted kernels mean nothing"
 RESULTS_DIR = Path(os.environ.get("FUSEDPAR_BENCH_RESULTS") or Path(__file__).parent / "results")
 COLUMNS = ["op", "backend", "shape", "dtype", "world", "device", "median_ms", "p20_ms", "p80_ms",
-           "gbps", "bytes_moved", "lower_bound", "torch", "triton", "cuda", "date", "notes"]
+           "gbps", "bytes_moved", "lower_bound", "torch", "triton", "cuda", "date", "commit", "notes"]
 
 
 def pytest_collect_file(file_path, parent):
@@ -185,13 +187,35 @@ def _gpu_times(fn, warmup_ms: float = 25, rep_ms: float = 100) -> tuple[float, f
 # ---- result rows ---------------------------------------------------------------------------
 
 
+@functools.cache
+def git_commit() -> str:
+    """The commit being measured: ``FUSEDPAR_COMMIT`` (for a copy of the tree without git
+    metadata, as on a lent GPU machine), else git's HEAD with ``+dirty`` where tracked files
+    differ from it, else ``unknown``."""
+    if os.environ.get("FUSEDPAR_COMMIT"):
+        return os.environ["FUSEDPAR_COMMIT"]
+    root = Path(__file__).parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def _provenance() -> dict[str, str]:
-    """What a result was measured on and with: the GPU, torch, triton, CUDA, the time (UTC)."""
+    """What a result was measured on and with: the GPU, torch, triton, CUDA, the time (UTC)
+    and the commit."""
     import triton
 
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda or "",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit()}
 
 
 def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, algo_bytes,
@@ -216,10 +240,16 @@ def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, 
         "gbps": f"{algo_bytes / (median_ms * 1e-3) / 1e9:.2f}",
         "bytes_moved": "" if bytes_moved is None else int(bytes_moved),
         "lower_bound": "" if lower_bound is None else int(lower_bound),
-        **{key: where[key] for key in ("torch", "triton", "cuda", "date")},
+        **{key: where[key] for key in ("torch", "triton", "cuda", "date", "commit")},
         "notes": ";".join(f"{k}={v}" for k, v in extra.items()),
     }
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != COLUMNS:  # appended rows would land under the wrong columns
+            raise ValueError(f"{path} has the columns {header}, not {COLUMNS}: "
+                             "move it aside or add the missing columns")
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         if new:
@@ -239,7 +269,8 @@ def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 
     path.parent.mkdir(parents=True, exist_ok=True)
     where = _provenance()
     lines = [f"# {op} {backend} {'x'.join(map(str, shape))} on {where['device']}, "
-             f"torch {where['torch']}, triton {where['triton']}, {where['date']}",
+             f"torch {where['torch']}, triton {where['triton']}, {where['date']}, "
+             f"commit {where['commit']}",
              f"# median {median_ms:.3f} ms, GPU busy {busy_ms:.3f} ms (one profiled call); "
              "the kernels' sum exceeds busy where streams overlap",
              f"{'ms':>9} {'calls':>6} {'% busy':>7}  name"]

@@ -1,0 +1,156 @@
+"""benchmarks/report.py: the results page is generated from the CSV rows, and the committed
+page is its output; the rows record the commit they measured (benchmarks/conftest.py)."""
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parent.parent / "benchmarks"
+HEAD = ["op", "backend", "shape", "dtype", "world", "device", "median_ms", "torch", "triton",
+        "cuda", "date", "commit", "notes"]
+
+
+@pytest.fixture
+def report(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.delitem(sys.modules, "report", raising=False)
+    import report
+
+    return report
+
+
+def _write(path, rows, head=HEAD):
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=head, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"dtype": "bfloat16", "world": 8, "device": "GPU-A", "torch": "2.11",
+                             "triton": "3.6", "cuda": "13.0", "commit": "c0ffee", "notes": "",
+                             **row})
+
+
+def test_committed_page_is_the_generators_output(report):
+    page = (BENCH / "results" / "README.md").read_text()
+    assert page == report.render(report.load(BENCH / "results")), \
+        "benchmarks/results/README.md is stale: run python benchmarks/report.py"
+
+
+def test_check_flag_fails_on_a_stale_page(report, tmp_path):
+    _write(tmp_path / "ring_attention.csv",
+           [dict(op="ring_attention", backend="monolithic", shape="1x8", median_ms="2.0",
+                 date="2026-01-01T00:00:00+00:00")])
+    assert report.main(["--results", str(tmp_path), "--check"]) == 1  # no page yet
+    assert report.main(["--results", str(tmp_path), "--no-plots"]) == 0
+    assert report.main(["--results", str(tmp_path), "--check"]) == 0
+    (tmp_path / "README.md").write_text((tmp_path / "README.md").read_text() + "edited\n")
+    assert report.main(["--results", str(tmp_path), "--check"]) == 1
+
+
+def test_latest_row_per_case_speedups_and_targets(report, tmp_path):
+    day = "2026-01-0{}T00:00:00+00:00".format
+    _write(tmp_path / "ring_attention.csv", [
+        dict(op="ring_attention", backend="monolithic", shape="1x8", median_ms="3.0", date=day(1),
+             notes="causal=True;tflops=1"),
+        dict(op="ring_attention", backend="loopback", shape="1x8", median_ms="6.0", date=day(1),
+             notes="causal=True;tflops=2"),
+        # a later run of the same case: the latest row wins (its commit too)
+        dict(op="ring_attention", backend="loopback", shape="1x8", median_ms="3.2", date=day(2),
+             commit="beef01", notes="causal=True;tflops=3"),
+        # another case (causal=False) of the same shape is compared with its own baseline
+        dict(op="ring_attention", backend="monolithic", shape="1x8", median_ms="5.0", date=day(1),
+             notes="causal=False"),
+        dict(op="ring_attention", backend="loopback", shape="1x8", median_ms="4.0", date=day(1),
+             notes="causal=False"),
+    ])
+    # written before rows had a commit column
+    _write(tmp_path / "all_gather.csv", [
+        dict(op="all_gather", backend="triton", shape="4x4", median_ms="1.5", date=day(1),
+             notes="mode=loopback"),
+        dict(op="all_gather", backend="torch.cat", shape="4x4", median_ms="0.75", date=day(1),
+             notes="mode=loopback")], head=[h for h in HEAD if h != "commit"])
+    page = report.render(report.load(tmp_path))
+    rows = [line for line in page.splitlines() if line.startswith("| 1x8") or line.startswith("| 4x4")]
+    assert len(rows) == 6  # one per (case, backend): the older loopback row is not shown
+    by_key = {(cells[1], cells[3]): cells for cells in
+              ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+    ring = report.BASELINES["ring_attention"]["monolithic"]
+    assert by_key["causal=True", "loopback"][4:7] == [
+        "3.200", f"{3.0 / 3.2:.2f}x", f">= {ring}x monolithic: met"]
+    assert by_key["causal=True", "loopback"][-2] == "beef01"
+    assert by_key["causal=False", "loopback"][4:7] == [
+        "4.000", f"{5.0 / 4.0:.2f}x", f">= {ring}x monolithic: met"]
+    assert by_key["causal=True", "monolithic"][5:7] == ["", ""]  # a baseline has no ratio
+    # all_gather: baselines listed first, a ratio but no target column, commit unknown
+    assert by_key["mode=loopback", "torch.cat"][4] == "0.750"
+    assert by_key["mode=loopback", "triton"][4:6] == ["1.500", "0.50x"]
+    assert by_key["mode=loopback", "triton"][-2] == "unknown"
+    assert rows.index(next(r for r in rows if "torch.cat" in r)) < rows.index(
+        next(r for r in rows if "| triton |" in r))
+    assert "| ring_attention | monolithic | >= 0.85x | 2 of 2 |" in page
+
+
+def test_a_missed_target(report, tmp_path):
+    _write(tmp_path / "moe_experts.csv", [
+        dict(op="moe_experts", backend="fused", shape="8x2", median_ms="10.0",
+             date="2026-01-01T00:00:00+00:00"),
+        dict(op="moe_experts", backend="unfused", shape="8x2", median_ms="11.0",
+             date="2026-01-01T00:00:00+00:00")])
+    page = report.render(report.load(tmp_path))
+    assert f"| 1.10x | >= {report.BASELINES['moe_experts']['unfused']}x unfused: MISSED |" in page
+    assert "| moe_experts | unfused | >= 1.15x | 0 of 1 |" in page
+
+
+def test_plots_one_png_per_family(report, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) is not installed")
+    rows = report.load(BENCH / "results")
+    written = report.draw(rows, tmp_path)
+    families = {family for family, ops in report.FAMILIES.items() if any(op in rows for op in ops)}
+    assert {p.stem for p in written} == families
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bench_conftest():
+    spec = importlib.util.spec_from_file_location("bench_conftest", BENCH / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rows_record_the_commit(tmp_path, monkeypatch, report):
+    conf = _bench_conftest()
+    monkeypatch.setattr(conf, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(conf, "_provenance", lambda: {
+        "device": "GPU-A", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
+        "date": "2026-01-01T00:00:00+00:00", "commit": "0123abc"})
+    conf._record_row("all_gather", "triton", (4, 4), "torch.bfloat16", 8, 1.0, 0.9, 1.1,
+                     algo_bytes=10, mode="loopback")
+    with (tmp_path / "all_gather.csv").open(newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert list(row) == conf.COLUMNS and row["commit"] == "0123abc"
+    assert report.load(tmp_path)["all_gather"][0]["commit"] == "0123abc"
+    # a file with other columns is refused, not appended to under the wrong header
+    _write(tmp_path / "reduce_scatter.csv", [], head=[h for h in HEAD if h != "commit"])
+    with pytest.raises(ValueError, match="move it aside"):
+        conf._record_row("reduce_scatter", "triton", (4, 4), "bf16", 8, 1.0, 0.9, 1.1,
+                         algo_bytes=10)
+
+
+def test_commit_from_the_environment_or_git(monkeypatch):
+    conf = _bench_conftest()
+    monkeypatch.setenv("FUSEDPAR_COMMIT", "given")
+    assert conf.git_commit() == "given"
+    conf.git_commit.cache_clear()
+    monkeypatch.delenv("FUSEDPAR_COMMIT")
+    commit = conf.git_commit()
+    assert commit == "unknown" or len(commit.removesuffix("+dirty")) == 40
+
+
+def test_committed_rows_carry_the_columns_the_suites_write(report):
+    conf = _bench_conftest()
+    for path in sorted((BENCH / "results").glob("*.csv")):
+        with path.open(newline="") as f:
+            assert next(csv.reader(f)) == conf.COLUMNS, path.name
