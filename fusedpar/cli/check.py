@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 import fusedpar
 from fusedpar.cli import launch
-from fusedpar.ops import DISPATCHERS, _collective
-from fusedpar.ops.all_gather_matmul import MatmulCall
+from fusedpar.kernels.interpreter import interpreting
+from fusedpar.ops import DISPATCHERS, protocol
+from fusedpar.ops.calls import CollectiveCall, MatmulCall
 
 DEMO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -222,7 +223,7 @@ def _distributed_rows(group, device, selected: list[str]):
     for salt, (op, label, shape, dim, reduce_op) in enumerate(_variants(world)):
         for dtype in DEMO_DTYPES:
             x = demo_input(op, shape, dtype, rank, world, salt, device)
-            call = _collective.CollectiveCall(op, x, dim, world, group, reduce_op)
+            call = CollectiveCall(op, x, dim, world, group, reduce_op)
             cases.append((op, label, shape, dim, reduce_op, dtype, x,
                           DISPATCHERS[op].availability(call)))
     matmul_cases = []
@@ -286,10 +287,10 @@ def _loopback_rows(world: int, device, selected: list[str]):
     for salt, (op, label, shape, dim, reduce_op) in enumerate(_variants(world)):
         dispatcher = DISPATCHERS[op]
         symmetric = [n for n in dispatcher.names
-                     if isinstance(dispatcher.backends[n], _collective.SymmetricBackend)]
+                     if isinstance(dispatcher.backends[n], protocol.SymmetricBackend)]
         for dtype in DEMO_DTYPES:
             xs = [demo_input(op, shape, dtype, r, world, salt, device) for r in range(world)]
-            call = _collective.CollectiveCall(op, xs[0], dim, world, None, reduce_op)
+            call = CollectiveCall(op, xs[0], dim, world, None, reduce_op)
             avail = dispatcher.availability(call)
             if op == "all_gather":
                 expected = [torch.cat(xs, dim)] * world
@@ -811,9 +812,9 @@ def _torchrun_check(spec: dict, timeout: float, requested_world: int | None) -> 
                   f"{world} ranks", file=sys.stderr)
         result = check_rank(dist.group.WORLD, device, spec)
         result.update(world_size=world, device=device.type)
-        mode = "interpreter" if _collective._interpreting() else "compiled"
+        mode = "interpreter" if interpreting() else "compiled"
         header = _header(world, device.type, f"torchrun, {backend}", mode)
-        if device.type == "cpu" and not _collective._interpreting():
+        if device.type == "cpu" and not interpreting():
             header.append("note: CPU ranks without TRITON_INTERPRET=1: the triton backend is "
                           "skipped; launch with TRITON_INTERPRET=1 torchrun ... to run it")
         report, ok = format_report(header, result)

@@ -15,8 +15,9 @@ import torch
 
 import fusedpar
 from fusedpar import _extension
-from fusedpar.ops import DISPATCHERS, _collective
-from fusedpar.ops.all_gather_matmul import MatmulCall
+from fusedpar.kernels.interpreter import interpreting
+from fusedpar.ops import DISPATCHERS
+from fusedpar.ops.calls import CollectiveCall, MatmulCall
 
 INFO_WORLD = 4  # world size of the representative call ``info`` evaluates
 
@@ -92,9 +93,8 @@ def _extension_info() -> dict:
 def _triton_info() -> dict:
     import triton
 
-    interpreting = _collective._interpreting()
     return {"version": triton.__version__,
-            "mode": "interpreter" if interpreting else "compiled",
+            "mode": "interpreter" if interpreting() else "compiled",
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
 
 
@@ -111,7 +111,7 @@ def _representative_call(op: str, device):
 
     x = zeros(2 * INFO_WORLD, 8)
     if op in ("all_gather", "reduce_scatter"):
-        return _collective.CollectiveCall(op, x, 0, INFO_WORLD, None,
+        return CollectiveCall(op, x, 0, INFO_WORLD, None,
                                           "sum" if op == "reduce_scatter" else "")
     if op in ("all_gather_matmul", "matmul_reduce_scatter"):
         return MatmulCall(op, x, 0, INFO_WORLD, None, [zeros(8, 4)],

@@ -11,7 +11,8 @@ missing from the list.
 
 import importlib
 
-FAMILIES = ["signal", "all_gather", "reduce_scatter", "gemm_rs", "flash_attn", "grouped_gemm", "moe_permute", "moe_dispatch"]
+FAMILIES = ["signal", "all_gather", "reduce_scatter", "matmul_reduce_scatter", "flash_attention", "grouped_gemm",
+            "moe_permute", "moe_dispatch"]
 
 
 def aot_examples():

@@ -1,11 +1,13 @@
 """The persistent GEMMs' shared pieces: tile order, the fp32-accumulating dot, launch
 configs and grids, and the ahead-of-time variants of a persistent GEMM. The kernels live
-with their op families (``gemm_rs``, ``grouped_gemm``, whose peers kernel also runs
+with their op families (``matmul_reduce_scatter``, ``grouped_gemm``, whose peers kernel also runs
 all_gather_matmul's GEMM)."""
 
 import torch
 import triton
 import triton.language as tl
+
+from .interpreter import interpreting
 
 
 # 16-bit inputs; ptxas reports no spills for any variant with unit inner strides (what the
@@ -52,11 +54,6 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-def interpreting() -> bool:
-    """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
-    return type(grouped_tile).__name__ == "InterpretedFunction"
 
 
 def gpu_gemm_config(dtype: torch.dtype, arch_major: int) -> dict:

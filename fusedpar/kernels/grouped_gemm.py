@@ -53,7 +53,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm import (GPU_CONFIG_FP32, GPU_CONFIG_SM80, GPU_CONFIG_SM90, POINTER_CONFIG_SM90, gemm_config,
-                   grouped_tile, interpreting, mma)
+                   grouped_tile, mma)
+from .interpreter import interpreting
 from .signal import (GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, spinning_grid,
                      wait_flag)
 
@@ -566,7 +567,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
                   epilogue: str | None = None) -> tuple[dict, object, object, bool]:
-    """``(config, a, b, b_kmajor)`` for the rows and peers kernels (and ``gemm_rs``'s, with
+    """``(config, a, b, b_kmajor)`` for the rows and peers kernels (and ``matmul_reduce_scatter``'s, with
     one group): TMA descriptors over
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
     as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config

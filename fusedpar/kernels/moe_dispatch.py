@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .gemm import interpreting
+from .interpreter import interpreting
 from .moe_permute import ROW_BLOCK_GPU, row_blocks, rows_grid
 from .signal import STATUS, call_epoch, data_ptr, pad_ptr, record_failure
 

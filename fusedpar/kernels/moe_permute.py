@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import interpreting
+from .interpreter import interpreting
 
 # the flag slot of a sort whose ids are not all in [-1, E) (ops.moe raises on it)
 INVALID_IDS = 2**31 - 1

@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, group_name, resolve_group
-from . import _collective as C
+from . import protocol as C
+from .calls import CollectiveCall, GATHER_DTYPES, check_dim, check_dtype
 from .backend import Backend, Dispatcher
+from .reduce_scatter import reduce_scatter
 
 OP = "all_gather"
 
@@ -23,7 +25,7 @@ class Reference(Backend):
 
     name = "reference"
 
-    def run(self, call: C.CollectiveCall) -> torch.Tensor:
+    def run(self, call: CollectiveCall) -> torch.Tensor:
         x, world, outer = call.x, call.world_size, call.outer
         C.raise_on_mismatch(call)
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
@@ -61,16 +63,16 @@ BACKENDS = Dispatcher(OP, [
 
 @torch.library.custom_op("fusedpar::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, dim: int, group_name: str, backend: str) -> torch.Tensor:
-    dim = C.check_dim(OP, x, dim)
-    C.check_dtype(OP, x, C.GATHER_DTYPES)
+    dim = check_dim(OP, x, dim)
+    check_dtype(OP, x, GATHER_DTYPES)
     group = resolve_group(group_name)
-    call = C.CollectiveCall(OP, x, dim, dist.get_world_size(group), group)
+    call = CollectiveCall(OP, x, dim, dist.get_world_size(group), group)
     return BACKENDS.select(call, backend).run(call)
 
 
 @_all_gather_op.register_fake
 def _(x, dim, group_name, backend):
-    dim = C.check_dim(OP, x, dim)
+    dim = check_dim(OP, x, dim)
     return x.new_empty(_out_shape(x, dim, dist.get_world_size(resolve_group(group_name))))
 
 
@@ -79,8 +81,6 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    from .reduce_scatter import reduce_scatter
-
     return reduce_scatter(grad, "sum", ctx.dim, ctx.group_name, backend=ctx.backend), None, None, None
 
 
@@ -107,4 +107,4 @@ def all_gather_loopback(xs: list[torch.Tensor], dim: int = 0, *, backend: str = 
     """Every rank's part of ``all_gather`` in this process (rank r's input is ``xs[r]``)
     over a loopback symmetric buffer; returns each rank's output, which equals
     ``torch.cat(xs, dim)``. For single-device benchmarks and tests of the protocol."""
-    return C.run_loopback(BACKENDS, xs, dim, backend, C.GATHER_DTYPES)
+    return C.run_loopback(BACKENDS, xs, dim, backend, GATHER_DTYPES)

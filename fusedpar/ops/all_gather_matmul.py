@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
 from ..kernels import grouped_gemm
-from . import _collective as C
+from . import protocol as C
+from .calls import MatmulCall, check_matmul_inputs
+from .reduce_scatter import BACKENDS as REDUCE_SCATTER, reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "all_gather_matmul"
@@ -19,68 +21,6 @@ OP = "all_gather_matmul"
 # torch's argument list works unchanged
 SCHEMA = ("(Tensor A_shard, Tensor[] Bs, int gather_dim, str group_name, *, bool return_A=True, "
           "str backend=\"\") -> (Tensor?, Tensor[])")
-
-
-class MatmulCall(C.CollectiveCall):
-    """A call of a fused matmul op: ``x`` is A (or A_shard), ``dim`` the gathered or
-    scattered dim, ``bs`` the B matrices."""
-
-    def __init__(self, op, a, dim, world_size, group, bs, return_a=True, reduce_op=""):
-        super().__init__(op, a, dim, world_size, group, reduce_op)
-        self.bs, self.return_a = list(bs), return_a
-
-    def fingerprint(self) -> int:
-        return C.symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,
-                                       self.reduce_op, [tuple(b.shape) for b in self.bs])
-
-    def description(self) -> list[int]:
-        # A's shape: what usually differs (B shapes are in the fingerprint too)
-        return C.symmetric.describe_words(1, self.x.dtype, tuple(self.x.shape), self.dim)
-
-    def describe(self) -> str:
-        return (f"A of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
-                f"B shapes {[tuple(b.shape) for b in self.bs]}, dim={self.dim}, "
-                f"world size {self.world_size}")
-
-    def rows(self) -> torch.Tensor:
-        """A with ``dim`` moved first, as a ``[rows, K]`` matrix (a copy only if needed)."""
-        return self.x.movedim(self.dim, 0).flatten(0, -2)  # not reshape(-1, K): K may be 0
-
-    def unflatten(self, t: torch.Tensor, world: int) -> torch.Tensor:
-        """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank."""
-        lead = self.x.movedim(self.dim, 0).shape[:-1]
-        shape = (world * lead[0], *lead[1:], t.shape[-1])
-        return t.view(shape).movedim(0, self.dim).contiguous()
-
-
-def check_matmul_inputs(op: str, a: torch.Tensor, bs, dim: int, dim_name: str,
-                        dtypes=C.MATMUL_DTYPES) -> int:
-    """Shapes, dtypes and devices of A and the Bs; returns ``dim`` made non-negative.
-    Every dtype torch multiplies is accepted here (the plain-torch backends take them all,
-    e.g. float64 for gradcheck); the fused backends say which they support."""
-    if not isinstance(a, torch.Tensor) or a.dim() not in (2, 3):
-        raise ValueError(f"fusedpar.{op}: A must be a 2-D or 3-D tensor, got "
-                         f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
-    if not -a.dim() <= dim < a.dim() or dim % a.dim() == a.dim() - 1:
-        raise ValueError(f"fusedpar.{op}: {dim_name}={dim} must be a leading dim of A "
-                         f"(0..{a.dim() - 2}, or -{a.dim()}..-2); A has shape {tuple(a.shape)}")
-    if len(bs) == 0:
-        raise ValueError(f"fusedpar.{op}: Bs is empty; pass at least one [K, N] matrix")
-    C.check_dtype(op, a, dtypes, "A")
-    k = a.shape[-1]
-    for i, b in enumerate(bs):
-        if b.dim() != 2:
-            raise ValueError(f"fusedpar.{op}: B{f'[{i}]' if len(bs) > 1 else ''} must be 2-D "
-                             f"[K, N], got shape {tuple(b.shape)}")
-        if b.shape[0] != k:
-            raise ValueError(f"fusedpar.{op}: K mismatch: A.shape[-1] = {k} but "
-                             f"B{f'[{i}]' if len(bs) > 1 else ''}.shape[0] = {b.shape[0]}")
-        if b.dtype != a.dtype:
-            raise TypeError(f"fusedpar.{op}: A is {a.dtype} but B{f'[{i}]' if len(bs) > 1 else ''} "
-                            f"is {b.dtype}; cast them to one dtype")
-        if b.device != a.device:
-            raise ValueError(f"fusedpar.{op}: A is on {a.device} but B is on {b.device}")
-    return dim % a.dim()
 
 
 class Reference(Backend):
@@ -221,15 +161,15 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _backward(ctx, grad_gathered, grad_outs):
-    from .matmul_reduce_scatter import matmul_reduce_scatter
-    from .reduce_scatter import BACKENDS as REDUCE_SCATTER, reduce_scatter
-
     gathered, *bs = ctx.saved_tensors
     pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
     # sum_i dY_i @ B_i^T, reduce-scattered back to the shards: one fused op
     dys = torch.cat([g for g, _ in pairs], dim=-1)
     bts = torch.cat([b.t() for _, b in pairs], dim=0)
-    grad_a = matmul_reduce_scatter(dys, bts, "sum", ctx.dim, ctx.group_name, backend=ctx.backend)
+    # through torch.ops: matmul_reduce_scatter's module imports this one (its backward is ours)
+    with autocast_off(dys):
+        grad_a = torch.ops.fusedpar.matmul_reduce_scatter(dys, bts, "sum", ctx.dim, ctx.group_name,
+                                                          ctx.backend)
     if grad_gathered is not None:
         grad_a = grad_a + reduce_scatter(grad_gathered, "sum", ctx.dim, ctx.group_name,
                                          backend=REDUCE_SCATTER.carry(ctx.backend))

@@ -1,5 +1,5 @@
 """``fusedpar.ops.flash_attention``: softmax attention with the log-sum-exp, fused in one
-Triton kernel per direction (``kernels/flash_attn.py``), GQA without repeating K/V."""
+Triton kernel per direction (``kernels/flash_attention.py``), GQA without repeating K/V."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import flash_attn as kernels
+from ..kernels import flash_attention as kernels
+from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "flash_attention"
@@ -132,20 +133,12 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 class Triton(Backend):
-    """The Triton kernels of ``kernels/flash_attn.py``: GPU, or CPU under the interpreter."""
+    """The Triton kernels of ``kernels/flash_attention.py``: GPU, or CPU under the interpreter."""
 
     name = "triton"
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = []
-        device = call.q.device.type
-        if device == "cpu" and not kernels.interpreting():
-            reasons.append("Triton kernels run on CPU only in the interpreter: set "
-                           "TRITON_INTERPRET=1 before importing fusedpar")
-        elif device == "cuda" and kernels.interpreting():
-            reasons.append("TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors")
-        elif device not in ("cpu", "cuda"):
-            reasons.append(f"no Triton kernels for device type {device!r}")
+        reasons = triton_device_reasons(call.q.device)
         if call.q.dtype not in KERNEL_DTYPES:
             reasons.append(f"dtype {call.q.dtype} (the kernels take float32, float16, bfloat16)")
         return reasons

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import grouped_gemm as kernels
+from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "grouped_mm"
@@ -166,16 +167,7 @@ class Triton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        device = call.a.device
-        if device.type == "cpu":
-            if not kernels.interpreting():
-                return ["Triton kernels run on CPU only in the interpreter: set TRITON_INTERPRET=1 "
-                        "before importing fusedpar"]
-            return []
-        if device.type != "cuda":
-            return [f"no Triton for device type {device.type!r}"]
-        return ["TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors"] \
-            if kernels.interpreting() else []
+        return triton_device_reasons(call.a.device)
 
     def run(self, call: GroupedCall) -> torch.Tensor:
         out = torch.empty(call.out_shape(), dtype=call.a.dtype, device=call.a.device)

@@ -7,12 +7,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
-from ..kernels import gemm_rs as gemm_rs_kernels
+from ..kernels import matmul_reduce_scatter as kernels
 from ..kernels import signal as signal_kernels
 from ..kernels.signal import sm_count
-from . import _collective as C
+from . import protocol as C
 from .all_gather_matmul import BACKENDS as ALL_GATHER_MATMUL
-from .all_gather_matmul import MatmulCall, all_gather_matmul, check_matmul_inputs
+from .all_gather_matmul import all_gather_matmul
+from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 
 OP = "matmul_reduce_scatter"
@@ -20,7 +21,7 @@ OP = "matmul_reduce_scatter"
 
 def _check(a, b, reduce_op, dim, world) -> int:
     dim = check_matmul_inputs(OP, a, [b], dim, "scatter_dim")
-    C.check_scatter(OP, reduce_op, "reduce_op", "A", a.shape[dim], dim, "scatter_dim", world)
+    check_scatter(OP, reduce_op, "reduce_op", "A", a.shape[dim], dim, "scatter_dim", world)
     return dim
 
 
@@ -124,19 +125,19 @@ class Triton(Backend):
         main = torch.cuda.current_stream(device) if side_stream else None
         side = C.side_stream(device) if side_stream else None
         # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
-        config = ({"NUM_PROGRAMS": sm_count(device) - gemm_rs_kernels.REDUCER_SMS}
+        config = ({"NUM_PROGRAMS": sm_count(device) - kernels.REDUCER_SMS}
                   if side_stream else None)
         epochs = [buf.next_epoch() for buf in bufs]
         partials, stages = [], []
         for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
             C.wait_peers_done(C.TRITON_LAUNCHERS, buf, epoch)  # nobody reads our last partials
-            gemm_rs_kernels.reset_chunk_counters(buf.pad(), world)
+            kernels.reset_chunk_counters(buf.pad(), world)
             buf.publish(call.description(), meta)
             partials.append(buf.data(dtype, m * n).view(world, m_chunk * n))
             stages.append(torch.empty(world - 1, m_chunk * n, dtype=dtype, device=device))
             if side is not None:
                 side.wait_stream(main)  # before the GEMM launch: the copies overlap it
-            gemm_rs_kernels.gemm_rs(a, b, partials[-1].view(m, n), buf.pad_table, buf.rank, world,
+            kernels.matmul_reduce_scatter(a, b, partials[-1].view(m, n), buf.pad_table, buf.rank, world,
                                     epoch, config=config)
             if side is not None:
                 with torch.cuda.stream(side):
@@ -148,7 +149,7 @@ class Triton(Backend):
             if side is None:
                 _fetch_partials(buf, stage, epoch, meta, m * n)
             out = torch.empty(m_chunk, n, dtype=dtype, device=device)
-            gemm_rs_kernels.reduce_chunks(out, own[buf.rank], stage, buf.rank, world, divisor)
+            kernels.reduce_chunks(out, own[buf.rank], stage, buf.rank, world, divisor)
             counters.record(OP, self.name, stage.numel() * stage.element_size())
             outs.append(out)
         C.release(C.TRITON_LAUNCHERS, bufs, epochs, OP, outs)

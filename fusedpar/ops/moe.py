@@ -15,8 +15,9 @@ from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_g
 from ..comm.groups import host_collective_device
 from ..kernels import moe_dispatch as dispatch_kernels
 from ..kernels import moe_permute as permute_kernels
+from ..kernels.interpreter import interpreting
 from ..errors import FusedparError
-from . import _collective as C
+from . import protocol as C
 from .backend import Backend, Dispatcher
 
 DROP_POLICIES = ("probs", "position")
@@ -145,7 +146,7 @@ def experts_dense(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 
 def _kernels_run_on(device: torch.device) -> bool:
-    return (device.type == "cuda") != permute_kernels.interpreting()
+    return (device.type == "cuda") != interpreting()
 
 
 def _permute(x, pos, k, rows, weights=None):
@@ -521,7 +522,7 @@ def _describe(dtype, H, E, k, M) -> list[int]:
 
 
 def _run_round(op, bufs, xs, meta, desc, pull) -> list:
-    """``_collective.run_staged``, saying what the fingerprinted "shape" is on a mismatch."""
+    """``protocol.run_staged``, saying what the fingerprinted "shape" is on a mismatch."""
     try:
         return C.run_staged(op, C.TRITON_LAUNCHERS, bufs, xs, meta, desc, pull, graphable=True)
     except ValueError as e:
@@ -635,7 +636,7 @@ def _pull_op(rows, exchange: Exchange, group, op: str, check_capacity: bool = Fa
 
 
 class TritonDispatch(Backend):
-    """Symmetric memory with per-source flags (``_collective.run_staged`` rounds):
+    """Symmetric memory with per-source flags (``protocol.run_staged`` rounds):
 
     1. counts: every rank stages its per-expert counts (and T); one all-gather pull kernel
        waits for each source's READY flag (bounded, fingerprint of hidden size / E / k /

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
 from ..errors import BackendNotSupportedError
 from ..kernels import grouped_gemm as kernels
-from . import _collective as C
+from . import protocol as C
+from .calls import CollectiveCall, REDUCE_DTYPES
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .grouped_mm import grouped_mm, runs_triton
 from .moe import (_DTYPE_CODES, _check_same_everywhere, _eager_under_compile, _permute, _Permute,
@@ -597,8 +598,8 @@ class Fused(Backend):
 
     def not_supported_reasons(self, call: ExpertsCall) -> list[str]:
         world = dist.get_world_size(call.group)
-        reasons = C.triton_reasons(C.CollectiveCall(OP, call.x, 0, world, call.group))
-        if call.x.dtype not in C.REDUCE_DTYPES:
+        reasons = C.triton_reasons(CollectiveCall(OP, call.x, 0, world, call.group))
+        if call.x.dtype not in REDUCE_DTYPES:
             reasons.append(f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}")
         return reasons + _padded_reasons(call)
 

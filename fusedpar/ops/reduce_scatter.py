@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, group_name, resolve_group
-from . import _collective as C
+from . import protocol as C
+from .calls import CollectiveCall, REDUCE_DTYPES, check_dim, check_dtype, check_scatter
 from .backend import Backend, Dispatcher
 
 OP = "reduce_scatter"
@@ -19,9 +20,9 @@ def _out_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
 
 
 def _check(x, reduce_op: str, dim: int, world: int) -> int:
-    dim = C.check_dim(OP, x, dim)
-    C.check_dtype(OP, x, C.REDUCE_DTYPES)
-    C.check_scatter(OP, reduce_op, "op", "x", x.shape[dim], dim, "dim", world)
+    dim = check_dim(OP, x, dim)
+    check_dtype(OP, x, REDUCE_DTYPES)
+    check_scatter(OP, reduce_op, "op", "x", x.shape[dim], dim, "dim", world)
     return dim
 
 
@@ -30,7 +31,7 @@ class Reference(Backend):
 
     name = "reference"
 
-    def run(self, call: C.CollectiveCall) -> torch.Tensor:
+    def run(self, call: CollectiveCall) -> torch.Tensor:
         x, world = call.x, call.world_size
         C.raise_on_mismatch(call)
         chunks = x.reshape(call.outer, world, -1).transpose(0, 1).contiguous()
@@ -70,7 +71,7 @@ def _reduce_scatter_op(x: torch.Tensor, reduce_op: str, dim: int, group_name: st
     group = resolve_group(group_name)
     world = dist.get_world_size(group)
     dim = _check(x, reduce_op, dim, world)
-    call = C.CollectiveCall(OP, x, dim, world, group, reduce_op)
+    call = CollectiveCall(OP, x, dim, world, group, reduce_op)
     return BACKENDS.select(call, backend).run(call)
 
 
@@ -85,9 +86,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    from .all_gather import all_gather
-
-    dx = all_gather(grad, ctx.dim, ctx.group_name, backend=ctx.backend)
+    # through torch.ops: all_gather's module imports this one (its backward is ours)
+    dx = torch.ops.fusedpar.all_gather(grad, ctx.dim, ctx.group_name, ctx.backend)
     if ctx.reduce_op == "avg":
         dx = dx / dist.get_world_size(resolve_group(ctx.group_name))
     return dx, None, None, None, None
@@ -117,4 +117,4 @@ def reduce_scatter_loopback(xs: list[torch.Tensor], op: str = "sum", dim: int = 
     ``xs[r]``) over a loopback buffer; returns each rank's output. For benchmarks/tests."""
     if xs:
         _check(xs[0], op, dim, len(xs))
-    return C.run_loopback(BACKENDS, xs, dim, backend, C.REDUCE_DTYPES, reduce_op=op)
+    return C.run_loopback(BACKENDS, xs, dim, backend, REDUCE_DTYPES, reduce_op=op)

@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, resolve_group,
                     symmetric)
-from ..kernels import flash_attn as kernels
-from . import _collective as C
+from ..kernels import flash_attention as kernels
+from . import protocol as C
+from .all_gather import all_gather
+from .reduce_scatter import reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
                               check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
@@ -346,8 +348,6 @@ def _after_main(side, fn, *args):
 
 def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
     """All-gather ``[2, B, S_local, H_kv, D]`` and put the sequence in global order."""
-    from .all_gather import all_gather
-
     gathered = all_gather(kv, 2, call.group, backend=None if kv.is_cuda else "reference")
     chunks = gathered.chunk(len(call.global_order()), 2)
     return torch.cat([chunks[i] for i in call.global_order()], 2)
@@ -388,8 +388,6 @@ class AllGatherKV(Backend):
         return out.to(call.q.dtype), lse
 
     def backward(self, call: RingCall, lse, dout, delta):
-        from .reduce_scatter import reduce_scatter
-
         kv = _global_kv(call, torch.stack([call.k, call.v]))
         q = call.q
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

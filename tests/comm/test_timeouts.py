@@ -13,7 +13,7 @@ import fusedpar
 from fusedpar.comm import layout, symmetric
 from fusedpar.errors import FusedparError
 from fusedpar.kernels import all_gather, signal
-from fusedpar.ops import _collective as C
+from fusedpar.ops import protocol as C
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import env, subgroup
 
@@ -146,7 +146,7 @@ def _spin_kernel(pad_table, word, epoch, timeout_ns):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_side_stream_copy_and_flag_land_while_every_sm_spins():
-    """What the fused ops' producer (``_collective.gathering``) relies on: its side-stream
+    """What the fused ops' producer (``protocol.gathering``) relies on: its side-stream
     copies and flag writes need no SM, so a consumer may hold every SM while it spins on the
     flags they raise. Here far more spinning programs than fit are launched (every SM full
     of them, the rest queued), then a same-device copy and the flag write after it go on

@@ -148,7 +148,7 @@ def test_averages_divide_with_ieee_rounding(compiled):
     rounds like torch's sum / W: Triton's ``/`` on fp32 compiles to the approximate
     ``div.full.f32`` (up to 2 ulp off at a W that is not a power of two), so both divide with
     ``tl.math.div_rn``."""
-    averaging = ("reduce_scatter.reduce_scatter_pull_kernel", "gemm_rs.reduce_chunks_kernel")
+    averaging = ("reduce_scatter.reduce_scatter_pull_kernel", "matmul_reduce_scatter.reduce_chunks_kernel")
     for (triton_version, arch), rows in compiled.items():
         found = [r for r in rows if r["name"] in averaging]
         assert {r["name"] for r in found} == set(averaging), (triton_version, arch)

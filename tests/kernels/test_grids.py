@@ -57,7 +57,7 @@ def test_moe_row_kernel_grids_are_legal(rows, H):
 
 @pytest.mark.parametrize("pieces", [1, 7, 2**31 - 1])
 def test_ring_attention_copy_grid_leaves_most_sms_to_the_attention(pieces):
-    from fusedpar.kernels.flash_attn import ring_copy_programs
+    from fusedpar.kernels.flash_attention import ring_copy_programs
     grid = (ring_copy_programs(pieces, SMS),)
     _within_cuda_limits(grid)
     assert grid[0] <= max(1, SMS // 4)

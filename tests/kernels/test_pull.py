@@ -12,7 +12,7 @@ import torch
 
 from fusedpar.comm import get_loopback_buffers, layout, release_buffers
 from fusedpar.kernels.all_gather import BLOCK, all_gather_pull, copy_tiles
-from fusedpar.kernels.flash_attn import COPY_CONFIG, ring_kv_copy
+from fusedpar.kernels.flash_attention import COPY_CONFIG, ring_kv_copy
 from fusedpar.kernels.reduce_scatter import reduce_scatter_pull
 
 META, EPOCH, WORLD = 4242, 1, 3

@@ -36,9 +36,9 @@ def capture_errors(calls: dict) -> dict:
 def interpreter_cast_slack(exact: torch.Tensor, dtype: torch.dtype, backend: str) -> float:
     """The Triton interpreter rounds fp32 -> bf16 by truncation (up to 1 ulp = 2^-7 of the
     value, where a GPU rounds to nearest): the extra error a triton result may carry here."""
-    from fusedpar.ops._collective import _interpreting
+    from fusedpar.kernels.interpreter import interpreting
 
-    if backend == "triton" and dtype == torch.bfloat16 and _interpreting():
+    if backend == "triton" and dtype == torch.bfloat16 and interpreting():
         return float(exact.abs().max()) / 128
     return 0.0
 
@@ -75,7 +75,7 @@ def env(**values):
 
 def chosen_backend(op, x, dim, group, **extra):
     """The backend op ``op``'s dispatcher picks for this call."""
-    from fusedpar.ops._collective import CollectiveCall
+    from fusedpar.ops.calls import CollectiveCall
 
     call = CollectiveCall(op, x, dim % x.dim(), dist.get_world_size(group), group, **extra)
     return fusedpar.ops.DISPATCHERS[op].select(call).name

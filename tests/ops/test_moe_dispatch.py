@@ -12,7 +12,7 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import get_buffer, get_loopback_buffers, layout
 from fusedpar.kernels import moe_dispatch as dispatch_kernels
-from fusedpar.ops import _collective as C
+from fusedpar.ops import protocol as C
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
 from tests.ops.collective_cases import captured, requires_cuda, stalled_peer_error, subgroup
 from tests.ops.test_moe import _check_provenance, _routing, _tokens

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.comm import resolve_group
-from fusedpar.ops import _collective as C
+from fusedpar.ops import protocol as C
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp, _groups,
                                       _Plan, _weight_grads,

@@ -1,4 +1,4 @@
-"""The flash-attention kernels (``kernels/flash_attn.py``) against fp64 attention, through
+"""The flash-attention kernels (``kernels/flash_attention.py``) against fp64 attention, through
 their launchers: block sizes smaller than the sequence (several blocks, masked tails),
 head dims that are not powers of two, GQA, causal with S_q != S_k, and an external lse/delta
 (a block of a larger attention, as ring attention uses it)."""
@@ -6,7 +6,7 @@ head dims that are not powers of two, GQA, causal with S_q != S_k, and an extern
 import pytest
 import torch
 
-from fusedpar.kernels import flash_attn as kernels
+from fusedpar.kernels import flash_attention as kernels
 from fusedpar.ops.ring_attention import RingCall
 from fusedpar.parallel import zigzag_shard
 

@@ -14,9 +14,6 @@ rank returns as soon as its own pulls are done.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -24,16 +21,13 @@ import torch.distributed as dist
 
 from .. import _extension
 from ..comm import layout, symmetric
+from .calls import CollectiveCall, REDUCE_DTYPES, check_dim, check_dtype
 from .backend import Backend
 from ..kernels import all_gather as all_gather_kernels
 from ..kernels import csrc as csrc_launchers
 from ..kernels import reduce_scatter as reduce_scatter_kernels
 from ..kernels import signal as signal_kernels
-
-GATHER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-REDUCE_OPS = ("sum", "avg")
+from ..kernels.interpreter import triton_device_reasons
 
 TRITON_LAUNCHERS = SimpleNamespace(
     wait_flags=signal_kernels.wait_flags,
@@ -46,38 +40,6 @@ CUDA_LAUNCHERS = csrc_launchers
 # dist.all_gather_single / reduce_scatter_single replace the *_tensor names in torch 2.13+.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass
-class CollectiveCall:
-    """One rank's call of a collective; ``group`` is None for a loopback call."""
-
-    op: str
-    x: torch.Tensor
-    dim: int
-    world_size: int
-    group: dist.ProcessGroup | None = None
-    reduce_op: str = ""
-
-    def cache_key(self) -> tuple:
-        name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
-        return (name, self.x.device.type, self.x.dtype)
-
-    def describe(self) -> str:
-        return (f"x of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
-                f"dim={self.dim}, world size {self.world_size}")
-
-    @property
-    def outer(self) -> int:
-        return math.prod(self.x.shape[: self.dim])
-
-    def fingerprint(self) -> int:
-        return symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,
-                                     self.reduce_op)
-
-    def description(self) -> list[int]:
-        """What ``layout.DESC`` publishes: enough to say which shape or dtype differed."""
-        return symmetric.describe_words(0, self.x.dtype, tuple(self.x.shape), self.dim)
 
 
 def ring_neighbours(group) -> tuple[int, int, int]:
@@ -94,34 +56,6 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, left: int, right: int, grou
                                    dist.P2POp(dist.irecv, recv, left, group)])
 
 
-def check_dim(op: str, x: torch.Tensor, dim: int) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"fusedpar.{op}: x must be a Tensor, got {type(x).__name__}")
-    if x.dim() == 0:
-        raise ValueError(f"fusedpar.{op}: x is a 0-d tensor; give it at least one dimension")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"fusedpar.{op}: dim={dim} is out of range for x with {x.dim()} dims")
-    return dim % x.dim()
-
-
-def check_scatter(op: str, reduce_op: str, op_arg: str, tensor: str, size: int, dim: int,
-                  dim_arg: str, world: int) -> None:
-    """A reduce-scatter's ``reduce_op`` is known and ``tensor.shape[dim]`` splits into W."""
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"fusedpar.{op}: {op_arg}={reduce_op!r}; supported: {', '.join(REDUCE_OPS)}")
-    if size % world:
-        raise ValueError(
-            f"fusedpar.{op}: {tensor}.shape[{dim}] = {size} is not divisible by the world size "
-            f"{world}; pad {dim_arg} {dim} to a multiple of {world}"
-        )
-
-
-def check_dtype(op: str, x: torch.Tensor, allowed, name: str = "x") -> None:
-    if x.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"fusedpar.{op}: {name} has dtype {x.dtype}; supported: {names}")
-
-
 def fused_dtype_reasons(call: CollectiveCall) -> list[str]:
     """The fused GEMM kernels take fp32, fp16 and bf16 (the plain-torch backends take more)."""
     if call.x.dtype in REDUCE_DTYPES:
@@ -132,28 +66,16 @@ def fused_dtype_reasons(call: CollectiveCall) -> list[str]:
 # ---- availability -----------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
-    return type(signal_kernels.signal_peers_kernel).__name__ == "InterpretedFunction"
-
-
 def triton_reasons(call: CollectiveCall) -> list[str]:
     device = call.x.device
+    reasons = triton_device_reasons(device)
+    if reasons or device.type not in ("cpu", "cuda"):
+        return reasons
     if device.type == "cpu":
-        if not _interpreting():
-            flag = os.environ.get("TRITON_INTERPRET")
-            return ["Triton kernels run on CPU only in the interpreter: set TRITON_INTERPRET=1 "
-                    "before importing fusedpar" + (" (it was set too late)" if flag == "1" else "")]
-        if call.group is not None:
-            reason = symmetric.shm_unsupported_reason(call.group)  # collective, cached
-            return [reason] if reason else []
-        return []
-    if device.type == "cuda":
-        if _interpreting():
-            return ["TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors"]
+        reason = symmetric.shm_unsupported_reason(call.group) if call.group is not None else None
+    else:
         reason = symmetric.torch_symm_unsupported_reason(device, call.group)  # collective, cached
-        return [reason] if reason else []
-    return [f"no symmetric memory for device type {device.type!r}"]
+    return [reason] if reason else []
 
 
 def cuda_reasons(call: CollectiveCall) -> list[str]:

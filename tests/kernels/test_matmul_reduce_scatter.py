@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.gemm_rs import gemm_rs, reduce_chunks, reset_chunk_counters
+from fusedpar.kernels.matmul_reduce_scatter import matmul_reduce_scatter, reduce_chunks, reset_chunk_counters
 from fusedpar.kernels.grouped_gemm import gemm_operands
 from fusedpar.kernels.signal import wait_flags
 
@@ -49,7 +49,7 @@ def run_gemm(buf, a, b, epoch, config=None):
     p.fill_(float("nan"))
     reset_chunk_counters(buf.pad(), world)
     buf.pad()[layout.META] = META
-    gemm_rs(a, b, p, buf.pad_table, buf.rank, world, epoch, config=config)
+    matmul_reduce_scatter(a, b, p, buf.pad_table, buf.rank, world, epoch, config=config)
     return p
 
 

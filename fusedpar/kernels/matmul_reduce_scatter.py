@@ -1,5 +1,5 @@
 """Matmul + reduce-scatter: ``P = A @ B`` into this rank's symmetric data region with a
-READY flag per finished row chunk (``gemm_rs``), and the local sum of a chunk's partials
+READY flag per finished row chunk (``matmul_reduce_scatter``), and the local sum of a chunk's partials
 once they are here (``reduce_chunks``).
 
 ``A`` is ``[M, K]`` with ``M = W * m_chunk``; chunk ``c`` is rows ``[c*m_chunk, (c+1)*m_chunk)``
@@ -32,7 +32,7 @@ CHUNK_TILES = tl.constexpr(layout.CHUNK_TILES)
 
 
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch"])
-def gemm_rs_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, m_chunk, N, K,
+def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, m_chunk, N, K,
                    stride_am, stride_ak, stride_bk, stride_bn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
@@ -109,7 +109,7 @@ def reset_chunk_counters(pad: torch.Tensor, world_size: int) -> None:
     pad[layout.CHUNK_TILES : layout.CHUNK_TILES + world_size].zero_()
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.Tensor, rank: int,
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.Tensor, rank: int,
             world_size: int, epoch: int, *, config: dict | None = None) -> None:
     """Fill ``p`` (contiguous ``[M, N]``, a view of this rank's symmetric data region) with
     ``a @ b`` (``a``: ``[M, K]``, ``b``: ``[K, N]``, any strides; ``M = W * m_chunk``), raising
@@ -123,17 +123,17 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.
     M, K = a.shape
     N = b.shape[1]
     if b.shape[0] != K or tuple(p.shape) != (M, N) or M % world_size:
-        raise ValueError(f"gemm_rs: A {tuple(a.shape)}, B {tuple(b.shape)}, P {tuple(p.shape)} do not "
+        raise ValueError(f"matmul_reduce_scatter: A {tuple(a.shape)}, B {tuple(b.shape)}, P {tuple(p.shape)} do not "
                          f"fit world size {world_size} (M must be divisible by it)")
     if not p.is_contiguous():
-        raise ValueError("gemm_rs: p must be contiguous")
+        raise ValueError("matmul_reduce_scatter: p must be contiguous")
     m_chunk = M // world_size
     if m_chunk == 0 or N == 0:
-        raise ValueError("gemm_rs: empty output: no tile would raise the chunks' READY flags")
+        raise ValueError("matmul_reduce_scatter: empty output: no tile would raise the chunks' READY flags")
     cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_tiles = world_size * triton.cdiv(m_chunk, bm) * triton.cdiv(N, bn)
-    gemm_rs_kernel[persistent_grid(num_tiles, cfg)](
+    matmul_reduce_scatter_kernel[persistent_grid(num_tiles, cfg)](
         a_arg, b_arg, p, pad_table, rank, world_size, epoch, m_chunk, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"], B_KMAJOR=kmajor, **launch_options(cfg))
@@ -148,9 +148,9 @@ _SIG = {"a": "*T", "b": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
         "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
 AOT_EXAMPLES = (
     # pointer loads: sm_80, and sm_90 where TMA cannot cover the operands
-    aot_variants(gemm_rs_kernel, _SIG, TMA=False, B_KMAJOR=False)
+    aot_variants(matmul_reduce_scatter_kernel, _SIG, TMA=False, B_KMAJOR=False)
     # sm_90 with TMA loads: B row-major, or a Linear's weightᵀ
-    + [aot_example(gemm_rs_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
+    + [aot_example(matmul_reduce_scatter_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
                    {B_UNIT[kmajor][0]: 1},
                    dict(gpu_config(9, True), NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS), 90, kmajor)
        for kmajor in (False, True)]

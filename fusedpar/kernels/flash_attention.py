@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .gemm import mma
+from .interpreter import interpreting
 from .signal import (PER_CALL_ARGS, STATUS, data_ptr, pad_ptr, sm_count, spinning_grid,
                      wait_ready_and_match)
 
@@ -457,11 +458,6 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
         tl.store(stat_rows, m_i, mask=keep)
         tl.store(stat_rows + stat_half, l_i, mask=keep)
         tl.store(acc_rows, acc, mask=keep[:, None] & d_ok[None, :])
-
-
-def interpreting() -> bool:
-    """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
-    return type(flash_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 def block_d(head_dim: int) -> int:
