@@ -21,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 import zlib
 
 import torch
@@ -460,10 +461,38 @@ def shm_unsupported_reason(group) -> str | None:
 
 _peer_access: dict[str, str | None] = {}
 
+# torch's rendezvous accepts ranks on one GPU when this is 1 (memory handles imported between
+# processes, no multicast): fusedpar follows it, for tests of the group path on one GPU
+OVERLAPPING_DEVICES = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+
+def shared_device_reason(peers: list[str], group_name: str) -> str:
+    """Why ranks that share a GPU (equal ``"host:cuda_index"`` in ``peers``) cannot use torch
+    symmetric memory; ``""`` where none share one, or where ``OVERLAPPING_DEVICES=1`` opts in
+    (then with a warning: the processes' kernels time-slice on the GPU, so such a group
+    proves correctness, not speed)."""
+    ranks: dict[str, list[int]] = {}
+    for r, peer in enumerate(peers):
+        ranks.setdefault(peer, []).append(r)
+    peer, shared = next(((p, rs) for p, rs in ranks.items() if len(rs) > 1), (None, None))
+    if shared is None:
+        return ""
+    where = f"ranks {shared} share cuda:{peer.rsplit(':', 1)[1]}"
+    if os.environ.get(OVERLAPPING_DEVICES) == "1":
+        warnings.warn(f"fusedpar: {where} in group {group_name!r}: symmetric memory between processes on one GPU "
+                      f"({OVERLAPPING_DEVICES}=1); their kernels time-slice, so this tests "
+                      "correctness, not speed", stacklevel=3)
+        return ""
+    # no group name: short enough to cross exchange_strings whole
+    return (f"{where}: torch symmetric memory needs one GPU per rank "
+            "(torch.cuda.set_device(local_rank)), or, for tests, "
+            f"{OVERLAPPING_DEVICES}=1 on every rank (with gloo: NCCL refuses it)")
+
 
 def torch_symm_unsupported_reason(device: torch.device, group=None) -> str | None:
     """Why torch symmetric memory cannot serve ``group`` on ``device``: not CUDA, not
-    importable, ranks on several hosts, or GPUs without peer access. With a group this is
+    importable, ranks on several hosts, GPUs without peer access, or ranks sharing a GPU
+    without the opt-in of ``shared_device_reason``. With a group this is
     collective (every rank learns every rank's verdict, so all agree) and cached per group."""
     if device.type != "cuda":
         return "torch symmetric memory needs CUDA tensors"
@@ -486,6 +515,7 @@ def torch_symm_unsupported_reason(device: torch.device, group=None) -> str | Non
             if index != mine and not torch.cuda.can_device_access_peer(int(mine), int(index)):
                 reason = f"cuda:{mine} cannot access cuda:{index} (rank {r}) as a peer"
                 break
+        reason = reason or shared_device_reason(peers, name)
         verdicts = exchange_strings(reason[:255], group, "the symmetric-memory peer check")
         _peer_access[name] = next((v for v in verdicts if v), None)
     return _peer_access[name]
