@@ -11,8 +11,8 @@ missing from the list.
 
 import importlib
 
-FAMILIES = ["signal", "all_gather", "reduce_scatter", "matmul_reduce_scatter", "flash_attention", "grouped_gemm",
-            "moe_permute", "moe_dispatch"]
+FAMILIES = ["signal", "all_gather", "reduce_scatter", "matmul_reduce_scatter", "flash_attention", "grouped_mm",
+            "gemm_peers", "moe_permute", "moe_dispatch"]
 
 
 def aot_examples():

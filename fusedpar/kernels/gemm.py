@@ -1,11 +1,26 @@
-"""The persistent GEMMs' shared pieces: tile order, the fp32-accumulating dot, launch
-configs and grids, and the ahead-of-time variants of a persistent GEMM. The kernels live
-with their op families (``matmul_reduce_scatter``, ``grouped_gemm``, whose peers kernel also runs
-all_gather_matmul's GEMM)."""
+"""The persistent GEMMs' shared pieces: tile order, the fp32-accumulating dot, tile loads
+and stores (pointer loads, or TMA descriptors on Hopper), the SwiGLU epilogues, launch
+configs and grids, and the ahead-of-time variants. The kernels live with their ops:
+``grouped_mm`` (rows and K-grouped), ``gemm_peers`` (rows from peers: the fused expert MLP
+and all_gather_matmul) and ``matmul_reduce_scatter``.
+
+Epilogues: ``SWIGLU`` multiplies one A tile by b's gate and up columns and stores
+``silu(gate) * up`` from the fp32 products (``KEEP_H``: the products too, for autograd);
+``SWIGLU_VJP`` turns the gradient of SwiGLU's output into the gradients of the forward's gate
+and up products. They work on column halves of a tile: whole tiles of the products spill.
+
+TMA descriptors (host-built ``TensorDescriptor`` s) are used where the GPU has them and the
+operands' layouts allow (unit inner stride, 16-byte aligned base and strides): a tile's rows
+past its group's end then hold the next group's rows (the store masks them) and the K tail
+reads as zeros. Elsewhere (sm_80, odd strides) pointer loads. The interpreter takes the TMA
+path wherever the layouts allow, so CPU tests cover both. Accumulation is fp32 (fp32 inputs
+use exact fp32 products, no TF32).
+"""
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .interpreter import interpreting
 
@@ -58,7 +73,7 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 def gpu_gemm_config(dtype: torch.dtype, arch_major: int) -> dict:
     """The pointer-load GPU launch config of the persistent GEMMs for ``dtype`` on a GPU
-    generation (``grouped_gemm.gpu_config`` picks the TMA ones)."""
+    generation (``gpu_config`` picks the TMA ones)."""
     if dtype == torch.float32:
         return dict(GPU_CONFIG_FP32)
     return dict(POINTER_CONFIG_SM90 if arch_major >= 9 else GPU_CONFIG_SM80)
@@ -104,3 +119,247 @@ def aot_variants(kernel, signature: dict, **consts):
                 out.append((kernel, sig, dict(blocks, NUM_PROGRAMS=SM_COUNT[arch], UPCAST=False,
                                               **unit_consts, **consts), options))
     return out
+
+
+def gpu_config(major: int, tma: bool, epilogue: str | None = None) -> dict:
+    """The 16-bit launch config on a GPU of compute capability ``major``: TMA loads where the
+    GPU has them and ``tma``; ``epilogue``: the peers kernel's gather's, on half the columns
+    (SwiGLU's two accumulators, gate and up, or the VJP's two tiles of the forward's
+    products). The push takes the same configs."""
+    cfg = GPU_CONFIG_SM80 if major < 9 else GPU_CONFIG_SM90 if tma else POINTER_CONFIG_SM90
+    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if epilogue else cfg
+
+
+@triton.jit
+def tile_product(a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
+                 stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """``a[m0:m0+BLOCK_M, k_lo:k_hi] @ b[k_lo:k_hi, n0:n0+BLOCK_N]`` in fp32, rows masked at
+    ``m_end``, columns at ``N`` and the K tail."""
+    return add_tile_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_ptr, b_ptr, m0, n0,
+                            m_end, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+
+
+@triton.jit
+def add_tile_product(acc, a_ptr, b_ptr, m0, n0, m_end, N, k_lo, k_hi, stride_am, stride_ak,
+                     stride_bk, stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + tile_product(...)`` (one accumulator: a second whole tile would spill)."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < m_end
+    col_ok = rn < N
+    # pointers built once and advanced per K step: int64 offsets recomputed in the loop
+    # cost the registers that larger tiles need
+    ks = (k_lo + rk).to(tl.int64)
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + ks[:, None] * stride_bk + rn.to(tl.int64)[None, :] * stride_bn
+    a_step = tl.cast(stride_ak, tl.int64) * BLOCK_K
+    b_step = tl.cast(stride_bk, tl.int64) * BLOCK_K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk < k_hi - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = mma(a, b, acc, UPCAST)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
+def tile_product_tma(a_desc, b_desc, m0, n0, expert, k_hi, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """``a[m0:m0+BLOCK_M, :k_hi] @ b[expert][:k_hi, n0:n0+BLOCK_N]`` in fp32 through TMA
+    descriptors: ``a_desc`` over ``a [rows, K]``, ``b_desc`` over ``b [E, K, N]`` or, with
+    B_KMAJOR, over its transpose ``[E, N, K]``. Rows, columns and K past the arrays' ends
+    read as zeros."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_hi, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        if B_KMAJOR:
+            b = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+        acc = mma(a, b, acc, UPCAST)
+    return acc
+
+
+@triton.jit
+def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    base = c_ptr + tl.cast(m0, tl.int64) * stride_cm + tl.cast(n0, tl.int64) * stride_cn
+    mask = (m0 + rm < m_end)[:, None] & (n0 + rn < N)[None, :]
+    tl.store(base + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_tile(ptr, m0, n0, m_end, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``ptr[m0:m0+BLOCK_M, n0:n0+BLOCK_N]`` (unit column stride) in fp32, zeros past
+    ``m_end`` rows and ``N`` columns."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    base = ptr + tl.cast(m0, tl.int64) * stride_m + n0
+    mask = (m0 + rm < m_end)[:, None] & (n0 + rn < N)[None, :]
+    return tl.load(base + rm[:, None] * stride_m + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def tile_pair_tma(a_desc, b_desc, m0, n0, n1, expert, k_hi, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """``tile_product_tma`` at columns ``n0`` and ``n1`` of one A tile (loaded once per K
+    step): the gate and up products of a SwiGLU tile."""
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_hi, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        if B_KMAJOR:
+            b0 = b_desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            b1 = b_desc.load([expert, n1, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b0 = b_desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            b1 = b_desc.load([expert, k0, n1]).reshape(BLOCK_K, BLOCK_N)
+        acc0 = mma(a, b0, acc0, UPCAST)
+        acc1 = mma(a, b1, acc1, UPCAST)
+    return acc0, acc1
+
+
+@triton.jit
+def column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``t[:, :BLOCK_N // 2], t[:, BLOCK_N // 2:]``."""
+    return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def swiglu_tile(c_ptr, h_ptr, gate, up, m0, n0, m_end, N, KEEP_H: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SwiGLU on one tile of the fp32 ``gate`` and ``up`` products at columns
+    ``n0:n0+BLOCK_N``: ``c [T, N]`` gets ``silu(gate) * up``, and with KEEP_H ``h [T,
+    2N]`` gets ``[gate | up]``."""
+    if KEEP_H:
+        store_tile(h_ptr, gate, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+        store_tile(h_ptr + N, up, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, gate * tl.sigmoid(gate) * up, m0, n0, m_end, N, N, 1, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def swiglu_vjp_tile(c_ptr, h_ptr, grad, m0, n0, m_end, N, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """SwiGLU's backward on one tile: ``grad`` (fp32) is the gradient of its output at
+    columns ``n0:n0+BLOCK_N``; ``h`` and ``c`` (``[T, 2N]``) hold the forward's ``[gate |
+    up]`` and get their gradients. d silu(g) / dg = s (1 + g (1 - s)), s = sigmoid(g)."""
+    gate = load_tile(h_ptr, m0, n0, m_end, N, 2 * N, BLOCK_M, BLOCK_N)
+    s = tl.sigmoid(gate)
+    store_tile(c_ptr + N, grad * gate * s, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+    grad = grad * s * (1 + gate * (1 - s))
+    grad = grad * load_tile(h_ptr + N, m0, n0, m_end, N, 2 * N, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, grad, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def tile_pair(a_ptr, b_ptr, m0, n0, n1, m_end, N, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """``tile_product`` at columns ``n0`` and ``n1`` (pointer loads): a SwiGLU tile's gate
+    and up products."""
+    gate = tile_product(a_ptr, b_ptr, m0, n0, m_end, N, 0, k_hi, stride_am, stride_ak, stride_bk,
+                        stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    up = tile_product(a_ptr, b_ptr, m0, n1, m_end, N, 0, k_hi, stride_am, stride_ak, stride_bk,
+                      stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    return gate, up
+
+
+@triton.jit
+def swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, m_end, N, KEEP_H: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``swiglu_tile`` on the two column halves of a tile (whole tiles of both products
+    spill)."""
+    gate0, gate1 = column_halves(gate, BLOCK_M, BLOCK_N)
+    up0, up1 = column_halves(up, BLOCK_M, BLOCK_N)
+    swiglu_tile(c_ptr, h_ptr, gate0, up0, m0, n0, m_end, N, KEEP_H, BLOCK_M, BLOCK_N // 2)
+    swiglu_tile(c_ptr, h_ptr, gate1, up1, m0, n0 + BLOCK_N // 2, m_end, N, KEEP_H, BLOCK_M,
+                BLOCK_N // 2)
+
+
+@triton.jit
+def swiglu_vjp_epilogue(c_ptr, h_ptr, grad, m0, n0, m_end, N, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """``swiglu_vjp_tile`` on the two column halves of a tile (the forward's products are
+    two more tiles: whole ones spill)."""
+    grad0, grad1 = column_halves(grad, BLOCK_M, BLOCK_N)
+    swiglu_vjp_tile(c_ptr, h_ptr, grad0, m0, n0, m_end, N, BLOCK_M, BLOCK_N // 2)
+    swiglu_vjp_tile(c_ptr, h_ptr, grad1, m0, n0 + BLOCK_N // 2, m_end, N, BLOCK_M, BLOCK_N // 2)
+
+
+EPILOGUES = ("swiglu", "swiglu_vjp")  # the gather's; the push has none
+
+
+def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
+                   epilogue: str | None = None) -> dict:
+    """Blocks and launch options for ``a``'s dtype and GPU (queried at launch): the TMA
+    config where the GPU has TMA and ``tma``, else the pointer-load one; ``epilogue``: the
+    peers kernel's gather variants (``gpu_config``). The interpreter takes the TMA
+    path when ``tma``."""
+    base = {"TMA": tma and interpreting()}
+    if not interpreting() and a.dtype != torch.float32:
+        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, epilogue)
+    return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can cover ``t``: unit inner stride, 16-byte aligned base and
+    outer strides, none zero (an expanded tensor), no empty dimension."""
+    size = t.element_size()
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(stride > 0 and stride * size % 16 == 0 for stride in t.stride()[:-1]))
+
+
+def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
+                  epilogue: str | None = None) -> tuple[dict, object, object, bool]:
+    """``(config, a, b, b_kmajor)`` for the rows and peers kernels (and ``matmul_reduce_scatter``'s, with
+    one group): TMA descriptors over
+    ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
+    as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
+    has TMA and the layouts allow, else the tensors themselves and the pointer-load config."""
+    kmajor = b.stride(2) != 1
+    b_view = b.transpose(1, 2) if kmajor else b
+    # swiglu reads b's up half from column N: a TMA box must start 16-byte aligned
+    up_aligned = kmajor or epilogue != "swiglu" or b.shape[2] // 2 * b.element_size() % 16 == 0
+    cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view) and up_aligned,
+                         epilogue=epilogue)
+    if not cfg["TMA"]:
+        return cfg, a, b, False
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    return (cfg, TensorDescriptor.from_tensor(a, [bm, bk]),
+            TensorDescriptor.from_tensor(b_view, [1, bn, bk] if kmajor else [1, bk, bn]), kmajor)
+
+
+def launch_options(cfg: dict) -> dict:
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                GROUP_M=cfg["GROUP_M"], UPCAST=interpreting(), num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+
+
+# b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
+# (unit stride along K), the weights themselves in the backward (unit stride along N)
+B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
+
+
+def aot_example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
+    """One variant: with TMA in ``cfg``, ``a``/``b`` are descriptors of the launcher's blocks;
+    ``spills_ok``: why it may spill."""
+    if cfg["TMA"]:
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        sig = dict(sig, a=f"tensordesc<bf16[{bm},{bk}]>",
+                   b=f"tensordesc<bf16[1,{bn},{bk}]>" if kmajor else f"tensordesc<bf16[1,{bk},{bn}]>")
+    consts = dict({k: v for k, v in cfg.items() if k.isupper() and k != "TMA"}, UPCAST=False, **consts)
+    if "TMA" in kernel.arg_names:  # the kernels that take descriptors
+        consts.update(TMA=cfg["TMA"], B_KMAJOR=kmajor and cfg["TMA"])
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "arch": arch}
+    return kernel, sig, consts, dict(options, spills_ok=spills_ok) if spills_ok else options

@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .gemm import SM_COUNT, aot_variants, grouped_tile, persistent_grid
-from .grouped_gemm import (B_UNIT, aot_example, gemm_operands, gpu_config, launch_options, store_tile,
-                           tile_product, tile_product_tma)
+from .gemm import (B_UNIT, SM_COUNT, aot_example, aot_variants, gemm_operands, gpu_config, grouped_tile,
+                   launch_options, persistent_grid, store_tile, tile_product, tile_product_tma)
 from .reduce_scatter import BLOCK, NUM_WARPS, reduce_scatter_grid
 from .signal import pad_ptr, sm_count
 

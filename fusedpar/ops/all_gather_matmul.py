@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
-from ..kernels import grouped_gemm
+from ..kernels import gemm_peers
 from . import protocol as C
 from .calls import MatmulCall, check_matmul_inputs
 from .reduce_scatter import BACKENDS as REDUCE_SCATTER, reduce_scatter
@@ -108,7 +108,7 @@ class Triton(Backend):
                        buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
                       for src in sources]
             with C.gathering(buf, blocks, epoch, meta, copy_engine):
-                grouped_gemm.grouped_mm_peers(gathered, bs[0].unsqueeze(0), outs[0], *tables,
+                gemm_peers.grouped_mm_peers(gathered, bs[0].unsqueeze(0), outs[0], *tables,
                                               buf.pad_table, rank, world, epoch, buf.timeout_ns,
                                               push=False)
             counters.record(OP, self.name, (world - 1) * staged.numel() * staged.element_size())
@@ -127,7 +127,7 @@ def _shard_blocks(rank: int, world: int, m: int, device: torch.device):
     the runs' rows on the host. The same every call: made once."""
     sources = [(rank + step) % world for step in range(world)]
     table = np.array([(src, 0, 0, src * m, m) for src in sources], dtype=np.int64)
-    runs = grouped_gemm.block_runs(table)
+    runs = gemm_peers.block_runs(table)
     as_device = lambda t: torch.from_numpy(t.astype(np.int32)).to(device)  # noqa: E731
     return sources, (as_device(table), as_device(runs), runs[:, 2].tolist())
 

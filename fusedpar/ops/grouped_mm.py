@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import grouped_gemm as kernels
+from ..kernels import grouped_mm as kernels
 from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 

@@ -5,7 +5,7 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
 - ``fused``: symmetric memory. Every rank stages its expert-sorted copies; each source's
   block of rows for this rank's experts is copied once into a local buffer (the copy
   engine on a side stream on a GPU, raising a per-source GATHERED flag), while the first
-  grouped GEMM (``kernels.grouped_gemm.grouped_mm_peers_kernel``) multiplies each source's
+  grouped GEMM (``kernels.gemm_peers.grouped_mm_peers_kernel``) multiplies each source's
   rows as soon as its flag is up (own rank first) and applies SwiGLU to its fp32 gate and
   up tiles (the ``[rows, 2I]`` product is written only when autograd needs it); then the
   second grouped GEMM writes its tiles straight into the source ranks' buffers, where each
@@ -28,7 +28,7 @@ Backends (``pipelined`` is the default; ``fused`` runs when asked for):
   pass is the same pipeline over the output gradients (the weights' gradients are computed
   where the experts' outputs are, and go back after), then the weight gradients in one
   launch each. SwiGLU and its backward run in the grouped GEMMs' epilogues
-  (``kernels.grouped_gemm.grouped_mm_rows``), as in ``fused``. Each source's rows are their
+  (``kernels.grouped_mm.grouped_mm_rows``), as in ``fused``. Each source's rows are their
   own GEMM, so each pays its partial tiles (~10% more tiles than one GEMM over all rows at
   W=8 with one expert per rank, ~40% with 32 experts per rank, counted on CPU).
 - ``reference``: the unfused ops (``moe_dispatch`` -> ``grouped_mm`` -> ``swiglu`` ->
@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from ..comm import counters, get_buffer, get_loopback_buffers, layout, resolve_group, symmetric
 from ..errors import BackendNotSupportedError
-from ..kernels import grouped_gemm as kernels
+from ..kernels import gemm_peers
+from ..kernels import grouped_mm as kernels
 from . import protocol as C
 from .calls import CollectiveCall, REDUCE_DTYPES
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
@@ -433,7 +434,7 @@ def _groups(table: torch.Tensor, ranks: list[int], local: int) -> tuple:
     kept = blocks[..., 4] > 0
     blocks, per_view = blocks[kept], kept.reshape(len(ranks), -1).sum(1)
     view_starts = per_view.cumsum() - per_view
-    runs = kernels.block_runs(blocks, view_starts[per_view > 0])  # no run crosses views
+    runs = gemm_peers.block_runs(blocks, view_starts[per_view > 0])  # no run crosses views
     view_of_run = np.repeat(np.arange(len(ranks)), per_view)[runs[:, 0]]
     runs[:, 0] -= view_starts[view_of_run]
     return (blocks, runs, per_view.tolist(),
@@ -506,7 +507,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
             if n:
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
         with C.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
-            kernels.grouped_mm_peers(received, first_b, mid, *group_table, rows, buf.pad_table,
+            gemm_peers.grouped_mm_peers(received, first_b, mid, *group_table, rows, buf.pad_table,
                                      rank, world, epoch, buf.timeout_ns, push=False,
                                      epilogue="swiglu" if h13 is None else "swiglu_vjp",
                                      h=product if h13 is None else h13)
@@ -516,7 +517,7 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     epochs = [buf.next_epoch() for buf in bufs]
     for buf, x, second_b, epoch, (_, _, mid, group_table, rows, _) in zip(
             bufs, outgoing, second_bs, epochs, states):
-        kernels.grouped_mm_peers(mid, second_b, x, *group_table, rows, buf.pad_table, buf.rank,
+        gemm_peers.grouped_mm_peers(mid, second_b, x, *group_table, rows, buf.pad_table, buf.rank,
                                  world, epoch, buf.timeout_ns, push=True, c_row=region2_rows)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []

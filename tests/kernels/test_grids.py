@@ -5,7 +5,7 @@ hold at most a few programs per SM (they loop over their work)."""
 import pytest
 import torch
 
-from fusedpar.kernels import all_gather, gemm, grouped_gemm, moe_permute, reduce_scatter
+from fusedpar.kernels import all_gather, gemm, gemm_peers, moe_permute, reduce_scatter
 from fusedpar.kernels.signal import PROGRAMS_PER_SM, poison_grid
 
 SMS = 132  # H100 SXM
@@ -65,6 +65,6 @@ def test_ring_attention_copy_grid_leaves_most_sms_to_the_attention(pieces):
 
 @pytest.mark.parametrize("tiles", [1, 2**31 - 1])
 def test_grouped_mm_peers_grid_is_capped_and_legal(tiles):
-    grid = grouped_gemm.peers_grid(tiles, SMS)
+    grid = gemm_peers.peers_grid(tiles, SMS)
     _within_cuda_limits(grid)
     assert grid[0] <= PROGRAMS_PER_SM * SMS

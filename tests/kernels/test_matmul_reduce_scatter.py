@@ -12,7 +12,7 @@ import torch
 
 from fusedpar.comm import layout
 from fusedpar.kernels.matmul_reduce_scatter import matmul_reduce_scatter, reduce_chunks, reset_chunk_counters
-from fusedpar.kernels.grouped_gemm import gemm_operands
+from fusedpar.kernels.gemm import gemm_operands
 from fusedpar.kernels.signal import wait_flags
 
 META = 4242

@@ -15,7 +15,7 @@ from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp, _groups,
                                       _Plan, _weight_grads,
                                       moe_experts, moe_experts_loopback)
-from tests.kernels.test_grouped_gemm import grouped_product
+from tests.kernels.test_grouped_mm import grouped_product
 from tests.ops.collective_cases import capture_errors, env, subgroup
 
 pytestmark = [pytest.mark.timeout(300)]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.grouped_gemm import (block_runs, gemm_operands, grouped_mm_k, grouped_mm_peers,
-                                           grouped_mm_rows)
+from fusedpar.kernels.gemm import gemm_operands
+from fusedpar.kernels.gemm_peers import block_runs, grouped_mm_peers
+from fusedpar.kernels.grouped_mm import grouped_mm_k, grouped_mm_rows
 from fusedpar.ops.moe import swiglu
 
 

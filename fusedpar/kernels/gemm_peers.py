@@ -1,0 +1,258 @@
+"""The GEMM over rows that come from peers: the fused expert MLP of ``ops/moe`` and
+all_gather_matmul's GEMM (one expert, a block per source shard).
+
+``grouped_mm_peers_kernel``: the rows come in blocks listed in a table of ``(src, expert,
+peer_row, local_row, rows)``, ordered own rank first; A rows are local (``a[local_row]``).
+Tiles cover runs of blocks (consecutive blocks of one expert whose rows follow each other,
+``block_runs``), not single blocks, so a source's last partial tile costs no tile of its own.
+Gather mode (``PUSH=False``): the sources' rows were copied into ``a`` by a producer that
+raises this rank's ``GATHERED + src`` flag after each source's block (the copy engine on a
+GPU), and a tile waits for the flags of the sources it holds rows of, so a source's rows are
+multiplied as soon as they land; C goes to ``c[local_row]``. A failed wait (recorded in
+STATUS) makes the program skip the tiles that hold that source's rows. Push (``PUSH=True``):
+each row of a C tile goes straight into its source's region at its block's ``peer_row``
+onward. The gather takes the SwiGLU epilogues of ``gemm.py``.
+"""
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import (EPILOGUES, GPU_CONFIG_FP32, B_UNIT, aot_example, gemm_operands, gpu_config, grouped_tile, launch_options, store_tile, swiglu_epilogue,
+                   swiglu_vjp_epilogue, tile_pair, tile_pair_tma, tile_product, tile_product_tma)
+from .signal import GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, spinning_grid, wait_flag
+
+# triton 3.8 (not 3.6) spills 28 B in the SwiGLU gather that keeps the products
+GATHER_KEEP_H_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 28 B"
+
+
+@triton.jit
+def overlaps(start, n, m0, BLOCK_M: tl.constexpr):
+    """Whether rows ``start : start + n`` and ``m0 : m0 + BLOCK_M`` share one (never when
+    ``n`` is 0)."""
+    return tl.maximum(start, m0) < tl.minimum(start + n, m0 + BLOCK_M)
+
+
+@triton.jit
+def wait_run_rows(blocks_ptr, b0, nb, run_row, m0, my_pad, epoch, timeout_ns, checked, ok,
+                  TMA: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Wait for the GATHERED flag of every source whose block of the run (blocks ``b0 :
+    b0 + nb``, starting at received row ``run_row``) holds one of the tile's rows ``m0 :
+    m0 + BLOCK_M``; ``checked`` / ``ok``: the source this program waited for last and how
+    that went (a source is polled once per change, not per tile). Returns ``(tile_ok,
+    checked, ok)``."""
+    tile_ok = tl.full([], 1, tl.int1)
+    for blk in range(b0, b0 + nb):
+        start = tl.load(blocks_ptr + blk * 5 + 3) - run_row
+        if overlaps(start, tl.load(blocks_ptr + blk * 5 + 4), m0, BLOCK_M):
+            src = tl.load(blocks_ptr + blk * 5)
+            if src != checked:
+                checked = src
+                ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
+                if TMA:
+                    fence_async_proxy()  # the rows seen landed, before TMA reads them
+            tile_ok = tile_ok & ok
+    return tile_ok, checked, ok
+
+
+@triton.jit
+def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, N, c_row,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the tile's rows ``m0 : m0 + BLOCK_M`` of a run (blocks ``b0 : b0 + nb``, from
+    received row ``run_row``; ``rows`` in all) into their sources' regions: the i-th row of
+    block ``(src, peer_row)`` goes to row ``c_row + peer_row + i`` of src's data (rows of N
+    elements: with N a multiple of 16, whole rows start 16-byte aligned and the tile is
+    stored 16 bytes at a time). One masked store per block the tile holds rows of (per-row
+    pointers spill)."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    cols = (n0 + rn < N)[None, :]
+    out = acc.to(c_ptr.dtype.element_ty)  # before the loop: half the registers kept across it
+    for blk in range(b0, b0 + nb):
+        start = tl.load(blocks_ptr + blk * 5 + 3) - run_row
+        n = tl.load(blocks_ptr + blk * 5 + 4)
+        if overlaps(start, n, m0, BLOCK_M):
+            peer_row = tl.load(blocks_ptr + blk * 5 + 2).to(tl.int64)
+            base = (data_ptr(pad_table, tl.load(blocks_ptr + blk * 5), c_ptr.dtype.element_ty)
+                    + (c_row + peer_row - start + m0) * N + n0)  # the tile's first row
+            mask = ((rm >= start) & (rm < tl.minimum(start + n, rows)))[:, None] & cols
+            tl.store(base + (rm - m0)[:, None] * N + rn[None, :], out, mask=mask)
+
+
+# meta is not an argument: the READY waits (with the fingerprints) ran before the gather
+@triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_runs", "c_row"])
+def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table, rank,
+                            world_size, epoch, timeout_ns, num_runs, N, K, c_row, stride_be,
+                            stride_bk, stride_bn,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
+                            B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
+                            SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
+    Tiles cover runs (``runs_ptr``: first block, blocks, rows), not blocks: a tile may hold
+    the rows of several sources, so a source's partial tile does not cost a whole one.
+    The gather stores C tiles to ``c`` (``[rows, N]``), or with an epilogue (``h`` is
+    ``[rows, 2N]``, the gate and up products side by side): ``SWIGLU``: b holds ``[gate | up]`` along its ``2N`` columns; C tiles are ``silu(a @
+    gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
+    ``h``. ``SWIGLU_VJP``: the product P = a @ b is the gradient of SwiGLU's output; C
+    (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    my_pad = pad_ptr(pad_table, rank)
+    tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
+    first = tl.zeros([], tl.int32)  # index of the current run's first tile in that list
+    checked = tl.full([], -1, tl.int32)  # the source whose flag this program checked last
+    ok = tl.full([], 1, tl.int1)
+    tile_ok = tl.full([], 1, tl.int1)
+    b_cols = 2 * N if SWIGLU else N
+    c_cols = 2 * N if SWIGLU_VJP else N
+    for run in range(0, num_runs):
+        b0 = tl.load(runs_ptr + run * 3)
+        nb = tl.load(runs_ptr + run * 3 + 1)
+        rows = tl.load(runs_ptr + run * 3 + 2)
+        expert = tl.load(blocks_ptr + b0 * 5 + 1)
+        local_row = tl.load(blocks_ptr + b0 * 5 + 3)
+        m_tiles = tl.cdiv(rows, BLOCK_M)
+        group_tiles = m_tiles * n_tiles
+        c_base = c_ptr + local_row.to(tl.int64) * c_cols
+        h_base = h_ptr + local_row.to(tl.int64) * 2 * N
+        while tile < first + group_tiles:
+            pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
+            m0 = pid_m * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            if not PUSH:
+                tile_ok, checked, ok = wait_run_rows(blocks_ptr, b0, nb, local_row, m0, my_pad,
+                                                     epoch, timeout_ns, checked, ok, TMA, BLOCK_M)
+            if tile_ok:
+                if TMA:
+                    if SWIGLU:
+                        gate, up = tile_pair_tma(a, b, local_row + m0, n0, N + n0, expert, K,
+                                                 BLOCK_M, BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
+                    else:
+                        acc = tile_product_tma(a, b, local_row + m0, n0, expert, K, BLOCK_M,
+                                               BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
+                else:
+                    a_rows = a + local_row.to(tl.int64) * K
+                    b_expert = b + tl.cast(expert, tl.int64) * stride_be
+                    if SWIGLU:
+                        gate, up = tile_pair(a_rows, b_expert, m0, n0, N + n0, rows, b_cols, K, K, 1,
+                                             stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                    else:
+                        acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, K, 1,
+                                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                if SWIGLU:  # gate columns past N read up columns: computed, never stored
+                    swiglu_epilogue(c_base, h_base, gate, up, m0, n0, rows, N, KEEP_H, BLOCK_M, BLOCK_N)
+                elif SWIGLU_VJP:
+                    swiglu_vjp_epilogue(c_base, h_base, acc, m0, n0, rows, N, BLOCK_M, BLOCK_N)
+                elif not PUSH:
+                    store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
+                else:
+                    push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, local_row, acc, m0, n0, rows,
+                              N, c_row, BLOCK_M, BLOCK_N)
+            tile += tl.num_programs(0)
+        first += group_tiles
+
+
+def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
+    """The peers kernel spins on flags: a capped grid looping over its tiles (axis 0)."""
+    return (spinning_grid(tiles, sms),)
+
+
+def block_runs(blocks, firsts=()) -> np.ndarray:
+    """The runs of ``blocks`` (host ints ``[G, 5]``, as ``grouped_mm_peers`` takes them):
+    stretches of consecutive blocks of one expert whose rows follow each other in ``a``
+    (one block's ``local_row`` is the last one's ``local_row + rows``), as int64 ``[R, 3]``:
+    first block, blocks, rows; the blocks at ``firsts`` start one anyway (the first of
+    another launch's table). A tile may span the blocks of a run. (numpy: a host table the
+    launch waits for, at a fraction of torch's per-op cost.)"""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    expert, local_row, rows = blocks[:, 1], blocks[:, 3], blocks[:, 4]
+    starts = np.ones(len(blocks), dtype=bool)
+    starts[1:] = (expert[1:] != expert[:-1]) | (local_row[1:] != local_row[:-1] + rows[:-1])
+    starts[np.asarray(firsts, dtype=np.int64)] = True
+    bounds = np.append(np.flatnonzero(starts), len(blocks))
+    row_bounds = np.concatenate([[0], np.cumsum(rows)])[bounds]
+    return np.stack([bounds[:-1], np.diff(bounds), np.diff(row_bounds)], axis=1)
+
+
+def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: torch.Tensor,
+                     runs: torch.Tensor, run_rows: list[int], pad_table: torch.Tensor, rank: int,
+                     world_size: int, epoch: int, timeout_ns: int, *, push: bool, c_row: int = 0,
+                     epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
+    """One launch over the row blocks in ``blocks`` (int32 ``[G, 5]``: src, expert,
+    peer_row, local_row, rows), tiled by ``runs`` (int32 ``[R, 3]``, ``block_runs``; their
+    rows ``run_rows`` on the host): a tile may hold several sources' rows of one expert, so
+    each source's last partial tile costs none of its own.
+
+    Gather (not ``push``): a tile waits for this rank's ``GATHERED + src`` flag of each
+    source it holds rows of to reach ``epoch`` (the producer copied that source's rows into
+    ``a`` first); with ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes
+    ``c[local_row:+rows]``:
+
+    - None: ``c = P`` (all_gather_matmul: one expert, a block per source shard).
+    - ``"swiglu"``: b's columns are ``[gate | up]`` and ``c = swiglu(P)`` (``ops.moe.swiglu``
+      from fp32 products: no ``[rows, 2N]`` round trip through memory); given ``h``, it
+      also gets ``P``.
+    - ``"swiglu_vjp"``: ``c [rows, 2N] = vjp(swiglu, h)(P)``, SwiGLU's backward at the
+      forward's products ``h [rows, 2N]``.
+
+    Push (no epilogue): ``src's region[(c_row + peer_row:+rows) * N] =
+    a[local_row:+rows] @ b[expert]``; ``c`` only gives the dtype. ``a``, ``c`` and ``h``
+    contiguous; ``b [E, K, N]`` any strides.
+    Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
+    on a side stream) or, without one, before this launch in stream order; neither needs an SM
+    this kernel holds, and the grid is ``spinning_grid``-capped.
+    """
+    if epilogue not in (None, *EPILOGUES) or push and epilogue is not None:
+        raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}; the gather "
+                         f"takes None (the product) or one of {EPILOGUES}, the push None")
+    swiglu = epilogue == "swiglu"
+    K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, epilogue=epilogue)
+    tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * triton.cdiv(N, cfg["BLOCK_N"])
+    if tiles == 0:
+        return
+    grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
+        a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
+        timeout_ns, runs.shape[0], N, K, c_row, b.stride(0), b.stride(1), b.stride(2),
+        PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
+        SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
+
+
+_PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
+              "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
+              "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32",
+              "c_row": "i32", "stride_be": "i32"}
+
+
+_GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
+# the peers kernel's variants with the B layouts the expert MLP passes (kmajor: ``B_UNIT``):
+# the forward's SwiGLU gather (b = w13ᵀ) with and without the gate/up products kept, the
+# backward's VJP gather (b = w2), the push (w2ᵀ in the forward, w13 in the backward); and
+# all_gather_matmul's plain gather (B row-major, or a Linear's weightᵀ)
+PEERS_MODES = [(dict(_GATHER), None, (True, False)),
+               (dict(_GATHER, SWIGLU=True), "swiglu", (True,)),
+               (dict(_GATHER, SWIGLU=True, KEEP_H=True), "swiglu", (True,)),
+               (dict(_GATHER, SWIGLU_VJP=True), "swiglu_vjp", (False,)),
+               (dict(_GATHER, PUSH=True), None, (True, False))]
+
+
+def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool, major: int) -> list:
+    cfg = gpu_config(major, tma, epilogue)
+    spills = GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None
+    return [aot_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
+                        dict(mode, **{B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
+            for kmajor in layouts]
+
+
+# fp32 is the exact path for tests and fp32 training, not a fast one
+FP32_SPILLS = "fp32 FMA tiles on sm_80, 32 B under triton 3.8 (tests and fp32 training only)"
+AOT_EXAMPLES = (
+    [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))
+     for example in _peers_examples(*mode, tma, major)]
+    # all_gather_matmul in fp32 (tests, fp32 training): pointer loads on gemm.py's FMA config
+    + [aot_example(grouped_mm_peers_kernel,
+                   {k: v.replace("bf16", "fp32") for k, v in dict(_PEERS_SIG, stride_bk="i32").items()},
+                   dict(_GATHER, stride_bn=1), dict(GPU_CONFIG_FP32, TMA=False), arch,
+                   spills_ok=FP32_SPILLS if arch == 80 else None)
+       for arch in (90, 80)])

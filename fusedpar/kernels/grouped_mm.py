@@ -1,0 +1,233 @@
+"""The grouped GEMM of ``grouped_mm``: the tiles of every group in one persistent launch
+(``torch._grouped_mm`` contract: ``offs`` holds int32 cumulative group ends, read on the
+device, so there is no host loop and no device-to-host sync).
+
+- ``grouped_mm_rows_kernel`` (forward and dgrad): ``a [T, K]`` times ``b [E, K, N]``; the
+  rows ``offs[g-1]:offs[g]`` of ``a`` are multiplied by ``b[g]``. The programs walk the
+  groups in order, each keeping a running count of the tiles before the current group, and
+  take every NUM_PROGRAMS-th tile of the concatenated tile list (GROUP_M-grouped within a
+  group). Rows past ``offs[-1]`` get zeros (a padded buffer's tail), so no output row is
+  left unwritten. It also runs the expert MLPs' SwiGLU epilogues (``gemm.py``).
+- ``grouped_mm_k_kernel`` (wgrad): ``a [M, K_total]`` times ``b [K_total, N]`` with groups
+  along K: ``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]``; an empty group gives
+  zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
+
+Neither waits on anything: their grid is capped at NUM_PROGRAMS (the SM count) only because
+they are persistent.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import (EPILOGUES, GPU_CONFIG_SM80, POINTER_CONFIG_SM90, B_UNIT, add_tile_product, aot_example,
+                   gemm_operands, gpu_config, grouped_config, grouped_tile, launch_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_pair, tile_pair_tma, tile_product,
+                   tile_product_tma)
+
+
+@triton.jit
+def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, T, N, K, E, pad_rows,
+                           stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           stride_cm, stride_cn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+                           MASKED: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
+                           SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
+    """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused).
+    ``MASKED``: ``offs_ptr`` holds row counts and group g owns rows ``g * pad_rows`` onward
+    (the first ``min(count, pad_rows)`` multiplied, the rest zeros); ``pad_rows`` is unused
+    otherwise. Either way the rows form segments (multiplied, or zeros: ``k_hi = 0``).
+    ``SWIGLU`` / ``KEEP_H`` / ``SWIGLU_VJP``: the peers kernel's epilogues (contiguous ``c``
+    and ``h``; c's strides are then unused)."""
+    step = tl.num_programs(0)
+    b_cols = 2 * N if SWIGLU else N
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
+    first = tl.zeros([], tl.int32)  # index of the current segment's first tile in that list
+    start = tl.zeros([], tl.int32)
+    # MASKED: 2 segments per group (its rows, its padding); else groups 0..E-1, then the rows
+    # past offs[-1] (zeros)
+    for s in range(0, 2 * E if MASKED else E + 1):
+        if MASKED:
+            g = s // 2
+            count = tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+            start = g * pad_rows + tl.where(s % 2 == 1, count, 0)
+            end = tl.where(s % 2 == 0, g * pad_rows + count, (g + 1) * pad_rows)
+            k_hi = tl.where(s % 2 == 0, K, 0)
+        else:
+            g = s
+            if g < E:
+                end = tl.load(offs_ptr + g)
+            else:
+                end = T
+            k_hi = tl.where(g < E, K, 0)  # the zero segment multiplies nothing
+        m_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_M)
+        group_tiles = m_tiles * n_tiles
+        while tile < first + group_tiles:
+            pid_m, pid_n = grouped_tile(tile - first, m_tiles, n_tiles, GROUP_M)
+            m0 = start + pid_m * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            if TMA:
+                if SWIGLU:
+                    gate, up = tile_pair_tma(a, b, m0, n0, N + n0, g, k_hi, BLOCK_M, BLOCK_N,
+                                             BLOCK_K, B_KMAJOR, UPCAST)
+                else:
+                    acc = tile_product_tma(a, b, m0, n0, g, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           B_KMAJOR, UPCAST)
+            else:
+                b_group = b + tl.cast(g, tl.int64) * stride_be
+                if SWIGLU:
+                    gate, up = tile_pair(a, b_group, m0, n0, N + n0, end, b_cols, k_hi, stride_am,
+                                         stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N,
+                                         BLOCK_K, UPCAST)
+                else:
+                    acc = tile_product(a, b_group, m0, n0, end, N, 0, k_hi, stride_am, stride_ak,
+                                       stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+            if SWIGLU:
+                swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, end, N, KEEP_H, BLOCK_M, BLOCK_N)
+            elif SWIGLU_VJP:
+                swiglu_vjp_epilogue(c_ptr, h_ptr, acc, m0, n0, end, N, BLOCK_M, BLOCK_N)
+            else:
+                store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
+            tile += step
+        first += group_tiles
+        start = end
+
+
+@triton.jit
+def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows, sources,
+                        stride_am, stride_ak, stride_bk, stride_bn,
+                        stride_ce, stride_cm, stride_cn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``. Else
+    ``offs_ptr`` holds the ends of ``sources * E`` segments, source-major, and group g sums
+    the products over its segments ``s * E + g``."""
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    group_tiles = m_tiles * n_tiles
+    for tile in range(tl.program_id(0), E * group_tiles, tl.num_programs(0)):
+        g = tile // group_tiles
+        pid_m, pid_n = grouped_tile(tile - g * group_tiles, m_tiles, n_tiles, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if MASKED:
+            k_lo = g * pad_rows
+            k_hi = k_lo + tl.minimum(tl.maximum(tl.load(offs_ptr + g), 0), pad_rows)
+            acc = add_tile_product(acc, a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am,
+                                   stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        else:
+            for s in range(0, sources):
+                seg = s * E + g
+                k_lo = tl.where(seg > 0, tl.load(offs_ptr + seg - 1, mask=seg > 0, other=0), 0)
+                k_hi = tl.load(offs_ptr + seg)
+                acc = add_tile_product(acc, a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am,
+                                       stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       UPCAST)
+        store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
+                   stride_cn, BLOCK_M, BLOCK_N)
+
+
+def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
+                    config: dict | None = None, *, pad_rows: int | None = None,
+                    epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
+    """``c[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g]``, zeros past ``offs[-1]``.
+    With ``pad_rows`` (P), ``offs`` holds counts instead: ``c[g*P:g*P+n] = a[g*P:g*P+n] @
+    b[g]`` with ``n = min(offs[g], P)``, zeros in the rest of ``c[g*P:(g+1)*P]``.
+
+    ``a [T, K]``, ``b [E, K, N]``, ``c [T, N]`` (any strides), ``offs`` int32 ``[E]``
+    (non-decreasing, ``offs[-1] <= T``: the caller checks; with P, ``T = E * P``). The grid
+    is a bound on the tile count that needs no look at ``offs`` (``(cdiv(T, BLOCK_M) + 2E)
+    * n_tiles``: every segment adds at most one partial tile), capped at NUM_PROGRAMS.
+
+    ``epilogue`` (not with P; contiguous ``c`` and ``h``): what ``grouped_mm_peers``'s
+    gather does with the product: ``"swiglu"`` (b ``[E, K, 2N]``, c ``[T, N]``, h ``[T, 2N]``
+    given: the products too) or ``"swiglu_vjp"`` (c ``[T, 2N]``, h ``[T, 2N]`` the
+    forward's products).
+    """
+    if epilogue is not None and (epilogue not in EPILOGUES or pad_rows is not None
+                                 or not c.is_contiguous() or h is not None and not h.is_contiguous()):
+        raise ValueError(f"grouped_mm_rows: epilogue={epilogue!r} needs offs (no pad_rows) and "
+                         f"contiguous c and h; the epilogues are {EPILOGUES}")
+    swiglu = epilogue == "swiglu"
+    T, K = a.shape
+    E, N = b.shape[0], b.shape[2] // 2 if swiglu else b.shape[2]
+    if T == 0 or N == 0:
+        return
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, config, epilogue=epilogue)
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
+    grid = (min(bound, cfg["NUM_PROGRAMS"]),)
+    grouped_mm_rows_kernel[grid](
+        a_arg, b_arg, c, c if h is None else h, offs, T, N, K, E, pad_rows or 0, a.stride(0),
+        a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        TMA=cfg["TMA"], B_KMAJOR=kmajor, MASKED=pad_rows is not None, SWIGLU=swiglu,
+        KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
+
+
+def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
+                 config: dict | None = None, *, pad_rows: int | None = None, sources: int = 1) -> None:
+    """``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]`` (zeros for an empty group).
+    With ``pad_rows`` (P), ``offs`` holds counts and group g's K range is
+    ``g*P : g*P + min(offs[g], P)``. With ``sources`` (S), ``offs`` holds the ends of ``S *
+    E`` segments of K, source-major (segment ``s * E + g`` is source s's share of group g,
+    as the expert MLP's received rows lie), and ``c[g]`` sums g's S segments: one launch
+    and one write of ``c``, not S.
+
+    ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[S * E]``.
+    """
+    if sources < 1 or offs.shape[0] % sources or pad_rows is not None and sources != 1:
+        raise ValueError(f"grouped_mm_k: {offs.shape[0]} group ends for sources={sources} "
+                         f"(pad_rows={pad_rows}); need sources * E ends, and one source with pad_rows")
+    M, N, E = a.shape[0], b.shape[1], offs.shape[0] // sources
+    cfg = grouped_config(a, config, tma=False)  # ragged K: masked pointer loads
+    tiles = E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    if tiles == 0:
+        return
+    grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
+        a, b, c, offs, M, N, E, pad_rows or 0, sources, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None,
+        **launch_options(cfg))
+
+
+# unit inner strides are constexprs, as the JIT specializes them for row-major operands
+_ROWS_UNIT = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
+_K_UNIT = {"stride_am": 1, "stride_bn": 1, "stride_cn": 1}  # a = x.t() of a row-major x
+_ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
+             "N": "i32", "K": "i32", "E": "i32", "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32",
+             "stride_bk": "i32", "stride_cm": "i32"}
+_K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
+          "N": "i32", "E": "i32", "pad_rows": "i32", "sources": "i32", "stride_ak": "i32",
+          "stride_bk": "i32", "stride_ce": "i32", "stride_cm": "i32"}
+
+
+def _rows_epilogue_example(mode: dict, epilogue: str, kmajor: bool, tma: bool, major: int):
+    """The rows kernel with an epilogue, as the pipelined expert MLP launches it: b =
+    w13ᵀ (unit stride along K) or w2 (along N), c and h contiguous."""
+    unit, other = B_UNIT[kmajor]
+    sig = {k: v for k, v in _ROWS_SIG.items() if k != unit}
+    consts = {k: v for k, v in _ROWS_UNIT.items() if k != other}
+    cfg = gpu_config(major, tma, epilogue)
+    return aot_example(grouped_mm_rows_kernel, dict(sig, **{other: "i32"}),
+                       dict(consts, MASKED=False, **mode, **{unit: 1}), cfg, major * 10, kmajor,
+                       ROWS_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None)
+
+
+# triton 3.8 (not 3.6) spills 16 B in this variant's h stores
+ROWS_KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs), 16 B"
+
+
+_NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
+AOT_EXAMPLES = (
+    [aot_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
+                 gpu_config(major, tma), major * 10, kmajor)
+     for major, tma, kmajor in ((9, True, False), (9, True, True), (9, False, False), (8, False, False))
+     for masked in (False, True)]
+    + [_rows_epilogue_example(dict(_NO_EPILOGUE, **mode), epilogue, kmajor, tma, major)
+       for mode, epilogue, kmajor in ((dict(SWIGLU=True), "swiglu", True),
+                                      (dict(SWIGLU=True, KEEP_H=True), "swiglu", True),
+                                      (dict(SWIGLU_VJP=True), "swiglu_vjp", False))
+       for major, tma in ((9, True), (9, False), (8, False))]
+    + [aot_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
+       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)])
