@@ -25,14 +25,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .interpreter import interpreting
 
 
-# 16-bit inputs; ptxas reports no spills for any variant with unit inner strides (what the
-# JIT specializes for row-major operands; tests/kernels/test_aot.py prints registers and
-# spills). sm_90: TMA loads on 128x256x64 tiles, two warpgroups, 4 stages (a sweep on the
-# H100 over 128/256 tiles, 3-4 stages, 4-8 warps and warp specialisation: 0.68 ms where
-# 128x128x64 took 0.76 and pointer loads 0.88 on bench_grouped_mm's uniform case). Pointer
-# loads (ragged K needs masks; operands TMA cannot cover) fit 128x128x64 (128x256 spills:
-# 255 registers + 300-650 B of stack). sm_80: mma.sync needs more registers: 128x128x32 on
-# 8 warps. fp32 runs on FMAs (exact, no TF32) and is for tests and fp32 training only:
+# 16-bit inputs; no variant with unit inner strides (what the JIT specializes for row-major
+# operands) spills (tests/kernels/test_aot.py). sm_90: TMA loads on 128x256x64 tiles, two
+# warpgroups, 4 stages (the fastest of the tile shapes benchmarks/bench_grouped_mm.py
+# compared). Pointer loads (ragged K needs masks; operands TMA cannot cover) fit 128x128x64
+# (128x256 spills). sm_80: mma.sync needs more registers: 128x128x32 on 8 warps. fp32 runs on FMAs (exact, no TF32) and is for tests and fp32 training only:
 # 64x64x32.
 GPU_CONFIG_SM90 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4,
                        TMA=True)
