@@ -1,0 +1,394 @@
+"""Closed-form memory per rank of one training step under one parallel config.
+
+What fusedpar's ``parallelize`` builds, term by term (bytes, the most loaded rank):
+
+- **parameters / gradients / optimizer state**: every parameter's local shard after TP
+  (``tp`` splits attention, dense MLPs, embedding and head; norms, routers and, without
+  ``ep``, whole MoE blocks stay replicated), EP (experts ``Shard(0)`` over ``ep``) and
+  FSDP2 (``Shard(0)`` over ``dp_shard x cp``, experts over ``efsdp``; dim 0 padded to a
+  multiple of the shard count, as FSDP2 allocates it). Gradients and optimizer states
+  are in the parameters' dtype (FSDP2 keeps no master copy); AdamW holds two moments and a
+  4-byte ``step`` per parameter.
+- **activations**, per layer and micro-batch, counted from what autograd saves in
+  fusedpar's Llama block (see :func:`layer_activations`); with activation checkpointing a
+  layer keeps its input and one layer is recomputed at a time. Pipeline stages hold the
+  micro-batches in flight of a 1F1B schedule (the first stage ``pp`` of them).
+- **FSDP2 unsharded parameters**: the root unit (embedding, head, final norm) stays
+  unsharded from forward to the end of backward (``reshard_after_forward=False`` for the
+  root), plus ``units_in_flight`` block units (the current one and the prefetched one), the
+  all-gather output while it is copied out, and the unit's unsharded gradients.
+- **transient**: the loss (logits, their fp32 copy, the softmax's gradient), a block's
+  backward workspace, and the optimizer step's temporaries (``foreach`` AdamW: one
+  parameter-sized list).
+- **symmetric memory** (fusedpar's fused backends): one buffer per group, as large as the
+  largest call stages, rounded up to a power of two (``fusedpar.comm.symmetric``); it is
+  outside torch's caching allocator, so not in ``max_memory_allocated``.
+- **reserve**: the CUDA context and library workspaces plus allocator fragmentation, stated
+  defaults (see :class:`Device`), not part of the peak torch reports.
+
+The peak is the largest of four moments: the end of the forward (loss computed), the
+loss's backward, the last block's backward, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .model import ModelSpec
+
+__all__ = ["Candidate", "Memory", "Tensor", "Training", "estimate_memory", "parameter_shapes"]
+
+GiB = 1 << 30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
+
+
+def dtype_bytes(name: str) -> int:
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {name!r}: choose one of {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What one step trains on and with.
+
+    ``micro_batch``: sequences per data-parallel rank per forward (None: the whole
+    ``global_batch / dp``, no accumulation); ``param_dtype`` stores parameters, gradients
+    and optimizer state; ``compute_dtype`` is FSDP2's ``MixedPrecisionPolicy.param_dtype``
+    (activations), ``reduce_dtype`` its gradient reduction; ``foreach``: the optimizer's
+    multi-tensor path (torch's default on GPUs); ``units_in_flight``: FSDP2 block units
+    unsharded at once (2: the current and the prefetched one, on a GPU; 1 with synchronous
+    collectives such as gloo's); ``fsdp_comm="fusedpar"``: FSDP2's collectives on fusedpar's
+    ops (their results are copied into FSDP's buffers, and they use symmetric memory);
+    ``capacity_factor``: MoE rows a rank receives, relative to balanced routing.
+    """
+
+    seq_len: int
+    global_batch: int
+    micro_batch: int | None = None
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"
+    foreach: bool = True
+    units_in_flight: int = 2
+    fsdp_comm: str = "fusedpar"
+    capacity_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("param_dtype", "compute_dtype", "reduce_dtype"):
+            dtype_bytes(getattr(self, name))
+        if self.optimizer not in _OPTIMIZER_STATES:
+            raise ValueError(f"optimizer={self.optimizer!r}: choose one of {sorted(_OPTIMIZER_STATES)}")
+        for name in ("seq_len", "global_batch", "units_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"micro_batch={self.micro_batch} must be at least 1 (or None)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run: the degrees (``pp`` outermost; the rest multiply to ``world / pp``)
+    and whether each block is activation-checkpointed."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    activation_checkpointing: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """FSDP2's shard degree of dense parameters (``dp_shard x cp``)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP2's shard degree of experts (``dp_shard x cp x tp / ep``)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
+    def name(self) -> str:
+        """``"FSDP"``, ``"DDP"``, ``"HSDP"`` or the non-trivial degrees, e.g. ``"tp2 x fsdp4"``;
+        ``" +AC"`` when checkpointed."""
+        parts = [f"{axis}{getattr(self, axis)}" for axis in ("pp", "tp", "cp", "ep") if getattr(self, axis) > 1]
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp{self.dp_replicate}")
+        elif self.dp_shard > 1 or not parts:
+            parts.append(f"fsdp{self.dp_shard}")
+        return " x ".join(parts) + (" +AC" if self.activation_checkpointing else "")
+
+    def parallel_config(self):
+        """The :class:`~fusedpar.ParallelConfig` of the non-pipeline degrees."""
+        from ..parallel.config import ParallelConfig
+
+        return ParallelConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp,
+                              tp=self.tp, ep=self.ep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A parameter after TP / EP: ``count`` tensors of ``[dim0, rest]`` in FSDP unit ``unit``
+    (``"root"``, ``"layer"``, ``"experts"``); ``stage`` ``"first"`` / ``"last"`` / ``"layer"``
+    says which pipeline stage holds it."""
+
+    name: str
+    dim0: int
+    rest: int
+    count: int
+    unit: str
+    stage: str
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.dim0 * self.rest
+
+
+def parameter_shapes(spec: ModelSpec, tp: int, ep: int) -> list[Tensor]:
+    """Every parameter as this rank's TP / EP piece (before FSDP)."""
+    h, L = spec.hidden, spec.layers
+    norms = 2 if spec.norm == "layer" else 1  # weight (+ bias), 1-D [hidden]
+    out = [Tensor("embed_tokens", spec.vocab // tp, h, 1, "root", "first")]
+    if spec.positions:
+        out.append(Tensor("embed_positions", spec.positions, h, 1, "root", "first"))
+    out.append(Tensor("norm", h, 1, norms, "root", "last"))
+    if not spec.tie_embeddings:
+        out.append(Tensor("lm_head", spec.vocab // tp, h, 1, "root", "last"))
+
+    def linear(name, out_rows, in_cols, bias, unit="layer"):  # [out, in] (+ a bias [out])
+        return [Tensor(name, out_rows, in_cols, L, unit, "layer")] + (
+            [Tensor(name + ".bias", out_rows, 1, L, unit, "layer")] if bias else [])
+
+    bias, qkv_bias = spec.linear_bias, spec.linear_bias or spec.qkv_bias
+    layer = [Tensor("layernorms", h, 1, 2 * norms * L, "layer", "layer")]
+    layer += linear("q_proj", spec.q_dim // tp, h, qkv_bias) + linear("k_proj", spec.kv_dim // tp, h, qkv_bias)
+    layer += linear("v_proj", spec.kv_dim // tp, h, qkv_bias) + linear("o_proj", h, spec.q_dim // tp, bias)
+    if spec.moe:
+        E, I = spec.experts, spec.expert_intermediate
+        experts_unit = "experts" if ep > 1 else "layer"
+        layer += [Tensor("router", E, h, L, experts_unit, "layer"),
+                  Tensor("w13", E // ep, 2 * I * h, L, experts_unit, "layer"),
+                  Tensor("w2", E // ep, h * I, L, experts_unit, "layer")]
+    elif spec.mlp == "swiglu":
+        I = spec.intermediate // tp
+        layer += linear("gate_proj", I, h, False) + linear("up_proj", I, h, False) + linear("down_proj", h, I, False)
+    else:
+        I = spec.intermediate // tp
+        layer += linear("c_fc", I, h, bias) + linear("c_proj", h, I, bias)
+    return out + layer
+
+
+def _shard(dim0: int, degree: int) -> int:
+    """FSDP2's per-rank rows of a ``dim0``-row parameter over ``degree`` ranks (padded)."""
+    return -(-dim0 // degree)
+
+
+def _pow2_buffer(nbytes: float) -> int:
+    """A symmetric buffer's size for calls of ``nbytes`` (power of two, at least 1 MiB)."""
+    want = max(int(nbytes), 1 << 20)
+    return 1 << (want - 1).bit_length()
+
+
+@dataclasses.dataclass
+class Memory:
+    """Bytes per rank of one config (the most loaded rank / pipeline stage).
+
+    ``peak`` is what torch's allocator would report as ``max_memory_allocated``: the
+    largest sum, over the step's moments, of ``params + grads + optimizer + activations +
+    unsharded + transient`` (the breakdown fields hold that moment's terms; ``phase`` names
+    it). ``symmetric`` (fusedpar's buffers) and ``reserve`` come on top: ``total`` is what
+    the GPU must hold.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    unsharded: int
+    transient: int
+    peak: int
+    phase: str
+    symmetric: int
+    reserve: int
+    phases: dict[str, int]
+    stage: str = "all"
+
+    @property
+    def total(self) -> int:
+        return self.peak + self.symmetric + self.reserve
+
+    def breakdown(self) -> dict[str, int]:
+        """The terms of ``total``, in the order of the plot's stacks."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "fsdp unsharded": self.unsharded,
+                "transient": self.transient, "symmetric": self.symmetric, "reserve": self.reserve}
+
+
+def layer_activations(spec: ModelSpec, tokens: int, cand: Candidate, c: int,
+                      capacity_factor: float = 1.0) -> int:
+    """Bytes autograd saves in one block's forward for ``tokens`` tokens of this rank (after
+    CP), in compute dtype ``c`` bytes. Sequence-sharded parts (norms, MoE blocks under
+    ``tp``) see ``tokens / tp``. Counted from fusedpar's Llama block:
+
+    - RMSNorm: its fp32 input, the normalized input and the weighted output, the last one
+      as the projections' input (gathered to the whole sequence under SP by
+      ``all_gather_matmul``), plus the fp32 ``rsqrt`` per token;
+    - attention: q after RoPE, K and V repeated to the query heads (a CP ring takes them
+      unrepeated), the output, and the fp32 log-sum-exp per head;
+    - SwiGLU MLP: gate, up, silu(gate) and their product (``tokens x intermediate / tp``
+      each); GELU MLP: the fc output and its activation; an MoE block: per routed copy
+      the row sent, gate/up, the activation and the output, and the router's fp32 logits
+      and probabilities.
+    """
+    h, tp = spec.hidden, cand.tp
+    seq_shard = tokens // tp if tp > 1 else tokens
+    norm = (seq_shard * h * (4 + c) + seq_shard * 4) if spec.norm == "rms" else (seq_shard * h * c + 8 * seq_shard)
+    proj_inputs = 2 * tokens * h * c
+    kv = spec.kv_dim if cand.cp > 1 else spec.q_dim
+    attention = tokens * (2 * spec.q_dim + 2 * kv) // tp * c + tokens * spec.heads // tp * 4
+    if spec.moe:
+        copies = int(seq_shard * spec.top_k * capacity_factor)
+        mlp = copies * (2 * h + 3 * spec.expert_intermediate) * c + seq_shard * spec.experts * 8
+        proj_inputs = tokens * h * c + seq_shard * h * c  # the MoE block reads its own shard
+    elif spec.mlp == "swiglu":
+        mlp = 4 * tokens * spec.intermediate // tp * c
+    else:
+        mlp = 2 * tokens * spec.intermediate // tp * c
+    return 2 * norm + proj_inputs + attention + mlp
+
+
+def estimate_memory(spec: ModelSpec, cand: Candidate, train: Training, device=None) -> Memory:
+    """:class:`Memory` of ``cand`` training ``spec`` under ``train``; with ``pp > 1`` the
+    worse of the first and the last pipeline stage. ``device`` (a :class:`~fusedpar.plan.Device`)
+    sets the reserve; None: no reserve."""
+    stages = ("first", "last") if cand.pp > 1 else ("all",)
+    worst = max((_stage_memory(spec, cand, train, device, stage) for stage in stages),
+                key=lambda m: m.total)
+    return worst
+
+
+def micro_batches(cand: Candidate, train: Training) -> tuple[int, int]:
+    """``(micro_batch, count)``: sequences per forward on a data-parallel rank, and forwards
+    per step. Raises ``ValueError`` when the batch does not split evenly."""
+    if train.global_batch % cand.dp:
+        raise ValueError(f"global_batch={train.global_batch} is not divisible by the "
+                         f"data-parallel degree dp_replicate*dp_shard={cand.dp}")
+    per_rank = train.global_batch // cand.dp
+    micro = train.micro_batch or per_rank
+    if per_rank % micro:
+        raise ValueError(f"micro_batch={micro} does not divide the {per_rank} sequences per "
+                         f"data-parallel rank (global_batch {train.global_batch} / dp {cand.dp})")
+    return micro, per_rank // micro
+
+
+def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, stage: str) -> Memory:
+    p, c, r = (dtype_bytes(train.param_dtype), dtype_bytes(train.compute_dtype),
+               dtype_bytes(train.reduce_dtype))
+    micro, count = micro_batches(cand, train)
+    tokens = micro * train.seq_len // cand.cp  # this rank's tokens per forward
+    layers_here = math.ceil(spec.layers / cand.pp)
+    first, last = stage in ("first", "all"), stage in ("last", "all")
+
+    def held(t: Tensor) -> int:  # tensors of this stage (per-layer ones: its layers)
+        if t.stage == "layer":
+            return t.count // spec.layers * layers_here
+        return t.count if (t.stage == "first" and first) or (t.stage == "last" and last) else 0
+
+    shapes = parameter_shapes(spec, cand.tp, cand.ep)
+    degree = {"root": cand.fsdp, "layer": cand.fsdp, "experts": cand.efsdp}
+    local = sum(held(t) * _shard(t.dim0, degree[t.unit]) * t.rest for t in shapes)
+    n_tensors = sum(held(t) for t in shapes)
+
+    def unsharded(unit: str, per_layer: bool) -> int:  # one unit's gathered parameters (padded)
+        return sum((1 if per_layer else held(t)) * _shard(t.dim0, degree[t.unit]) * degree[t.unit] * t.rest
+                   for t in shapes if t.unit == unit and held(t))
+
+    params, grads = local * p, local * p
+    states = _OPTIMIZER_STATES[train.optimizer]
+    optimizer = states * local * p + (n_tensors * 4 if states else 0)
+    accumulated = grads if count > 1 else 0  # earlier micro-batches' gradients
+
+    unit = (unsharded("layer", True) + unsharded("experts", True)) * c
+    root = unsharded("root", False) * c
+    # the root's gradients that exist during the blocks' backward: head and final norm
+    root_grads = sum(_shard(t.dim0, cand.fsdp) * cand.fsdp * t.rest for t in shapes
+                     if t.unit == "root" and t.stage == "last" and last) * c
+    gather = unit * (2 if train.fsdp_comm == "fusedpar" and cand.fsdp > 1 else 1)
+
+    in_flight = min(cand.pp, count) if first and cand.pp > 1 else 1
+    per_layer = layer_activations(spec, tokens, cand, c, train.capacity_factor)
+    h, V = spec.hidden, spec.vocab // cand.tp
+    seq_shard = tokens // cand.tp if cand.tp > 1 else tokens
+    rope = 2 * micro * (train.seq_len // cand.cp) * spec.head_dim * c if not spec.positions else 0
+    logits_saved = tokens * V * 4 if last else 0  # log_softmax's fp32 output
+    head_saved = (seq_shard * h * (4 + c) + tokens * h * c) if last else 0  # final norm, head input
+    if cand.activation_checkpointing:
+        kept = layers_here * seq_shard * h * c + rope  # each block's input
+        recompute = per_layer
+    else:
+        kept = layers_here * per_layer + rope
+        recompute = 0
+    blocks = in_flight * kept
+    loss_fwd = (tokens * V * c + (tokens * V * 4 if c != 4 else 0)) if last else 0
+    loss_bwd = 2 * tokens * V * 4 + (tokens * V * c if c != 4 else 0) if last else 0
+    # a block's backward: the incoming gradient, the MLP's input gradients, the down
+    # projection's weight gradient (and under SP the gate/up gradients concatenated)
+    if spec.moe:
+        I = spec.expert_intermediate
+        mlp_bwd = seq_shard * spec.top_k * (3 * I + h) * c
+    else:
+        I = spec.intermediate // cand.tp
+        mlp_bwd = 3 * tokens * I * c + h * I * c + (2 * tokens * I * c if cand.tp > 1 else 0)
+    block_bwd = seq_shard * h * c + max(gather, mlp_bwd)
+    base = params + optimizer + accumulated
+    moments = {
+        "forward": (base + root + blocks + (logits_saved + head_saved) + loss_fwd, loss_fwd),
+        "loss backward": (base + root + blocks + logits_saved + loss_bwd + root_grads, loss_bwd + root_grads),
+        "block backward": (base + root + root_grads + blocks + recompute + train.units_in_flight * unit
+                           + block_bwd, root_grads + block_bwd),
+    }
+    step_temp = (local * p if train.foreach else 2 * max(_shard(t.dim0, degree[t.unit]) * t.rest
+                                                         for t in shapes if held(t)) * p) if states else 0
+    moments["optimizer step"] = (params + grads + optimizer + step_temp, step_temp)
+    phase = max(moments, key=lambda k: moments[k][0])
+    peak, transient = moments[phase]
+    if phase == "optimizer step":
+        acts, uns, g = 0, 0, grads
+    else:
+        acts = blocks + (recompute if phase == "block backward" else 0) + logits_saved + (head_saved if phase == "forward" else 0)
+        uns = root + (train.units_in_flight * unit if phase == "block backward" else 0)
+        g = accumulated
+    symmetric = _symmetric(spec, cand, train, tokens, seq_shard, c, r, unit, root, shapes, held) if device is None or device.symmetric else 0
+    reserve = device.reserve(peak) if device is not None else 0
+    return Memory(params=params, grads=g, optimizer=optimizer, activations=acts, unsharded=uns,
+                  transient=transient, peak=peak, phase=phase, symmetric=symmetric, reserve=reserve,
+                  phases={k: v for k, (v, _) in moments.items()}, stage=stage)
+
+
+def _symmetric(spec, cand, train, tokens, seq_shard, c, r, unit, root, shapes, held) -> int:
+    """fusedpar's symmetric buffers: one per group, sized by its largest staged call."""
+    sizes = []
+    if cand.fsdp > 1 and train.fsdp_comm == "fusedpar":  # reduce-scatter stages the whole unit
+        sizes.append(max(unit, root) // c * r)
+    if cand.tp > 1:  # matmul_reduce_scatter stages the [tokens, hidden] product
+        sizes.append(tokens * spec.hidden * c)
+    if cand.cp > 1:  # the ring stages this rank's K and V
+        sizes.append(2 * tokens * spec.kv_dim // cand.tp * c)
+    if cand.ep > 1:  # the fused exchange: the rows a rank receives, twice
+        sizes.append(2 * seq_shard * spec.top_k * train.capacity_factor * spec.hidden * c)
+    return sum(_pow2_buffer(n) for n in sizes)
