@@ -23,10 +23,11 @@ import torch.nn.functional as F
 import fusedpar
 from fusedpar.cli import launch
 from fusedpar.kernels.interpreter import interpreting
-from fusedpar.ops import DISPATCHERS, protocol
+from fusedpar.ops import protocol, registry
 from fusedpar.ops.calls import CollectiveCall, MatmulCall
 
 DEMO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DISPATCHERS = {spec.name: spec.dispatcher for spec in registry.specs()}
 
 
 def add_parser(sub) -> None:
@@ -598,7 +599,7 @@ def _cp_ep_rows(group, device, selected: list[str]):
                                     checks, counter.total(), 2 * (CP_SIZE - 1) * kv_bytes))
         (x, weights, w13, w2, g), idx, expected, ((rows_in, _), (rows_out, _)) = _ep_case(
             rank, EP_SIZE, device)
-        from fusedpar.ops.moe_experts import ExpertsCall
+        from fusedpar.ops.moe.experts_call import ExpertsCall
 
         call = ExpertsCall(x, idx, weights, w13, w2, sub)
         for name, reasons in DISPATCHERS["moe_experts"].availability(call).items():

@@ -16,7 +16,7 @@ import torch
 import fusedpar
 from fusedpar import _extension
 from fusedpar.kernels.interpreter import interpreting
-from fusedpar.ops import DISPATCHERS
+from fusedpar.ops import registry
 from fusedpar.ops.calls import CollectiveCall, MatmulCall
 
 INFO_WORLD = 4  # world size of the representative call ``info`` evaluates
@@ -130,7 +130,7 @@ def _representative_call(op: str, device):
 def _ops_info() -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ops = {}
-    for op, dispatcher in DISPATCHERS.items():
+    for op, dispatcher in ((s.name, s.dispatcher) for s in registry.specs()):
         call = _representative_call(op, device)
         if call is None:
             ops[op] = {"call": "not evaluated here: it needs a process group",

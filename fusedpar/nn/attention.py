@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm import resolve_group
 from ..ops.all_gather import all_gather
-from ..ops.ring_attention import BACKENDS, LAYOUTS, ring_attention, zigzag_order
+from ..ops.ring_attention import DISPATCHER, LAYOUTS, ring_attention, zigzag_order
 
 
 def choose_backend(heads: int, kv_heads: int, world: int) -> str | None:
@@ -49,9 +49,9 @@ class ContextParallelAttention(nn.Module):
 
     def __init__(self, group=None, backend: str | None = None, layout: str = "zigzag"):
         super().__init__()
-        if backend is not None and backend not in BACKENDS.names:
+        if backend is not None and backend not in DISPATCHER.names:
             raise ValueError(f"ContextParallelAttention: backend={backend!r}; choose one of "
-                             f"{BACKENDS.names} or None (chosen from the head counts)")
+                             f"{DISPATCHER.names} or None (chosen from the head counts)")
         if layout not in LAYOUTS:
             raise ValueError(f"ContextParallelAttention: layout={layout!r}; choose one of {LAYOUTS}")
         self.group, self.backend, self.layout = group, backend, layout

@@ -9,6 +9,7 @@ from ..comm import counters, group_name, resolve_group
 from . import protocol as C
 from .calls import CollectiveCall, GATHER_DTYPES, check_dim, check_dtype
 from .backend import Backend, Dispatcher
+from .registry import EXAMPLE_WORLD, register
 from .reduce_scatter import reduce_scatter
 
 OP = "all_gather"
@@ -54,7 +55,7 @@ class Symmetric(C.SymmetricBackend):
         return out
 
 
-BACKENDS = Dispatcher(OP, [
+DISPATCHER = Dispatcher(OP, [
     Symmetric("triton", C.TRITON_LAUNCHERS, C.triton_reasons),
     Symmetric("cuda", C.CUDA_LAUNCHERS, C.cuda_reasons),
     Reference(),
@@ -67,7 +68,7 @@ def _all_gather_op(x: torch.Tensor, dim: int, group_name: str, backend: str) -> 
     check_dtype(OP, x, GATHER_DTYPES)
     group = resolve_group(group_name)
     call = CollectiveCall(OP, x, dim, dist.get_world_size(group), group)
-    return BACKENDS.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).run(call)
 
 
 @_all_gather_op.register_fake
@@ -107,4 +108,9 @@ def all_gather_loopback(xs: list[torch.Tensor], dim: int = 0, *, backend: str = 
     """Every rank's part of ``all_gather`` in this process (rank r's input is ``xs[r]``)
     over a loopback symmetric buffer; returns each rank's output, which equals
     ``torch.cat(xs, dim)``. For single-device benchmarks and tests of the protocol."""
-    return C.run_loopback(BACKENDS, xs, dim, backend, GATHER_DTYPES)
+    return C.run_loopback(DISPATCHER, xs, dim, backend, GATHER_DTYPES)
+
+
+register(DISPATCHER, (all_gather, all_gather_loopback), checks="fusedpar.testing.collectives",
+         example=lambda device: CollectiveCall(
+             OP, torch.zeros(2 * EXAMPLE_WORLD, 8, device=device), 0, EXAMPLE_WORLD))

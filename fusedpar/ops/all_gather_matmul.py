@@ -13,8 +13,9 @@ from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resol
 from ..kernels import gemm_peers
 from . import protocol as C
 from .calls import MatmulCall, check_matmul_inputs
-from .reduce_scatter import BACKENDS as REDUCE_SCATTER, reduce_scatter
+from .reduce_scatter import DISPATCHER as REDUCE_SCATTER, reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .registry import EXAMPLE_WORLD, register
 
 OP = "all_gather_matmul"
 # torch's symm_mem.fused_all_gather_matmul schema, plus a keyword-only backend: a call with
@@ -132,7 +133,7 @@ def _shard_blocks(rank: int, world: int, m: int, device: torch.device):
     return sources, (as_device(table), as_device(runs), runs[:, 2].tolist())
 
 
-BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
+DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
@@ -140,7 +141,7 @@ def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, *, return_A=True,
     dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
     group = resolve_group(group_name)
     call = MatmulCall(OP, A_shard, dim, dist.get_world_size(group), group, Bs, return_A)
-    return BACKENDS.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).run(call)
 
 
 @_all_gather_matmul_op.register_fake
@@ -198,7 +199,7 @@ def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tens
     world = len(a_shards)
     call = MatmulCall(OP, first, check_matmul_inputs(OP, first, Bs, gather_dim, "gather_dim"),
                       world, None, Bs, return_A)
-    backend = BACKENDS.select(call, "triton")
+    backend = DISPATCHER.select(call, "triton")
     rows = [MatmulCall(OP, a, call.dim, world, None, Bs).rows().contiguous() for a in a_shards]
     bufs = get_loopback_buffers(world, rows[0].numel() * rows[0].element_size(), first.device)
     results = backend.run_views(bufs, rows, call, copy_engine=False)
@@ -227,3 +228,9 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
                                                return_A=return_A or wants_grad,
                                                backend=backend or "")
     return (gathered if return_A else None), outs
+
+
+register(DISPATCHER, (all_gather_matmul, all_gather_matmul_loopback), checks="fusedpar.testing.matmul",
+         example=lambda device: MatmulCall(
+             OP, torch.zeros(2 * EXAMPLE_WORLD, 8, device=device), 0, EXAMPLE_WORLD, None,
+             [torch.zeros(8, 4, device=device)]))

@@ -7,31 +7,77 @@ name that no op has is an error).
 Reasons depend only on what is identical on every rank (device type, dtype, shape, group,
 installed extensions; collective checks are agreed and cached per group), so every rank
 picks the same backend; the choice is cached per (op, group, device type, dtype).
+
+What a backend implements depends on its op's kind (every backend of one op is of one kind):
+
+- :class:`RunBackend`: ``run(call)`` returns the op's result (the collectives, the fused
+  matmuls, grouped_mm, moe_experts);
+- :class:`AttentionBackend`: ``forward(call)`` returns ``(out, lse)`` and
+  ``backward(call, lse, dout, delta)`` the input gradients (flash_attention,
+  ring_attention: the op's autograd calls the backward of the backend that ran forward);
+- :class:`ExchangeBackend`: ``run(call)`` returns ``(rows, handle)`` and
+  ``combine(y, handle)`` sends rows back (moe_dispatch / moe_combine: the handle carries
+  the backend's layout from one to the other);
+- :class:`LoopbackBackend`, besides its kind: ``run_views(bufs, ...)`` runs every rank's
+  part in one process over loopback buffers (the ``*_loopback`` functions); the
+  symmetric-memory collectives get ``run`` and ``run_views`` from
+  ``protocol.SymmetricBackend`` and implement ``pull``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..errors import BackendNotSupportedError
+from . import registry
 
 
 class Backend:
-    """One way to run an op. Subclasses set ``name`` and implement ``run``."""
+    """One way to run an op. Subclasses set ``name`` and implement the methods of their
+    op's kind (the protocols below); ``not_supported_reasons`` says why a call cannot run
+    here (empty: it can)."""
 
     name = ""
 
     def not_supported_reasons(self, call) -> list[str]:
         return []
 
-    def run(self, call):
-        raise NotImplementedError
+
+@runtime_checkable
+class RunBackend(Protocol):
+    def run(self, call): ...
 
 
-_DISPATCHERS: list["Dispatcher"] = []
+@runtime_checkable
+class AttentionBackend(Protocol):
+    def forward(self, call): ...
+
+    def backward(self, call, lse, dout, delta): ...
+
+
+@runtime_checkable
+class ExchangeBackend(Protocol):
+    def run(self, call): ...
+
+    def combine(self, y, handle): ...
+
+
+@runtime_checkable
+class LoopbackBackend(Protocol):
+    def run_views(self, bufs, *args): ...
+
+
+def kind(backend: Backend) -> type:
+    """The protocol ``backend`` implements (the most specific of the three kinds)."""
+    for protocol in (AttentionBackend, ExchangeBackend, RunBackend):
+        if isinstance(backend, protocol):
+            return protocol
+    raise TypeError(f"backend {backend.name!r} ({type(backend).__name__}) implements none of "
+                    "run, forward/backward, run/combine")
 
 
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -61,8 +107,8 @@ def _autocast_device(t) -> str | None:
 
 
 def known_backends() -> list[str]:
-    """Every backend name of every op (what ``FUSEDPAR_BACKEND`` may name)."""
-    return sorted({name for d in _DISPATCHERS for name in d.backends})
+    """Every backend name of every registered op (what ``FUSEDPAR_BACKEND`` may name)."""
+    return registry.backend_names()
 
 
 def check_backend_name(name: str | None, what: str = "backend") -> None:
@@ -74,11 +120,16 @@ def check_backend_name(name: str | None, what: str = "backend") -> None:
 
 
 class Dispatcher:
+    """An op's backends in priority order: ``select(call)`` runs the first that takes the
+    call, or the one ``backend=`` / ``FUSEDPAR_BACKEND`` forces."""
+
     def __init__(self, op: str, backends: list[Backend]):
+        kinds = sorted({kind(b).__name__ for b in backends})
+        if len(kinds) != 1:
+            raise TypeError(f"fusedpar.{op}: its backends must all be of one kind, got {kinds}")
         self.op = op
         self.backends = {b.name: b for b in backends}
         self._cache: dict[tuple, Backend] = {}
-        _DISPATCHERS.append(self)
 
     @property
     def names(self) -> list[str]:

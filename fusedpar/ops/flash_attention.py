@@ -10,6 +10,7 @@ import torch
 from ..kernels import flash_attention as kernels
 from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .registry import EXAMPLE_WORLD, register
 
 OP = "flash_attention"
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, Tensor? cu_seqlens, "
@@ -229,7 +230,7 @@ class Reference(Backend):
         return dq, dk, dv
 
 
-BACKENDS = Dispatcher(OP, [Triton(), Reference()])
+DISPATCHER = Dispatcher(OP, [Triton(), Reference()])
 
 
 def _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen) -> AttentionCall:
@@ -240,7 +241,7 @@ def _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen) -> AttentionCa
 @torch.library.custom_op("fusedpar::flash_attention", mutates_args=(), schema=SCHEMA)
 def _flash_attention_op(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, backend):
     call = _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
-    return BACKENDS.select(call, backend).forward(call)
+    return DISPATCHER.select(call, backend).forward(call)
 
 
 @_flash_attention_op.register_fake
@@ -253,7 +254,7 @@ def _(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, backend):
 def _flash_attention_backward_op(q, k, v, lse, dout, delta, causal, softmax_scale, cu_seqlens,
                                  max_seqlen, backend):
     call = _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
-    return BACKENDS.select(call, backend).backward(call, lse, dout, delta)
+    return DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
 
 
 @_flash_attention_backward_op.register_fake
@@ -316,11 +317,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def attend_block(q, k, v, causal: bool, scale: float, backend: str):
     """``(out, lse)`` of one block of a larger attention (no checks, no autograd), both fp32
     (blocks are merged before the one rounding to q's dtype); ``backend`` is a name of
-    BACKENDS. Ring attention's building block."""
+    DISPATCHER. Ring attention's building block."""
     call = AttentionCall(q, k, v, causal, scale, out_dtype=torch.float32)
-    return BACKENDS.backends[backend].forward(call)
+    return DISPATCHER.backends[backend].forward(call)
 
 
 def attend_block_backward(q, k, v, lse, dout, delta, causal: bool, scale: float, backend: str):
     """``(dq, dk, dv)`` of one block, from the global ``lse`` and ``delta`` of its rows."""
-    return BACKENDS.backends[backend].backward(AttentionCall(q, k, v, causal, scale), lse, dout, delta)
+    return DISPATCHER.backends[backend].backward(AttentionCall(q, k, v, causal, scale), lse, dout, delta)
+
+
+register(DISPATCHER, (flash_attention,), example=lambda device: AttentionCall(
+    *[torch.zeros(1, 2 * EXAMPLE_WORLD, 2, 16, device=device)] * 3, True, 0.25))

@@ -8,6 +8,7 @@ import torch
 from ..kernels import grouped_mm as kernels
 from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .registry import EXAMPLE_WORLD, register
 
 OP = "grouped_mm"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -182,13 +183,13 @@ class Triton(Backend):
         return out
 
 
-BACKENDS = Dispatcher(OP, [Triton(), Reference()])
+DISPATCHER = Dispatcher(OP, [Triton(), Reference()])
 
 
 def runs_triton(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str = "") -> bool:
     """Whether ``grouped_mm(a, b, offs, backend=backend)`` would run the Triton kernel (for
     callers that launch its variants themselves)."""
-    return BACKENDS.select(check_inputs(a, b, offs), backend).name == Triton.name
+    return DISPATCHER.select(check_inputs(a, b, offs), backend).name == Triton.name
 
 
 @torch.library.custom_op("fusedpar::grouped_mm", mutates_args=())
@@ -196,7 +197,7 @@ def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                    masked_m: torch.Tensor | None, backend: str) -> torch.Tensor:
     call = check_inputs(a, b, offs, masked_m)
     check_offs(call)
-    return BACKENDS.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).run(call)
 
 
 @_grouped_mm_op.register_fake
@@ -282,3 +283,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
         masked_m = torch.full((a.shape[0],), a.shape[1], dtype=torch.int32, device=a.device)
     with autocast_off(a):
         return _grouped_mm_op(a, b, offs, masked_m, backend or "")
+
+
+register(DISPATCHER, (grouped_mm,), example=lambda device: GroupedCall(
+    torch.zeros(2 * EXAMPLE_WORLD, 8, device=device), torch.zeros(2, 8, 4, device=device),
+    torch.tensor([4, 8], dtype=torch.int32, device=device)))

@@ -11,10 +11,11 @@ from ..kernels import matmul_reduce_scatter as kernels
 from ..kernels import signal as signal_kernels
 from ..kernels.signal import sm_count
 from . import protocol as C
-from .all_gather_matmul import BACKENDS as ALL_GATHER_MATMUL
+from .all_gather_matmul import DISPATCHER as ALL_GATHER_MATMUL
 from .all_gather_matmul import all_gather_matmul
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .registry import EXAMPLE_WORLD, register
 
 OP = "matmul_reduce_scatter"
 
@@ -171,7 +172,7 @@ def _fetch_partials(buf, stage: torch.Tensor, epoch: int, meta: int, numel: int)
         stage[j].copy_(buf.data(stage.dtype, numel, rank=src).view(world, -1)[rank])
 
 
-BACKENDS = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
+DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
@@ -181,7 +182,7 @@ def _matmul_reduce_scatter_op(A: torch.Tensor, B: torch.Tensor, reduce_op: str, 
     world = dist.get_world_size(group)
     dim = _check(A, B, reduce_op, scatter_dim, world)
     call = MatmulCall(OP, A, dim, world, group, [B], reduce_op=reduce_op)
-    return BACKENDS.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).run(call)
 
 
 @_matmul_reduce_scatter_op.register_fake
@@ -231,7 +232,7 @@ def matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor
             raise ValueError(f"fusedpar.{OP}_loopback: As[{r}] / Bs[{r}] differ from As[0] / Bs[0]")
     dim = _check(As[0], Bs[0], reduce_op, scatter_dim, world)
     call = MatmulCall(OP, As[0], dim, world, None, [Bs[0]], reduce_op=reduce_op)
-    backend = BACKENDS.select(call, "triton")
+    backend = DISPATCHER.select(call, "triton")
     rows = [MatmulCall(OP, a, dim, world, None, [b]).rows() for a, b in zip(As, Bs)]
     nbytes = rows[0].shape[0] * Bs[0].shape[1] * rows[0].element_size()
     bufs = get_loopback_buffers(world, nbytes, As[0].device)
@@ -256,3 +257,10 @@ def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "su
     with autocast_off(A):
         return _matmul_reduce_scatter_op(A, B, reduce_op, scatter_dim, group_name(group),
                                          backend or "")
+
+
+register(DISPATCHER, (matmul_reduce_scatter, matmul_reduce_scatter_loopback),
+         checks="fusedpar.testing.matmul",
+         example=lambda device: MatmulCall(
+             OP, torch.zeros(2 * EXAMPLE_WORLD, 8, device=device), 0, EXAMPLE_WORLD, None,
+             [torch.zeros(8, 4, device=device)], reduce_op="sum"))

@@ -9,6 +9,7 @@ from ..comm import counters, group_name, resolve_group
 from . import protocol as C
 from .calls import CollectiveCall, REDUCE_DTYPES, check_dim, check_dtype, check_scatter
 from .backend import Backend, Dispatcher
+from .registry import EXAMPLE_WORLD, register
 
 OP = "reduce_scatter"
 
@@ -58,7 +59,7 @@ class Symmetric(C.SymmetricBackend):
         return out
 
 
-BACKENDS = Dispatcher(OP, [
+DISPATCHER = Dispatcher(OP, [
     Symmetric("triton", C.TRITON_LAUNCHERS, C.triton_reasons),
     Symmetric("cuda", C.CUDA_LAUNCHERS, C.cuda_reasons),
     Reference(),
@@ -72,7 +73,7 @@ def _reduce_scatter_op(x: torch.Tensor, reduce_op: str, dim: int, group_name: st
     world = dist.get_world_size(group)
     dim = _check(x, reduce_op, dim, world)
     call = CollectiveCall(OP, x, dim, world, group, reduce_op)
-    return BACKENDS.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).run(call)
 
 
 @_reduce_scatter_op.register_fake
@@ -117,4 +118,9 @@ def reduce_scatter_loopback(xs: list[torch.Tensor], op: str = "sum", dim: int = 
     ``xs[r]``) over a loopback buffer; returns each rank's output. For benchmarks/tests."""
     if xs:
         _check(xs[0], op, dim, len(xs))
-    return C.run_loopback(BACKENDS, xs, dim, backend, REDUCE_DTYPES, reduce_op=op)
+    return C.run_loopback(DISPATCHER, xs, dim, backend, REDUCE_DTYPES, reduce_op=op)
+
+
+register(DISPATCHER, (reduce_scatter, reduce_scatter_loopback), checks="fusedpar.testing.collectives",
+         example=lambda device: CollectiveCall(
+             OP, torch.zeros(2 * EXAMPLE_WORLD, 8, device=device), 0, EXAMPLE_WORLD, None, "sum"))

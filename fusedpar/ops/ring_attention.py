@@ -31,6 +31,7 @@ from . import protocol as C
 from .all_gather import all_gather
 from .reduce_scatter import reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .registry import EXAMPLE_WORLD, register
 from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
                               check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
 
@@ -493,7 +494,7 @@ class Ulysses(Backend):
         return dq, dk, dv
 
 
-BACKENDS = Dispatcher(OP, [TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
+DISPATCHER = Dispatcher(OP, [TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
 
 
 def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens) -> RingCall:
@@ -505,7 +506,7 @@ def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens) -> Ri
 @torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
 def _ring_attention_op(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
     call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
-    return BACKENDS.select(call, backend).forward(call)
+    return DISPATCHER.select(call, backend).forward(call)
 
 
 @_ring_attention_op.register_fake
@@ -518,7 +519,7 @@ def _(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
 def _ring_attention_backward_op(q, k, v, lse, dout, delta, group_name, causal, softmax_scale,
                                 layout, cu_seqlens, backend):
     call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
-    return BACKENDS.select(call, backend).backward(call, lse, dout, delta)
+    return DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
 
 
 @_ring_attention_backward_op.register_fake
@@ -606,7 +607,14 @@ def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: 
     check_ring_inputs(f"{OP}_loopback", qs[0], ks[0], vs[0], layout, world)
     call = RingCall(qs[0], ks[0], vs[0], None, bool(causal), default_scale(qs[0], softmax_scale),
                     layout, world_size=world)
-    backend = BACKENDS.select(call, "triton")
+    backend = DISPATCHER.select(call, "triton")
     kvs = [torch.stack([k, v]) for k, v in zip(ks, vs)]
     bufs = get_loopback_buffers(world, _nbytes(kvs[0]), kvs[0].device)
     return backend.run_views(bufs, qs, kvs, call)
+
+
+# no reference backend: the tests' oracle is plain-torch attention over the whole sequence
+register(DISPATCHER, (ring_attention, ring_attention_with_lse, ring_attention_loopback), oracle=None,
+         example=lambda device: RingCall(
+             *[torch.zeros(1, 2 * EXAMPLE_WORLD, 2, 16, device=device)] * 3, None, True, 0.25,
+             "zigzag", world_size=EXAMPLE_WORLD))

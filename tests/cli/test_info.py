@@ -68,7 +68,7 @@ def test_info_lists_every_backend_of_every_op(info_json):
     backends = info_json["backends"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert backends["device"] == device and "group=None" in backends["evaluated_as"]
-    for op, dispatcher in fusedpar.ops.DISPATCHERS.items():
+    for op, dispatcher in ((s.name, s.dispatcher) for s in fusedpar.ops.registry.specs()):
         entry = backends["ops"][op]["backends"]
         assert list(entry) == dispatcher.names
         if op in ("moe_dispatch", "moe_experts"):  # need a process group: listed, not evaluated

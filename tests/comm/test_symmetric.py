@@ -203,7 +203,7 @@ def test_loopback_group_starts_afresh_after_a_call_that_raised_midway(monkeypatc
         raise RuntimeError("pull kernel failed to compile")
 
     with monkeypatch.context() as patch:
-        patch.setattr(all_gather_ops.BACKENDS.backends["triton"], "pull", broken_pull)
+        patch.setattr(all_gather_ops.DISPATCHER.backends["triton"], "pull", broken_pull)
         with pytest.raises(RuntimeError, match="compile"):
             fusedpar.ops.all_gather_loopback(xs, 0, backend="triton")
     assert all(view.in_call for view in views)

@@ -78,7 +78,7 @@ def chosen_backend(op, x, dim, group, **extra):
     from fusedpar.ops.calls import CollectiveCall
 
     call = CollectiveCall(op, x, dim % x.dim(), dist.get_world_size(group), group, **extra)
-    return fusedpar.ops.DISPATCHERS[op].select(call).name
+    return fusedpar.ops.registry.get(op).dispatcher.select(call).name
 
 
 def subgroup():

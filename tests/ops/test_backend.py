@@ -20,7 +20,7 @@ def test_a_misspelt_backend_name_fails_listing_the_backends():
 
 
 def test_a_misspelt_FUSEDPAR_BACKEND_fails_at_the_first_selection():
-    dispatcher = fusedpar.ops.DISPATCHERS["all_gather"]
+    dispatcher = fusedpar.ops.registry.get("all_gather").dispatcher
     with env(FUSEDPAR_BACKEND="trition"):
         with pytest.raises(BackendNotSupportedError, match="FUSEDPAR_BACKEND='trition'"):
             dispatcher.forced_name("")

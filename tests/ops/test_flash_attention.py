@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedpar
-from fusedpar.ops.flash_attention import BACKENDS
+from fusedpar.ops.flash_attention import DISPATCHER
 from tests.ops.collective_cases import requires_cuda
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -105,7 +105,7 @@ def test_default_backend_and_compile():
     q, k, v = (t.detach() for t in _leaves(1, 8, 2, 1, 16, torch.float32))
     from fusedpar.ops.flash_attention import AttentionCall
 
-    assert BACKENDS.select(AttentionCall(q, k, v, True, 0.25)).name == "triton"
+    assert DISPATCHER.select(AttentionCall(q, k, v, True, 0.25)).name == "triton"
     eager = fusedpar.ops.flash_attention(q, k, v, causal=True, backend="reference")
     fn = torch.compile(lambda a, b, c: fusedpar.ops.flash_attention(a, b, c, causal=True,
                                                                     backend="reference"),
