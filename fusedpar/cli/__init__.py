@@ -7,6 +7,7 @@ per command:
 - ``check`` (:mod:`.check`): every op on every backend available here, checked against
   its oracle, with the bytes moved next to the lower bound.
 - ``bench`` (:mod:`.bench`): the benchmark suite (pytest-benchmark).
+- ``plan`` (:mod:`.plan`): memory per GPU and step time of every parallel config.
 
 Multi-rank commands launch their ranks through :mod:`.launch`. Nothing in fusedpar
 imports this package.
@@ -18,7 +19,7 @@ import argparse
 import sys
 import traceback
 
-from fusedpar.cli import bench, check, info, train
+from fusedpar.cli import bench, check, info, plan, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "what runs here, 'train' (alias 'demo') trains a small model on several "
                     "ranks, 'check' checks every op on every backend, 'bench' runs "
                     "the benchmark suite.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,check,info,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,check,info,bench,plan}")
     sub.required = True
-    for command in (train, check, info, bench):
+    for command in (train, check, info, bench, plan):
         command.add_parser(sub)
     return parser
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "info":
         return info.run(args)
+    if args.command == "plan":
+        return plan.run(args)
     try:
         return check.run(args, parser) if args.command == "check" else train.run(args, parser)
     except KeyboardInterrupt:
