@@ -38,7 +38,7 @@ import torch
 
 import fusedpar
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
-from fusedpar.ops.moe_experts import _groups
+from fusedpar.ops.moe.experts_fused import first_gemm_blocks
 
 from common import (DTYPE, W_LOOPBACK, busy_ms, by_name, counted, gpu_profile, host_ms, name, or_skip,
                     rel_err)
@@ -108,7 +108,7 @@ def _m_tiles(backend, idxs, local) -> int:
     if backend == "unfused":
         rows = table.sum(0).numpy()
     else:
-        rows = _groups(table, list(range(world)), local)[1][:, 2]
+        rows = first_gemm_blocks(table, list(range(world)), local)[1][:, 2]
     return int(np.ceil(rows / TILE_ROWS).sum())
 
 

@@ -53,14 +53,19 @@ def fingerprint(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-_DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-                torch.float64, torch.uint8, torch.int8]
+#: Each dtype's code (its index) in ``layout.DESC`` words and in the MoE ops' agreement
+#: checks; ``dtype_code`` gives -1 for any other dtype.
+DTYPE_CODES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+               torch.float64, torch.uint8, torch.int8]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPE_CODES.index(dtype) if dtype in DTYPE_CODES else -1
 
 
 def describe_words(op_code: int, dtype: torch.dtype, shape, dim: int) -> list[int]:
     """``layout.DESC`` words for an input: ``[op, dtype, ndim, dim, *shape]`` (shape cut to fit)."""
-    dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
-    words = [op_code, dtype_code, len(shape), dim, *shape][: layout.DESC_WORDS]
+    words = [op_code, dtype_code(dtype), len(shape), dim, *shape][: layout.DESC_WORDS]
     return words + [0] * (layout.DESC_WORDS - len(words))
 
 
@@ -70,10 +75,10 @@ UNRECORDED = -1
 
 def describe_input(words: list[int]) -> str:
     """The inverse of ``describe_words`` for an error message: ``"shape (4, 8) bfloat16, dim 0"``."""
-    op_code, dtype_code, ndim, dim, *shape = words
+    op_code, code, ndim, dim, *shape = words
     if op_code == UNRECORDED:
         return "inputs not recorded (a call captured in a CUDA graph)"
-    dtype = str(_DTYPE_CODES[dtype_code]).replace("torch.", "") if 0 <= dtype_code < len(_DTYPE_CODES) else "?"
+    dtype = str(DTYPE_CODES[code]).replace("torch.", "") if 0 <= code < len(DTYPE_CODES) else "?"
     return f"shape {tuple(shape[:ndim])} {dtype}, dim {dim}"
 
 

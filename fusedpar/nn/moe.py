@@ -28,8 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import resolve_group
-from ..ops.moe import expert_counts, experts_dense, topk_route
-from ..ops.moe_experts import moe_experts
+from ..ops.moe import expert_counts, experts_dense, moe_experts, topk_route
 from .linear import local, tp_device_mesh
 
 

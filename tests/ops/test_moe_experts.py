@@ -12,9 +12,11 @@ import fusedpar
 from fusedpar.comm import resolve_group
 from fusedpar.ops import protocol as C
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
-from fusedpar.ops.moe_experts import (BACKENDS, ExpertsCall, _grouped_swiglu, _grouped_swiglu_vjp, _groups,
-                                      _Plan, _weight_grads,
-                                      moe_experts, moe_experts_loopback)
+from fusedpar.ops.moe import moe_experts, moe_experts_loopback
+from fusedpar.ops.moe.experts import DISPATCHER
+from fusedpar.ops.moe.experts_call import ExchangePlan, ExpertsCall
+from fusedpar.ops.moe.experts_fused import first_gemm_blocks
+from fusedpar.ops.moe.mlp import grouped_swiglu, grouped_swiglu_vjp, weight_grads
 from tests.kernels.test_grouped_mm import grouped_product
 from tests.ops.collective_cases import capture_errors, env, subgroup
 
@@ -87,11 +89,11 @@ def test_pipelined_swiglu_steps_match_the_unfused_ops(backend):
     h13 = grouped_product(x, w13.transpose(1, 2), offs)
     grad_act = grouped_product(dy, w2, offs)
     act, kept = torch.full((30, 12), float("nan")), torch.full((30, 24), float("nan"))
-    _grouped_swiglu(x, w13, offs, act, kept, backend=backend)
+    grouped_swiglu(x, w13, offs, act, kept, backend=backend)
     tol = dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kept.double(), h13, **tol)
     torch.testing.assert_close(act.double(), swiglu(h13), **tol)
-    dh13 = _grouped_swiglu_vjp(dy, w2, offs, h13.float(), backend=backend)
+    dh13 = grouped_swiglu_vjp(dy, w2, offs, h13.float(), backend=backend)
     torch.testing.assert_close(dh13.double(), torch.func.vjp(swiglu, h13)[1](grad_act)[0], **tol)
 
 
@@ -119,7 +121,7 @@ def test_groups_match_a_loop_and_join_one_experts_sources(world, local):
     g = torch.Generator().manual_seed(world * local)
     for _ in range(10):
         table = torch.randint(0, 3, (world, world * local), generator=g)
-        blocks, runs, per_view, runs_per_view = _groups(table, list(range(world)), local)
+        blocks, runs, per_view, runs_per_view = first_gemm_blocks(table, list(range(world)), local)
         first_block = 0
         for rank, (n, r) in enumerate(zip(per_view, runs_per_view)):
             assert blocks[first_block:first_block + n].tolist() == _blocks_by_loop(table, rank, local)
@@ -138,13 +140,13 @@ def test_weight_grads_sum_every_sources_rows(grouped_backend):
     summing each expert's segments of every source (Triton), or a grouped_mm per source
     (reference); a source with no rows and an expert with none at all included."""
     recv = torch.tensor([[3, 0, 5], [0, 0, 0], [7, 0, 1]])  # [source, local expert]
-    plan = _Plan.from_counts(None, 0, recv, recv, torch.device("cpu"))
+    plan = ExchangePlan.from_counts(None, 0, recv, recv, torch.device("cpu"))
     rows, H, I = int(recv.sum()), 8, 6
     torch.manual_seed(0)
     x, act, dy, dh13 = (torch.randn(rows, n) for n in (H, I, H, 2 * I))
     w13, w2 = torch.randn(3, 2 * I, H), torch.randn(3, H, I)
     with env(FUSEDPAR_BACKEND=grouped_backend):
-        dw13, dw2 = _weight_grads((True, True), w13, w2, plan, x, act, dy, dh13)
+        dw13, dw2 = weight_grads((True, True), w13, w2, plan, x, act, dy, dh13)
     expert = torch.repeat_interleave(torch.arange(3).repeat(3), recv.flatten())
     for e in range(3):
         mine = expert == e
@@ -259,8 +261,8 @@ def _chosen():
             torch.zeros(1, 6, 4), torch.zeros(1, 4, 3), resolve_group(None))
     call, padded = ExpertsCall(*args), ExpertsCall(*args, max_tokens_per_rank=2)
     with env(FUSEDPAR_BACKEND="reference"):
-        forced = BACKENDS.select(call).name
-    return BACKENDS.select(call).name, forced, BACKENDS.select(padded).name
+        forced = DISPATCHER.select(call).name
+    return DISPATCHER.select(call).name, forced, DISPATCHER.select(padded).name
 
 
 def test_backend_selection(pools):
