@@ -230,4 +230,10 @@ AOT_EXAMPLES = (
                                       (dict(SWIGLU_VJP=True), "swiglu_vjp", False))
        for major, tma in ((9, True), (9, False), (8, False))]
     + [aot_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
+       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
+    # out_dtype=torch.float32 with 16-bit inputs: the same tiles, fp32 stores
+    + [aot_example(grouped_mm_rows_kernel, dict(_ROWS_SIG, c_ptr="*fp32", h_ptr="*fp32"),
+                   dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE), gpu_config(major, tma), major * 10)
+       for major, tma in ((9, True), (9, False), (8, False)) for masked in (False, True)]
+    + [aot_example(grouped_mm_k_kernel, dict(_K_SIG, c_ptr="*fp32"), dict(_K_UNIT, MASKED=masked), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)])

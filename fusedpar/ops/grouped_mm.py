@@ -16,28 +16,34 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class GroupedCall:
     """One call: ``a`` 2-D and ``b`` 3-D (groups of rows of ``a``), ``a`` and ``b`` 2-D
-    (groups along K) or ``a`` and ``b`` 3-D (batched). ``offs``: cumulative group ends;
-    ``masked_m``: counts of equal-size groups instead (one of the two, never both; the
-    batched form takes only ``masked_m``)."""
+    (groups along K), ``a`` 3-D and ``b`` 2-D (groups of columns of ``b``) or ``a`` and ``b``
+    3-D (batched). ``offs``: cumulative group ends; ``masked_m``: counts of equal-size groups
+    instead (one of the two, never both; the batched form takes only ``masked_m``, the
+    column-grouped one only ``offs``). ``out_dtype``: the output's dtype (None: ``a``'s)."""
 
-    def __init__(self, a, b, offs, masked_m=None):
+    def __init__(self, a, b, offs, masked_m=None, out_dtype=None):
         self.a, self.b, self.offs, self.masked_m = a, b, offs, masked_m
+        self.out_dtype = out_dtype or a.dtype
         self.x = a  # what the shared availability checks look at
 
     @property
     def k_grouped(self) -> bool:
-        return self.b.dim() == 2
+        return self.a.dim() == 2 and self.b.dim() == 2
+
+    @property
+    def n_grouped(self) -> bool:
+        return self.a.dim() == 3 and self.b.dim() == 2
 
     @property
     def batched(self) -> bool:
-        return self.a.dim() == 3
+        return self.a.dim() == 3 and self.b.dim() == 3
 
     @property
     def groups(self) -> int:
         return (self.masked_m if self.offs is None else self.offs).shape[0]
 
     def cache_key(self) -> tuple:
-        return (self.a.device.type, self.a.dtype, self.k_grouped)
+        return (self.a.device.type, self.a.dtype, self.a.dim(), self.b.dim(), self.out_dtype)
 
     def describe(self) -> str:
         return (f"a {tuple(self.a.shape)} x b {tuple(self.b.shape)} {self.a.dtype} on "
@@ -46,23 +52,28 @@ class GroupedCall:
     def out_shape(self) -> tuple:
         if self.k_grouped:
             return (self.groups, self.a.shape[0], self.b.shape[1])
+        if self.n_grouped:
+            return (self.a.shape[1], self.b.shape[1])
         return (*self.a.shape[:-1], self.b.shape[2])
 
 
-def check_inputs(a, b, offs, masked_m=None) -> GroupedCall:
+def check_inputs(a, b, offs, masked_m=None, out_dtype=None) -> GroupedCall:
     """Shapes, dtypes and devices (no look at the values of ``offs`` / ``masked_m``)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fusedpar.{OP}: {name} must be a Tensor, got {type(t).__name__}")
-    if (a.dim(), b.dim()) not in ((2, 3), (2, 2), (3, 3)):
-        raise ValueError(f"fusedpar.{OP}: expected a 2-D and b 2-D or 3-D, or both 3-D, got a "
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        raise ValueError(f"fusedpar.{OP}: a and b must each be 2-D or 3-D, got a "
                          f"{tuple(a.shape)} and b {tuple(b.shape)}")
     if (offs is None) == (masked_m is None):
         raise ValueError(f"fusedpar.{OP}: give offs (cumulative group ends) or masked_m (rows per "
                          "equal-size group), exactly one of them")
-    if a.dim() == 3 and offs is not None:
-        raise ValueError(f"fusedpar.{OP}: a 3-D a is batched (group g is a[g]): pass masked_m "
-                         "(rows of a[g] to multiply), not offs")
+    if a.dim() == 3 and b.dim() == 3 and offs is not None:
+        raise ValueError(f"fusedpar.{OP}: a 3-D a with a 3-D b is batched (group g is a[g]): "
+                         "pass masked_m (rows of a[g] to multiply), not offs")
+    if a.dim() == 3 and b.dim() == 2 and offs is None:
+        raise ValueError(f"fusedpar.{OP}: a 3-D a with a 2-D b groups b's columns: pass offs "
+                         "(cumulative column ends, one per a[g]), not masked_m")
     for name, t in (("offs", offs), ("masked_m", masked_m)):
         if t is None:
             continue
@@ -77,15 +88,21 @@ def check_inputs(a, b, offs, masked_m=None) -> GroupedCall:
         raise TypeError(f"fusedpar.{OP}: a is {a.dtype} but b is {b.dtype}; cast them to one dtype")
     if a.dtype not in DTYPES:
         raise TypeError(f"fusedpar.{OP}: dtype {a.dtype} is not supported; use fp32, fp16 or bf16")
+    if out_dtype not in (None, a.dtype, torch.float32):
+        raise TypeError(f"fusedpar.{OP}: out_dtype={out_dtype} for {a.dtype} inputs; give None "
+                        f"({a.dtype}) or torch.float32")
     if a.device != b.device:
         raise ValueError(f"fusedpar.{OP}: a and b must be on one device, got {a.device} and {b.device}")
     k_a, k_b = a.shape[-1], (b.shape[0] if b.dim() == 2 else b.shape[1])
     if k_a != k_b:
         raise ValueError(f"fusedpar.{OP}: K mismatch: a is {tuple(a.shape)} (K={k_a}) but b is "
                          f"{tuple(b.shape)} (K={k_b})")
-    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
         raise ValueError(f"fusedpar.{OP}: batched a has {a.shape[0]} groups but b {b.shape[0]}")
-    call = GroupedCall(a, b, offs, masked_m)
+    call = GroupedCall(a, b, offs, masked_m, out_dtype)
+    if call.n_grouped and call.groups != a.shape[0]:
+        raise ValueError(f"fusedpar.{OP}: offs has {call.groups} group ends but a has {a.shape[0]} "
+                         "groups (a[g] multiplies b's columns offs[g-1]:offs[g])")
     if b.dim() == 3 and call.groups != b.shape[0]:
         what = f"offs has {call.groups} group ends" if offs is not None else \
             f"masked_m has {call.groups} counts"
@@ -117,8 +134,9 @@ def check_offs(call: GroupedCall) -> None:
             raise ValueError(f"fusedpar.{OP}: masked_m[{g}] = {int(counts[g])}: each group holds "
                              f"{size} rows, so counts must be in [0, {size}]")
         return
-    offs, extent = call.offs, call.a.shape[1] if call.k_grouped else call.a.shape[0]
-    what = "K" if call.k_grouped else "rows of a"
+    offs = call.offs
+    extent, what = ((call.a.shape[1], "K") if call.k_grouped else
+                    (call.b.shape[1], "columns of b") if call.n_grouped else (call.a.shape[0], "rows of a"))
     if offs.numel() == 0:
         return
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
@@ -148,7 +166,7 @@ class Reference(Backend):
     name = "reference"
 
     def run(self, call: GroupedCall) -> torch.Tensor:
-        a, b = call.a, call.b
+        a, b = call.a.to(call.out_dtype), call.b.to(call.out_dtype)  # fp32 out: fp32 products
         out = a.new_zeros(call.out_shape())
         if call.batched:  # rows g*P.. of the flattened batch, P = a.shape[1]
             a, flat = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
@@ -157,6 +175,8 @@ class Reference(Backend):
         for g, (start, end) in enumerate(_ranges(call)):
             if call.k_grouped:
                 flat[g] = a[:, start:end] @ b[start:end]
+            elif call.n_grouped:
+                flat[:, start:end] = a[g] @ b[:, start:end]
             else:
                 flat[start:end] = a[start:end] @ b[g]
         return out
@@ -171,10 +191,17 @@ class Triton(Backend):
         return triton_device_reasons(call.a.device)
 
     def run(self, call: GroupedCall) -> torch.Tensor:
-        out = torch.empty(call.out_shape(), dtype=call.a.dtype, device=call.a.device)
+        out = torch.empty(call.out_shape(), dtype=call.out_dtype, device=call.a.device)
         # the kernels read offs / masked_m with stride 1
         groups = (call.offs if call.offs is not None else call.masked_m).contiguous()
-        if call.k_grouped:
+        if call.n_grouped:
+            # out[:, cols g] = a[g] @ b[:, cols g] is, transposed, the row-grouped form
+            # bᵀ[rows g] @ a[g]ᵀ; row-major copies keep to the kernels' compiled layouts
+            out_t = torch.empty(out.shape[::-1], dtype=out.dtype, device=out.device)
+            kernels.grouped_mm_rows(call.b.t().contiguous(), call.a.transpose(1, 2).contiguous(),
+                                    groups, out_t)
+            out.copy_(out_t.t())
+        elif call.k_grouped:
             kernels.grouped_mm_k(call.a, call.b, groups, out, pad_rows=pad_rows(call))
         else:
             a = call.a.reshape(-1, call.a.shape[-1])  # batched: groups of P rows
@@ -194,29 +221,37 @@ def runs_triton(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: s
 
 @torch.library.custom_op("fusedpar::grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
-                   masked_m: torch.Tensor | None, backend: str) -> torch.Tensor:
-    call = check_inputs(a, b, offs, masked_m)
+                   masked_m: torch.Tensor | None, out_dtype: torch.dtype | None,
+                   backend: str) -> torch.Tensor:
+    call = check_inputs(a, b, offs, masked_m, out_dtype)
     check_offs(call)
     return DISPATCHER.select(call, backend).run(call)
 
 
 @_grouped_mm_op.register_fake
-def _(a, b, offs, masked_m, backend):
-    return a.new_empty(check_inputs(a, b, offs, masked_m).out_shape())
+def _(a, b, offs, masked_m, out_dtype, backend):
+    call = check_inputs(a, b, offs, masked_m, out_dtype)
+    return a.new_empty(call.out_shape(), dtype=call.out_dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, offs, masked_m, ctx.backend = inputs
+    a, b, offs, masked_m, _, ctx.backend = inputs
     ctx.save_for_backward(a, b, offs, masked_m)
 
 
 def _backward(ctx, grad):
     a, b, offs, masked_m = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[:2]
-    op = lambda x, y: _grouped_mm_op(x, y, offs, masked_m, ctx.backend)  # same groups
-    batch = lambda x, y: _grouped_mm_op(x, y, None, masked_m, ctx.backend)
+    grad = grad.to(a.dtype)  # an fp32 out_dtype's gradient, in the inputs' precision
+    op = lambda x, y: _grouped_mm_op(x, y, offs, masked_m, None, ctx.backend)  # same groups
+    batch = lambda x, y: _grouped_mm_op(x, y, None, masked_m, None, ctx.backend)
     grad_a = grad_b = None
-    if a.dim() == 3:  # out[g, :n_g] = a[g, :n_g] @ b[g]; groups of P = a.shape[1] rows
+    if a.dim() == 3 and b.dim() == 2:  # out[:, cols g] = a[g] @ b[:, cols g]
+        if need_a:  # groups along K = the columns; the layouts the K-grouped kernel is built for
+            grad_a = op(grad.t().contiguous().t(), b.t().contiguous())
+        if need_b:
+            grad_b = op(a.transpose(1, 2), grad)
+    elif a.dim() == 3:  # out[g, :n_g] = a[g, :n_g] @ b[g]; groups of P = a.shape[1] rows
         if need_a:
             grad_a = batch(grad, b.transpose(1, 2))
         if need_b:
@@ -238,22 +273,25 @@ def _backward(ctx, grad):
             grad_a = grad_a.reshape(-1, a.shape[0]).t()
         if need_b:
             grad_b = batch(a.t().reshape(groups, size, a.shape[0]), grad).reshape(-1, b.shape[1])
-    return grad_a, grad_b, None, None, None
+    return grad_a, grad_b, None, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, *,
-               masked_m: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+               masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               backend: str | None = None) -> torch.Tensor:
     """One matmul per group, the ``torch._grouped_mm`` contract; the same as::
 
         start = 0
         for g, end in enumerate(offs.tolist()):      # int32 cumulative group ends
             if b.dim() == 3:                          # a [T, K] x b [E, K, N] -> [T, N]
                 out[start:end] = a[start:end] @ b[g]  # rows past offs[-1] are zeros
-            else:                                     # a [M, K] x b [K, N] -> [E, M, N]
+            elif a.dim() == 2:                        # a [M, K] x b [K, N] -> [E, M, N]
                 out[g] = a[:, start:end] @ b[start:end]
+            else:                                     # a [E, M, K] x b [K, N] -> [M, N]
+                out[:, start:end] = a[g] @ b[:, start:end]  # columns past offs[-1]: zeros
             start = end
 
     The 3-D form is an MoE layer's forward and input gradient (tokens sorted by expert,
@@ -272,17 +310,20 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     Nothing is read on the host, so a padded MoE layer can be captured in a CUDA graph, and
     the tiles past each count are not multiplied (the padding's rows are only zeroed).
 
-    fp32, fp16 or bf16, any strides; differentiable in ``a`` and ``b``.
+    fp32, fp16 or bf16, any strides; differentiable in ``a`` and ``b``. ``out_dtype``:
+    ``torch.float32`` gives 16-bit inputs' products unrounded (the accumulation is fp32
+    either way); None: ``a``'s dtype.
     Backends: ``triton`` (one persistent launch over every group's tiles, reading ``offs``
     / ``masked_m`` on the device: no host sync) and ``reference``. Bad values raise on CPU;
     on CUDA they trip a device-side assert (checking on the host would sync). Under
     ``torch.autocast``, a and b are cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
     a, b = autocast_inputs(a, b)
-    if isinstance(a, torch.Tensor) and a.dim() == 3 and offs is None and masked_m is None:
+    if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 3
+            and b.dim() == 3 and offs is None and masked_m is None):
         masked_m = torch.full((a.shape[0],), a.shape[1], dtype=torch.int32, device=a.device)
     with autocast_off(a):
-        return _grouped_mm_op(a, b, offs, masked_m, backend or "")
+        return _grouped_mm_op(a, b, offs, masked_m, out_dtype, backend or "")
 
 
 register(DISPATCHER, (grouped_mm,), example=lambda device: GroupedCall(

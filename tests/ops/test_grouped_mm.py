@@ -156,3 +156,60 @@ def test_torch_compile_fullgraph():
     a, b = _ints(5, 4, seed=8), _ints(2, 4, 3, seed=9)
     compiled = torch.compile(lambda a, b: grouped_mm(a, b, offs) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(a, b), grouped_mm(a, b, offs) * 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_column_grouped_form_and_its_gradients(backend):
+    """``a [E, M, K] x b [K, N]``: a[g] multiplies b's columns ``offs[g-1]:offs[g]`` (the
+    last column past offs[-1] gets zeros); dgrad groups along K, wgrad is this form again."""
+    offs = torch.tensor([4, 4, 12], dtype=torch.int32)
+    a = _ints(3, 6, 11, seed=30).requires_grad_()
+    b = _ints(13, 11, seed=31).t().requires_grad_()  # [11, 13], column-major like a weightᵀ
+    out = grouped_mm(a, b, offs, backend=backend)
+    grad = _ints(6, 13, seed=32)
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = torch.cat([a64[0] @ b64[:, :4], a64[2] @ b64[:, 4:12], a64.new_zeros(6, 1)], dim=1)
+    ref.backward(grad.double())
+    assert out.shape == (6, 13) and torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    assert torch.equal(a.grad[1], torch.zeros(6, 11))  # an empty group
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_dtype_keeps_16_bit_products_in_fp32(backend):
+    """bf16 inputs, ``out_dtype=torch.float32``: the fp32 sums of the exact products (eighths:
+    not representable in bf16's 8 bits once summed), and bf16 gradients."""
+    offs = torch.tensor([3, 7], dtype=torch.int32)
+    a = (_ints(7, 9, seed=40) / 8 + 1).bfloat16().requires_grad_()
+    b = (_ints(2, 9, 5, seed=41) / 8 + 1).bfloat16().requires_grad_()
+    out = grouped_mm(a, b, offs, out_dtype=torch.float32, backend=backend)
+    assert out.dtype == torch.float32
+    ref = _loop(a.detach().double(), b.detach().double(), offs)
+    assert torch.allclose(out.double(), ref, rtol=1e-6, atol=0)
+    assert not torch.equal(grouped_mm(a, b, offs, backend=backend).double(), ref)  # bf16 rounds
+    out.backward(torch.ones_like(out))
+    assert a.grad.dtype == b.grad.dtype == torch.bfloat16
+
+
+def test_column_grouped_form_matches_torch_grouped_mm_where_available():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm does not exist in this torch")
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)  # 16-byte strides, as torch requires
+    a, b = _ints(3, 4, 8, seed=42), _ints(8, 12, seed=43)
+    assert torch.equal(grouped_mm(a, b, offs, backend="triton"), torch._grouped_mm(a, b, offs))
+
+
+def test_column_grouped_and_out_dtype_errors():
+    a, b, offs = torch.zeros(2, 3, 4), torch.zeros(4, 6), torch.tensor([2, 6], dtype=torch.int32)
+    cases = [
+        (lambda: grouped_mm(a, b, masked_m=offs), ValueError, "pass offs"),
+        (lambda: grouped_mm(a, b, offs[:1]), ValueError, "1 group ends but a has 2"),
+        (lambda: grouped_mm(a, b, torch.tensor([2, 7], dtype=torch.int32)), ValueError,
+         "at most the 6 columns of b"),
+        (lambda: grouped_mm(a.bfloat16(), b.bfloat16(), offs, out_dtype=torch.float16), TypeError,
+         "out_dtype=torch.float16"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
