@@ -55,7 +55,7 @@ class Training:
     """What one step trains on and with.
 
     ``micro_batch``: sequences per data-parallel rank per forward (None: the whole
-    ``global_batch / dp``, no accumulation); ``param_dtype`` stores parameters, gradients
+    ``global_batch / dp``, no accumulation; one under pipeline parallelism); ``param_dtype`` stores parameters, gradients
     and optimizer state; ``compute_dtype`` is FSDP2's ``MixedPrecisionPolicy.param_dtype``
     (activations), ``reduce_dtype`` its gradient reduction; ``foreach``: the optimizer's
     multi-tensor path (torch's default on GPUs); ``units_in_flight``: FSDP2 block units
@@ -252,8 +252,8 @@ def layer_activations(spec: ModelSpec, tokens: int, cand: Candidate, c: int,
       unrepeated), the output, and the fp32 log-sum-exp per head;
     - SwiGLU MLP: gate, up, silu(gate) and their product (``tokens x intermediate / tp``
       each); GELU MLP: the fc output and its activation; an MoE block: per routed copy
-      the row sent, gate/up, the activation and the output, and the router's fp32 logits
-      and probabilities.
+      the row sent, gate/up, the activation (and silu(gate) in the per-expert loop used
+      without ``ep``) and the output, and the router's fp32 logits and probabilities.
     """
     h, tp = spec.hidden, cand.tp
     seq_shard = tokens // tp if tp > 1 else tokens
@@ -263,7 +263,10 @@ def layer_activations(spec: ModelSpec, tokens: int, cand: Candidate, c: int,
     attention = tokens * (2 * spec.q_dim + 2 * kv) // tp * c + tokens * spec.heads // tp * 4
     if spec.moe:
         copies = int(seq_shard * spec.top_k * capacity_factor)
-        mlp = copies * (2 * h + 3 * spec.expert_intermediate) * c + seq_shard * spec.experts * 8
+        # per routed copy: the row, gate/up, the activation and the output; the per-expert
+        # loop without ep (experts_dense) also keeps silu(gate)
+        per_copy = 2 * h + (3 if cand.ep > 1 else 4) * spec.expert_intermediate
+        mlp = copies * per_copy * c + seq_shard * spec.experts * 8
         proj_inputs = tokens * h * c + seq_shard * h * c  # the MoE block reads its own shard
     elif spec.mlp == "swiglu":
         mlp = 4 * tokens * spec.intermediate // tp * c
@@ -284,12 +287,14 @@ def estimate_memory(spec: ModelSpec, cand: Candidate, train: Training, device=No
 
 def micro_batches(cand: Candidate, train: Training) -> tuple[int, int]:
     """``(micro_batch, count)``: sequences per forward on a data-parallel rank, and forwards
-    per step. Raises ``ValueError`` when the batch does not split evenly."""
+    per step (``micro_batch`` None: the rank's whole share, or one sequence per micro-batch
+    under pipeline parallelism, the smallest bubble). Raises ``ValueError`` when the batch
+    does not split evenly."""
     if train.global_batch % cand.dp:
         raise ValueError(f"global_batch={train.global_batch} is not divisible by the "
                          f"data-parallel degree dp_replicate*dp_shard={cand.dp}")
     per_rank = train.global_batch // cand.dp
-    micro = train.micro_batch or per_rank
+    micro = train.micro_batch or (1 if cand.pp > 1 else per_rank)
     if per_rank % micro:
         raise ValueError(f"micro_batch={micro} does not divide the {per_rank} sequences per "
                          f"data-parallel rank (global_batch {train.global_batch} / dp {cand.dp})")

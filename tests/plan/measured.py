@@ -1,0 +1,62 @@
+"""Rank-side part of the planner's validation: train the small fusedpar models for two steps
+under a parallel config and measure, on the second step, this rank's bytes of parameters,
+gradients and optimizer state (exactly, from the local shards) and the peak
+(``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, torch's tracker, which
+follows every tensor allocation on CPU ranks too)."""
+
+from __future__ import annotations
+
+import torch
+
+import fusedpar
+from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from fusedpar.nn.linear import local
+from fusedpar.parallel import shard_batch
+from tests.parallel.parallel_cases import reference_backends
+
+SIZES = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             intermediate_size=128)
+MOE = dict(num_experts=4, top_k=2)
+SEQ, BATCH = 64, 8
+
+
+def model_config(kind: str):
+    return MixtralConfig(**SIZES, **MOE) if kind == "mixtral" else LlamaConfig(**SIZES)
+
+
+def _bytes(tensors) -> int:
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def measure(kind: str, parallel: dict, activation_checkpointing: bool) -> dict:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    torch.manual_seed(0)
+    cls = MixtralForCausalLM if kind == "mixtral" else LlamaForCausalLM
+    with reference_backends():
+        model = fusedpar.parallelize(cls(model_config(kind)), parallel, device_type="cpu",
+                                     activation_checkpointing=activation_checkpointing)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(SIZES["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        ids = shard_batch(tokens, model.fusedpar_mesh)
+        found = {}
+
+        def step():
+            model(ids, labels=ids).loss.backward()
+            found["grads"] = _bytes(p.grad for p in model.parameters() if p.grad is not None)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # the optimizer state exists from here on, as in every later step
+        tracker = FSDPMemTracker(model, optimizer)
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": _bytes(model.parameters()), "grads": found["grads"], "optimizer": _bytes(states),
+            "peak": peak}
+
+
+def measure_all(cases: list[tuple[str, dict, bool]]) -> list[dict]:
+    """:func:`measure` of each case, in one task (one pool round trip)."""
+    return [measure(*case) for case in cases]
