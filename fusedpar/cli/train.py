@@ -302,6 +302,8 @@ def train_rank(group, device, spec: dict) -> dict:
     for step in range(first, tcfg.steps):
         start = time.perf_counter()
         mem = {}
+        if torch.device(device).type == "cuda":  # the peak of the last step is reported
+            torch.cuda.reset_peak_memory_stats()
         routed.start()
         with fusedpar.comm.count_bytes() as counter:
             loss = train_step(model, optimizer, batches(step), mem)
@@ -316,6 +318,8 @@ def train_rank(group, device, spec: dict) -> dict:
         record["lower_bounds"] = {**static, **{op: bound for op, (bound, _) in moe.items()}}
         record["per_copy_bytes"] = {op: copies for op, (_, copies) in moe.items()}
         record["state_bytes"] = mem
+        record["peak_bytes"] = (torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda"
+                                else None)
         progress.update(step, f"loss {record['losses'][-1]:.4f}  {tokens / elapsed:,.0f} tok/s  "
                               f"params+grads+optimizer {_fmt_bytes(sum(mem.values()))}/rank")
     progress.close()
@@ -340,6 +344,19 @@ def max_rel_diff(losses: list[float], reference: list[float]) -> float:
     return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)), default=0.0)
 
 
+def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -> int:
+    """The peak ``fusedpar.plan`` estimates for this run (``max_memory_allocated``'s):
+    fp32 parameters, ``param_dtype`` compute; on CPU ranks torch's single-tensor AdamW and
+    gloo's synchronous collectives (one FSDP unit unsharded at a time)."""
+    from fusedpar.plan import Candidate, Training, estimate_memory, model_spec
+
+    cand = Candidate(dp_replicate=pcfg.dp_replicate, dp_shard=pcfg.dp_shard, cp=pcfg.cp, tp=pcfg.tp,
+                     ep=pcfg.ep, pp=getattr(pcfg, "pp", 1))
+    train = Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, compute_dtype=pcfg.param_dtype or "float32",
+                     foreach=cuda, units_in_flight=2 if cuda else 1, fsdp_comm=pcfg.fsdp_comm)
+    return estimate_memory(model_spec(model_config(tcfg)), cand, train).peak
+
+
 def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> list[str]:
     """The lines printed after the progress bar."""
     lines = []
@@ -360,6 +377,10 @@ def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> li
         lines.append("  none (every collective ran on torch's)")
     mem = result["state_bytes"]
     lines.append(f"model: {result['parameters']:,} parameters; memory per rank: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in mem.items()))
+    measured = result.get("peak_bytes")
+    lines.append(f"peak memory per rank: planned {_fmt_bytes(planned_peak(pcfg, tcfg, measured is not None))} "
+                 "(fusedpar.plan), measured " + (_fmt_bytes(measured) if measured is not None else
+                                                  "n/a (CPU ranks: no allocator statistics)"))
     losses = result["losses"]
     lines.append(f"loss: {losses[0]:.4f} at step {result['first_step'] + 1} -> {losses[-1]:.4f} "
                  f"at step {tcfg.steps}")

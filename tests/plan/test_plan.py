@@ -147,3 +147,22 @@ def test_plan_on_a_module():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(), device="meta")
     assert plan(model, 4, "80GiB", seq_len=32, global_batch=8).fits
+
+
+def test_train_reports_the_planned_peak_next_to_the_measured_one():
+    import fusedpar
+    from fusedpar.cli import train
+
+    pcfg = fusedpar.ParallelConfig(tp=2, dp_shard=2).validate(4)
+    tcfg = train.TrainConfig()
+    result = {"comm": [{}], "lower_bounds": {}, "per_copy_bytes": {}, "state_bytes": {"params": 1},
+              "parameters": 1, "losses": [1.0], "first_step": 0}
+    want = estimate_memory(model_spec(LlamaConfig()), Candidate(tp=2, dp_shard=2),
+                           Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size,
+                                    compute_dtype="float32", foreach=False, units_in_flight=1)).peak
+    assert train.planned_peak(pcfg, tcfg, cuda=False) == want
+    line = next(x for x in train.report(result, pcfg, tcfg) if x.startswith("peak memory"))
+    assert f"planned {train._fmt_bytes(want)}" in line and "measured n/a" in line
+    line = next(x for x in train.report({**result, "peak_bytes": 3 << 20}, pcfg, tcfg)
+                if x.startswith("peak memory"))
+    assert line.endswith("measured 3.0 MiB")
