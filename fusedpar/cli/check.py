@@ -1,33 +1,36 @@
-"""``fusedpar check``: every op (all_gather, reduce_scatter, all_gather_matmul,
-matmul_reduce_scatter) on every backend available here, checked bit for bit (the
-collectives against the ``reference`` backend, the fused matmul ops against a float64
-plain-torch oracle on exact small-integer data), with the bytes each moved next to the
-lower bound; the same through the loopback variants; and a Llama-style block under
-``apply_tp`` (TP=2, sequence parallel) on the first two ranks, per fused-matmul backend,
-against the block in one process (forward, backward, one SGD step). Without a GPU it
-spawns ``--world-size`` CPU ranks (gloo; Triton kernels in the interpreter); under
-``torchrun`` with CUDA each rank runs on its GPU over NCCL.
+"""``fusedpar check``: every registered op's check cases (``fusedpar.testing``; today
+all_gather, reduce_scatter, all_gather_matmul and matmul_reduce_scatter) on every backend
+available here, bit for bit (against the op's oracle backend or a float64 plain-torch oracle
+on exact small-integer data), with the bytes each moved next to the lower bound; the same
+through their loopback variants; a Llama-style block under ``apply_tp`` (TP=2, sequence
+parallel) per fused-matmul backend against the block in one process (forward, backward, one
+SGD step); ring_attention (cp=2) and moe_experts (ep=2) against float64 plain torch (forward
+and backward). Without a GPU it spawns ``--world-size`` CPU ranks (gloo; Triton kernels in
+the interpreter); under ``torchrun`` with CUDA each rank runs on its GPU over NCCL.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import math
+import importlib
 import platform
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import fusedpar
 from fusedpar.cli import launch
 from fusedpar.kernels.interpreter import interpreting
-from fusedpar.ops import protocol, registry
-from fusedpar.ops.calls import CollectiveCall, MatmulCall
-
-DEMO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DISPATCHERS = {spec.name: spec.dispatcher for spec in registry.specs()}
+from fusedpar.ops import registry
+from fusedpar.ops.calls import MatmulCall
+from fusedpar.testing.cases import DTYPES, dtype_name, max_abs_diff, same
+from fusedpar.testing.parallel import (CP_BATCH, CP_HEAD_DIM, CP_HEADS, CP_KV_HEADS, CP_OP,
+                                       CP_SEQ, CP_SIZE, EP_EXPERTS, EP_HIDDEN, EP_OP, EP_SIZE,
+                                       EP_TOKENS, TP_ATOL, TP_BATCH, TP_HEAD_DIM, TP_HEADS,
+                                       TP_HIDDEN, TP_INTERMEDIATE, TP_KV_HEADS, TP_OP, TP_SEQ,
+                                       TP_SIZE, cp_case, ep_case, tp_data, tp_full,
+                                       tp_lower_bound, tp_step)
 
 
 def add_parser(sub) -> None:
@@ -38,147 +41,24 @@ def add_parser(sub) -> None:
                         "'reference' always runs as the oracle")
 
 
-def _variants(world: int):
-    """(op, label, input shape, dim, reduce_op): odd sizes, the scattered dim a multiple of W."""
-    return [
-        ("all_gather", "dim=0", (3, 5), 0, ""),
-        ("all_gather", "dim=1", (3, 5), 1, ""),
-        ("reduce_scatter", "sum", (3 * world, 5), 0, "sum"),
-        ("reduce_scatter", "avg", (3 * world, 5), 0, "avg"),
-    ]
-
-
-def _matmul_variants(world: int):
-    """(op, label, A shape, dim, N of each B, reduce_op) of the fused matmul ops.
-
-    The 3-D all_gather_matmul gathers the sequence dim of ``[batch, seq, hidden]`` for two
-    Bs at once (q/k projections sharing one gather)."""
-    return [
-        ("all_gather_matmul", "dim=1", (2, 3, 40), 1, (24, 8), ""),
-        ("all_gather_matmul", "dim=0", (5, 40), 0, (24,), ""),
-        ("matmul_reduce_scatter", "sum", (3 * world, 40), 0, (24,), "sum"),
-        ("matmul_reduce_scatter", "avg", (3 * world, 40), 0, (24,), "avg"),
-    ]
-
-
-def demo_input(op: str, shape, dtype, rank: int, world: int, salt: int, device) -> torch.Tensor:
-    """Rank ``rank``'s input: small integers that encode the rank, exact in every dtype.
-
-    all_gather: ``(7n + salt) % 13 + 16 (rank + 1)``. reduce_scatter: small values chosen
-    so that every element's sum over ranks is ``3W`` or ``4W`` (the last rank tops up):
-    partial sums stay exact in bf16 and the average is an integer.
-    """
-    n = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
-    if op == "all_gather":
-        v = (n * 7 + salt) % 13 + 16 * (rank + 1)
-    else:
-        def part(r):
-            return (n * 7 + salt + r) % 3 + 1
-
-        if rank < world - 1:
-            v = part(rank)
-        else:
-            others = sum((part(r) for r in range(world - 1)), torch.zeros_like(n))
-            v = world * (3 + n % 2) - others
-    return v.to(dtype).to(device)
-
-
-def demo_matmul_inputs(op: str, shape, ns, dtype, rank: int, world: int, salt: int, device):
-    """Rank ``rank``'s ``(A, [B, ...])`` for a fused matmul op: small integers, exact in
-    every dtype whatever the summation order.
-
-    A: ``(7n + salt + rank) % 9 - 4`` in [-4, 4] (shifted by the rank: shards of ranks
-    < 9 apart differ). Each B: entries in {-1, 0, 1} with ``c = max(1, 64 // W)`` nonzeros
-    per column, the same on every rank for all_gather_matmul (the Bs are replicated) and
-    rank-dependent for matmul_reduce_scatter (each rank owns a slice of K). Every partial
-    sum is then an integer of magnitude at most ``4c`` (one rank) or ``4cW`` ≤ 256 (the
-    reduction over ranks), so it is exact in bf16 (8 significant bits), fp16 and fp32, and
-    an ``avg`` (sum / W) rounds once, the same way everywhere.
-    """
-    n = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
-    a = (n * 7 + salt + rank) % 9 - 4
-    k = shape[-1]
-    per_column = max(1, min(k, 64 // max(world, 1)))
-    owner = rank if op == "matmul_reduce_scatter" else 0
-    kk = torch.arange(k, dtype=torch.float64)[:, None]
-    bs = []
-    for j, cols in enumerate(ns):
-        nn_ = torch.arange(cols, dtype=torch.float64)[None, :]
-        nonzero = (kk + 5 * nn_ + 3 * owner + 7 * j + salt) % k < per_column
-        sign = torch.where((kk + 2 * nn_ + owner + j) % 3 == 0, -1.0, 1.0)
-        bs.append((nonzero * sign).to(dtype).to(device))
-    return a.to(dtype).to(device), bs
-
-
-def _lower_bound(op: str, x: torch.Tensor, world: int) -> int:
-    if op == "all_gather":
-        return (world - 1) * x.numel() * x.element_size()
-    return (world - 1) * (x.numel() // world) * x.element_size()
-
-
-def _matmul_lower_bound(op: str, a: torch.Tensor, bs, world: int) -> int:
-    """all_gather_matmul: the W-1 peer shards of A (however many Bs share the gather);
-    matmul_reduce_scatter: the W-1 peer partials of this rank's output chunk."""
-    if op == "all_gather_matmul":
-        return (world - 1) * a.numel() * a.element_size()
-    out_numel = a.numel() // a.shape[-1] * bs[0].shape[1] // world
-    return (world - 1) * out_numel * a.element_size()
-
-
-def _call(op, x, dim, reduce_op, group, backend):
-    if op == "all_gather":
-        return fusedpar.ops.all_gather(x, dim, group, backend=backend)
-    return fusedpar.ops.reduce_scatter(x, reduce_op, dim, group, backend=backend)
-
-
-def _matmul_call(op, a, bs, dim, reduce_op, group, backend):
-    """all_gather_matmul: ``(A_gathered, [outs])``; matmul_reduce_scatter: the output."""
-    if op == "all_gather_matmul":
-        return fusedpar.ops.all_gather_matmul(a, bs, dim, group, return_A=True, backend=backend)
-    return fusedpar.ops.matmul_reduce_scatter(a, bs[0], reduce_op, dim, group, backend=backend)
-
-
-def _matmul_oracle(op, dim, reduce_op, inputs, dtype) -> list:
-    """Each rank's expected result from every rank's ``(A, Bs)``, in float64 plain torch
-    rounded once to ``dtype`` (exact: see :func:`demo_matmul_inputs`)."""
-    world = len(inputs)
-    if op == "all_gather_matmul":
-        gathered = torch.cat([a.double() for a, _ in inputs], dim)
-        outs = [(gathered @ b.double()).to(dtype) for b in inputs[0][1]]
-        return [(gathered.to(dtype), outs)] * world
-    total = sum(a.double() @ bs[0].double() for a, bs in inputs)
-    if reduce_op == "avg":
-        total = total / world
-    return list(total.to(dtype).chunk(world, dim))
-
-
-def _same(actual, expected) -> bool:
-    """Bit for bit: tensors, or (gathered, [outs]) pairs of all_gather_matmul."""
-    if isinstance(expected, torch.Tensor):
-        return (isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
-                and actual.shape == expected.shape and torch.equal(actual, expected))
-    (gathered, outs), (exp_gathered, exp_outs) = actual, expected
-    return (_same(gathered, exp_gathered) and len(outs) == len(exp_outs)
-            and all(_same(o, e) for o, e in zip(outs, exp_outs)))
-
-
-def _matmul_shape(shape, ns) -> str:
-    """``(2, 3, 40) @ 40x24, 40x8``: A (or A_shard) and every B."""
-    return f"{tuple(shape)} @ " + ", ".join(f"{shape[-1]}x{n}" for n in ns)
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+def registered_cases(world: int) -> list:
+    """``(spec, case)`` for every check case of every registered op, in registration order
+    (each op names the module of its cases: ``register(..., checks=...)``)."""
+    out = []
+    for spec in registry.specs():
+        if spec.checks:
+            cases = importlib.import_module(spec.checks).cases(world)
+            out += [(spec, case) for case in cases if case.op == spec.name]
+    return out
 
 
 def _grouped(rows: list[dict]) -> list[dict]:
     """Rows grouped by op, then backend (the op's dispatcher priority), then dtype (stable)."""
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    everyone = list(dict.fromkeys(n for d in DISPATCHERS.values() for n in d.names))
+    priority = {spec.name: spec.backends for spec in registry.specs()}
 
     def backend_rank(row):
-        dispatcher = DISPATCHERS.get(row["op"].split(" ")[0])
-        names = dispatcher.names if dispatcher is not None else everyone
+        names = priority[row["op"].split(" ")[0]]
         return names.index(row["backend"]) if row["backend"] in names else len(names)
 
     return sorted(rows, key=lambda r: (ops.index(r["op"]), backend_rank(r)))
@@ -212,32 +92,22 @@ def _merge_ranks(local: list[dict], group) -> list[dict]:
     return _merge(gathered, list(range(world)))
 
 
-def _distributed_rows(group, device, selected: list[str]):
-    """Run every case on this rank. Returns (rows, skipped), identical on every rank.
 
-    all_gather / reduce_scatter are checked against the ``reference`` backend; the fused
-    matmul ops against a float64 plain-torch oracle built from every rank's input."""
+def _distributed_rows(group, device, selected: list[str]):
+    """Run every registered case on this rank. Returns (rows, skipped), identical on every
+    rank. A case is checked against its op's oracle backend on the same group, or against
+    plain torch from every rank's inputs (``Case.against_oracle_backend``)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cases = []
-    for salt, (op, label, shape, dim, reduce_op) in enumerate(_variants(world)):
-        for dtype in DEMO_DTYPES:
-            x = demo_input(op, shape, dtype, rank, world, salt, device)
-            call = CollectiveCall(op, x, dim, world, group, reduce_op)
-            cases.append((op, label, shape, dim, reduce_op, dtype, x,
-                          DISPATCHERS[op].availability(call)))
-    matmul_cases = []
-    for salt, (op, label, shape, dim, ns, reduce_op) in enumerate(_matmul_variants(world)):
-        for dtype in DEMO_DTYPES:
-            inputs = [demo_matmul_inputs(op, shape, ns, dtype, r, world, salt, device)
-                      for r in range(world)]
-            a, bs = inputs[rank]
-            call = MatmulCall(op, a, dim, world, group, bs, return_a=True, reduce_op=reduce_op)
-            matmul_cases.append((op, label, shape, ns, dim, reduce_op, dtype, inputs,
-                                 DISPATCHERS[op].availability(call)))
+    for spec, case in registered_cases(world):
+        for dtype in DTYPES:
+            inputs = case.inputs(dtype, world, device)
+            call = case.availability_call(inputs[rank], world, group)
+            cases.append((spec, case, dtype, inputs, spec.dispatcher.availability(call)))
     # every rank must run the same backends: check that availability agrees
-    mine = [c[-1] for c in cases + matmul_cases]
+    mine = [c[-1] for c in cases]
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
     for r, theirs in enumerate(everyone):
@@ -246,185 +116,65 @@ def _distributed_rows(group, device, selected: list[str]):
                                f"{mine} vs {theirs}")
 
     local, skipped = [], []
-
-    def runnable(section_op, name, avail) -> bool:
-        if name not in selected:
-            return False
-        if avail[name]:
-            skipped.append({"section": "distributed", "op": section_op, "backend": name,
-                            "reasons": avail[name]})
-            return False
-        return True
-
-    for op, label, shape, dim, reduce_op, dtype, x, avail in cases:
-        expected = _call(op, x, dim, reduce_op, group, "reference")
-        for name in DISPATCHERS[op].names:
-            if not runnable(op, name, avail):
-                continue
+    for spec, case, dtype, inputs, avail in cases:
+        runs = []
+        for name in spec.backends:
+            if name in selected and avail[name]:
+                skipped.append({"section": "distributed", "op": spec.name, "backend": name,
+                                "reasons": avail[name]})
+            elif name in selected:
+                runs.append(name)
+        if not runs:
+            continue
+        args = inputs[rank]
+        if case.against_oracle_backend:
+            expected = case.call(args, group, spec.oracle)
+        else:
+            expected = case.expected(inputs, dtype)[rank]
+        for name in runs:
             with fusedpar.comm.count_bytes() as counter:
-                out = _call(op, x, dim, reduce_op, group, name)
-            local.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
-                          "dtype": _dtype_name(dtype), "correct": _same(out, expected),
-                          "bytes": counter.total(),
-                          "lower_bound": _lower_bound(op, x, world)})
-    for op, label, shape, ns, dim, reduce_op, dtype, inputs, avail in matmul_cases:
-        a, bs = inputs[rank]
-        expected = _matmul_oracle(op, dim, reduce_op, inputs, dtype)[rank]
-        for name in DISPATCHERS[op].names:
-            if not runnable(op, name, avail):
-                continue
-            with fusedpar.comm.count_bytes() as counter:
-                out = _matmul_call(op, a, bs, dim, reduce_op, group, name)
-            local.append({"op": f"{op} {label}", "backend": name, "shape": _matmul_shape(shape, ns),
-                          "dtype": _dtype_name(dtype), "correct": _same(out, expected),
-                          "bytes": counter.total(),
-                          "lower_bound": _matmul_lower_bound(op, a, bs, world)})
+                out = case.call(args, group, name)
+            local.append({"op": f"{spec.name} {case.label}", "backend": name,
+                          "shape": case.shape(), "dtype": dtype_name(dtype),
+                          "correct": same(out, expected), "bytes": counter.total(),
+                          "lower_bound": case.lower_bound(args, world)})
     return _merge_ranks(_grouped(local), group), skipped
 
 
 def _loopback_rows(world: int, device, selected: list[str]):
-    """Every rank in this process over a loopback buffer; oracle: plain torch."""
+    """Every rank in this process through the ops' loopback variants; oracle: plain torch."""
     rows, skipped = [], []
-    for salt, (op, label, shape, dim, reduce_op) in enumerate(_variants(world)):
-        dispatcher = DISPATCHERS[op]
-        symmetric = [n for n in dispatcher.names
-                     if isinstance(dispatcher.backends[n], protocol.SymmetricBackend)]
-        for dtype in DEMO_DTYPES:
-            xs = [demo_input(op, shape, dtype, r, world, salt, device) for r in range(world)]
-            call = CollectiveCall(op, xs[0], dim, world, None, reduce_op)
-            avail = dispatcher.availability(call)
-            if op == "all_gather":
-                expected = [torch.cat(xs, dim)] * world
-            else:
-                total = sum(x.double() for x in xs)
-                if reduce_op == "avg":
-                    total = total / world
-                expected = list(total.to(dtype).chunk(world, dim))
-            for name in symmetric:
-                if name not in selected:
-                    continue
+    for spec, case in registered_cases(world):
+        names = [n for n in case.loopback_backends(spec.dispatcher) if n in selected]
+        for dtype in DTYPES:
+            inputs = case.inputs(dtype, world, device)
+            avail = spec.dispatcher.availability(case.availability_call(inputs[0], world, None))
+            expected = case.expected(inputs, dtype)
+            for name in names:
                 if avail[name]:
-                    skipped.append({"section": "loopback", "op": op, "backend": name,
+                    skipped.append({"section": "loopback", "op": spec.name, "backend": name,
                                     "reasons": avail[name]})
                     continue
                 with fusedpar.comm.count_bytes() as counter:
-                    if op == "all_gather":
-                        outs = fusedpar.ops.all_gather_loopback(xs, dim, backend=name)
-                    else:
-                        outs = fusedpar.ops.reduce_scatter_loopback(xs, reduce_op, dim,
-                                                                    backend=name)
-                wrong = [r for r, (o, e) in enumerate(zip(outs, expected)) if not _same(o, e)]
-                rows.append({"op": f"{op} {label}", "backend": name, "shape": str(tuple(shape)),
-                             "dtype": _dtype_name(dtype), "correct": not wrong,
-                             "wrong_ranks": wrong, "bytes": counter.total(),
-                             "lower_bound": world * _lower_bound(op, xs[0], world)})
-    # the fused matmul ops' loopback variants run their triton kernels only
-    for salt, (op, label, shape, dim, ns, reduce_op) in enumerate(_matmul_variants(world)):
-        if "triton" not in selected:
-            break
-        for dtype in DEMO_DTYPES:
-            inputs = [demo_matmul_inputs(op, shape, ns, dtype, r, world, salt, device)
-                      for r in range(world)]
-            a0, bs0 = inputs[0]
-            call = MatmulCall(op, a0, dim, world, None, bs0, return_a=True, reduce_op=reduce_op)
-            reasons = DISPATCHERS[op].availability(call)["triton"]
-            if reasons:
-                skipped.append({"section": "loopback", "op": op, "backend": "triton",
-                                "reasons": reasons})
-                continue
-            expected = _matmul_oracle(op, dim, reduce_op, inputs, dtype)
-            with fusedpar.comm.count_bytes() as counter:
-                if op == "all_gather_matmul":
-                    outs = fusedpar.ops.all_gather_matmul_loopback([a for a, _ in inputs], bs0, dim,
-                                                                   return_A=True)
-                else:
-                    outs = fusedpar.ops.matmul_reduce_scatter_loopback(
-                        [a for a, _ in inputs], [bs[0] for _, bs in inputs], reduce_op, dim)
-            wrong = [r for r, (o, e) in enumerate(zip(outs, expected)) if not _same(o, e)]
-            rows.append({"op": f"{op} {label}", "backend": "triton",
-                         "shape": _matmul_shape(shape, ns), "dtype": _dtype_name(dtype),
-                         "correct": not wrong, "wrong_ranks": wrong, "bytes": counter.total(),
-                         "lower_bound": world * _matmul_lower_bound(op, a0, bs0, world)})
+                    outs = case.loopback(inputs, name)
+                wrong = [r for r, (o, e) in enumerate(zip(outs, expected)) if not same(o, e)]
+                rows.append({"op": f"{spec.name} {case.label}", "backend": name,
+                             "shape": case.shape(), "dtype": dtype_name(dtype),
+                             "correct": not wrong, "wrong_ranks": wrong, "bytes": counter.total(),
+                             "lower_bound": world * case.lower_bound(inputs[0], world)})
     return _grouped(rows), skipped
 
 
 # ---- a tensor-parallel block ------------------------------------------------------------
 
-TP_SIZE = 2
-TP_BATCH, TP_SEQ, TP_HIDDEN = 2, 8, 32
-TP_HEADS, TP_KV_HEADS, TP_HEAD_DIM, TP_INTERMEDIATE = 8, 4, 4, 48
-TP_ATOL = 1e-5
-TP_LR = 0.1
-TP_OP = f"tp={TP_SIZE} block (SP)"
-
-
-def _tp_data(device):
-    """The seeded block (a ``fusedpar.models`` Llama decoder layer, identical on every
-    rank), the rotary embeddings of the whole sequence, the input and the loss weights."""
-    from fusedpar.models import LlamaConfig
-    from fusedpar.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=TP_HIDDEN, num_heads=TP_HEADS, num_kv_heads=TP_KV_HEADS,
-                         intermediate_size=TP_INTERMEDIATE)
-    block = DecoderLayer(config)
-    with torch.no_grad():  # norms away from 1 so that their gradients matter
-        for module in block.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape))
-    x = torch.randn(TP_BATCH, TP_SEQ, TP_HIDDEN)
-    g = torch.randn(TP_BATCH, TP_SEQ, TP_HIDDEN)
-    # the attention sees the whole sequence (q/k/v gather it), so RoPE takes every position
-    rope = RotaryEmbedding(config.head_dim, config.rope_theta)(x, torch.arange(TP_SEQ)[None])
-    return block.to(device), tuple(t.to(device) for t in rope), x.to(device), g.to(device)
-
-
-def _tp_step(block, rope, x, g):
-    """Forward, backward of ``sum(y * g)``, one SGD step: (y, dx, grads, params after)."""
-    x = x.detach().clone().requires_grad_()
-    y = block(x, position_embeddings=rope)
-    (y * g).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in block.named_parameters()}
-    torch.optim.SGD(block.parameters(), lr=TP_LR).step()
-    params = {n: p.detach().clone() for n, p in block.named_parameters()}
-    return y.detach(), x.grad.detach(), grads, params
-
-
-def _tp_full(tensors: dict) -> dict:
-    """The TP layers' parameters (or gradients), DTensor shards on the tp group, as full
-    tensors (a collective: every member calls it)."""
-    from torch.distributed.tensor import DTensor
-
-    return {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in tensors.items()}
-
-
-def _max_abs_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected|; inf for a shape mismatch or a NaN."""
-    if actual.shape != expected.shape:
-        return math.inf
-    diff = (actual.double() - expected.double()).abs()
-    return float(torch.nan_to_num(diff, nan=math.inf).max()) if diff.numel() else 0.0
-
 
 def _error_row(op, backend, shape, checks, nbytes, lower_bound) -> dict:
-    errors = [(_max_abs_diff(a, e), what) for what, a, e in checks]
+    """A row checked within ``TP_ATOL``: the worst of ``checks`` ((what, actual, expected))."""
+    errors = [(max_abs_diff(a, e), what) for what, a, e in checks]
     max_err, worst = max(errors)
     return {"op": op, "backend": backend, "shape": shape, "dtype": "float32",
             "correct": bool(max_err <= TP_ATOL), "max_err": max_err, "worst": worst,
             "bytes": nbytes, "lower_bound": lower_bound}
-
-
-def _tp_lower_bound(world: int, dtype=torch.float32) -> int:
-    """Bytes a rank must receive for one forward + backward of the SP block: forward, the
-    q/k/v and gate/up gathers of the ``[B, S/W, H]`` input shard and the o/down
-    reduce-scatters of the ``[B, S/W, H]`` output shard; backward, the transposes (two
-    reduce-scatters of the gathered inputs' gradients, two gathers of the outputs')."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    input_shard = TP_BATCH * (TP_SEQ // world) * TP_HIDDEN * elem
-    output_shard = TP_BATCH * (TP_SEQ // world) * TP_HIDDEN * elem
-    forward = 2 * (world - 1) * input_shard + 2 * (world - 1) * output_shard
-    backward = 2 * (world - 1) * output_shard + 2 * (world - 1) * input_shard
-    return forward + backward
 
 
 def _tp_rows(group, device, selected: list[str]):
@@ -442,9 +192,9 @@ def _tp_rows(group, device, selected: list[str]):
     local, skipped = [], []
     if rank in members:
         tp_rank = dist.get_rank(tp_group)
-        reference, rope, x_full, g_full = _tp_data(device)
+        reference, rope, x_full, g_full = tp_data(device)
         initial = copy.deepcopy(reference)
-        y_ref, dx_ref, grads_ref, params_ref = _tp_step(reference, rope, x_full, g_full)
+        y_ref, dx_ref, grads_ref, params_ref = tp_step(reference, rope, x_full, g_full)
 
         def local_part(t):
             return t.chunk(TP_SIZE, 1)[tp_rank]
@@ -457,12 +207,12 @@ def _tp_rows(group, device, selected: list[str]):
                                                  [weight]),
                  "matmul_reduce_scatter": MatmulCall("matmul_reduce_scatter", x_full, 1, TP_SIZE,
                                                      tp_group, [weight], reduce_op="sum")}
-        names = DISPATCHERS["all_gather_matmul"].names
-        for name in names:
+        for name in registry.get("all_gather_matmul").backends:
             if name not in selected:
                 continue
             reasons = [r for op, call in calls.items()
-                       for r in DISPATCHERS[op].availability(call).get(name, ["no such backend"])]
+                       for r in registry.get(op).dispatcher.availability(call).get(
+                           name, ["no such backend"])]
             if reasons:
                 skipped.append({"section": "tp", "op": TP_OP, "backend": name,
                                 "reasons": sorted(set(reasons))})
@@ -470,8 +220,8 @@ def _tp_rows(group, device, selected: list[str]):
             block = fusedpar.apply_tp(copy.deepcopy(initial), tp_group, sequence_parallel=True,
                                       backend=name)
             with fusedpar.comm.count_bytes() as counter:
-                y, dx, grads, params = _tp_step(block, rope, x, g)
-            grads, params = _tp_full(grads), _tp_full(params)
+                y, dx, grads, params = tp_step(block, rope, x, g)
+            grads, params = tp_full(grads), tp_full(params)
             checks = [("output", y, local_part(y_ref)), ("input grad", dx, local_part(dx_ref))]
             if set(grads) != set(grads_ref):
                 raise RuntimeError(f"apply_tp changed the parameter names: {sorted(grads)} vs "
@@ -479,87 +229,13 @@ def _tp_rows(group, device, selected: list[str]):
             checks += [(f"grad of {n}", grads[n], grads_ref[n]) for n in grads_ref]
             checks += [(f"{n} after SGD", params[n], params_ref[n]) for n in params_ref]
             local.append(_error_row(TP_OP, name, str((TP_BATCH, TP_SEQ, TP_HIDDEN)), checks,
-                                    counter.total(), _tp_lower_bound(TP_SIZE)))
+                                    counter.total(), tp_lower_bound(TP_SIZE)))
     gathered = [None] * world  # the other ranks contribute nothing but take part
     dist.all_gather_object(gathered, (local, skipped), group=group)
     return _merge([rows for rows, _ in gathered], members), gathered[members[0]][1]
 
 
 # ---- context and expert parallelism (the first 2 ranks) ---------------------------------
-
-CP_SIZE = EP_SIZE = 2
-CP_BATCH, CP_SEQ, CP_HEADS, CP_KV_HEADS, CP_HEAD_DIM = 1, 16, 4, 2, 16
-CP_OP = f"ring_attention cp={CP_SIZE} (zigzag, causal)"
-EP_TOKENS, EP_HIDDEN, EP_INTERMEDIATE, EP_EXPERTS, EP_TOPK = 6, 16, 24, 4, 2
-EP_OP = f"moe_experts ep={EP_SIZE} ({EP_EXPERTS} experts, top-{EP_TOPK})"
-
-
-def _zigzag_part(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s zigzag part of the sequence dim 1: chunks ``rank`` and ``2W-1-rank``."""
-    chunks = t.chunk(2 * world, 1)
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], 1)
-
-
-def _cp_case(rank: int, world: int, device):
-    """q, k, v and the output weights g (full, seeded), the fp64 oracle's output and
-    gradients (full), and this rank's zigzag parts of the inputs."""
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(CP_BATCH, CP_SEQ, CP_HEADS, CP_HEAD_DIM, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(CP_BATCH, CP_SEQ, CP_KV_HEADS, CP_HEAD_DIM, generator=gen,
-                        dtype=torch.float64) for _ in range(2))
-    g = torch.randn(q.shape, generator=gen, dtype=torch.float64)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    qh, kh, vh = (t.transpose(1, 2) for t in full)
-    groups = CP_HEADS // CP_KV_HEADS
-    out = F.scaled_dot_product_attention(qh, kh.repeat_interleave(groups, 1),
-                                         vh.repeat_interleave(groups, 1), is_causal=True)
-    out = out.transpose(1, 2)
-    (out * g).sum().backward()
-    expected = [out.detach()] + [t.grad for t in full]
-    local = [_zigzag_part(t, rank, world).float().to(device) for t in (q, k, v, g)]
-    return local, [_zigzag_part(t, rank, world) for t in expected]
-
-
-def _ep_case(rank: int, world: int, device):
-    """Every rank's tokens and routing (seeded by rank), the experts (the same on every
-    rank), the fp64 oracle's outputs and gradients, and this rank's inputs."""
-    def inputs(r):
-        gen = torch.Generator().manual_seed(100 + r)
-        x = torch.randn(EP_TOKENS, EP_HIDDEN, generator=gen, dtype=torch.float64) + r
-        idx = torch.stack([torch.randperm(EP_EXPERTS, generator=gen)[:EP_TOPK]
-                           for _ in range(EP_TOKENS)])
-        weights = torch.rand(EP_TOKENS, EP_TOPK, generator=gen, dtype=torch.float64).softmax(-1)
-        g = torch.randn(EP_TOKENS, EP_HIDDEN, generator=gen, dtype=torch.float64)
-        return x, idx, weights, g
-
-    gen = torch.Generator().manual_seed(7)
-    w13 = torch.randn(EP_EXPERTS, 2 * EP_INTERMEDIATE, EP_HIDDEN, generator=gen,
-                      dtype=torch.float64) / EP_HIDDEN ** 0.5
-    w2 = torch.randn(EP_EXPERTS, EP_HIDDEN, EP_INTERMEDIATE, generator=gen,
-                     dtype=torch.float64) / EP_INTERMEDIATE ** 0.5
-    from fusedpar.ops.moe import experts_dense
-
-    every = [inputs(r) for r in range(world)]
-    w13_full, w2_full = w13.clone().requires_grad_(), w2.clone().requires_grad_()
-    x, idx, weights, g = every[rank]
-    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    total = 0
-    for r, (xr, idxr, wr, gr) in enumerate(every):
-        if r == rank:
-            xr, wr = x, weights
-        total = total + (experts_dense(xr, idxr, wr, w13_full, w2_full) * gr).sum()
-    total.backward()
-    y = experts_dense(x, idx, weights, w13_full, w2_full).detach()
-    local_experts = slice(rank * EP_EXPERTS // world, (rank + 1) * EP_EXPERTS // world)
-    expected = [y, x.grad, weights.grad, w13_full.grad[local_experts], w2_full.grad[local_experts]]
-    local = [t.detach()[...].float().to(device) for t in (every[rank][0], every[rank][2],
-                                                         w13[local_experts], w2[local_experts],
-                                                         every[rank][3])]
-    from fusedpar.cli.bounds import rows_received, rows_sent
-
-    sent = torch.stack([rows_sent(i, EP_EXPERTS // world, world) for _, i, _, _ in every])
-    incoming, outgoing = rows_received(sent, rank)  # [a row per token and rank, per copy]
-    return local, idx.to(device), expected, (incoming.tolist(), outgoing.tolist())
 
 
 def _cp_ep_rows(group, device, selected: list[str]):
@@ -576,9 +252,9 @@ def _cp_ep_rows(group, device, selected: list[str]):
     sub = dist.new_group([dist.get_global_rank(group, r) for r in members])
     local, skipped = [], []
     if rank in members:
-        (q, k, v, g), expected = _cp_case(rank, CP_SIZE, device)
+        (q, k, v, g), expected = cp_case(rank, CP_SIZE, device)
         kv_bytes = (k.numel() + v.numel()) * k.element_size()
-        dispatcher = DISPATCHERS["ring_attention"]
+        dispatcher = registry.get("ring_attention").dispatcher
         from fusedpar.ops.ring_attention import RingCall
 
         call = RingCall(q, k, v, sub, True, CP_HEAD_DIM ** -0.5, "zigzag")
@@ -597,12 +273,12 @@ def _cp_ep_rows(group, device, selected: list[str]):
             checks += [(f"grad of {n}", t.grad, e) for n, t, e in zip("qkv", leaves, expected[1:])]
             local.append(_error_row(CP_OP, name, str((CP_BATCH, CP_SEQ, CP_HEADS, CP_HEAD_DIM)),
                                     checks, counter.total(), 2 * (CP_SIZE - 1) * kv_bytes))
-        (x, weights, w13, w2, g), idx, expected, ((rows_in, _), (rows_out, _)) = _ep_case(
+        (x, weights, w13, w2, g), idx, expected, ((rows_in, _), (rows_out, _)) = ep_case(
             rank, EP_SIZE, device)
         from fusedpar.ops.moe.experts_call import ExpertsCall
 
         call = ExpertsCall(x, idx, weights, w13, w2, sub)
-        for name, reasons in DISPATCHERS["moe_experts"].availability(call).items():
+        for name, reasons in registry.get("moe_experts").dispatcher.availability(call).items():
             if name not in selected:
                 continue
             if reasons:
@@ -790,7 +466,7 @@ def _header(world: int, device: str, how: str, mode: str) -> list[str]:
 
 
 def _parse_backends(text: str | None) -> list[str]:
-    known = sorted({n for d in DISPATCHERS.values() for n in d.names})
+    known = registry.backend_names()
     if not text:
         return known
     names = [n.strip() for n in text.split(",") if n.strip()]

@@ -17,9 +17,6 @@ import fusedpar
 from fusedpar import _extension
 from fusedpar.kernels.interpreter import interpreting
 from fusedpar.ops import registry
-from fusedpar.ops.calls import CollectiveCall, MatmulCall
-
-INFO_WORLD = 4  # world size of the representative call ``info`` evaluates
 
 
 def add_parser(sub) -> None:
@@ -98,48 +95,19 @@ def _triton_info() -> dict:
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
 
 
-def _representative_call(op: str, device):
-    """A small float32 call of ``op`` as a loopback of INFO_WORLD ranks (group=None), or
-    None for an op that cannot be evaluated without a process group (moe_dispatch,
-    moe_experts: their calls exchange routing counts)."""
-    from fusedpar.ops.flash_attention import AttentionCall
-    from fusedpar.ops.grouped_mm import GroupedCall
-    from fusedpar.ops.ring_attention import RingCall
-
-    def zeros(*shape, dtype=torch.float32):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
-    x = zeros(2 * INFO_WORLD, 8)
-    if op in ("all_gather", "reduce_scatter"):
-        return CollectiveCall(op, x, 0, INFO_WORLD, None,
-                                          "sum" if op == "reduce_scatter" else "")
-    if op in ("all_gather_matmul", "matmul_reduce_scatter"):
-        return MatmulCall(op, x, 0, INFO_WORLD, None, [zeros(8, 4)],
-                          reduce_op="sum" if op == "matmul_reduce_scatter" else "")
-    q = zeros(1, 2 * INFO_WORLD, 2, 16)  # [B, S_local, H, D]
-    if op == "flash_attention":
-        return AttentionCall(q, q, q, True, 0.25)
-    if op == "ring_attention":
-        return RingCall(q, q, q, None, True, 0.25, "zigzag", world_size=INFO_WORLD)
-    if op == "grouped_mm":
-        return GroupedCall(x, zeros(2, 8, 4), torch.tensor([4, 8], dtype=torch.int32,
-                                                            device=device))
-    return None
-
-
 def _ops_info() -> dict:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     ops = {}
-    for op, dispatcher in ((s.name, s.dispatcher) for s in registry.specs()):
-        call = _representative_call(op, device)
-        if call is None:
-            ops[op] = {"call": "not evaluated here: it needs a process group",
-                       "backends": {name: {"available": None, "reasons": []}
-                                    for name in dispatcher.names}}
+    for spec in registry.specs():
+        if spec.example is None:
+            ops[spec.name] = {"call": "not evaluated here: it needs a process group",
+                              "backends": {name: {"available": None, "reasons": []}
+                                           for name in spec.backends}}
             continue
-        avail = dispatcher.availability(call)
+        call = spec.example(device)
+        avail = spec.dispatcher.availability(call)
         reduce_op = getattr(call, "reduce_op", "")
-        ops[op] = {
+        ops[spec.name] = {
             "call": call.describe() + (f", op={reduce_op!r}" if reduce_op else ""),
             "backends": {name: {"available": not reasons, "reasons": list(reasons)}
                          for name, reasons in avail.items()},

@@ -19,7 +19,7 @@ What a backend implements depends on its op's kind (every backend of one op is o
   ``combine(y, handle)`` sends rows back (moe_dispatch / moe_combine: the handle carries
   the backend's layout from one to the other);
 - :class:`LoopbackBackend`, besides its kind: ``run_views(bufs, ...)`` runs every rank's
-  part in one process over loopback buffers (the ``*_loopback`` functions); the
+  part in one process over loopback buffers (what the ``*_loopback`` functions call); the
   symmetric-memory collectives get ``run`` and ``run_views`` from
   ``protocol.SymmetricBackend`` and implement ``pull``.
 """

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from fusedpar.cli import check, main
+from fusedpar.cli import main
+from fusedpar.testing.parallel import ep_case
 from tests.cli.common import run_cli
 
 SECTIONS = ("distributed:", "tensor parallel:", "context / expert parallel:", "loopback:")
@@ -95,7 +96,7 @@ def test_check_two_ranks_all_correct():
     # copy, pipelined a row per token and rank + k=2 fp32 ids and weights in, k gradients
     # back; the table shows the rank that moved the most, with its bound
     row = 16 * 4
-    ranks = [check._ep_case(rank, 2, "cpu")[3] for rank in range(2)]
+    ranks = [ep_case(rank, 2, "cpu")[3] for rank in range(2)]
     moved = {"fused": [2 * (c_in + c_out) * row for (_, c_in), (_, c_out) in ranks],
              "pipelined": [2 * (r_in + r_out) * row + r_in * 16 + r_out * 8
                            for (r_in, _), (r_out, _) in ranks]}
