@@ -422,7 +422,8 @@ def _default_backend(call: RoutingCall) -> str:
 def _check_capturable(x: torch.Tensor, max_tokens_per_rank: int | None, backend: str | None) -> None:
     """Only the triton backend with ``max_tokens_per_rank`` reads nothing on the host
     (``backend`` None: not chosen yet)."""
-    if isinstance(x, torch.Tensor) and symmetric.capturing(x.device) and (backend not in (None, "triton") or max_tokens_per_rank is None):
+    reads_host = backend not in (None, "triton") or max_tokens_per_rank is None
+    if isinstance(x, torch.Tensor) and symmetric.capturing(x.device) and reads_host:
         raise FusedparError(
             f"fusedpar.moe_dispatch: a CUDA graph can capture only the triton backend with "
             f"max_tokens_per_rank (got backend {backend!r}, max_tokens_per_rank="

@@ -16,6 +16,8 @@ OP = "moe_experts"
 
 
 def check_expert_weights(op: str, x, w13, w2) -> None:
+    """``w13 [E_local, 2I, H]`` and ``w2 [E_local, H, I]`` fit ``x [T, H]``: one dtype the
+    expert GEMMs take, one device."""
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fusedpar.{op}: w13 must be [E_local, 2I, H] and w2 [E_local, H, I], got "
                          f"{tuple(w13.shape)} and {tuple(w2.shape)}")
@@ -37,6 +39,8 @@ def check_expert_weights(op: str, x, w13, w2) -> None:
 
 @dataclass
 class ExpertsCall:
+    """One rank's ``moe_experts`` call, as the dispatcher and the backends see it."""
+
     x: torch.Tensor
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor

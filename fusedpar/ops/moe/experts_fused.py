@@ -32,6 +32,7 @@ from .exchange import (Permute, Unpermute, checked_counts, host_to_device, permu
 from .experts_call import OP, ExchangePlan, ExpertsCall, host_read_reasons
 from .mlp import weight_grads
 
+
 def _by_owner(table: torch.Tensor, local: int) -> tuple[np.ndarray, np.ndarray]:
     """``table`` (host ``[W, E]``, every rank's copies per expert) as ``[src, owner,
     expert]``: the copies, and where each (owner, expert) block starts in src's sorted copies."""
@@ -163,12 +164,15 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
 
 def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, keep_h: bool = False,
                    copy_back: bool = True):
+    """The forward exchange: ``swiglu(rows @ w13[e]ᵀ) @ w2[e]ᵀ`` of each view's rows."""
     return _fused_exchange(bufs, sorted_xs, [w.transpose(1, 2) for w in w13s],
                            [w.transpose(1, 2) for w in w2s], table, meta, desc, keep_h=keep_h,
                            copy_back=copy_back)
 
 
 def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype) -> tuple[int, list[int]]:
+    """``(meta, desc)``: the fingerprint the ranks' flags compare and the ``layout.DESC``
+    words that describe a mismatch."""
     return (symmetric.fingerprint(OP, dtype, hidden, tuple(w13.shape[1:]), num_experts, k),
             symmetric.describe_words(0, dtype, (hidden, w13.shape[1], num_experts, k), 0))
 
