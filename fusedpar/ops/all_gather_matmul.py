@@ -12,7 +12,8 @@ import torch.distributed as dist
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
 from ..kernels import gemm_peers
 from . import protocol as C
-from .calls import MatmulCall, check_matmul_inputs
+from .calls import CollectiveCall, MatmulCall, check_matmul_inputs, moved_shape
+from .all_gather import DISPATCHER as ALL_GATHER
 from .reduce_scatter import DISPATCHER as REDUCE_SCATTER, reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
@@ -24,12 +25,31 @@ SCHEMA = ("(Tensor A_shard, Tensor[] Bs, int gather_dim, str group_name, *, bool
           "str backend=\"\") -> (Tensor?, Tensor[])")
 
 
+def _check(a, bs, dim: int, world: int) -> int:
+    """``check_matmul_inputs``; gathering A's last dim (K-sharded A), the Bs have W times A's K."""
+    k_sharded = isinstance(a, torch.Tensor) and a.dim() in (2, 3) and dim % a.dim() == a.dim() - 1
+    return check_matmul_inputs(OP, a, bs, dim, "gather_dim",
+                               k=a.shape[-1] * world if k_sharded else None)
+
+
+def _gather_k_then_matmul(call: MatmulCall, gather_backend: str):
+    """A gathered along K (its last dim) by fusedpar's ``all_gather`` on ``gather_backend``,
+    then one matmul per B: every output element needs all of K, so there is no GEMM to
+    overlap the gather with."""
+    gather = CollectiveCall("all_gather", call.x, call.dim, call.world_size, call.group)
+    gathered = ALL_GATHER.select(gather, gather_backend).run(gather)
+    outs = [torch.matmul(gathered, b) for b in call.bs]
+    return (gathered if call.return_a else None), outs
+
+
 class Reference(Backend):
     """All-gather A (``dist.all_gather_single``), then one matmul per B."""
 
     name = "reference"
 
     def run(self, call: MatmulCall):
+        if call.last_dim:
+            return _gather_k_then_matmul(call, self.name)
         world, a = call.world_size, call.rows()
         C.raise_on_mismatch(call)
         gathered = torch.empty(world * a.numel(), dtype=a.dtype, device=a.device)
@@ -43,11 +63,15 @@ class Reference(Backend):
 class Pipelined(Backend):
     """W steps around a ring: the shard received at step s is sent on at step s+1 while
     the GEMMs of step s run (async P2P: gloo on CPU, NCCL's stream on GPU); own shard first.
-    Shards land straight in the gathered buffer, so A_gathered costs no extra copy."""
+    Shards land straight in the gathered buffer, so A_gathered costs no extra copy. A
+    K-sharded A (gathered along its last dim): step s adds ``A_src @ B[K rows of src]`` to
+    an fp32 sum while the next shard travels."""
 
     name = "pipelined"
 
     def run(self, call: MatmulCall):
+        if call.last_dim:
+            return self._run_k_sharded(call)
         group, world = call.group, call.world_size
         rank, left, right = C.ring_neighbours(group)
         C.raise_on_mismatch(call)
@@ -71,6 +95,31 @@ class Pipelined(Backend):
         outs = [call.unflatten(out, world) for out in outs]
         return (call.unflatten(gathered, world) if call.return_a else None), outs
 
+    def _run_k_sharded(self, call: MatmulCall):
+        group, world = call.group, call.world_size
+        rank, left, right = C.ring_neighbours(group)
+        C.raise_on_mismatch(call)
+        a = call.x.flatten(0, -2)  # [rows, k]
+        rows, k = a.shape
+        shards = torch.empty(world, rows, k, dtype=a.dtype, device=a.device)
+        shards[rank].copy_(a)
+        sum_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        sums = [torch.zeros(rows, b.shape[1], dtype=sum_dtype, device=a.device) for b in call.bs]
+        for step in range(world):
+            src = (rank - step) % world
+            if step < world - 1:
+                requests = C.exchange(shards[src], shards[(src - 1) % world], left, right, group)
+            for total, b in zip(sums, call.bs):
+                total += shards[src] @ b[src * k:(src + 1) * k]
+            if step < world - 1:
+                for request in requests:
+                    request.wait()
+        counters.record(OP, self.name, (world - 1) * a.numel() * a.element_size())
+        lead = call.x.shape[:-1]
+        outs = [total.to(a.dtype).view(*lead, -1) for total in sums]
+        gathered = shards.permute(1, 0, 2).reshape(*lead, world * k) if call.return_a else None
+        return gathered, outs
+
 
 class Triton(Backend):
     """Each peer's staged shard is copied into the local gathered buffer, raising this
@@ -88,6 +137,8 @@ class Triton(Backend):
         return C.fused_dtype_reasons(call) + C.triton_reasons(call)
 
     def run(self, call: MatmulCall):
+        if call.last_dim:  # K-sharded: the symmetric-memory all_gather, then the matmuls
+            return _gather_k_then_matmul(call, self.name)
         a = call.rows()
         buf = get_buffer(call.group, a.numel() * a.element_size(), a.device)
         gathered, outs = self.run_views([buf], [a], call, copy_engine=a.is_cuda)[0]
@@ -138,19 +189,24 @@ DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
 def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, *, return_A=True, backend=""):
-    dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
     group = resolve_group(group_name)
-    call = MatmulCall(OP, A_shard, dim, dist.get_world_size(group), group, Bs, return_A)
+    world = dist.get_world_size(group)
+    call = MatmulCall(OP, A_shard, _check(A_shard, Bs, gather_dim, world), world, group, Bs, return_A)
     return DISPATCHER.select(call, backend).run(call)
 
 
 @_all_gather_matmul_op.register_fake
 def _(A_shard, Bs, gather_dim, group_name, *, return_A=True, backend=""):
-    dim = check_matmul_inputs(OP, A_shard, Bs, gather_dim, "gather_dim")
-    shape = list(A_shard.shape)
-    shape[dim] *= dist.get_world_size(resolve_group(group_name))
-    gathered = A_shard.new_empty(shape) if return_A else None
-    return gathered, [A_shard.new_empty(shape[:-1] + [b.shape[1]]) for b in Bs]
+    world = dist.get_world_size(resolve_group(group_name))
+    dim = _check(A_shard, Bs, gather_dim, world)
+
+    def empty(n):  # the backends' layout: contiguous with ``dim`` first, viewed back
+        if dim == A_shard.dim() - 1:
+            return A_shard.new_empty(*A_shard.shape[:-1], n)
+        return A_shard.new_empty(moved_shape(A_shard.shape, dim, world, n)).movedim(0, dim)
+
+    gathered = empty(A_shard.shape[-1] * (world if dim == A_shard.dim() - 1 else 1)) if return_A else None
+    return gathered, [empty(b.shape[1]) for b in Bs]
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -199,6 +255,9 @@ def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tens
     world = len(a_shards)
     call = MatmulCall(OP, first, check_matmul_inputs(OP, first, Bs, gather_dim, "gather_dim"),
                       world, None, Bs, return_A)
+    if call.last_dim:
+        raise ValueError(f"fusedpar.{OP}_loopback: gather_dim={gather_dim} is A's last dim; the "
+                         "loopback runs the fused row gather only (gather a leading dim)")
     backend = DISPATCHER.select(call, "triton")
     rows = [MatmulCall(OP, a, call.dim, world, None, Bs).rows().contiguous() for a in a_shards]
     bufs = get_loopback_buffers(world, rows[0].numel() * rows[0].element_size(), first.device)
@@ -214,11 +273,16 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
         A = torch.cat(dist_all_gather(A_shard, group), dim=gather_dim)   # every rank's shard
         return (A if return_A else None), [A @ B for B in Bs]
 
-    ``A_shard``: 2-D or 3-D, gathered along a leading dim; ``Bs``: ``[K, N_i]`` matrices
-    sharing the gather (q/k/v, gate/up). fp32, fp16 or bf16. ``group`` and ``backend``
-    as in ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``).
-    Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` and ``dB = A_gatheredᵀ dY``
-    (A_gathered is kept from the forward pass). Under ``torch.autocast``, A and the Bs are
+    ``A_shard``: 2-D or 3-D; ``Bs``: ``[K, N_i]`` matrices sharing the gather (q/k/v,
+    gate/up). A leading ``gather_dim`` is what the fused backends overlap with the GEMM;
+    the last (a K-sharded A, ``K = W * A_shard.shape[-1]``) is gathered first on ``triton``
+    and ``reference`` (every output element needs all of K) and summed shard by shard while
+    the next one travels on ``pipelined``. Outputs are laid out as torch's
+    ``symm_mem.fused_all_gather_matmul`` lays them out (a ``movedim`` view for a leading
+    ``gather_dim`` other than 0). fp32, fp16 or bf16. ``group`` and ``backend`` as in
+    ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``).
+    Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` along ``gather_dim`` and
+    ``dB = A_gatheredᵀ dY`` (A_gathered is kept from the forward pass). Under ``torch.autocast``, A and the Bs are
     cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
     A_shard, *Bs = autocast_inputs(A_shard, *Bs)

@@ -101,34 +101,49 @@ class MatmulCall(CollectiveCall):
         """A with ``dim`` moved first, as a ``[rows, K]`` matrix (a copy only if needed)."""
         return self.x.movedim(self.dim, 0).flatten(0, -2)  # not reshape(-1, K): K may be 0
 
+    @property
+    def last_dim(self) -> bool:
+        """Whether ``dim`` is A's last: all_gather_matmul then gathers K (a K-sharded A),
+        matmul_reduce_scatter scatters the output's columns."""
+        return self.dim == self.x.dim() - 1
+
     def unflatten(self, t: torch.Tensor, world: int) -> torch.Tensor:
-        """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank."""
-        lead = self.x.movedim(self.dim, 0).shape[:-1]
-        shape = (world * lead[0], *lead[1:], t.shape[-1])
-        return t.view(shape).movedim(0, self.dim).contiguous()
+        """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank: a
+        ``movedim`` view, the layout torch's symm_mem ops (and their meta kernels) return."""
+        return t.view(moved_shape(self.x.shape, self.dim, world, t.shape[-1])).movedim(0, self.dim)
+
+
+def moved_shape(shape, dim: int, world: int, n: int) -> tuple:
+    """The gathered rows' shape with ``dim`` first: ``shape`` with ``dim`` moved to the front
+    and grown ``world`` times, its last size ``n``."""
+    lead = [shape[dim]] + [s for i, s in enumerate(shape[:-1]) if i != dim]
+    return (world * lead[0], *lead[1:], n)
 
 
 def check_matmul_inputs(op: str, a: torch.Tensor, bs, dim: int, dim_name: str,
-                        dtypes=MATMUL_DTYPES) -> int:
-    """Shapes, dtypes and devices of A and the Bs; returns ``dim`` made non-negative.
+                        dtypes=MATMUL_DTYPES, k: int | None = None) -> int:
+    """Shapes, dtypes and devices of A and the Bs; returns ``dim`` made non-negative. ``k``:
+    the Bs' rows (default A's last size; a K-sharded gather multiplies W times as many).
     Every dtype torch multiplies is accepted here (the plain-torch backends take them all,
     e.g. float64 for gradcheck); the fused backends say which they support."""
     if not isinstance(a, torch.Tensor) or a.dim() not in (2, 3):
         raise ValueError(f"fusedpar.{op}: A must be a 2-D or 3-D tensor, got "
                          f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
-    if not -a.dim() <= dim < a.dim() or dim % a.dim() == a.dim() - 1:
-        raise ValueError(f"fusedpar.{op}: {dim_name}={dim} must be a leading dim of A "
-                         f"(0..{a.dim() - 2}, or -{a.dim()}..-2); A has shape {tuple(a.shape)}")
+    if not -a.dim() <= dim < a.dim():
+        raise ValueError(f"fusedpar.{op}: {dim_name}={dim} is not a dim of A (0..{a.dim() - 1}, "
+                         f"or -{a.dim()}..-1); A has shape {tuple(a.shape)}")
     if len(bs) == 0:
         raise ValueError(f"fusedpar.{op}: Bs is empty; pass at least one [K, N] matrix")
     check_dtype(op, a, dtypes, "A")
-    k = a.shape[-1]
+    k = a.shape[-1] if k is None else k
     for i, b in enumerate(bs):
         if b.dim() != 2:
             raise ValueError(f"fusedpar.{op}: B{f'[{i}]' if len(bs) > 1 else ''} must be 2-D "
                              f"[K, N], got shape {tuple(b.shape)}")
         if b.shape[0] != k:
-            raise ValueError(f"fusedpar.{op}: K mismatch: A.shape[-1] = {k} but "
+            what = f"A.shape[-1] = {k}" if k == a.shape[-1] else \
+                f"A gathered along K has {k} columns ({a.shape[-1]} per rank)"
+            raise ValueError(f"fusedpar.{op}: K mismatch: {what} but "
                              f"B{f'[{i}]' if len(bs) > 1 else ''}.shape[0] = {b.shape[0]}")
         if b.dtype != a.dtype:
             raise TypeError(f"fusedpar.{op}: A is {a.dtype} but B{f'[{i}]' if len(bs) > 1 else ''} "

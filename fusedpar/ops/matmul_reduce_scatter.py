@@ -22,8 +22,21 @@ OP = "matmul_reduce_scatter"
 
 def _check(a, b, reduce_op, dim, world) -> int:
     dim = check_matmul_inputs(OP, a, [b], dim, "scatter_dim")
-    check_scatter(OP, reduce_op, "reduce_op", "A", a.shape[dim], dim, "scatter_dim", world)
+    if dim == a.dim() - 1:  # the output's columns
+        check_scatter(OP, reduce_op, "reduce_op", "A @ B", b.shape[1], dim, "scatter_dim", world)
+    else:
+        check_scatter(OP, reduce_op, "reduce_op", "A", a.shape[dim], dim, "scatter_dim", world)
     return dim
+
+
+def _scatter_columns(call: MatmulCall, backend: str) -> torch.Tensor:
+    """Scattering the output's columns: ``A @ B`` scattered along its last dim is the
+    transpose of ``Bᵀ @ Aᵀ`` scattered along its rows, which the backend runs (on row-major
+    copies, the layouts its kernels are built for)."""
+    a = call.x.flatten(0, -2)
+    t = MatmulCall(OP, call.bs[0].t().contiguous(), 0, call.world_size, call.group,
+                   [a.t().contiguous()], reduce_op=call.reduce_op)
+    return DISPATCHER.select(t, backend).run(t).t().contiguous().view(*call.x.shape[:-1], -1)
 
 
 def _out_shape(call: MatmulCall) -> list[int]:
@@ -182,6 +195,8 @@ def _matmul_reduce_scatter_op(A: torch.Tensor, B: torch.Tensor, reduce_op: str, 
     world = dist.get_world_size(group)
     dim = _check(A, B, reduce_op, scatter_dim, world)
     call = MatmulCall(OP, A, dim, world, group, [B], reduce_op=reduce_op)
+    if call.last_dim:
+        return _scatter_columns(call, backend)
     return DISPATCHER.select(call, backend).run(call)
 
 
@@ -232,6 +247,9 @@ def matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor
             raise ValueError(f"fusedpar.{OP}_loopback: As[{r}] / Bs[{r}] differ from As[0] / Bs[0]")
     dim = _check(As[0], Bs[0], reduce_op, scatter_dim, world)
     call = MatmulCall(OP, As[0], dim, world, None, [Bs[0]], reduce_op=reduce_op)
+    if call.last_dim:
+        raise ValueError(f"fusedpar.{OP}_loopback: scatter_dim={scatter_dim} is the output's "
+                         "last dim; the loopback runs the fused row scatter only (scatter a leading dim)")
     backend = DISPATCHER.select(call, "triton")
     rows = [MatmulCall(OP, a, dim, world, None, [b]).rows() for a, b in zip(As, Bs)]
     nbytes = rows[0].shape[0] * Bs[0].shape[1] * rows[0].element_size()
@@ -247,8 +265,9 @@ def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "su
         fusedpar.ops.reduce_scatter(A @ B, reduce_op, scatter_dim, group)
         # = (sum over ranks of A_r @ B_r).chunk(W, scatter_dim)[rank]   ("avg": / W)
 
-    ``A``: 2-D or 3-D ``[..., K]`` (K is this rank's shard of the contraction),
-    ``A.shape[scatter_dim]`` divisible by the world size; ``B``: ``[K, N]``. fp32, fp16 or
+    ``A``: 2-D or 3-D ``[..., K]`` (K is this rank's shard of the contraction); ``B``:
+    ``[K, N]``; the output's ``scatter_dim`` (a leading dim of A, or the last: N's columns)
+    divisible by the world size. The output is contiguous, as torch's. fp32, fp16 or
     bf16. Backends: ``triton``, ``pipelined``, ``reference``. Differentiable:
     ``dA = all_gather_matmul(dY, Bᵀ)`` and ``dB = Aᵀ all_gather(dY)``. Under
     ``torch.autocast``, A and B are cast to its dtype first, as ``torch.matmul``'s inputs are.

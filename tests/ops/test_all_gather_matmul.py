@@ -5,6 +5,7 @@ import torch.distributed as dist
 import fusedpar
 from tests.ops.collective_cases import (
     capture_errors,
+    cpu_backends,
     interpreter_cast_slack,
     poisoned_allocations,
     rank_data,
@@ -15,7 +16,7 @@ from tests.ops.collective_cases import (
 
 pytestmark = [pytest.mark.timeout(300)]
 
-BACKENDS = ["reference", "pipelined", "triton"]
+BACKENDS = cpu_backends("all_gather_matmul")
 # (A_shard shape, gather_dim, N of each B): 2-D and 3-D, both gather dims, odd sizes
 CASES = [((5, 7), 0, [3]), ((5, 7), 0, [3, 1, 4]), ((2, 3, 6), 0, [5]), ((2, 3, 6), 1, [5, 2]),
          ((1, 1), 0, [1])]
@@ -125,7 +126,8 @@ def _bad_inputs():
     errors = capture_errors({
         "k": lambda: fusedpar.ops.all_gather_matmul(a, [torch.ones(5, 3)], 0),
         "dtype": lambda: fusedpar.ops.all_gather_matmul(a, [b.half()], 0),
-        "last_dim": lambda: fusedpar.ops.all_gather_matmul(a, [b], 1),
+        "last_dim": lambda: fusedpar.ops.all_gather_matmul(a, [b], 1),  # K-sharded: B needs 2 * 6 rows
+        "no_dim": lambda: fusedpar.ops.all_gather_matmul(a, [b], 2),
         "one_d": lambda: fusedpar.ops.all_gather_matmul(torch.ones(6), [b], 0),
         "empty": lambda: fusedpar.ops.all_gather_matmul(a, [], 0),
         "int": lambda: fusedpar.ops.all_gather_matmul(a.int(), [b.int()], 0),
@@ -145,11 +147,12 @@ def test_bad_inputs_give_clear_errors(pools):
     errors = pools(2).run(_bad_inputs)[0]
     assert "K mismatch: A.shape[-1] = 6 but B.shape[0] = 5" in errors["k"][1]
     assert errors["dtype"][0] == "TypeError" and "float16" in errors["dtype"][1]
-    assert "gather_dim=1 must be a leading dim" in errors["last_dim"][1]
+    assert "A gathered along K has 12 columns (6 per rank) but B.shape[0] = 6" in errors["last_dim"][1]
+    assert "gather_dim=2 is not a dim of A" in errors["no_dim"][1]
     assert "2-D or 3-D" in errors["one_d"][1]
     assert "Bs is empty" in errors["empty"][1]
     assert errors["int"][0] == "TypeError" and "A has dtype torch.int32" in errors["int"][1]
-    assert "gather_dim=-1 must be a leading dim" in errors["minus_one"][1]
+    assert "A gathered along K has 12 columns" in errors["minus_one"][1]
     assert "float32, float16 or bfloat16" in errors["fp64_triton"][1]
     for backend in ("pipelined", "triton"):
         assert errors[f"mismatch_{backend}"][0] == "ValueError"
@@ -226,3 +229,42 @@ def _gpu_one_rank_copy_engine():
 def test_gpu_one_rank_copy_engine_producer(pools):
     ((same_a, worst),) = pools(1).run(_gpu_one_rank_copy_engine)
     assert same_a and worst <= 1.0, worst
+
+
+def _torch_layout(a, dim, world, n):
+    """How torch's symm_mem.fused_all_gather_matmul lays out its outputs (its fallback, also
+    its meta kernel): the gathered rows contiguous with ``dim`` first, a movedim view back."""
+    if dim == a.dim() - 1:
+        return torch.empty(*a.shape[:-1], n)
+    shape = [world * a.shape[dim]] + [s for i, s in enumerate(a.shape[:-1]) if i != dim] + [n]
+    return torch.empty(shape).movedim(0, dim)
+
+
+def _check_any_gather_dim(backend):
+    """Every dim of A, the last (a K-sharded A: B has W times its K) included: outputs equal
+    the gathered A times B, laid out as torch's; gradients equal one process's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (shape, dim) in enumerate((((5, 3), 1), ((2, 3, 5), 2), ((2, 3, 5), -1), ((2, 3, 5), 1))):
+        last = dim % len(shape) == len(shape) - 1
+        a = (rank_data(shape, torch.float32, rank, salt=i) - 20).requires_grad_()
+        b = (rank_data((shape[-1] * (world if last else 1), 4), torch.float32, 0, salt=i) / 8).requires_grad_()
+        gathered, (out,) = fusedpar.ops.all_gather_matmul(a, [b], dim, backend=backend)
+        full = _gather(a.detach(), dim)
+        assert torch.equal(gathered, full) and torch.equal(out, (full.double() @ b.double()).float())
+        for t in (gathered, out):
+            assert t.stride() == _torch_layout(a, dim % a.dim(), world, t.shape[-1]).stride(), (shape, dim)
+        grad = rank_data(out.shape, torch.float32, rank, salt=i + 7) / 4  # each rank's own dY
+        out.backward(grad)
+        a1, b1 = full.clone().requires_grad_(), b.detach().clone().requires_grad_()
+        grads = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(grads, grad)
+        sum(((a1 @ b1) * g).sum() for g in grads).backward()
+        assert torch.equal(a.grad, a1.grad.chunk(world, dim)[rank]), (shape, dim)
+        expected_b = full.flatten(0, -2).t() @ grad.flatten(0, -2)
+        assert torch.equal(b.grad, expected_b), (shape, dim)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_any_gather_dim_with_torch_layout_and_gradients(pools, backend):
+    assert pools(2).run(_check_any_gather_dim, backend) == [True, True]

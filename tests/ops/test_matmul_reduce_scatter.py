@@ -5,6 +5,7 @@ import torch.distributed as dist
 import fusedpar
 from tests.ops.collective_cases import (
     capture_errors,
+    cpu_backends,
     interpreter_cast_slack,
     poisoned_allocations,
     rank_data,
@@ -15,7 +16,7 @@ from tests.ops.collective_cases import (
 
 pytestmark = [pytest.mark.timeout(300)]
 
-BACKENDS = ["reference", "pipelined", "triton"]
+BACKENDS = cpu_backends("matmul_reduce_scatter")
 
 
 def _cases(world):
@@ -138,6 +139,7 @@ def _bad_inputs():
         "divisible": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(3, 4), torch.ones(4, 2)),
         "op": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(4, 2), "max"),
         "k": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(3, 2)),
+        "columns": lambda: fusedpar.ops.matmul_reduce_scatter(torch.ones(4, 4), torch.ones(4, 3), "sum", 1),
     })
 
 
@@ -146,6 +148,7 @@ def test_bad_inputs_give_clear_errors(pools):
     assert "A.shape[0] = 3 is not divisible by the world size 2" in errors["divisible"][1]
     assert "'max'" in errors["op"][1]
     assert "K mismatch" in errors["k"][1]
+    assert "A @ B.shape[1] = 3 is not divisible by the world size 2" in errors["columns"][1]
     for backend in ("pipelined", "triton"):
         assert errors[f"mismatch_{backend}"][0] == "ValueError"
         assert "passed different inputs" in errors[f"mismatch_{backend}"][1]
@@ -241,3 +244,33 @@ def test_loopback_side_stream_needs_cuda():
     with pytest.raises(ValueError, match="side_stream=True needs CUDA tensors"):
         fusedpar.ops.matmul_reduce_scatter_loopback([torch.ones(2, 3)] * 2, [torch.ones(3, 4)] * 2,
                                                     side_stream=True)
+
+
+def _check_columns(backend):
+    """Scattering the output's last dim (its columns), 2-D and 3-D, sum and avg: exact, a
+    contiguous output as torch's, and gradients equal one process's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (shape, n) in enumerate((((5, 3), 2 * world), ((2, 3, 5), 3 * world))):
+        for op in ("sum", "avg"):
+            a = (rank_data(shape, torch.float32, rank, salt=i) - 20).requires_grad_()
+            b = (rank_data((shape[-1], n), torch.float32, rank, salt=i) / 8).requires_grad_()
+            with poisoned_allocations():
+                out = fusedpar.ops.matmul_reduce_scatter(a, b, op, -1, backend=backend)
+            total = a.detach().double() @ b.detach().double()
+            dist.all_reduce(total)
+            expected = (total / (world if op == "avg" else 1)).chunk(world, -1)[rank]
+            assert out.is_contiguous() and torch.equal(out, expected.float()), (shape, op)
+            grad = rank_data(out.shape, torch.float32, rank, salt=i + 3) / 4
+            out.backward(grad)
+            grads = [torch.empty_like(grad) for _ in range(world)]
+            dist.all_gather(grads, grad)
+            d_full = torch.cat(grads, -1).double() / (world if op == "avg" else 1)
+            assert torch.equal(a.grad.double(), d_full @ b.detach().double().t()), (shape, op)
+            expected_b = a.detach().double().flatten(0, -2).t() @ d_full.flatten(0, -2)
+            assert torch.equal(b.grad.double(), expected_b), (shape, op)
+    return True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_along_the_output_columns(pools, backend):
+    assert pools(2).run(_check_columns, backend) == [True, True]
