@@ -506,25 +506,27 @@ def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens) -> Ri
 @torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
 def _ring_attention_op(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
     call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
-    return DISPATCHER.select(call, backend).forward(call)
+    out, lse = DISPATCHER.select(call, backend).forward(call)
+    return out.contiguous(), lse.contiguous()  # the fake's layout, whatever the backend's
 
 
 @_ring_attention_op.register_fake
 def _(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
     b, s, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedpar::ring_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def _ring_attention_backward_op(q, k, v, lse, dout, delta, group_name, causal, softmax_scale,
                                 layout, cu_seqlens, backend):
     call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
-    return DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
+    grads = DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
+    return tuple(g.contiguous() for g in grads)
 
 
 @_ring_attention_backward_op.register_fake
 def _(q, k, v, lse, dout, delta, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

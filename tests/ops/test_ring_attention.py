@@ -9,12 +9,12 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.parallel import zigzag_shard, zigzag_unshard
-from tests.ops.collective_cases import capture_errors, stalled_peer_error, subgroup
+from tests.ops.collective_cases import capture_errors, cpu_backends, stalled_peer_error, subgroup
 from tests.ops.test_flash_attention import sdpa64
 
 pytestmark = [pytest.mark.timeout(300)]
 
-BACKENDS = ["pipelined", "allgather_kv", "ulysses", "triton"]
+BACKENDS = cpu_backends("ring_attention")
 # (B, H, H_kv, D): GQA, MQA, odd head dim
 SHAPES = [(2, 4, 2, 16), (1, 4, 1, 24)]
 
@@ -200,19 +200,48 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "passed different inputs" in errors["ranks_differ_triton"][1], errors["ranks_differ_triton"]
 
 
-def _compiled():
+def _compiled(backend):
+    """Compiled forward and backward equal eager. The shapes are the ones that made the
+    ulysses backend's output strides differ from its fake's (K/V heads replicated to W)."""
     name = dist.group.WORLD.group_name
-    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    q = torch.randn(4, 16, 2, 16, requires_grad=True)
+    k, v = (torch.randn(4, 16, 1, 16, requires_grad=True) for _ in range(2))
 
     def attend(q, k, v):
-        return fusedpar.ops.ring_attention(q, k, v, name, causal=True, backend="pipelined")
+        return fusedpar.ops.ring_attention(q, k, v, name, causal=True, backend=backend)
 
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    return torch.equal(compiled(q, k, v), attend(q, k, v))
+    out, expected = compiled(q, k, v), attend(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    return torch.equal(out, expected) and all(
+        torch.equal(g, e) for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))))
 
 
-def test_torch_compile_fullgraph(pools):
-    assert pools(2).run(_compiled) == [True, True]
+@pytest.mark.parametrize("backend", ["pipelined", "ulysses"])
+def test_torch_compile_fullgraph(pools, backend):
+    assert pools(2).run(_compiled, backend) == [True, True]
+
+
+def _layouts_match_the_fake():
+    """Every backend's out and lse have the sizes, strides and dtypes of the fake
+    implementation's (what torch.compile plans with); K/V heads replicated (ulysses)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn(4, 16, 2, 16)
+    k, v = torch.randn(4, 16, 1, 16), torch.randn(4, 16, 1, 16)
+    mismatches = []
+    for backend in BACKENDS:
+        real = fusedpar.ops.ring_attention_with_lse(q, k, v, causal=True, backend=backend)
+        with FakeTensorMode() as mode:
+            fake = fusedpar.ops.ring_attention_with_lse(*map(mode.from_tensor, (q, k, v)),
+                                                        causal=True, backend=backend)
+        mismatches += [(backend, r.shape, r.stride(), r.dtype, f.stride()) for r, f in zip(real, fake)
+                       if (r.shape, r.stride(), r.dtype) != (f.shape, f.stride(), f.dtype)]
+    return mismatches
+
+
+def test_outputs_have_the_fake_implementations_layout(pools):
+    assert pools(2).run(_layouts_match_the_fake) == [[], []]
 
 
 def _ring_triton(x, group):
