@@ -373,7 +373,7 @@ def shm_job_prefix(parent_pid: int | None = None) -> str:
     return f"{SHM_PREFIX}{job}_"
 
 
-def _bounded(work, what: str, group) -> None:
+def bounded_wait(work, what: str, group) -> None:
     """Wait for an async collective at most ``FUSEDPAR_TIMEOUT``; a rank that never joins it
     gives a FusedparTimeoutError naming the step instead of a hang."""
     timeout = timeout_seconds()
@@ -391,7 +391,7 @@ def _bounded(work, what: str, group) -> None:
 
 
 def exchange_strings(text: str, group, what: str) -> list[str]:
-    """Every rank's ``text`` (ASCII, < 256 bytes), with the bounded wait of ``_bounded``."""
+    """Every rank's ``text`` (ASCII, < 256 bytes), with the bounded wait of ``bounded_wait``."""
     raw = text.encode()
     if len(raw) >= 256:
         raise FusedparError(f"{what}: {text!r} is too long to exchange")
@@ -400,7 +400,7 @@ def exchange_strings(text: str, group, what: str) -> list[str]:
     mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * 256, dtype=torch.uint8, device=device)
-    _bounded(_all_gather_single(everyone, mine.to(device), group=group, async_op=True), what, group)
+    bounded_wait(_all_gather_single(everyone, mine.to(device), group=group, async_op=True), what, group)
     return [bytes(row[row.nonzero().flatten()].tolist()).decode()
             for row in everyone.cpu().view(world, 256)]
 
@@ -421,7 +421,7 @@ def _shm_segments(group, nbytes: int):
             for n in names
         ]
         # every rank has mapped every segment
-        _bounded(dist.barrier(group=group, async_op=True), "the symmetric-memory rendezvous", group)
+        bounded_wait(dist.barrier(group=group, async_op=True), "the symmetric-memory rendezvous", group)
     finally:
         os.unlink(path)  # the mappings stay valid; nothing is left on a crash
     return segments

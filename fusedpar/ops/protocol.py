@@ -38,8 +38,53 @@ TRITON_LAUNCHERS = SimpleNamespace(
 CUDA_LAUNCHERS = csrc_launchers
 
 # dist.all_gather_single / reduce_scatter_single replace the *_tensor names in torch 2.13+.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---- collectives and point-to-point transfers whose every wait is bounded -----------------
+# The process group's own timeout (30 minutes on gloo by default) is not fusedpar's: each wait
+# below gives up after FUSEDPAR_TIMEOUT with a FusedparTimeoutError naming what it waited for.
+
+
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.all_gather_single(out, x, group)``, bounded."""
+    symmetric.bounded_wait(_all_gather_single(out, x, group=group, async_op=True), "an all-gather", group)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.reduce_scatter_single(out, x, group)`` (sum), bounded."""
+    symmetric.bounded_wait(_reduce_scatter_single(out, x, group=group, async_op=True),
+                           "a reduce-scatter", group)
+
+
+def all_to_all_single(out: torch.Tensor, x: torch.Tensor, group, out_splits=None, in_splits=None) -> None:
+    """``dist.all_to_all_single(out, x, out_splits, in_splits, group)``, bounded."""
+    symmetric.bounded_wait(dist.all_to_all_single(out, x, out_splits, in_splits, group=group,
+                                                  async_op=True), "an all-to-all", group)
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """``dist.all_reduce(t, op, group)``, bounded."""
+    symmetric.bounded_wait(dist.all_reduce(t, op=op, group=group, async_op=True), "an all-reduce", group)
+
+
+class BoundedWork:
+    """An async send or receive whose ``wait()`` is bounded as the collectives above are."""
+
+    def __init__(self, work, what: str, group):
+        self.work, self.what, self.group = work, what, group
+
+    def wait(self) -> None:
+        symmetric.bounded_wait(self.work, self.what, self.group)
+
+
+def p2p(ops: list, group) -> list[BoundedWork]:
+    """``dist.batch_isend_irecv(ops)``, each request's wait bounded."""
+    peers = ", ".join(f"{'send to' if op.op is dist.isend else 'receive from'} rank {op.peer}"
+                      for op in ops)
+    return [BoundedWork(work, f"a point-to-point exchange ({peers})", group)
+            for work in dist.batch_isend_irecv(ops)]
 
 
 def ring_neighbours(group) -> tuple[int, int, int]:
@@ -51,9 +96,10 @@ def ring_neighbours(group) -> tuple[int, int, int]:
 
 
 def exchange(send: torch.Tensor, recv: torch.Tensor, left: int, right: int, group):
-    """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
-                                   dist.P2POp(dist.irecv, recv, left, group)])
+    """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left;
+    each returned request's ``wait()`` is bounded."""
+    return p2p([dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, recv, left, group)],
+               group)
 
 
 def fused_dtype_reasons(call: CollectiveCall) -> list[str]:

@@ -415,7 +415,7 @@ def _to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
     rest = x.shape[3:]
     send = x.reshape(b, s, world, h // world, *rest).movedim(2, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    C.all_to_all_single(recv, send, group)
     counters.record(OP, "ulysses", (world - 1) * _nbytes(send) // world)
     return recv.movedim(0, 1).reshape(b, world * s, h // world, *rest)
 
@@ -426,7 +426,7 @@ def _to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
     rest = x.shape[3:]
     send = x.reshape(b, world, total // world, hw, *rest).movedim(1, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    C.all_to_all_single(recv, send, group)
     counters.record(OP, "ulysses", (world - 1) * _nbytes(send) // world)
     return recv.permute(1, 2, 0, *range(3, recv.dim())).reshape(b, total // world, world * hw, *rest)
 

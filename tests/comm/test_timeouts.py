@@ -204,3 +204,46 @@ def test_a_recorded_capacity_failure_raises_a_value_error_naming_the_fix():
         buf.finish("moe_dispatch")
     with pytest.raises(FusedparError, match="unusable after an earlier failure"):
         buf.next_epoch()
+
+
+def _missing_peer_in_every_plain_torch_wait():
+    """Rank 1 never calls: rank 0's waits in the backends built on torch.distributed (the
+    pipelined rings' point-to-point transfers, the reference collectives) end after
+    FUSEDPAR_TIMEOUT with a FusedparTimeoutError, not after the process group's 30 minutes."""
+    rank = dist.get_rank()
+    x = torch.ones(8, 4)
+    q = torch.ones(1, 4, 2, 8)
+    calls = {
+        "exchange": lambda g: [w.wait() for w in C.exchange(x, torch.empty_like(x), 1, 1, g)],
+        "all_gather_matmul pipelined": lambda g: fusedpar.ops.all_gather_matmul(
+            x, [torch.ones(4, 3)], 0, g, backend="pipelined"),
+        "matmul_reduce_scatter pipelined": lambda g: fusedpar.ops.matmul_reduce_scatter(
+            x, torch.ones(4, 3), "sum", 0, g, backend="pipelined"),
+        "ring_attention pipelined": lambda g: fusedpar.ops.ring_attention(q, q, q, g, backend="pipelined"),
+        "reduce_scatter reference": lambda g: fusedpar.ops.reduce_scatter(x, "sum", 0, g, backend="reference"),
+    }
+    seen = {}
+    for name, call in calls.items():
+        group = subgroup()  # its own: rank 0's unmatched sends stay in it
+        with env(FUSEDPAR_TIMEOUT=1.0):
+            if rank == 1:
+                time.sleep(1.5)
+                continue
+            start = time.monotonic()
+            try:
+                call(group)
+                seen[name] = "returned"
+            except fusedpar.FusedparTimeoutError as e:
+                seen[name] = (time.monotonic() - start, str(e))
+    return seen
+
+
+def test_waits_on_torch_distributed_are_bounded_too(pools):
+    seen = pools(2).run(_missing_peer_in_every_plain_torch_wait)[0]
+    assert len(seen) == 5
+    for name, result in seen.items():
+        assert result != "returned", name
+        elapsed, message = result
+        assert elapsed < 5, (name, result)
+        assert "timed out after ~1 s" in message, (name, message)
+    assert "point-to-point exchange (send to rank 1, receive from rank 1)" in seen["exchange"][1]

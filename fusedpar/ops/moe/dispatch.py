@@ -123,7 +123,7 @@ class ReferenceDispatch(Backend):
         if M is not None:  # agreed by every rank, so every rank raises
             worst = torch.tensor([x.shape[0], int(recv_counts.max()) if recv_counts.numel() else 0],
                                  device=host_collective_device(group))
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            protocol.all_reduce(worst, group, dist.ReduceOp.MAX)
             if int(worst.max()) > M:
                 raise _capacity_error(M, f"a rank passes {int(worst[0])} tokens and some expert "
                                          f"gets {int(worst[1])} copies from one rank")

@@ -159,7 +159,7 @@ def all_to_all_rows(x, send, recv, group):
     """``dist.all_to_all_single`` of ``x``'s rows, ``send[d]`` rows to rank d and ``recv[s]``
     from rank s (host ints), into a new tensor."""
     out = x.new_empty(sum(recv), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    protocol.all_to_all_single(out, x.contiguous(), group, recv, send)
     return out
 
 

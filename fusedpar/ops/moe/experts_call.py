@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import symmetric
+from .. import protocol
 from .exchange import check_same_everywhere, host_to_device
 
 OP = "moe_experts"
@@ -132,4 +133,4 @@ class ExchangePlan:
             ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(self.group, dst), self.group))
         if recv.shape[0]:
             ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(self.group, src), self.group))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return protocol.p2p(ops, self.group) if ops else []
