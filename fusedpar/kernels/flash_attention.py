@@ -3,9 +3,13 @@
 Forward: one program per (query block, batch, head); it streams K/V blocks with the online
 softmax (base-2 exponent, fp32 statistics) and writes the output and the natural-log
 log-sum-exp ``lse`` (fp32, ``[B, H, S]``; packed: ``[H, T]``). GQA/MQA: query head ``h``
-reads K/V head ``h // (H // H_kv)`` in place (no repeat in memory). Causal masking is
-top-left aligned (key ``j`` is visible to query ``i`` iff ``j <= i``, like SDPA's
-``is_causal``); fully masked K/V blocks are never loaded. The forward and dQ kernels run
+reads K/V head ``h // (H // H_kv)`` in place (no repeat in memory). Masks (``mask_args``):
+causal, or a band (sliding window: key ``j`` is visible to query ``i`` iff
+``i + diag - left <= j <= i + diag + right``), aligned top-left (``diag = 0``, as SDPA's
+``is_causal``) or bottom-right (``diag = S_k - S_q``, as flash-attn); K/V blocks a query
+block cannot see are never loaded, and a row that sees no key gets output 0 and lse -inf.
+Soft-capping (Gemma 2) caps the scaled scores at ``softcap * tanh(s / softcap)`` before the
+mask; the backward multiplies by its derivative. The forward and dQ kernels run
 the K/V blocks that every row of their query block sees whole (most blocks of a long
 sequence) in a loop of their own that computes no mask: masks made up a third of their
 loops' sm_90 instructions. Any head dim ``D <= 256`` runs in a ``BLOCK_D = next_pow2(D)``
@@ -18,9 +22,9 @@ larger computation (ring attention's merged output), which is what makes a block
 backward exact there: ``P = exp(S * scale - lse)`` is then that block's share of the
 global softmax.
 
-Packed sequences (``cu_seqlens``, int32 cumulative ends, flash-attn's convention): batch
-index ``b`` is document ``b``; query and key lengths are equal per document and masking
-never crosses documents.
+Packed sequences (``cu_seqlens``, int32 cumulative ends, flash-attn's convention; k/v's
+own ``cu_seqlens_k`` when their lengths differ): batch index ``b`` is document ``b`` of q
+and of k/v, each masked with its own lengths; masking never crosses documents.
 
 Ring forward (ring_attention's ``triton`` backend), two kernels per ring step:
 ``ring_kv_copy_kernel`` waits for a peer's READY flag (``signal.wait_ready_and_match``:
@@ -100,14 +104,17 @@ INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 @triton.jit
-def _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """``(first row, query length, key length)`` of batch entry / document ``b``."""
+def _seq_bounds(cu_seqlens_q_ptr, cu_seqlens_k_ptr, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """``(first query row, first key row, query length, key length)`` of batch entry /
+    document ``b``."""
     if VARLEN:
-        start = tl.load(cu_seqlens_ptr + b)
-        length = tl.load(cu_seqlens_ptr + b + 1) - start
-        return start, length, length
+        start_q = tl.load(cu_seqlens_q_ptr + b)
+        start_k = tl.load(cu_seqlens_k_ptr + b)
+        return (start_q, start_k, tl.load(cu_seqlens_q_ptr + b + 1) - start_q,
+                tl.load(cu_seqlens_k_ptr + b + 1) - start_k)
     else:
-        return tl.full([], 0, tl.int32), seqlen_q, seqlen_k
+        zero = tl.full([], 0, tl.int32)
+        return zero, zero, seqlen_q, seqlen_k
 
 
 @triton.jit
@@ -121,11 +128,59 @@ def _unmasked_keys(len_k, first_row, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _key_ranges(first_row, len_q, len_k, diag, win_left, win_right, CAUSAL: tl.constexpr,
+                WINDOW: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)`` for the query block of rows ``first_row`` onward: it
+    sees keys in ``[lo, hi)`` only (blocks outside are never loaded), the blocks of
+    ``[full_lo, full_hi)`` whole (no mask); ``lo``, ``full_lo``, ``full_hi`` are block
+    starts. Row ``i``'s band is keys ``i + diag - win_left .. i + diag + win_right``
+    (WINDOW; CAUSAL: up to ``i + diag``)."""
+    if WINDOW:
+        last_row = tl.minimum(first_row + BLOCK_M, len_q) - 1
+        lo = tl.maximum(first_row + diag - win_left, 0) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(tl.minimum(len_k, last_row + diag + win_right + 1), lo)
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last_row + diag - win_left, 0), BLOCK_N) * BLOCK_N, hi)
+        full_hi = tl.maximum(tl.minimum(len_k, tl.maximum(first_row + diag + win_right + 1, 0))
+                             // BLOCK_N * BLOCK_N, full_lo)
+    else:
+        lo = 0
+        full_lo = 0
+        hi = len_k
+        if CAUSAL:
+            hi = tl.minimum(len_k, first_row + diag + BLOCK_M)
+        if BOTTOM_RIGHT:  # rows before len_q - len_k see no key
+            full_hi = _unmasked_keys(len_k, tl.maximum(first_row + diag, 0), CAUSAL, BLOCK_N)
+        else:
+            full_hi = _unmasked_keys(len_k, first_row, CAUSAL, BLOCK_N)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _in_band(visible, keys, diags, win_left, win_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``visible`` where each key is in its query row's band (``diags``: the row's diagonal
+    key; ``keys`` and ``diags`` broadcast to ``visible``)."""
+    if CAUSAL:
+        visible = visible & (keys <= diags)
+    if WINDOW:
+        visible = visible & (keys >= diags - win_left) & (keys <= diags + win_right)
+    return visible
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 (1 at +inf, -1 at -inf)."""
+    return 1.0 - 2.0 / (1.0 + tl.exp2(x * 2.8853900817779268))
+
+
+@triton.jit
 def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d_ok, visible,
-                  m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
+                  m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, MASKED: tl.constexpr = True,
+                  cap_in=1.0, SOFTCAP: tl.constexpr = False):
     """One online-softmax step: fold keys ``cols`` (``visible[row, key]``) into the running
     row max ``m_i`` (base 2), row sum ``l_i`` and fp32 output ``acc``. Not ``MASKED``: every
-    row sees every key (``n_ok`` and ``visible`` unused), so no mask is computed."""
+    row sees every key (``n_ok`` and ``visible`` unused), so no mask is computed. SOFTCAP:
+    scores are ``qk_scale * tanh(q.k * cap_in)``."""
     if MASKED:
         k_ok = n_ok[None, :] & d_ok[:, None]
         v_ok = n_ok[:, None] & d_ok[None, :]
@@ -133,7 +188,10 @@ def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d
         k_ok = d_ok[:, None]
         v_ok = d_ok[None, :]
     kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=k_ok, other=0.0)
-    qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST) * qk_scale
+    qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
+    if SOFTCAP:
+        qk = _tanh(qk * cap_in)
+    qk = qk * qk_scale
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -147,31 +205,45 @@ def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d
 
 @triton.jit
 def _store_rows(o_rows, stride_os, lse_rows, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc):
-    """Normalise and store the output rows and their natural-log lse."""
+    """Normalise and store the output rows and their natural-log lse (a row that saw no key:
+    output 0, lse -inf)."""
+    l_div = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(o_rows + offs_m[:, None] * stride_os + offs_d[None, :],
-             (acc / l_i[:, None]).to(o_rows.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+             (acc / l_div[:, None]).to(o_rows.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(lse_rows + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_ok)
 
 
 @triton.jit
-def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr, sm_scale,
+def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """``(qk_scale, cap_in)``: base-2 scores are ``qk_scale * q.k``, or with SOFTCAP
+    ``qk_scale * tanh(q.k * cap_in)`` (``softcap * tanh(q.k * sm_scale / softcap)``)."""
+    if SOFTCAP:
+        return softcap * 1.4426950408889634, sm_scale / softcap
+    else:
+        return sm_scale * 1.4426950408889634, 1.0
+
+
+@triton.jit
+def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                     sm_scale, softcap, win_left, win_right,
                      n_heads, kv_group, seqlen_q, seqlen_k, head_dim, m_blocks,
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                      stride_lb, stride_lh,
-                     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)  # (query block, batch, head) flattened on the long axis
     m_block = pid % m_blocks
     b = (pid // m_blocks) // n_heads
     h = (pid // m_blocks) % n_heads
     hk = h // kv_group
-    start, len_q, len_k = _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    start_q, start_k, len_q, len_k = _seq_bounds(cu_seqlens_q_ptr, cu_seqlens_k_ptr, b, seqlen_q,
+                                                 seqlen_k, VARLEN)
     if m_block * BLOCK_M < len_q:
-        row0 = start.to(tl.int64)
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + row0 * stride_qs + h * stride_qh
-        k_base = k_ptr + b.to(tl.int64) * stride_kb + row0 * stride_ks + hk * stride_kh
-        v_base = v_ptr + b.to(tl.int64) * stride_vb + row0 * stride_vs + hk * stride_vh
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + start_q.to(tl.int64) * stride_qs + h * stride_qh
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + start_k.to(tl.int64) * stride_ks + hk * stride_kh
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + start_k.to(tl.int64) * stride_vs + hk * stride_vh
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
@@ -179,50 +251,66 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr, sm_sca
         m_ok = offs_m < len_q
         q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        qk_scale = sm_scale * 1.4426950408889634  # exponents in base 2
+        qk_scale, cap_in = _scales(sm_scale, softcap, SOFTCAP)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = len_k
-        if CAUSAL:
-            hi = tl.minimum(len_k, (m_block + 1) * BLOCK_M)
+        diag = 0  # the key on query row 0's diagonal
+        if BOTTOM_RIGHT:
+            diag = len_k - len_q
+        lo, full_lo, full_hi, hi = _key_ranges(m_block * BLOCK_M, len_q, len_k, diag, win_left,
+                                               win_right, CAUSAL, WINDOW, BOTTOM_RIGHT, BLOCK_M,
+                                               BLOCK_N)
         # key blocks that every row sees whole go without masks (most of a long sequence);
-        # then the causal diagonal and the tail past len_k, masked
-        full = _unmasked_keys(len_k, m_block * BLOCK_M, CAUSAL, BLOCK_N)
-        for start_n in range(0, full, BLOCK_N):
+        # the window's left edge before them, the diagonal or right edge and the tail past
+        # len_k after them, masked
+        if WINDOW:
+            for start_n in range(lo, full_lo, BLOCK_N):
+                cols = start_n + offs_n
+                n_ok = cols < len_k
+                visible = _in_band(n_ok[None, :], cols[None, :], (offs_m + diag)[:, None],
+                                   win_left, win_right, CAUSAL, WINDOW)
+                m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok,
+                                              offs_d, d_ok, visible, m_i, l_i, acc, qk_scale,
+                                              UPCAST, True, cap_in, SOFTCAP)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, start_n + offs_n,
                                           m_ok, offs_d, d_ok, m_ok, m_i, l_i, acc, qk_scale, UPCAST,
-                                          MASKED=False)
-        for start_n in range(full, hi, BLOCK_N):
+                                          False, cap_in, SOFTCAP)
+        for start_n in range(full_hi, hi, BLOCK_N):
             cols = start_n + offs_n
             n_ok = cols < len_k
-            visible = n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None])
+            visible = _in_band(n_ok[None, :], cols[None, :], (offs_m + diag)[:, None], win_left,
+                               win_right, CAUSAL, WINDOW)
             m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d,
-                                          d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST)
-        _store_rows(o_ptr + b.to(tl.int64) * stride_ob + row0 * stride_os + h * stride_oh, stride_os,
-                    lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + start, offs_m, m_ok,
+                                          d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST, True,
+                                          cap_in, SOFTCAP)
+        _store_rows(o_ptr + b.to(tl.int64) * stride_ob + start_q.to(tl.int64) * stride_os
+                    + h * stride_oh, stride_os,
+                    lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + start_q, offs_m, m_ok,
                     offs_d, d_ok, m_i, l_i, acc)
 
 
 @triton.jit
 def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                          cu_seqlens_ptr, sm_scale, n_kv_heads, kv_group, seqlen_q, seqlen_k,
-                          head_dim, n_blocks,
+                          cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale, softcap, win_left,
+                          win_right, n_kv_heads, kv_group, seqlen_q, seqlen_k, head_dim, n_blocks,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                           stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                           stride_lb, stride_lh,
-                          CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                          SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)  # (key block, batch, KV head)
     n_block = pid % n_blocks
     b = (pid // n_blocks) // n_kv_heads
     hk = (pid // n_blocks) % n_kv_heads
-    start, len_q, len_k = _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    start_q, start_k, len_q, len_k = _seq_bounds(cu_seqlens_q_ptr, cu_seqlens_k_ptr, b, seqlen_q,
+                                                 seqlen_k, VARLEN)
     if n_block * BLOCK_N < len_k:
-        row0 = start.to(tl.int64)
+        row0 = start_q.to(tl.int64)
+        key0 = start_k.to(tl.int64)
         b64 = b.to(tl.int64)
         offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -230,22 +318,33 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         d_ok = offs_d < head_dim
         n_ok = offs_n < len_k
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + b64 * stride_kb + row0 * stride_ks + hk * stride_kh
+        k = tl.load(k_ptr + b64 * stride_kb + key0 * stride_ks + hk * stride_kh
                     + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + b64 * stride_vb + row0 * stride_vs + hk * stride_vh
+        v = tl.load(v_ptr + b64 * stride_vb + key0 * stride_vs + hk * stride_vh
                     + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale, cap_in = _scales(sm_scale, softcap, SOFTCAP)
+        # the query rows whose band meets these keys: [lo, hi)
+        diag = 0
+        if BOTTOM_RIGHT:
+            diag = len_k - len_q
         lo = 0
-        if CAUSAL:
-            lo = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier rows see none of these keys
+        hi = len_q
+        if CAUSAL:  # earlier rows see none of these keys
+            if BOTTOM_RIGHT:
+                lo = tl.maximum(n_block * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
+            else:
+                lo = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M
+        if WINDOW:
+            lo = tl.maximum(n_block * BLOCK_N - diag - win_right, 0) // BLOCK_M * BLOCK_M
+            hi = tl.minimum(len_q, tl.minimum(n_block * BLOCK_N + BLOCK_N, len_k) - diag + win_left)
         for j in range(0, kv_group):
             h = hk * kv_group + j
             q_base = q_ptr + b64 * stride_qb + row0 * stride_qs + h * stride_qh
             do_base = do_ptr + b64 * stride_dob + row0 * stride_dos + h * stride_doh
-            stat_base = b64 * stride_lb + h * stride_lh + start
-            for start_m in range(lo, len_q, BLOCK_M):
+            stat_base = b64 * stride_lb + h * stride_lh + start_q
+            for start_m in range(lo, hi, BLOCK_M):
                 rows = start_m + offs_m
                 m_ok = rows < len_q
                 qt = tl.load(q_base + rows[None, :] * stride_qs + offs_d[:, None],
@@ -253,33 +352,37 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
                 lse = tl.load(lse_ptr + stat_base + rows, mask=m_ok, other=0.0)
                 delta = tl.load(delta_ptr + stat_base + rows, mask=m_ok, other=0.0)
                 qkt = mma(k, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+                if SOFTCAP:
+                    qkt = _tanh(qkt * cap_in)
                 pt = tl.exp2(qkt * qk_scale - lse[None, :] * 1.4426950408889634)
-                visible = n_ok[:, None] & m_ok[None, :]
-                if CAUSAL:
-                    visible = visible & (offs_n[:, None] <= rows[None, :])
+                visible = _in_band(n_ok[:, None] & m_ok[None, :], offs_n[:, None],
+                                   (rows + diag)[None, :], win_left, win_right, CAUSAL, WINDOW)
                 pt = tl.where(visible, pt, 0.0)
                 do = tl.load(do_base + rows[:, None] * stride_dos + offs_d[None, :],
                              mask=m_ok[:, None] & d_ok[None, :], other=0.0)
                 dv = mma(pt.to(do.dtype), do, dv, UPCAST)
                 dpt = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
                 dst = pt * (dpt - delta[None, :])
+                if SOFTCAP:  # d tanh
+                    dst = dst * (1.0 - qkt * qkt)
                 dk = mma(dst.to(qt.dtype), tl.trans(qt), dk, UPCAST)
         dk = dk * sm_scale
-        tl.store(dk_ptr + b64 * stride_dkb + row0 * stride_dks + hk * stride_dkh
+        tl.store(dk_ptr + b64 * stride_dkb + key0 * stride_dks + hk * stride_dkh
                  + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
                  mask=kv_mask)
-        tl.store(dv_ptr + b64 * stride_dvb + row0 * stride_dvs + hk * stride_dvh
+        tl.store(dv_ptr + b64 * stride_dvb + key0 * stride_dvs + hk * stride_dvh
                  + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty),
                  mask=kv_mask)
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, cols, offs_m, m_ok, len_k,
-              offs_d, d_ok, qk_scale, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+def _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, cols, diags, m_ok, len_k,
+              offs_d, d_ok, qk_scale, cap_in, win_left, win_right, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
               MASKED: tl.constexpr):
-    """``dq`` plus the keys ``cols``' share (``lse`` already in base 2). Not ``MASKED``:
-    every row sees every key (a key past ``len_k`` must be masked: its zero K row would turn
-    an overflowed ``p`` into NaN)."""
+    """``dq`` plus the keys ``cols``' share (``lse`` already in base 2; ``diags``: each
+    row's diagonal key). Not ``MASKED``: every row sees every key (a key past ``len_k`` must
+    be masked: its zero K row would turn an overflowed ``p`` into NaN)."""
     if MASKED:
         n_ok = cols < len_k
         kv_ok = n_ok[None, :] & d_ok[:, None]
@@ -288,33 +391,40 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, cols,
     kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=kv_ok, other=0.0)
     vt = tl.load(v_base + cols[None, :] * stride_vs + offs_d[:, None], mask=kv_ok, other=0.0)
     qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
+    if SOFTCAP:
+        qk = _tanh(qk * cap_in)
     p = tl.exp2(qk * qk_scale - lse[:, None])
     if MASKED:
-        visible = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None])
+        visible = _in_band(m_ok[:, None] & n_ok[None, :], cols[None, :], diags[:, None], win_left,
+                           win_right, CAUSAL, WINDOW)
         p = tl.where(visible, p, 0.0)
     dp = mma(do, vt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:  # d tanh
+        ds = ds * (1.0 - qk * qk)
     return mma(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST)
 
 
 @triton.jit
-def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
-                        sm_scale, n_heads, kv_group, seqlen_q, seqlen_k, head_dim, m_blocks,
+def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q_ptr,
+                        cu_seqlens_k_ptr, sm_scale, softcap, win_left, win_right, n_heads, kv_group,
+                        seqlen_q, seqlen_k, head_dim, m_blocks,
                         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                         stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
-                        CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                        SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)  # (query block, batch, head)
     m_block = pid % m_blocks
     b = (pid // m_blocks) // n_heads
     h = (pid // m_blocks) % n_heads
     hk = h // kv_group
-    start, len_q, len_k = _seq_bounds(cu_seqlens_ptr, b, seqlen_q, seqlen_k, VARLEN)
+    start_q, start_k, len_q, len_k = _seq_bounds(cu_seqlens_q_ptr, cu_seqlens_k_ptr, b, seqlen_q,
+                                                 seqlen_k, VARLEN)
     if m_block * BLOCK_M < len_q:
-        row0 = start.to(tl.int64)
+        row0 = start_q.to(tl.int64)
+        key0 = start_k.to(tl.int64)
         b64 = b.to(tl.int64)
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -326,26 +436,35 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                     + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
         do = tl.load(do_ptr + b64 * stride_dob + row0 * stride_dos + h * stride_doh
                      + offs_m[:, None] * stride_dos + offs_d[None, :], mask=row_mask, other=0.0)
-        stat_base = b64 * stride_lb + h * stride_lh + start
+        stat_base = b64 * stride_lb + h * stride_lh + start_q
         lse = tl.load(lse_ptr + stat_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_m, mask=m_ok, other=0.0)
-        k_base = k_ptr + b64 * stride_kb + row0 * stride_ks + hk * stride_kh
-        v_base = v_ptr + b64 * stride_vb + row0 * stride_vs + hk * stride_vh
-        qk_scale = sm_scale * 1.4426950408889634
+        k_base = k_ptr + b64 * stride_kb + key0 * stride_ks + hk * stride_kh
+        v_base = v_ptr + b64 * stride_vb + key0 * stride_vs + hk * stride_vh
+        qk_scale, cap_in = _scales(sm_scale, softcap, SOFTCAP)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = len_k
-        if CAUSAL:
-            hi = tl.minimum(len_k, (m_block + 1) * BLOCK_M)
-        # as in the forward: whole key blocks without masks, then the diagonal and the tail
-        full = _unmasked_keys(len_k, m_block * BLOCK_M, CAUSAL, BLOCK_N)
-        for start_n in range(0, full, BLOCK_N):
+        diag = 0
+        if BOTTOM_RIGHT:
+            diag = len_k - len_q
+        diags = offs_m + diag
+        lo, full_lo, full_hi, hi = _key_ranges(m_block * BLOCK_M, len_q, len_k, diag, win_left,
+                                               win_right, CAUSAL, WINDOW, BOTTOM_RIGHT, BLOCK_M,
+                                               BLOCK_N)
+        # as in the forward: the window's left edge, whole key blocks without masks, then the
+        # diagonal or right edge and the tail
+        if WINDOW:
+            for start_n in range(lo, full_lo, BLOCK_N):
+                dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs,
+                               start_n + offs_n, diags, m_ok, len_k, offs_d, d_ok, qk_scale, cap_in,
+                               win_left, win_right, CAUSAL, WINDOW, SOFTCAP, UPCAST, MASKED=True)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs,
-                           start_n + offs_n, offs_m, m_ok, len_k, offs_d, d_ok, qk_scale, CAUSAL,
-                           UPCAST, MASKED=False)
-        for start_n in range(full, hi, BLOCK_N):
+                           start_n + offs_n, diags, m_ok, len_k, offs_d, d_ok, qk_scale, cap_in,
+                           win_left, win_right, CAUSAL, WINDOW, SOFTCAP, UPCAST, MASKED=False)
+        for start_n in range(full_hi, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs,
-                           start_n + offs_n, offs_m, m_ok, len_k, offs_d, d_ok, qk_scale, CAUSAL,
-                           UPCAST, MASKED=True)
+                           start_n + offs_n, diags, m_ok, len_k, offs_d, d_ok, qk_scale, cap_in,
+                           win_left, win_right, CAUSAL, WINDOW, SOFTCAP, UPCAST, MASKED=True)
         dq = dq * sm_scale
         tl.store(dq_ptr + b64 * stride_dqb + row0 * stride_dqs + h * stride_dqh
                  + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
@@ -491,46 +610,89 @@ def _stat_strides(lse: torch.Tensor):
     return lse.stride(0), lse.stride(1)
 
 
-def _geometry(q, k, cu_seqlens, max_seqlen):
-    """``(batch, seqlen_q, seqlen_k, cu_seqlens or a dummy pointer, varlen)``."""
-    if cu_seqlens is not None:  # the kernels read it with stride 1
-        return cu_seqlens.numel() - 1, max_seqlen, max_seqlen, cu_seqlens.contiguous(), True
-    return q.shape[0], q.shape[1], k.shape[1], q, False  # q: any pointer; never read
+def _geometry(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k):
+    """``(batch, seqlen_q, seqlen_k, cu_q, cu_k, varlen)``; packed: the longest documents,
+    and ``cu_k is cu_q`` when k's documents are q's."""
+    if cu_seqlens is not None:  # the kernels read them with stride 1
+        cu_q = cu_seqlens.contiguous()
+        cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.contiguous()
+        return cu_q.numel() - 1, max_seqlen, max_seqlen_k or max_seqlen, cu_q, cu_k, True
+    return q.shape[0], q.shape[1], k.shape[1], q, q, False  # q: any pointer; never read
+
+
+def mask_args(causal: bool, window: tuple[int, int], softcap: float, bottom_right: bool,
+              seqlen_q: int, seqlen_k: int, same_lengths: bool):
+    """``(constexprs, runtime args)`` of a mask: row ``i`` sees keys ``i + diag - left`` to
+    ``i + diag + right`` (``diag`` 0, or ``len_k - len_q`` bottom-right; -1 unbounded);
+    causal sets ``right = 0`` (flash-attn's rule). A side at least as long as the sequences
+    is unbounded, and the kernels get the simplest variant: none (no mask), CAUSAL
+    (``right = 0`` only) or WINDOW (a runtime band; an unbounded side there is
+    ``seqlen_q + seqlen_k``, past every key)."""
+    left, right = window
+    right = 0 if causal else right
+    longest = max(seqlen_q, seqlen_k)
+    left, right = (-1 if side >= longest else side for side in (left, right))
+    is_causal = left < 0 and right == 0
+    is_window = not is_causal and (left >= 0 or right >= 0)
+    unbounded = seqlen_q + seqlen_k
+    consts = dict(CAUSAL=is_causal, WINDOW=is_window,
+                  BOTTOM_RIGHT=bool(bottom_right) and (is_causal or is_window) and not same_lengths,
+                  SOFTCAP=softcap > 0)
+    if not is_window:
+        left = right = 0
+    runtime = (float(softcap) if softcap > 0 else 1.0, unbounded if left < 0 else left,
+               unbounded if right < 0 else right)
+    return consts, runtime
 
 
 def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seqlens=None,
-                       max_seqlen: int = 0, config: dict | None = None) -> None:
-    """Fill ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_q]``, packed ``[H, T]``).
+                       max_seqlen: int = 0, config: dict | None = None, *,
+                       window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       bottom_right: bool = False, cu_seqlens_k=None, max_seqlen_k: int = 0) -> None:
+    """Fill ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_q]``, packed ``[H, T_q]``).
 
     q: ``[B, S_q, H, D]``, k/v: ``[B, S_k, H_kv, D]`` (``H % H_kv == 0``), or packed
-    ``[T, H, D]`` with ``cu_seqlens`` (int32, ``[docs + 1]``) and ``max_seqlen``; the last dim
-    of every tensor contiguous. Checks are the op's job."""
-    batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
+    ``[T, H, D]`` with ``cu_seqlens`` (int32, ``[docs + 1]``) and ``max_seqlen`` (k/v's:
+    ``cu_seqlens_k`` and ``max_seqlen_k``, default q's); the last dim of every tensor
+    contiguous. ``window``, ``bottom_right``: see ``mask_args``; ``softcap > 0``: scores
+    ``softcap * tanh(scores / softcap)``. A row that sees no key gets output 0 and lse
+    -inf. Checks are the op's job."""
+    batch, seqlen_q, seqlen_k, cu_q, cu_k, varlen = _geometry(q, k, cu_seqlens, max_seqlen,
+                                                              cu_seqlens_k, max_seqlen_k)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    masks, mask_values = mask_args(causal, window, softcap, bottom_right, seqlen_q, seqlen_k,
+                                   cu_k is cu_q if varlen else seqlen_q == seqlen_k)
     cfg = attn_config(head_dim, q.device, "fwd", config)
     m_blocks = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
     grid = (m_blocks * batch * n_heads,)
     if grid[0] == 0:
         return
     flash_fwd_kernel[grid](
-        q, k, v, out, lse, cu, sm_scale, n_heads, n_heads // n_kv_heads, seqlen_q, seqlen_k,
-        head_dim, m_blocks, *_layout(q), *_layout(k), *_layout(v), *_layout(out), *_stat_strides(lse),
-        CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_D=block_d(head_dim), UPCAST=interpreting(),
+        q, k, v, out, lse, cu_q, cu_k, sm_scale, *mask_values, n_heads, n_heads // n_kv_heads,
+        seqlen_q, seqlen_k, head_dim, m_blocks, *_layout(q), *_layout(k), *_layout(v),
+        *_layout(out), *_stat_strides(lse), **masks, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim), UPCAST=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_scale: float,
-                        cu_seqlens=None, max_seqlen: int = 0, config: dict | None = None) -> None:
-    """Fill ``dq``, ``dk``, ``dv`` (shaped like q, k, v) for upstream ``do``.
+                        cu_seqlens=None, max_seqlen: int = 0, config: dict | None = None, *,
+                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        bottom_right: bool = False, cu_seqlens_k=None, max_seqlen_k: int = 0) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (shaped like q, k, v) for upstream ``do``; the mask and
+    packing as in ``flash_attn_forward``.
 
     ``lse``: the forward's log-sum-exp; ``delta``: ``rowsum(do * out) - dlse``, fp32, laid out
     like ``lse``. Both may come from a larger attention that this call is a block of."""
-    batch, seqlen_q, seqlen_k, cu, varlen = _geometry(q, k, cu_seqlens, max_seqlen)
+    batch, seqlen_q, seqlen_k, cu_q, cu_k, varlen = _geometry(q, k, cu_seqlens, max_seqlen,
+                                                              cu_seqlens_k, max_seqlen_k)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    masks, mask_values = mask_args(causal, window, softcap, bottom_right, seqlen_q, seqlen_k,
+                                   cu_k is cu_q if varlen else seqlen_q == seqlen_k)
+
     def launch_options(kernel: str) -> dict:
         cfg = attn_config(head_dim, q.device, kernel, config)
-        return dict(CAUSAL=causal, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        return dict(**masks, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                     BLOCK_D=block_d(head_dim), UPCAST=interpreting(), num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])
 
@@ -539,16 +701,16 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
     n_blocks = triton.cdiv(seqlen_k, options["BLOCK_N"])
     if n_blocks * batch * n_kv_heads:
         flash_bwd_dkdv_kernel[(n_blocks * batch * n_kv_heads,)](
-            q, k, v, do, lse, delta, dk, dv, cu, sm_scale, n_kv_heads, n_heads // n_kv_heads,
-            seqlen_q, seqlen_k, head_dim, n_blocks, *strides, *_layout(dk), *_layout(dv),
-            *_stat_strides(lse), **options)
+            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, sm_scale, *mask_values, n_kv_heads,
+            n_heads // n_kv_heads, seqlen_q, seqlen_k, head_dim, n_blocks, *strides, *_layout(dk),
+            *_layout(dv), *_stat_strides(lse), **options)
     options = launch_options("dq")
     m_blocks = triton.cdiv(seqlen_q, options["BLOCK_M"])
     if m_blocks * batch * n_heads:
         flash_bwd_dq_kernel[(m_blocks * batch * n_heads,)](
-            q, k, v, do, lse, delta, dq, cu, sm_scale, n_heads, n_heads // n_kv_heads,
-            seqlen_q, seqlen_k, head_dim, m_blocks, *strides, *_layout(dq), *_stat_strides(lse),
-            **options)
+            q, k, v, do, lse, delta, dq, cu_q, cu_k, sm_scale, *mask_values, n_heads,
+            n_heads // n_kv_heads, seqlen_q, seqlen_k, head_dim, m_blocks, *strides, *_layout(dq),
+            *_stat_strides(lse), **options)
 
 
 def ring_copy_programs(pieces: int, sms: int | None) -> int:
@@ -609,23 +771,33 @@ def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, src: int, rows:
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+# The mask variants compiled ahead of time (``mask_args`` picks them): causal; a sliding
+# window (Mistral, Qwen2); window and softcap (Gemma 2's local layers); causal and softcap
+# (its global layers); bottom-right causal over packed documents whose q and k lengths
+# differ (chunked prefill)
+MASK_VARIANTS = [dict(CAUSAL=True), dict(WINDOW=True), dict(WINDOW=True, SOFTCAP=True),
+                 dict(CAUSAL=True, SOFTCAP=True), dict(CAUSAL=True, BOTTOM_RIGHT=True, VARLEN=True)]
+
+
 def _aot_examples():
     i32 = "i32"
+    cu_seqlens = {"cu_seqlens_q_ptr": "*i32", "cu_seqlens_k_ptr": "*i32"}
+    mask_values = {"sm_scale": "fp32", "softcap": "fp32", "win_left": i32, "win_right": i32}
     strides4 = {f"stride_{t}{a}": i32 for t in ("q", "k", "v", "o") for a in "bsh"}
     fwd_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
-               "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "sm_scale": "fp32", "n_heads": i32,
+               "lse_ptr": "*fp32", **cu_seqlens, **mask_values, "n_heads": i32,
                "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32, "head_dim": i32, "m_blocks": i32,
                **strides4, "stride_lb": i32, "stride_lh": i32}
     grad_strides = {f"stride_{t}{a}": i32 for t in ("q", "k", "v", "do") for a in "bsh"}
     dkdv_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "do_ptr": "*bf16",
                 "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": "*bf16", "dv_ptr": "*bf16",
-                "cu_seqlens_ptr": "*i32", "sm_scale": "fp32", "n_kv_heads": i32, "kv_group": i32,
+                **cu_seqlens, **mask_values, "n_kv_heads": i32, "kv_group": i32,
                 "seqlen_q": i32, "seqlen_k": i32, "head_dim": i32, "n_blocks": i32, **grad_strides,
                 **{f"stride_{t}{a}": i32 for t in ("dk", "dv") for a in "bsh"},
                 "stride_lb": i32, "stride_lh": i32}
     dq_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "do_ptr": "*bf16",
-              "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*bf16", "cu_seqlens_ptr": "*i32",
-              "sm_scale": "fp32", "n_heads": i32, "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32,
+              "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*bf16", **cu_seqlens,
+              **mask_values, "n_heads": i32, "kv_group": i32, "seqlen_q": i32, "seqlen_k": i32,
               "head_dim": i32, "m_blocks": i32, **grad_strides,
               **{f"stride_dq{a}": i32 for a in "bsh"}, "stride_lb": i32, "stride_lh": i32}
     step_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "acc_ptr": "*fp32", "stat_ptr": "*fp32",
@@ -650,9 +822,11 @@ def _aot_examples():
                                       (flash_bwd_dkdv_kernel, dkdv_sig, "dkdv"),
                                       (flash_bwd_dq_kernel, dq_sig, "dq")):
                 cfg = _TABLES[name][table][d]
-                consts = dict(CAUSAL=True, VARLEN=False, BLOCK_M=cfg["BLOCK_M"],
-                              BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d, UPCAST=False)
-                out.append((kernel, sig, consts, options(name, d)))
+                for variant in MASK_VARIANTS:
+                    consts = {**dict(CAUSAL=False, WINDOW=False, BOTTOM_RIGHT=False, SOFTCAP=False,
+                                     VARLEN=False), **variant, "BLOCK_M": cfg["BLOCK_M"],
+                              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "UPCAST": False}
+                    out.append((kernel, sig, consts, options(name, d)))
             cfg = _TABLES["ring"][table][d]
             # the own (causal) block first, a peer's block in the middle (state in and
             # out), a peer's block last

@@ -147,10 +147,26 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
                          "(causality is applied by the kernel)")
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     causal = bool(causal if causal is not None else True)
+    _refuse_window_and_softcap(cp, query.shape[2], kwargs.get("sliding_window"), kwargs.get("softcap"))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attention_mask is None:
         return cp.attend(q, k, v, causal, scaling), None
     return cp.attend_padded(q, k, v, attention_mask, causal, scaling), None
+
+
+def _refuse_window_and_softcap(cp: ContextParallelAttention, local_len: int, sliding_window,
+                               softcap) -> None:
+    """A layer's ``sliding_window`` (HF's: each token sees itself and the ``sliding_window - 1``
+    before it) shorter than the whole sequence, or its ``softcap``, raises: ring_attention
+    has neither, and ignoring them would compute another model's attention."""
+    seq = local_len * dist.get_world_size(resolve_group(cp.group))
+    used = [f"sliding_window={sliding_window} (shorter than the sequence, {seq} tokens)"] \
+        if sliding_window is not None and sliding_window < seq else []
+    used += [f"softcap={softcap}"] if softcap else []
+    if used:
+        raise NotImplementedError(f"fusedpar_cp attention: this layer uses {' and '.join(used)}, "
+                                  "which fusedpar's ring attention does not apply yet; run it "
+                                  "without context parallelism (cp=1)")
 
 
 def padding_mask_only(*args, attention_mask=None, **kwargs):

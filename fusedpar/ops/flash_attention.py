@@ -13,18 +13,21 @@ from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
 
 OP = "flash_attention"
-SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, Tensor? cu_seqlens, "
-          "int max_seqlen, str backend) -> (Tensor, Tensor)")
-BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tensor delta, bool causal, "
-                   "float softmax_scale, Tensor? cu_seqlens, int max_seqlen, str backend) "
+MASK_SCHEMA = ("bool causal, float softmax_scale, int window_left, int window_right, float softcap, "
+               "bool bottom_right, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+               "int max_seqlen_k, str backend")
+SCHEMA = f"(Tensor q, Tensor k, Tensor v, {MASK_SCHEMA}) -> (Tensor, Tensor)"
+BACKWARD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tensor delta, {MASK_SCHEMA}) "
                    "-> (Tensor, Tensor, Tensor)")
+MASK_ALIGNS = ("top_left", "bottom_right")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
 class AttentionCall:
     """One attention: ``q [B, S_q, H, D]``, ``k``/``v [B, S_k, H_kv, D]`` (packed ``[T, ., D]``
-    with ``cu_seqlens``); a block of a ring attention is one too."""
+    with ``cu_seqlens``, and k/v's own ``cu_seqlens_k`` when their documents' lengths differ);
+    a block of a ring attention is one too. The mask as ``flash_attention`` says."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -34,6 +37,16 @@ class AttentionCall:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     out_dtype: torch.dtype | None = None  # of the output; None: q's
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    bottom_right: bool = False
+    cu_seqlens_k: torch.Tensor | None = None  # None: cu_seqlens
+    max_seqlen_k: int = 0
+
+    def kernel_mask(self) -> dict:
+        """The mask and packing arguments of the kernels' launchers."""
+        return dict(window=self.window, softcap=self.softcap, bottom_right=self.bottom_right,
+                    cu_seqlens_k=self.cu_seqlens_k, max_seqlen_k=self.max_seqlen_k)
 
     def cache_key(self) -> tuple:
         return (self.q.device.type, self.q.dtype)
@@ -61,8 +74,10 @@ def delta_of(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -
     return delta if dlse is None else delta - dlse.float()
 
 
-def check_attention_inputs(op: str, q, k, v, cu_seqlens=None, max_seqlen=None) -> int:
-    """Shapes, dtypes, devices and packing; returns ``max_seqlen`` (0 when not packed)."""
+def check_attention_inputs(op: str, q, k, v, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
+                           max_seqlen_k=None) -> tuple[int, int]:
+    """Shapes, dtypes, devices and packing (k/v's documents ``cu_seqlens_k``, default q's);
+    returns ``(max_seqlen, max_seqlen_k)`` (0 when not packed)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fusedpar.{op}: {name} must be a Tensor, got {type(t).__name__}")
@@ -94,37 +109,67 @@ def check_attention_inputs(op: str, q, k, v, cu_seqlens=None, max_seqlen=None) -
             raise ValueError(f"fusedpar.{op}: batch mismatch: q has B={q.shape[0]}, k/v B={k.shape[0]}")
         if q.shape[1] < 1 or k.shape[1] < 1:
             raise ValueError(f"fusedpar.{op}: empty sequence: q has S={q.shape[1]}, k/v S={k.shape[1]}")
-        return 0
-    if k.shape[0] != q.shape[0]:
+        return 0, 0
+    if cu_seqlens_k is None and k.shape[0] != q.shape[0]:
         raise ValueError(f"fusedpar.{op}: packed q has T={q.shape[0]} rows but k/v have {k.shape[0]}; "
-                         "packed attention needs the same documents for q and k/v")
-    longest = check_cu_seqlens(op, cu_seqlens, q.shape[0], q.device, "q has T=")
-    if max_seqlen and max_seqlen < longest:
-        raise ValueError(f"fusedpar.{op}: max_seqlen={max_seqlen} but a document has {longest} "
-                         "tokens; pass max_seqlen >= the longest document (or None)")
-    return max_seqlen or longest
+                         "with one cu_seqlens q and k/v hold the same documents (pass "
+                         "cu_seqlens_q and cu_seqlens_k for documents of other lengths)")
+    longest = _check_max(op, "max_seqlen", max_seqlen,
+                         check_cu_seqlens(op, cu_seqlens, q.shape[0], q.device, "q has T="))
+    if cu_seqlens_k is None:
+        return longest, longest
+    longest_k = _check_max(op, "max_seqlen_k", max_seqlen_k,
+                           check_cu_seqlens(op, cu_seqlens_k, k.shape[0], q.device, "k/v have T=",
+                                            "cu_seqlens_k"))
+    if cu_seqlens_k.numel() != cu_seqlens.numel():
+        raise ValueError(f"fusedpar.{op}: cu_seqlens_q holds {cu_seqlens.numel() - 1} documents, "
+                         f"cu_seqlens_k {cu_seqlens_k.numel() - 1}; document i of q attends to "
+                         "document i of k/v, so both need one entry per document")
+    return longest, longest_k
 
 
-def check_cu_seqlens(op: str, cu_seqlens, total: int, device, total_is: str) -> int:
+def _check_max(op: str, name: str, given, longest: int) -> int:
+    if given and given < longest:
+        raise ValueError(f"fusedpar.{op}: {name}={given} but a document has {longest} tokens; "
+                         f"pass {name} >= the longest document (or None)")
+    return given or longest
+
+
+def check_mask_args(op: str, window_size, softcap, mask_align: str) -> tuple[tuple[int, int], float, bool]:
+    """``(window, softcap, bottom_right)`` of ``flash_attention``'s mask arguments."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
+        raise ValueError(f"fusedpar.{op}: window_size={window_size!r}; pass (left, right), two ints "
+                         ">= 0, or -1 for an unbounded side (flash-attn's convention)")
+    if not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+        raise ValueError(f"fusedpar.{op}: softcap={softcap!r}; pass a finite value > 0, or 0 for none")
+    if mask_align not in MASK_ALIGNS:
+        raise ValueError(f"fusedpar.{op}: mask_align={mask_align!r}; choose one of {MASK_ALIGNS}")
+    return (int(window_size[0]), int(window_size[1])), float(softcap), mask_align == "bottom_right"
+
+
+def check_cu_seqlens(op: str, cu_seqlens, total: int, device, total_is: str,
+                     name: str = "cu_seqlens") -> int:
     """int32 ``[0, end_1, ..., total]``, strictly increasing, on ``device``; returns the
-    longest document's length. ``total_is`` names the total in the error."""
+    longest document's length. ``total_is`` names the total in the error, ``name`` the
+    argument."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         got = (f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
                if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
-        raise TypeError(f"fusedpar.{op}: cu_seqlens must be a 1-D int32 tensor (cumulative sequence "
+        raise TypeError(f"fusedpar.{op}: {name} must be a 1-D int32 tensor (cumulative sequence "
                         f"ends, starting at 0), got {got}; use .to(torch.int32)")
     if cu_seqlens.numel() < 2:
-        raise ValueError(f"fusedpar.{op}: cu_seqlens has {cu_seqlens.numel()} entries; it needs "
+        raise ValueError(f"fusedpar.{op}: {name} has {cu_seqlens.numel()} entries; it needs "
                          "[0, end_1, ..., T] (one more than the number of documents)")
     if cu_seqlens.device != device:
-        raise ValueError(f"fusedpar.{op}: cu_seqlens is on {cu_seqlens.device}, q on {device}")
+        raise ValueError(f"fusedpar.{op}: {name} is on {cu_seqlens.device}, q on {device}")
     ends = cu_seqlens.tolist()  # host values: checked once, before any kernel reads them
     lengths = [b - a for a, b in zip(ends, ends[1:])]
     if ends[0] != 0 or min(lengths) <= 0:
-        raise ValueError(f"fusedpar.{op}: cu_seqlens = {ends[:8]}{'...' if len(ends) > 8 else ''} "
+        raise ValueError(f"fusedpar.{op}: {name} = {ends[:8]}{'...' if len(ends) > 8 else ''} "
                          "must start at 0 and be strictly increasing")
     if ends[-1] != total:
-        raise ValueError(f"fusedpar.{op}: cu_seqlens ends at {ends[-1]} but {total_is}{total} "
+        raise ValueError(f"fusedpar.{op}: {name} ends at {ends[-1]} but {total_is}{total} "
                          "rows; its last entry must be the total length")
     return max(lengths)
 
@@ -149,14 +194,15 @@ class Triton(Backend):
         out = torch.empty_like(q, dtype=call.out_dtype or q.dtype)
         lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=q.device)
         kernels.flash_attn_forward(q, k, v, out, lse, call.causal, call.scale, call.cu_seqlens,
-                                   call.max_seqlen)
+                                   call.max_seqlen, **call.kernel_mask())
         return out, lse
 
     def backward(self, call: AttentionCall, lse, dout, delta):
         q, k, v, dout = (_last_dim_contiguous(t) for t in (call.q, call.k, call.v, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kernels.flash_attn_backward(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv,
-                                    call.causal, call.scale, call.cu_seqlens, call.max_seqlen)
+                                    call.causal, call.scale, call.cu_seqlens, call.max_seqlen,
+                                    **call.kernel_mask())
         return dq, dk, dv
 
 
@@ -167,33 +213,40 @@ class Reference(Backend):
     name = "reference"
 
     def _pieces(self, call: AttentionCall):
-        """``[(q, k, v, rows)]``: batched tensors per document (or the whole batch)."""
+        """``[(q, k, v, q rows, k rows)]``: batched tensors per document (or the whole batch)."""
         if call.cu_seqlens is None:
-            return [(call.q, call.k, call.v, slice(None))]
+            return [(call.q, call.k, call.v, slice(None), slice(None))]
         ends = call.cu_seqlens.tolist()
-        return [(call.q[a:b][None], call.k[a:b][None], call.v[a:b][None], slice(a, b))
-                for a, b in zip(ends, ends[1:])]
+        ends_k = ends if call.cu_seqlens_k is None else call.cu_seqlens_k.tolist()
+        return [(call.q[a:b][None], call.k[c:d][None], call.v[c:d][None], slice(a, b), slice(c, d))
+                for a, b, c, d in zip(ends, ends[1:], ends_k, ends_k[1:])]
 
     @staticmethod
     def _scores(q, k, v, call):
+        """``(scores, K, V, visible or None, tanh of the capped scores or None)``."""
         work = torch.promote_types(q.dtype, torch.float32)
         group = q.shape[2] // k.shape[2]
         kk = k.to(work).repeat_interleave(group, 2)
         vv = v.to(work).repeat_interleave(group, 2)
         s = torch.einsum("bshd,bthd->bhst", q.to(work), kk) * call.scale
-        visible = None
-        if call.causal:
-            visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        capped = None
+        if call.softcap:
+            capped = torch.tanh(s / call.softcap)
+            s = capped * call.softcap
+        visible = band_mask(q.shape[1], k.shape[1], call.causal, call.window, call.bottom_right,
+                            q.device)
+        if visible is not None:
             s = s.masked_fill(~visible, float("-inf"))
-        return s, kk, vv, visible
+        return s, kk, vv, visible, capped
 
     def forward(self, call: AttentionCall):
         out = torch.empty_like(call.q, dtype=call.out_dtype or call.q.dtype)
         lse = torch.empty(call.lse_shape(), dtype=torch.float32, device=call.q.device)
-        for q, k, v, rows in self._pieces(call):
-            s, _, vv, _ = self._scores(q, k, v, call)
-            piece_lse = torch.logsumexp(s, -1)
-            piece_out = torch.einsum("bhst,bthd->bshd", torch.exp(s - piece_lse[..., None]), vv)
+        for q, k, v, rows, _ in self._pieces(call):
+            s, _, vv, _, _ = self._scores(q, k, v, call)
+            piece_lse = torch.logsumexp(s, -1)  # -inf where a row sees no key: its output is 0
+            p = torch.exp(s - piece_lse.masked_fill(piece_lse == float("-inf"), 0)[..., None])
+            piece_out = torch.einsum("bhst,bthd->bshd", p, vv)
             if call.cu_seqlens is None:
                 out.copy_(piece_out)
                 lse.copy_(piece_lse)
@@ -204,8 +257,8 @@ class Reference(Backend):
 
     def backward(self, call: AttentionCall, lse, dout, delta):
         dq, dk, dv = (torch.empty_like(t) for t in (call.q, call.k, call.v))
-        for q, k, v, rows in self._pieces(call):
-            s, kk, vv, visible = self._scores(q, k, v, call)
+        for q, k, v, rows, keys in self._pieces(call):
+            s, kk, vv, visible, capped = self._scores(q, k, v, call)
             work = s.dtype
             if call.cu_seqlens is None:
                 piece_lse, piece_delta, do = lse, delta, dout
@@ -216,66 +269,100 @@ class Reference(Backend):
                 p = p.masked_fill(~visible, 0.0)
             do = do.to(work)
             ds = p * (torch.einsum("bshd,bthd->bhst", do, vv) - piece_delta[..., None].to(work))
+            if capped is not None:  # d(softcap * tanh(s / softcap)) / ds
+                ds = ds * (1 - capped * capped)
             group = q.shape[2] // k.shape[2]
             b, t, hk, d = k.shape
             pieces = (torch.einsum("bhst,bthd->bshd", ds, kk) * call.scale,
                       (torch.einsum("bhst,bshd->bthd", ds, q.to(work)) * call.scale)
                       .view(b, t, hk, group, d).sum(3),
                       torch.einsum("bhst,bshd->bthd", p, do).view(b, t, hk, group, d).sum(3))
-            for grad, piece in zip((dq, dk, dv), pieces):
+            for grad, piece, at in zip((dq, dk, dv), pieces, (rows, keys, keys)):
                 if call.cu_seqlens is None:
                     grad.copy_(piece)
                 else:
-                    grad[rows] = piece[0].to(grad.dtype)
+                    grad[at] = piece[0].to(grad.dtype)
         return dq, dk, dv
+
+
+def band_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int],
+              bottom_right: bool, device) -> torch.Tensor | None:
+    """``[S_q, S_k]`` bool, True where query i sees key j (``flash_attention``'s rule), or
+    None when every query sees every key."""
+    left, right = window
+    right = 0 if causal else right
+    if left < 0 and right < 0:
+        return None
+    diag = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q if bottom_right else 0)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    return visible
 
 
 DISPATCHER = Dispatcher(OP, [Triton(), Reference()])
 
 
-def _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen) -> AttentionCall:
-    max_seqlen = check_attention_inputs(OP, q, k, v, cu_seqlens, max_seqlen)
-    return AttentionCall(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
+def _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom_right,
+          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> AttentionCall:
+    max_seqlen_q, max_seqlen_k = check_attention_inputs(OP, q, k, v, cu_seqlens_q, max_seqlen_q,
+                                                        cu_seqlens_k, max_seqlen_k)
+    if cu_seqlens_k is not None and torch.equal(cu_seqlens_k, cu_seqlens_q):
+        cu_seqlens_k = None  # q's documents: the kernels' variant for equal lengths
+    return AttentionCall(q, k, v, causal, softmax_scale, cu_seqlens_q, max_seqlen_q,
+                         window=(window_left, window_right), softcap=softcap,
+                         bottom_right=bottom_right, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_k=max_seqlen_k)
 
 
 @torch.library.custom_op("fusedpar::flash_attention", mutates_args=(), schema=SCHEMA)
-def _flash_attention_op(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, backend):
-    call = _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
+def _flash_attention_op(q, k, v, causal, softmax_scale, window_left, window_right, softcap,
+                        bottom_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend):
+    call = _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom_right,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return DISPATCHER.select(call, backend).forward(call)
 
 
 @_flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, backend):
-    call = AttentionCall(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom_right,
+      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend):
+    call = AttentionCall(q, k, v, causal, softmax_scale, cu_seqlens_q)
     return torch.empty_like(q), q.new_empty(call.lse_shape(), dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedpar::flash_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
-def _flash_attention_backward_op(q, k, v, lse, dout, delta, causal, softmax_scale, cu_seqlens,
-                                 max_seqlen, backend):
-    call = _call(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen)
+def _flash_attention_backward_op(q, k, v, lse, dout, delta, causal, softmax_scale, window_left,
+                                 window_right, softcap, bottom_right, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, backend):
+    call = _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom_right,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
 
 
 @_flash_attention_backward_op.register_fake
-def _(q, k, v, lse, dout, delta, causal, softmax_scale, cu_seqlens, max_seqlen, backend):
+def _(q, k, v, lse, dout, delta, *mask_and_backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.scale, cu_seqlens, ctx.max_seqlen, ctx.backend = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    q, k, v, *ctx.mask = inputs  # (causal, softmax_scale, ..., backend) as the schema lists them
+    cu_seqlens_q, cu_seqlens_k = ctx.mask[6:8]
+    ctx.mask[6:8] = None, None  # saved as tensors
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k)
     ctx.set_materialize_grads(False)  # lse is often unused: its gradient stays None
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    delta = delta_of(out, dout, dlse)
-    dq, dk, dv = _flash_attention_backward_op(q, k, v, lse, dout, delta, ctx.causal, ctx.scale,
-                                              cu_seqlens, ctx.max_seqlen, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None
+    mask = list(ctx.mask)
+    mask[6:8] = cu_seqlens_q, cu_seqlens_k
+    dq, dk, dv = _flash_attention_backward_op(q, k, v, lse, dout, delta_of(out, dout, dlse), *mask)
+    return (dq, dk, dv) + (None,) * len(mask)
 
 
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -286,31 +373,64 @@ def default_scale(q: torch.Tensor, softmax_scale) -> float:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    softmax_scale: float | None = None, return_lse: bool = False,
+                    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, mask_align: str = "top_left", return_lse: bool = False,
                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                    backend: str | None = None):
+                    cu_seqlens_q: torch.Tensor | None = None,
+                    cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None, backend: str | None = None):
     """Softmax attention on ``[B, S, H, D]`` tensors; the same as::
 
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=causal,
-                                             scale=softmax_scale, enable_gqa=True).transpose(1, 2)
-        lse = torch.logsumexp(q.transpose(1, 2) @ k.repeat_interleave(H // H_kv, 2)
-                              .permute(0, 2, 3, 1) * scale + causal_mask, dim=-1)  # fp32 [B, H, S]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        s = qt @ kt.repeat_interleave(H // H_kv, 1).transpose(-1, -2) * scale  # [B, H, S_q, S_k]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~visible, float("-inf"))          # visible: below
+        lse = torch.logsumexp(s, -1)                        # fp32 [B, H, S_q]
+        out = (torch.softmax(s, -1) @ vt.repeat_interleave(H // H_kv, 1)).transpose(1, 2)
+
+    which, with no window and no softcap, is ``F.scaled_dot_product_attention(qt, kt, vt,
+    is_causal=causal, scale=scale, enable_gqa=True).transpose(1, 2)``.
 
     q: ``[B, S_q, H, D]``; k, v: ``[B, S_k, H_kv, D]`` with ``H % H_kv == 0`` (GQA/MQA; K/V
-    are never repeated in memory); ``D <= 256``. ``causal`` masks key ``j > i`` for query
-    ``i`` (top-left aligned, as SDPA). ``softmax_scale`` defaults to ``D ** -0.5``.
-    Packed documents: q, k, v ``[T, H, D]`` and ``cu_seqlens`` (int32 ``[0, end_1, .., T]``,
-    flash-attn's convention; ``max_seqlen`` optional) attend within each document only;
-    lse is then ``[H, T]``. Returns ``out`` (q's dtype), or ``(out, lse)`` with
-    ``return_lse`` (lse fp32, differentiable too). Backends: ``triton`` (GPU; CPU in the
-    interpreter), ``reference`` (the math above in fp32). fp16/bf16/fp32 in the kernels.
-    Under ``torch.autocast``, q, k and v are cast to its dtype first, as SDPA's inputs are.
+    are never repeated in memory); ``D <= 256``. ``softmax_scale`` defaults to ``D ** -0.5``.
+
+    Mask (flash-attn's arguments): query ``i`` sees key ``j`` iff
+    ``i + off - left <= j <= i + off + right`` for ``window_size=(left, right)`` (-1: that
+    side unbounded; the default sees every key); ``causal`` sets ``right = 0``.
+    ``mask_align`` places the diagonal: ``"top_left"`` (default; ``off = 0``: query ``i``'s
+    diagonal is key ``i``, as SDPA's ``is_causal`` and torch's ``causal_upper_left``) or
+    ``"bottom_right"`` (``off = S_k - S_q``: the last query's diagonal is the last key, as
+    flash-attn >= 2.1 and torch's ``causal_lower_right``; one query against 147 keys sees
+    all 147). Both agree when ``S_q == S_k``. A query that sees no key gets output 0 and lse
+    -inf (flash-attn: +inf), and passes no gradient. ``softcap > 0``: Gemma 2's logit
+    soft-capping, ``softcap * tanh(s / softcap)`` of the scaled scores, before the mask.
+
+    Packed documents: q ``[T_q, H, D]``, k, v ``[T_k, H_kv, D]`` with ``cu_seqlens`` (int32
+    ``[0, end_1, .., T]``, flash-attn's convention; q and k/v the same documents,
+    ``max_seqlen`` optional) or ``cu_seqlens_q`` and ``cu_seqlens_k`` (document ``i`` of q
+    attends to document ``i`` of k/v; ``max_seqlen_q`` / ``max_seqlen_k`` optional): each
+    document attends within itself, masked as above with its own lengths; lse is then
+    ``[H, T_q]``. Returns ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse`` (lse
+    fp32, differentiable too). Backends: ``triton`` (GPU; CPU in the interpreter),
+    ``reference`` (the math above in fp32). fp16/bf16/fp32 in the kernels. Under
+    ``torch.autocast``, q, k and v are cast to its dtype first, as SDPA's inputs are.
     """
+    window, softcap, bottom_right = check_mask_args(OP, window_size, softcap, mask_align)
+    if cu_seqlens is not None and (cu_seqlens_q is not None or cu_seqlens_k is not None):
+        raise ValueError(f"fusedpar.{OP}: pass cu_seqlens (q and k/v the same documents) or "
+                         "cu_seqlens_q and cu_seqlens_k, not both")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError(f"fusedpar.{OP}: cu_seqlens_q and cu_seqlens_k go together; pass both "
+                         "(or cu_seqlens when q and k/v hold the same documents)")
+    if cu_seqlens is not None:
+        cu_seqlens_q = cu_seqlens
+        max_seqlen_q = max_seqlen_k = max_seqlen
     q, k, v = autocast_inputs(q, k, v)
     with autocast_off(q):
         out, lse = _flash_attention_op(q, k, v, bool(causal), default_scale(q, softmax_scale),
-                                       cu_seqlens, int(max_seqlen or 0), backend or "")
+                                       *window, softcap, bottom_right, cu_seqlens_q, cu_seqlens_k,
+                                       int(max_seqlen_q or 0), int(max_seqlen_k or 0), backend or "")
     return (out, lse) if return_lse else out
 
 

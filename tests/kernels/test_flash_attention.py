@@ -9,6 +9,7 @@ import torch
 from fusedpar.kernels import flash_attention as kernels
 from fusedpar.ops.ring_attention import RingCall
 from fusedpar.parallel import zigzag_shard
+from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results
 
 SMALL_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16)
 
@@ -158,3 +159,105 @@ def test_gpu_configs_cover_every_head_dim():
             for name in ("flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel",
                          "ring_attn_step_kernel"):
                 assert (bd, arch, name) in compiled
+
+
+# (B, S_q, S_k, H, H_kv, D, causal, window, bottom_right, softcap, blocks): sliding windows
+# (left edge, unmasked middle and diagonal loops), asymmetric and zero windows, bottom-right
+# causal both ways round (S_q > S_k: the first rows see no key), softcap, GQA and MQA
+MASK_CASES = [
+    (1, 45, 45, 2, 1, 24, True, (9, -1), False, 0.0, SMALL_BLOCKS),
+    (1, 40, 29, 2, 2, 40, False, (5, 3), True, 0.0, dict(BLOCK_M=8, BLOCK_N=32)),
+    (1, 23, 50, 4, 1, 16, True, (-1, -1), True, 2.0, dict(BLOCK_M=32, BLOCK_N=16)),
+    (2, 50, 23, 2, 1, 24, True, (4, -1), True, 0.0, SMALL_BLOCKS),
+    (1, 33, 33, 2, 1, 16, False, (0, 0), False, 5.0, SMALL_BLOCKS),
+    (1, 37, 21, 2, 2, 24, False, (0, 6), False, 0.0, dict(BLOCK_M=8, BLOCK_N=32)),
+]
+
+
+def _bf16_case(b, sq, sk, h, hk, d, seed=0):
+    """bf16 leaves and their fp64 copies, and fp64 upstream gradients of (out, lse)."""
+    q, k, v = (t.detach().to(torch.bfloat16) for t in _inputs(b, sq, sk, h, hk, d, seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
+    dlse = torch.randn(b, h, sq, generator=g, dtype=torch.float64)
+    return (q, k, v), dout, dlse
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_masks_within_twice_the_bf16_error(case):
+    """Windows, bottom-right causal and softcap, forward and backward, in bf16: within 2x
+    (3x for the gradients) the error of the same math in bf16 against fp64."""
+    b, sq, sk, h, hk, d, causal, window, bottom_right, softcap, blocks = case
+    (q, k, v), dout, dlse = _bf16_case(b, sq, sk, h, hk, d)
+    mask = dict(scale=0.3, causal=causal, window=window, softcap=softcap, bottom_right=bottom_right)
+    exact = reference_results((q, k, v), torch.float64, dout, dlse, **mask)
+    low = reference_results((q, k, v), torch.bfloat16, dout, dlse, **mask)
+    options = dict(window=window, softcap=softcap, bottom_right=bottom_right)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, sq), float("nan"))
+    kernels.flash_attn_forward(q, k, v, out, lse, causal, 0.3, config=blocks, **options)
+    delta = ((dout * out.double()).sum(-1).transpose(1, 2) - dlse).float().contiguous()
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernels.flash_attn_backward(q, k, v, dout.to(torch.bfloat16), lse, delta, *grads, causal, 0.3,
+                                config=blocks, **options)
+    for name, got, lo, ex in zip(["out", "lse", "dq", "dk", "dv"], [out, lse, *grads], low, exact):
+        assert_peers_rule(name, got, lo, ex, 2 if name in ("out", "lse") else 3)
+
+
+def test_packed_documents_of_other_key_lengths():
+    """``cu_seqlens_k`` differing from q's: each document against its own keys, bottom-right
+    causal with a window (a document with fewer keys than queries has rows that see none)."""
+    ends_q, ends_k = [0, 5, 22, 23, 40], [0, 9, 20, 33, 35]
+    h, hk, d, scale, window = 2, 1, 24, 0.3, (6, -1)
+    q = _inputs(1, 40, 35, h, hk, d, seed=5)[0].detach()[0].to(torch.bfloat16)
+    k, v = (t.detach()[0].to(torch.bfloat16) for t in _inputs(1, 40, 35, h, hk, d, seed=5)[1:])
+    g = torch.Generator().manual_seed(6)
+    dout = torch.randn(40, h, d, generator=g, dtype=torch.float64)
+    cu_q, cu_k = (torch.tensor(e, dtype=torch.int32) for e in (ends_q, ends_k))
+    options = dict(window=window, bottom_right=True, cu_seqlens_k=cu_k, max_seqlen_k=13)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((h, 40), float("nan"))
+    kernels.flash_attn_forward(q, k, v, out, lse, True, scale, cu_q, 17, config=SMALL_BLOCKS, **options)
+    delta = (dout * out.double()).sum(-1).t().float().contiguous()
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernels.flash_attn_backward(q, k, v, dout.to(torch.bfloat16), lse, delta, *grads, True, scale,
+                                cu_q, 17, config=SMALL_BLOCKS, **options)
+    mask = dict(scale=scale, causal=True, window=window, bottom_right=True)
+    # the references document by document, assembled into packed tensors
+    low, exact = ([torch.empty(t.shape, dtype=dtype) for t in (q, lse, q, k, v)]
+                  for dtype in (torch.bfloat16, torch.float64))
+    for a, z, c, e in zip(ends_q, ends_q[1:], ends_k, ends_k[1:]):
+        piece = (q[a:z][None], k[c:e][None], v[c:e][None])
+        zero_dlse = torch.zeros(1, h, z - a, dtype=torch.float64)
+        for whole, dtype in ((low, torch.bfloat16), (exact, torch.float64)):
+            ref = reference_results(piece, dtype, dout[a:z][None], zero_dlse, **mask)
+            for x, r, at in zip(whole, ref, ((a, z), None, (a, z), (c, e), (c, e))):
+                if at is None:
+                    x[:, a:z] = r[0]  # lse [H, T]
+                else:
+                    x[slice(*at)] = r[0]
+    for name, got, lo, ex in zip(["out", "lse", "dq", "dk", "dv"], [out, lse, *grads], low, exact):
+        assert_peers_rule(name, got, lo, ex, 2 if name in ("out", "lse") else 3)
+
+
+def test_window_never_loads_key_blocks_outside_it():
+    """A query block loads no key block wholly outside its window, and a key block no query
+    block wholly outside: NaN in V's first 8 rows reaches only the query blocks whose window
+    meets key block 0 (rows < 32), NaN in dO's last 16 rows only the key blocks those rows
+    see (keys >= 40). A loaded, masked NaN row would still poison its block (0 * NaN)."""
+    s, scale, window = 64, 0.3, (8, -1)
+    q, k, v = (t.detach().float() for t in _inputs(1, s, s, 2, 1, 16, seed=7))
+    ref_out, _ = attention_ref(q.double(), k.double(), v.double(), scale, True, window)
+    v[:, :8] = float("nan")
+    out, lse = torch.empty_like(q), torch.empty(1, 2, s)
+    kernels.flash_attn_forward(q, k, v, out, lse, True, scale, config=SMALL_BLOCKS, window=window)
+    assert out[:, :32].isnan().any()  # the poison is read where the window reaches it
+    torch.testing.assert_close(out[:, 32:].double(), ref_out[:, 32:], atol=2e-6, rtol=0)
+    v[:, :8] = 0.0
+    do = torch.randn_like(q)
+    do[:, 48:] = float("nan")
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    kernels.flash_attn_backward(q, k, v, do, lse, torch.zeros(1, 2, s), *grads, True, scale,
+                                config=SMALL_BLOCKS, window=window)
+    for grad in grads[1:]:  # dK, dV: key blocks before 32 never meet rows 48 onward
+        assert grad[:, :32].isfinite().all() and grad[:, 40:].isnan().any()

@@ -133,3 +133,28 @@ def _hf_llama_padded():
 def test_hugging_face_padding_mask_matches_sdpa(pools):
     pytest.importorskip("transformers")
     assert pools(2).run(_hf_llama_padded) == [True, True]
+
+
+def _hf_window_and_softcap():
+    """A layer's sliding window shorter than the sequence, or its softcap, raises (the ring
+    would ignore them); a window covering the whole sequence changes nothing."""
+    from fusedpar.nn.attention import hf_context_parallel_attention, set_hf_context_parallel_group
+
+    set_hf_context_parallel_group(None, backend="pipelined")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(1, n, 4, 8, generator=g) for n in (2, 1, 1))  # 8 tokens on 2 ranks
+    layer = torch.nn.Module().eval()
+    plain, _ = hf_context_parallel_attention(layer, q, k, v, None)
+    covering, _ = hf_context_parallel_attention(layer, q, k, v, None, sliding_window=8)
+    assert torch.equal(plain, covering)
+    for kwargs, words in ((dict(sliding_window=7), "sliding_window=7 (shorter than the sequence, 8"),
+                          (dict(softcap=50.0), "softcap=50.0")):
+        with pytest.raises(NotImplementedError, match=None) as info:
+            hf_context_parallel_attention(layer, q, k, v, None, **kwargs)
+        assert words in str(info.value), str(info.value)
+    return True
+
+
+def test_hugging_face_window_and_softcap_are_refused(pools):
+    pytest.importorskip("transformers")
+    assert pools(2).run(_hf_window_and_softcap) == [True, True]

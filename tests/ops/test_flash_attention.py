@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import fusedpar
 from fusedpar.ops.flash_attention import DISPATCHER
+from tests.ops.attention_cases import assert_peers_rule, reference_results
 from tests.ops.collective_cases import requires_cuda
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -132,6 +133,91 @@ def test_bad_inputs_raise_clear_errors():
     ]
     for call, kind, words in cases:
         with pytest.raises(kind, match=None) as info:
+            call()
+        assert words in str(info.value), (words, str(info.value))
+
+
+# (B, S_q, S_k, H, H_kv, D, causal, window_size, softcap, mask_align): GQA with a sliding
+# window; MQA, bottom-right causal against more keys, softcap; an asymmetric window
+# bottom-right against fewer keys (the first rows see none)
+MASK_CASES = [(1, 19, 19, 4, 2, 24, True, (5, -1), 0.0, "top_left"),
+              (1, 13, 30, 2, 1, 40, True, (-1, -1), 3.0, "bottom_right"),
+              (2, 30, 13, 2, 2, 16, False, (2, 4), 0.0, "bottom_right")]
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_masks_within_twice_the_bf16_error(backend, case):
+    """window_size, softcap and mask_align through the op and its autograd, bf16: within 2x
+    (3x for the gradients) the error of the same math in bf16 against fp64."""
+    b, sq, sk, h, hk, d, causal, window, softcap, align = case
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(b, s, n, d, generator=g).to(torch.bfloat16).requires_grad_()
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    douts = (torch.randn(b, sq, h, d, generator=g, dtype=torch.float64),
+             torch.randn(b, h, sq, generator=g, dtype=torch.float64))
+    mask = dict(scale=d ** -0.5, causal=causal, window=window, softcap=softcap,
+                bottom_right=align == "bottom_right")
+    low, exact = (reference_results((q, k, v), dtype, *douts, **mask)
+                  for dtype in (torch.bfloat16, torch.float64))
+    out, lse = fusedpar.ops.flash_attention(q, k, v, causal=causal, window_size=window,
+                                            softcap=softcap, mask_align=align, return_lse=True,
+                                            backend=backend)
+    torch.autograd.backward((out, lse), (douts[0].to(out.dtype), douts[1].float()))
+    for name, got, lo, ex in zip(["out", "lse", "dq", "dk", "dv"], [out, lse, q.grad, k.grad, v.grad],
+                                 low, exact):
+        assert_peers_rule(name, got, lo, ex, 2 if name in ("out", "lse") else 3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_packed_documents_of_other_key_lengths(backend):
+    """cu_seqlens_q / cu_seqlens_k: document i of q against document i of k/v, each masked
+    with its own lengths (bottom-right causal, a window, softcap)."""
+    ends_q, ends_k = [0, 7, 8, 26], [0, 3, 15, 31]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(t, h, 16, generator=g).to(torch.bfloat16).requires_grad_()
+               for t, h in ((26, 4), (31, 2), (31, 2)))
+    cu_q, cu_k = (torch.tensor(e, dtype=torch.int32) for e in (ends_q, ends_k))
+    mask = dict(causal=True, window_size=(4, -1), softcap=2.0)
+    out = fusedpar.ops.flash_attention(q, k, v, **mask, mask_align="bottom_right", cu_seqlens_q=cu_q,
+                                       cu_seqlens_k=cu_k, backend=backend)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dout.to(out.dtype))
+    # the references document by document, assembled into packed tensors (out, dq, dk, dv)
+    low, exact = ([torch.empty(t.shape, dtype=dtype) for t in (q, q, k, v)]
+                  for dtype in (torch.bfloat16, torch.float64))
+    for a, z, c, e in zip(ends_q, ends_q[1:], ends_k, ends_k[1:]):
+        piece = (q[a:z][None], k[c:e][None], v[c:e][None])
+        douts = (dout[a:z][None], torch.zeros(1, 4, z - a, dtype=torch.float64))
+        for whole, dtype in ((low, torch.bfloat16), (exact, torch.float64)):
+            ref = reference_results(piece, dtype, *douts, scale=0.25, causal=True, window=(4, -1),
+                                    softcap=2.0, bottom_right=True)
+            for x, r, rows in zip(whole, ref[:1] + ref[2:], ((a, z), (a, z), (c, e), (c, e))):
+                x[slice(*rows)] = r[0]
+    for name, *tensors in zip(["out", "dq", "dk", "dv"], [out, q.grad, k.grad, v.grad], low, exact):
+        assert_peers_rule(name, *tensors, 2 if name == "out" else 3)
+
+
+def test_bad_mask_and_packing_arguments_raise_clear_errors():
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    fa = fusedpar.ops.flash_attention
+    cases = [
+        (lambda: fa(q, k, v, window_size=(-2, 0)), "window_size=(-2, 0)"),
+        (lambda: fa(q, k, v, window_size=4), "pass (left, right)"),
+        (lambda: fa(q, k, v, softcap=-1.0), "softcap=-1.0"),
+        (lambda: fa(q, k, v, softcap=float("inf")), "finite"),
+        (lambda: fa(q, k, v, mask_align="lower_right"), "choose one of ('top_left', 'bottom_right')"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens=cu, cu_seqlens_q=cu, cu_seqlens_k=cu), "not both"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens_q=cu), "go together"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)),
+         "one entry per document"),
+        (lambda: fa(q[0], k[0, :6], v[0, :6], cu_seqlens_q=cu, cu_seqlens_k=cu), "cu_seqlens_k ends at 8"),
+        (lambda: fa(q[0], k[0, :6], v[0, :6], cu_seqlens=cu), "pass cu_seqlens_q and cu_seqlens_k"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=2), "max_seqlen_k=2"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError) as info:
             call()
         assert words in str(info.value), (words, str(info.value))
 
