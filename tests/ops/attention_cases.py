@@ -5,15 +5,15 @@ import torch
 
 
 def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1),
-                 bottom_right: bool = False) -> torch.Tensor:
+                 bottom_right: bool = False, device="cpu") -> torch.Tensor:
     """``[S_q, S_k]``: query i sees key j iff ``i + off - left <= j <= i + off + right``
     (``off = S_k - S_q`` bottom-right, else 0; -1 unbounded; causal: right = 0)."""
     left, right = window
     if causal:
         right = 0
-    i = torch.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q if bottom_right else 0)
-    j = torch.arange(seqlen_k)[None, :]
-    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q if bottom_right else 0)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     if left >= 0:
         ok &= j >= i - left
     if right >= 0:
@@ -31,7 +31,7 @@ def attention_ref(q, k, v, scale: float, causal: bool = False, window=(-1, -1), 
     s = torch.einsum("bshd,bthd->bhst", q, k) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    ok = visible_keys(q.shape[1], k.shape[1], causal, window, bottom_right)
+    ok = visible_keys(q.shape[1], k.shape[1], causal, window, bottom_right, q.device)
     seen = ok.any(-1)[:, None]  # rows with a key; the others get 0 through torch.where
     s = torch.where(seen, s.masked_fill(~ok, float("-inf")), torch.zeros_like(s))
     lse = torch.logsumexp(s, -1)

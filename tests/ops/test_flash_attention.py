@@ -254,6 +254,33 @@ def test_gpu_bf16_within_twice_sdpa_error(d, causal):
 
 
 @requires_cuda
+@pytest.mark.parametrize("d", [64, 96, 128, 256])  # every config's head dim
+@pytest.mark.parametrize("mask", [dict(causal=True, window_size=(255, -1)),  # Mistral-like
+                                  dict(causal=True, window_size=(100, -1), softcap=30.0),
+                                  dict(causal=False, window_size=(70, 33), mask_align="bottom_right"),
+                                  dict(causal=True, softcap=50.0, mask_align="bottom_right")],
+                         ids=["window", "window-softcap", "asymmetric", "bottom-right-softcap"])
+def test_gpu_masks_within_twice_the_bf16_error(d, mask):
+    """The compiled mask variants: out, lse and gradients of bf16 inputs within 2x (3x)
+    the error of the same math in bf16 against fp32, odd lengths (S_q != S_k), GQA."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, s, n, d, generator=g, device="cuda").to(torch.bfloat16)
+               for s, n in ((700, 8), (1001, 2), (1001, 2)))
+    douts = (torch.randn(q.shape, generator=g, device="cuda"),
+             torch.randn(2, 8, 700, generator=g, device="cuda"))
+    ref_mask = dict(scale=d ** -0.5, causal=mask["causal"], window=mask.get("window_size", (-1, -1)),
+                    softcap=mask.get("softcap", 0.0), bottom_right=mask.get("mask_align") == "bottom_right")
+    low, exact = (reference_results((q, k, v), dtype, *douts, **ref_mask)
+                  for dtype in (torch.bfloat16, torch.float32))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = fusedpar.ops.flash_attention(*leaves, **mask, return_lse=True, backend="triton")
+    torch.autograd.backward((out, lse), (douts[0].to(out.dtype), douts[1]))
+    got = [out, lse] + [t.grad for t in leaves]
+    for name, x, lo, ex in zip(["out", "lse", "dq", "dk", "dv"], got, low, exact):
+        assert_peers_rule(name, x, lo, ex, 2 if name in ("out", "lse") else 3)
+
+
+@requires_cuda
 @pytest.mark.parametrize("d", [128, 256])
 def test_gpu_ring_loopback_matches_flash_attention(d):
     world, s = 4, 512
