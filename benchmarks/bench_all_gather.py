@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.ops import registry
+from fusedpar.testing.collectives import symmetric_backends
 
 from common import (DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, bench, counted, name, nbytes, or_skip,
                     run_case, symm_mem_op)
@@ -34,7 +36,7 @@ def _shard(shape, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda", "torch.cat"])
+@pytest.mark.parametrize("backend", [*symmetric_backends(OP), "torch.cat"])
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
@@ -67,7 +69,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
 def _case(backend, x, group):
     """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
     world = dist.get_world_size(group)
-    if backend in ("reference", "triton", "cuda"):
+    if backend in registry.get(OP).backends:
         return (lambda: fusedpar.ops.all_gather(x, 0, group, backend=backend)), "fusedpar"
     out_shape = (world * x.shape[0], *x.shape[1:])
     if backend == "nccl":
@@ -87,7 +89,7 @@ def _case(backend, x, group):
         "copy-engine pull"
 
 
-DIST_BACKENDS = ["reference", "triton", "cuda", "nccl", "symm_mem.multimem_all_gather_out",
+DIST_BACKENDS = [*registry.get(OP).backends, "nccl", "symm_mem.multimem_all_gather_out",
                  "symm_mem._low_contention_all_gather"]
 
 
@@ -112,7 +114,7 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
 # ---- communication volume (no timing; CPU too) -----------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends(OP))
 @pytest.mark.parametrize("shape,dim,dtype", [((5, 7), 0, torch.bfloat16),
                                              ((3, 5, 2), 1, torch.float32),
                                              ((1, 9), -1, torch.int32)],

@@ -98,7 +98,7 @@ def _case(backend, a, b, group):
     """``(fn, note)`` for one case, ``fn() -> (A_gathered, [out])``; raises ``Unavailable``
     with the reason it cannot run."""
     world = dist.get_world_size(group)
-    if backend in SUITE.FUSEDPAR:
+    if backend in SUITE.fusedpar:
         return (lambda: fusedpar.ops.all_gather_matmul(a, [b], 0, group, backend=backend)), \
             "fusedpar"
     if backend == UNFUSED:

@@ -113,7 +113,7 @@ def _unfused_case(a, b, group):
 
 def _case(backend, a, b, group):
     """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
-    if backend in SUITE.FUSEDPAR:
+    if backend in SUITE.fusedpar:
         return (lambda: fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 0, group,
                                                            backend=backend)), "fusedpar"
     if backend == UNFUSED:

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import fusedpar
+from fusedpar.ops import registry
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 from fusedpar.ops.moe.experts_fused import first_gemm_blocks
 
@@ -150,7 +151,8 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, report_
 # ---- training, one rank ----------------------------------------------------------------------
 
 TRAIN_TOKENS, TRAIN_EXPERTS = 4096, 8  # one rank holding 8 experts: ~1,024 rows per expert
-TRAIN_BACKENDS = ["reference", "pipelined", "fused"]  # the baseline first
+_SPEC = registry.get(OP)
+TRAIN_BACKENDS = [_SPEC.oracle, *(n for n in _SPEC.backends if n != _SPEC.oracle)]  # the baseline first
 
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)

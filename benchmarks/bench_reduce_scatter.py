@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.ops import registry
+from fusedpar.testing.collectives import symmetric_backends
 
 from common import (DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, bench, counted, name, nbytes,
                     or_skip, rel_err, run_case, symm_mem_op)
@@ -38,7 +40,7 @@ def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda", "torch.stack.sum"])
+@pytest.mark.parametrize("backend", [*symmetric_backends(OP), "torch.stack.sum"])
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
@@ -90,7 +92,7 @@ def _nccl_case(x, group):
 def _case(backend, x, group):
     """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
     world = dist.get_world_size(group)
-    if backend in ("reference", "triton", "cuda"):
+    if backend in registry.get(OP).backends:
         return (lambda: fusedpar.ops.reduce_scatter(x, "sum", 0, group, backend=backend)), "fusedpar"
     if backend == "nccl":
         return _nccl_case(x, group), f"dist.{NCCL_REDUCE_SCATTER.__name__}"
@@ -111,7 +113,7 @@ def _case(backend, x, group):
         "copy-engine push + sum"
 
 
-DIST_BACKENDS = ["reference", "triton", "cuda", "nccl", "symm_mem.reduce_scatter_out",
+DIST_BACKENDS = [*registry.get(OP).backends, "nccl", "symm_mem.reduce_scatter_out",
                  "symm_mem._low_contention_reduce_scatter"]
 
 
@@ -143,7 +145,7 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
 # ---- communication volume (no timing; CPU too) -----------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends(OP))
 @pytest.mark.parametrize("shape,dim,dtype", [((3, 5), 0, torch.bfloat16),
                                              ((3, 5, 2), 1, torch.float32),
                                              ((2, 7), -1, torch.float16)],

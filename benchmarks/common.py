@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.errors import BackendNotSupportedError
+from fusedpar.ops import registry
 from targets import BASELINES
 
 W_LOOPBACK = 8  # simulated ranks of a single-GPU loopback case
@@ -200,19 +201,18 @@ class MatmulSuite:
     loopback after ``triton``.
     """
 
-    FUSEDPAR = ("reference", "pipelined", "triton")
-
     def __init__(self, op, *, symm_mem, unfused, moved_cols, loopback_extra=()):
         self.op = op
+        self.fusedpar = tuple(registry.get(op).backends)
         self.moved_cols = moved_cols
         self.loopback_backends = ["torch.matmul", "triton", *loopback_extra]  # the baseline first
-        self.ours = (*self.FUSEDPAR, *loopback_extra)
+        self.ours = (*self.fusedpar, *loopback_extra)
         least = BASELINES[op]  # targets.py: the least speedup over each baseline
         self.targets = {  # per mode: {baseline: the least speedup over it (TFLOP/s ratio)}
             "loopback": {"torch.matmul": least["torch.matmul"]},
             "torchrun": {symm_mem: least[symm_mem], unfused: least[unfused]},
         }
-        self.dist_backends = [unfused, symm_mem, *self.FUSEDPAR]  # the baselines first
+        self.dist_backends = [unfused, symm_mem, *self.fusedpar]  # the baselines first
         self.medians: dict[tuple, float | None] = {}
 
     def run(self, benchmark, record_row, synced, roofline, report_target, mode, shape, world,

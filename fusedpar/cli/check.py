@@ -92,7 +92,6 @@ def _merge_ranks(local: list[dict], group) -> list[dict]:
     return _merge(gathered, list(range(world)))
 
 
-
 def _distributed_rows(group, device, selected: list[str]):
     """Run every registered case on this rank. Returns (rows, skipped), identical on every
     rank. A case is checked against its op's oracle backend on the same group, or against
@@ -145,7 +144,7 @@ def _loopback_rows(world: int, device, selected: list[str]):
     """Every rank in this process through the ops' loopback variants; oracle: plain torch."""
     rows, skipped = [], []
     for spec, case in registered_cases(world):
-        names = [n for n in case.loopback_backends(spec.dispatcher) if n in selected]
+        names = [n for n in case.loopback_backends() if n in selected]
         for dtype in DTYPES:
             inputs = case.inputs(dtype, world, device)
             avail = spec.dispatcher.availability(case.availability_call(inputs[0], world, None))

@@ -50,7 +50,7 @@ class Case:
         """The bytes a rank must receive for this call."""
         raise NotImplementedError
 
-    def loopback_backends(self, dispatcher) -> list[str]:
+    def loopback_backends(self) -> list[str]:
         """The backends the op's loopback variant takes ([] where it has none)."""
         return []
 

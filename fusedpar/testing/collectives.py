@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedpar.ops import (all_gather, all_gather_loopback, protocol, reduce_scatter,
-                          reduce_scatter_loopback)
+                          reduce_scatter_loopback, registry)
 from fusedpar.ops.calls import CollectiveCall
 
 from .cases import Case
@@ -36,6 +36,13 @@ def demo_input(op: str, shape, dtype, rank: int, world: int, salt: int, device) 
             others = sum((part(r) for r in range(world - 1)), torch.zeros_like(n))
             v = world * (3 + n % 2) - others
     return v.to(dtype).to(device)
+
+
+def symmetric_backends(op: str) -> list[str]:
+    """``op``'s symmetric-memory backends in priority order: those its ``*_loopback``
+    variant takes."""
+    return [name for name, b in registry.get(op).dispatcher.backends.items()
+            if isinstance(b, protocol.SymmetricBackend)]
 
 
 def lower_bound(op: str, x: torch.Tensor, world: int) -> int:
@@ -85,9 +92,8 @@ class CollectiveCase(Case):
     def lower_bound(self, args, world) -> int:
         return lower_bound(self.op, args[0], world)
 
-    def loopback_backends(self, dispatcher) -> list[str]:
-        return [n for n, b in dispatcher.backends.items()
-                if isinstance(b, protocol.SymmetricBackend)]
+    def loopback_backends(self) -> list[str]:
+        return symmetric_backends(self.op)
 
     def loopback(self, inputs, backend) -> list:
         xs = [x for (x,) in inputs]

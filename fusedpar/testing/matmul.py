@@ -107,7 +107,7 @@ class MatmulCase(Case):
     def lower_bound(self, args, world) -> int:
         return lower_bound(self.op, *args, world)
 
-    def loopback_backends(self, dispatcher) -> list[str]:
+    def loopback_backends(self) -> list[str]:
         return ["triton"]  # the fused matmul ops' loopback variants run their triton kernels
 
     def loopback(self, inputs, backend) -> list:

@@ -8,17 +8,24 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.comm import get_buffer
+from fusedpar.ops import registry
+from fusedpar.testing.collectives import demo_input
 
 import pytest
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def rank_data(shape, dtype, rank, salt=0):
-    """Small integers (exact in every dtype, sums too) that encode the rank and position."""
-    n = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float64).view(shape)
-    return ((n * 7 + salt) % 13 + 16 * (rank + 1)).to(dtype)
+    """Small integers (exact in every dtype, sums too) that encode the rank and position:
+    ``fusedpar check``'s all_gather input."""
+    return demo_input("all_gather", shape, dtype, rank, 0, salt, "cpu")  # world: unused here
+
+
+def cpu_backends(op: str) -> list[str]:
+    """``op``'s backends (the registry's, in priority order) but the CUDA extension's, which
+    needs CUDA tensors."""
+    return [name for name in registry.get(op).backends if name != "cuda"]
 
 
 def capture_errors(calls: dict) -> dict:

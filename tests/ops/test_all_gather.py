@@ -3,12 +3,14 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.testing.cases import DTYPES
+from fusedpar.testing.collectives import symmetric_backends
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     capture_errors,
     captured,
-    DTYPES,
     chosen_backend,
+    cpu_backends,
     env,
     poison_symmetric,
     poisoned_allocations,
@@ -48,7 +50,7 @@ def _check_exact(backend):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", cpu_backends("all_gather"))
 def test_matches_torch_distributed_exactly(pools, world, backend):
     assert pools(world).run(_check_exact, backend) == [True] * world
 
@@ -77,7 +79,7 @@ def _shape_mismatch(backend):
     return None
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", cpu_backends("all_gather"))
 def test_shapes_differing_across_ranks_raise(pools, backend):
     messages = pools(2).run(_shape_mismatch, backend)
     for message in messages:
@@ -167,7 +169,7 @@ def test_a_missing_peer_times_out(pools, mode):
 # ---- GPU: skipped without CUDA ----------------------------------------------------------
 
 @requires_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
 def test_gpu_loopback_matches_cat(backend):
     for world in (1, 4):
         for dtype in DTYPES:
@@ -179,7 +181,7 @@ def test_gpu_loopback_matches_cat(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
 def test_gpu_collectives_replay_from_a_cuda_graph(backend):
     """The all_gather and reduce_scatter kernels take relative epochs: one capture of both,
     replayed with new inputs, gives the right outputs each time; an op whose kernels take
@@ -210,7 +212,7 @@ def test_gpu_collectives_replay_from_a_cuda_graph(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
 def test_gpu_calls_on_two_streams_take_turns(backend):
     """FSDP2 issues its all-gathers and reduce-scatters on two streams, on one group's
     symmetric buffer, and a call restages this rank's data region: a call on another stream
@@ -241,14 +243,14 @@ def _gpu_single_rank(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
 def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
     assert pools(1).run(_gpu_single_rank, backend) == [(True, "torch")]
 
 
 def _outputs_are_not_views():
     x = torch.ones(4, 6)
-    outs = [op(x, dim, backend=backend) for backend in ("reference", "triton") for dim in (0, 1)
+    outs = [op(x, dim, backend=backend) for backend in cpu_backends("all_gather") for dim in (0, 1)
             for op in (lambda x, d, backend: fusedpar.ops.all_gather(x, d, backend=backend),
                        lambda x, d, backend: fusedpar.ops.reduce_scatter(x, "sum", d, backend=backend))]
     return [out._base is None for out in outs]

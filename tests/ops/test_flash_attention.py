@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import fusedpar
 from fusedpar.ops.flash_attention import DISPATCHER
 from tests.ops.attention_cases import assert_peers_rule, reference_results
-from tests.ops.collective_cases import requires_cuda
+from tests.ops.collective_cases import cpu_backends, requires_cuda
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -57,7 +57,7 @@ def _check(backend, case, dtype):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
 def test_matches_fp64_sdpa_fp32(backend, case):
     _check(backend, case, torch.float32)
 
@@ -67,7 +67,7 @@ def test_matches_fp64_sdpa_low_precision(dtype):
     _check("triton", (2, 19, 2, 1, 32, True), dtype)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
 def test_packed_documents(backend):
     ends = [0, 7, 8, 30]
     g = torch.Generator().manual_seed(5)
@@ -146,7 +146,7 @@ MASK_CASES = [(1, 19, 19, 4, 2, 24, True, (5, -1), 0.0, "top_left"),
 
 
 @pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
 def test_masks_within_twice_the_bf16_error(backend, case):
     """window_size, softcap and mask_align through the op and its autograd, bf16: within 2x
     (3x for the gradients) the error of the same math in bf16 against fp64."""
@@ -169,7 +169,7 @@ def test_masks_within_twice_the_bf16_error(backend, case):
         assert_peers_rule(name, got, lo, ex, 2 if name in ("out", "lse") else 3)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
 def test_packed_documents_of_other_key_lengths(backend):
     """cu_seqlens_q / cu_seqlens_k: document i of q against document i of k/v, each masked
     with its own lengths (bottom-right causal, a window, softcap)."""

@@ -5,8 +5,9 @@ import torch
 
 import fusedpar
 from fusedpar.ops.grouped_mm import grouped_mm
+from tests.ops.collective_cases import cpu_backends
 
-BACKENDS = ["reference", "triton"]
+BACKENDS = cpu_backends("grouped_mm")
 
 
 def _ints(*shape, seed):

@@ -3,10 +3,12 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.testing.cases import DTYPES
+from fusedpar.testing.collectives import symmetric_backends
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     capture_errors,
-    DTYPES,
+    cpu_backends,
     poison_symmetric,
     poisoned_allocations,
     rank_data,
@@ -52,7 +54,7 @@ def _check_exact(backend):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", cpu_backends("reduce_scatter"))
 def test_matches_torch_distributed_exactly(pools, world, backend):
     assert pools(world).run(_check_exact, backend) == [True] * world
 
@@ -103,7 +105,7 @@ def _dtype_mismatch(backend):
     return None
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", cpu_backends("reduce_scatter"))
 def test_dtypes_differing_across_ranks_raise(pools, backend):
     for message in pools(2).run(_dtype_mismatch, backend):
         assert message is not None and "passed different inputs" in message
@@ -150,7 +152,7 @@ def test_a_stalled_peer_times_out(pools):
 # ---- GPU: skipped without CUDA ----------------------------------------------------------
 
 @requires_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends("reduce_scatter"))
 def test_gpu_loopback_matches_sum(backend):
     for world in (1, 4):
         for dtype in DTYPES:
@@ -172,6 +174,6 @@ def _gpu_single_rank(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", symmetric_backends("reduce_scatter"))
 def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
     assert pools(1).run(_gpu_single_rank, backend) == [True]
