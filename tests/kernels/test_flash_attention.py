@@ -162,10 +162,11 @@ def test_gpu_configs_cover_every_head_dim():
 
 
 # (B, S_q, S_k, H, H_kv, D, causal, window, bottom_right, softcap, blocks): sliding windows
-# (left edge, unmasked middle and diagonal loops), asymmetric and zero windows, bottom-right
-# causal both ways round (S_q > S_k: the first rows see no key), softcap, GQA and MQA
+# (wider than two blocks: a masked left edge, unmasked blocks, the masked diagonal; narrower
+# than one), asymmetric and zero windows, bottom-right causal both ways round (S_q > S_k: the
+# first rows see no key), softcap, GQA and MQA
 MASK_CASES = [
-    (1, 45, 45, 2, 1, 24, True, (9, -1), False, 0.0, SMALL_BLOCKS),
+    (1, 64, 64, 2, 1, 24, True, (33, -1), False, 0.0, SMALL_BLOCKS),
     (1, 40, 29, 2, 2, 40, False, (5, 3), True, 0.0, dict(BLOCK_M=8, BLOCK_N=32)),
     (1, 23, 50, 4, 1, 16, True, (-1, -1), True, 2.0, dict(BLOCK_M=32, BLOCK_N=16)),
     (2, 50, 23, 2, 1, 24, True, (4, -1), True, 0.0, SMALL_BLOCKS),
