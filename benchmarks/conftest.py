@@ -16,6 +16,7 @@ import csv
 import datetime
 import functools
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -265,7 +266,8 @@ def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 
     time, next to the row's median."""
     if _rank() != 0:
         return None
-    path = RESULTS_DIR / "profiles" / f"{op}_{backend}_{'x'.join(map(str, shape))}.txt"
+    stem = "_".join(part for part in (op, backend, "x".join(map(str, shape))) if part)
+    path = RESULTS_DIR / "profiles" / f"{stem}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     where = _provenance()
     lines = [f"# {op} {backend} {'x'.join(map(str, shape))} on {where['device']}, "
@@ -294,9 +296,31 @@ def record_profile():
     return _record_profile
 
 
+def _profiled(name: str):
+    """``_gpu_times`` that also profiles each function it times once (``common.gpu_profile``)
+    into ``results/profiles/<name>[_<n>].txt``."""
+    from common import gpu_profile
+
+    stem = re.sub(r"[^\w.+-]", "_", name)
+    count = 0
+
+    def timed(fn, *args, **kwargs):
+        nonlocal count
+        times = _gpu_times(fn, *args, **kwargs)
+        busy, kernels = gpu_profile(fn)
+        _record_profile(stem + (f"_{count}" if count else ""), "", (), times[0], busy, kernels)
+        count += 1
+        return times
+    return timed
+
+
 @pytest.fixture
-def gpu_times():
-    return _gpu_times
+def gpu_times(request):
+    """``_gpu_times``; with ``FUSEDPAR_BENCH_PROFILE=1`` (``.ci/gpu all``'s headline rows), in
+    suites that write no profile of their own, ``_profiled`` by the test's name."""
+    if os.environ.get("FUSEDPAR_BENCH_PROFILE") != "1" or "record_profile" in request.fixturenames:
+        return _gpu_times
+    return _profiled(request.node.name)
 
 
 @pytest.fixture
