@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CausalLMOutput", "LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "shift_labels"]
+from ..parallel.forward import (IGNORE_INDEX, CausalLMOutput, causal_lm_loss, decoder_forward,
+                                shift_labels)
 
-IGNORE_INDEX = -100
-
+__all__ = ["CausalLMOutput", "IGNORE_INDEX", "LlamaConfig", "LlamaForCausalLM", "causal_lm_loss",
+           "shift_labels"]
 
 @dataclass
 class LlamaConfig:
@@ -52,32 +53,6 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class CausalLMOutput:
-    """``loss`` (None without labels), ``logits`` ``[B, S, V]`` (under tensor parallelism
-    this rank's vocabulary shard ``[B, S, V/tp]``), ``aux_loss`` (MoE models, else None)."""
-
-    loss: torch.Tensor | None
-    logits: torch.Tensor
-    aux_loss: torch.Tensor | None = None
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's causal shift: position ``i`` predicts ``labels[:, i + 1]``; the last
-    position predicts nothing (``-100``)."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy with the causal shift, in fp32::
-
-        F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels).flatten(),
-                        ignore_index=-100)
-    """
-    return F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels).flatten(),
-                           ignore_index=IGNORE_INDEX)
 
 
 class RMSNorm(nn.Module):
@@ -198,28 +173,6 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
-
-
-def decoder_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                    attention_mask: torch.Tensor | None = None):
-    """Run ``model.model``'s embedding, layers and final norm (HF structure); returns the
-    hidden states and the summed auxiliary loss of MoE layers (or None). ``attention_mask``
-    goes to every layer as it is (None: attention is causal by itself)."""
-    inner = model.model
-    if position_ids is None:
-        position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-    hidden = inner.embed_tokens(input_ids)
-    position_embeddings = inner.rotary_emb(hidden, position_ids)
-    aux = None
-    for layer in inner.layers:
-        out = layer(hidden, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                    position_ids=position_ids)
-        if isinstance(out, tuple):
-            hidden, layer_aux = out
-            aux = layer_aux if aux is None else aux + layer_aux
-        else:
-            hidden = out
-    return inner.norm(hidden), aux
 
 
 class LlamaForCausalLM(nn.Module):

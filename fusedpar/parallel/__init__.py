@@ -1,4 +1,4 @@
-"""Parallel configuration, device meshes, ``parallelize`` and ``shard_batch``."""
+"""Parallel configuration, device meshes, model adapters, ``parallelize`` and ``shard_batch``."""
 
 from fusedpar.errors import ParallelConfigError
 from fusedpar.parallel.config import (
@@ -8,6 +8,7 @@ from fusedpar.parallel.config import (
     ParallelConfig,
     get_submesh,
 )
+from fusedpar.parallel.adapters import ModelAdapter, find_adapter, register_adapter
 from fusedpar.parallel.cp import zigzag_positions, zigzag_shard, zigzag_unshard
 from fusedpar.parallel.tp import apply_tp
 from fusedpar.parallel.parallelize import parallelize, shard_batch  # noqa: E402
@@ -16,11 +17,14 @@ __all__ = [
     "EP_MESH_AXES",
     "FLATTENED_AXES",
     "MESH_AXES",
+    "ModelAdapter",
     "ParallelConfig",
     "ParallelConfigError",
     "apply_tp",
+    "find_adapter",
     "get_submesh",
     "parallelize",
+    "register_adapter",
     "shard_batch",
     "zigzag_positions",
     "zigzag_shard",

@@ -13,6 +13,10 @@ Rank layout (torchtitan's): ``tp`` is innermost (consecutive ranks), then ``cp``
 ``dp_shard``, and ``dp_replicate`` is outermost, i.e. ``rank = ((r * S + s) * C + c) * T + t``.
 Keep ``tp`` inside a node.
 
+Pipeline parallelism (``pp > 1``) adds the outermost axis ``"pp"``: the mesh is then
+``(pp, dp_replicate, dp_shard, cp, tp)`` and every other axis (and the flattened ones) lives
+inside one pipeline stage's ranks; with ``pp == 1`` the mesh has no ``pp`` axis.
+
 Expert parallelism does not multiply the world size: ``ep`` borrows its ranks from
 ``dp_shard x cp x tp`` (torchtitan convention), and the experts are FSDP-sharded over the
 remaining ``efsdp = dp_shard * cp * tp // ep`` ranks. :meth:`ParallelConfig.build_ep_mesh`
@@ -56,12 +60,13 @@ FLATTENED_AXES: dict[str, tuple[str, ...]] = {
 #: Axes of the expert ("sparse") mesh that :meth:`ParallelConfig.build_ep_mesh` returns.
 EP_MESH_AXES: tuple[str, ...] = ("dp_replicate", "efsdp", "ep")
 
-_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
+_FIELDS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
 # Degrees that may be -1 ("the remaining ranks"). tp/cp/ep change how the model is cut, so
 # they are never guessed.
 _AUTO_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard")
 # Training options next to the degrees (FSDP2's mixed precision and collectives).
-_OPTION_FIELDS: tuple[str, ...] = ("param_dtype", "reduce_dtype", "fsdp_comm")
+_OPTION_FIELDS: tuple[str, ...] = ("param_dtype", "reduce_dtype", "fsdp_comm", "pp_schedule",
+                                   "pp_microbatches", "pp_stages_per_rank", "pp_split_points")
 _DTYPE_NAMES: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -69,10 +74,21 @@ _DTYPE_NAMES: dict[str, str] = {
 }
 FSDP_COMMS: tuple[str, ...] = ("fusedpar", "torch")
 
+#: Pipeline schedules (any spelling, case-insensitive) -> torch.distributed.pipelining's
+#: schedule name (``get_schedule_class``); the last two run several stages per rank.
+PP_SCHEDULES: dict[str, str] = {
+    "gpipe": "GPipe", "1f1b": "1F1B",
+    "interleaved": "Interleaved1F1B", "interleaved1f1b": "Interleaved1F1B",
+    "zbv": "ZBVZeroBubble", "zbvzerobubble": "ZBVZeroBubble",
+    "interleavedzb": "InterleavedZeroBubble", "interleavedzerobubble": "InterleavedZeroBubble",
+}
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble")
+
 # Every key from_dict accepts -> our field. Ours, Axolotl's (and Accelerate's
 # ParallelismConfig), torchtitan's.
 _KEY_ALIASES: dict[str, str] = {
     # ours
+    "pp": "pp",
     "dp_replicate": "dp_replicate",
     "dp_shard": "dp_shard",
     "tp": "tp",
@@ -85,19 +101,28 @@ _KEY_ALIASES: dict[str, str] = {
     "context_parallel_size": "cp",
     "sequence_parallel_degree": "cp",  # Axolotl's old name for context_parallel_size
     "expert_parallel_size": "ep",
+    "pipeline_parallel_size": "pp",
     "tp_size": "tp",
     "cp_size": "cp",
     "ep_size": "ep",
+    "pp_size": "pp",
     # torchtitan
     "data_parallel_replicate_degree": "dp_replicate",
     "data_parallel_shard_degree": "dp_shard",
     "tensor_parallel_degree": "tp",
     "context_parallel_degree": "cp",
     "expert_parallel_degree": "ep",
+    "pipeline_parallel_degree": "pp",
+    "pipeline_parallel_schedule": "pp_schedule",
+    "pipeline_parallel_split_points": "pp_split_points",
     # options
     "param_dtype": "param_dtype",
     "reduce_dtype": "reduce_dtype",
     "fsdp_comm": "fsdp_comm",
+    "pp_schedule": "pp_schedule",
+    "pp_microbatches": "pp_microbatches",
+    "pp_stages_per_rank": "pp_stages_per_rank",
+    "pp_split_points": "pp_split_points",
 }
 
 
@@ -156,10 +181,17 @@ class ParallelConfig:
         assert dp_replicate * dp_shard * cp * tp == world_size
         assert (dp_shard * cp * tp) % ep == 0
 
+    With ``pp > 1`` the product also holds ``pp`` (outermost): ``pp * dp_replicate *
+    dp_shard * cp * tp == world_size``.
+
     ``ParallelConfig()`` is pure FSDP over every rank. Construction checks each degree on its
     own; :meth:`validate` checks them against a world size and fills in the ``-1``.
     Errors are :class:`~fusedpar.errors.ParallelConfigError` (a ``ValueError``).
     """
+
+    pp: int = 1
+    """Pipeline parallelism: the outermost axis; each of its ranks runs a pipeline stage
+    (decoder layers cut by the model's adapter), on ``torch.distributed.pipelining``."""
 
     dp_replicate: int = 1
     """Replicated data parallelism: HSDP's outer axis (gradients all-reduced across it).
@@ -194,9 +226,55 @@ class ParallelConfig:
     (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); ``"torch"``: FSDP2's
     own NCCL/gloo collectives."""
 
+    pp_schedule: str = "1F1B"
+    """The pipeline schedule (pp > 1): ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``
+    (several stages per rank), ``"ZBVZeroBubble"`` or ``"InterleavedZeroBubble"`` (refused
+    where a fusedpar op would compute the weight gradient: see
+    :mod:`fusedpar.parallel.pipeline`); any case, ``"interleaved"`` / ``"zbv"`` too."""
+
+    pp_microbatches: int | None = None
+    """Microbatches per step and data-parallel rank (pp > 1); None = the number of
+    pipeline stages. The batch must divide by it."""
+
+    pp_stages_per_rank: int | None = None
+    """Pipeline stages each pp rank runs: 1 for GPipe / 1F1B, 2 (default) or more for the
+    multi-stage schedules."""
+
+    pp_split_points: tuple[int, ...] | None = None
+    """The decoder layers that begin stages 1, 2, ... (``pp * stages_per_rank - 1``
+    increasing indices); None = as many layers in every stage as can be (the first stages
+    get one more where they do not divide)."""
+
     def __post_init__(self) -> None:
         for name in _FIELDS:
             object.__setattr__(self, name, _as_degree(name, getattr(self, name)))
+        schedule = PP_SCHEDULES.get(str(self.pp_schedule).lower().replace("_", "").replace("-", ""))
+        if schedule is None:
+            raise ParallelConfigError(f"pp_schedule={self.pp_schedule!r}: choose one of "
+                                      f"{', '.join(sorted(set(PP_SCHEDULES.values())))}")
+        object.__setattr__(self, "pp_schedule", schedule)
+        for name in ("pp_microbatches", "pp_stages_per_rank"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _as_degree(name, getattr(self, name), "pp_option"))
+        multi = schedule in MULTI_STAGE_SCHEDULES
+        stages = self.pp_stages_per_rank
+        if stages is None:
+            object.__setattr__(self, "pp_stages_per_rank", 2 if multi else 1)
+        elif multi and stages < 2 or not multi and stages != 1:
+            raise ParallelConfigError(
+                f"pp_stages_per_rank={stages} with pp_schedule={schedule}: "
+                + ("a multi-stage schedule runs at least 2 stages per rank" if multi else
+                   f"{schedule} runs one stage per rank; use Interleaved1F1B for more"))
+        if schedule == "ZBVZeroBubble" and self.pp_stages_per_rank != 2:
+            raise ParallelConfigError(f"pp_stages_per_rank={self.pp_stages_per_rank}: "
+                                      "ZBVZeroBubble runs exactly 2 stages per rank (a V)")
+        if self.pp_split_points is not None:
+            points = self.pp_split_points
+            if isinstance(points, (str, bytes)) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) for p in points):
+                raise ParallelConfigError(f"pp_split_points={points!r}: give the decoder-layer "
+                                          "indices that begin stages 1, 2, ... as ints")
+            object.__setattr__(self, "pp_split_points", tuple(points))
         object.__setattr__(self, "param_dtype", _dtype_name("param_dtype", self.param_dtype, True))
         object.__setattr__(self, "reduce_dtype", _dtype_name("reduce_dtype", self.reduce_dtype, False))
         if self.fsdp_comm not in FSDP_COMMS:
@@ -220,13 +298,23 @@ class ParallelConfig:
         """``dp_replicate * dp_shard * cp * tp``, or None while a degree is -1."""
         if not self.is_resolved:
             return None
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        """The shape of the dense mesh, in :data:`MESH_AXES` order (resolved configs only)."""
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The axes of the dense mesh: :data:`MESH_AXES`, after ``"pp"`` when pp > 1."""
+        return (("pp",) if self.pp > 1 else ()) + MESH_AXES
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The shape of the dense mesh, in :attr:`mesh_axes` order (resolved configs only)."""
         self._require_resolved("mesh_shape")
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        return (self.pp,) * (self.pp > 1) + (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp * pp_stages_per_rank`` (1 without pp)."""
+        return self.pp * self.pp_stages_per_rank if self.pp > 1 else 1
 
     @property
     def dp(self) -> int:
@@ -275,6 +363,8 @@ class ParallelConfig:
             raise ParallelConfigError(f"world_size={world_size} must be a positive int")
 
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        if self.pp > 1:
+            sizes = {"pp": self.pp, **sizes}
         auto = next((name for name in _AUTO_FIELDS if sizes[name] == -1), None)
         if auto is not None:
             known = {name: value for name, value in sizes.items() if name != auto}
@@ -393,10 +483,15 @@ class ParallelConfig:
     # ------------------------------------------------------------------ text
 
     def describe(self) -> str:
-        """One line, e.g. ``"dp_replicate=1 dp_shard=4 cp=1 tp=2 ep=1 (world 8)"``."""
+        """One line, e.g. ``"dp_replicate=1 dp_shard=4 cp=1 tp=2 ep=1 (world 8)"`` (with
+        ``pp=2 (1F1B, 4 microbatches) `` first when pp > 1)."""
         world = self.world_size
         suffix = f"(world {world})" if world is not None else "(world: not resolved)"
-        return (
+        pipeline = ""
+        if self.pp > 1:
+            micro = f", {self.pp_microbatches} microbatches" if self.pp_microbatches else ""
+            pipeline = f"pp={self.pp} ({self.pp_schedule}{micro}) "
+        return pipeline + (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} "
             f"tp={self.tp} ep={self.ep} {suffix}"
         )
@@ -467,7 +562,7 @@ class ParallelConfig:
         from torch.distributed.device_mesh import init_device_mesh
 
         cfg = self.validate(self._world_size_for_mesh(world_size))
-        mesh = init_device_mesh(self._device_type(device_type), cfg.mesh_shape, mesh_dim_names=MESH_AXES)
+        mesh = init_device_mesh(self._device_type(device_type), cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
         for name in FLATTENED_AXES:
             get_submesh(mesh, name)  # creates and registers the flattened axis
         return mesh
@@ -490,10 +585,11 @@ class ParallelConfig:
         from torch.distributed.device_mesh import init_device_mesh
 
         cfg = self.validate(self._world_size_for_mesh(world_size))
+        pp = ("pp",) * (cfg.pp > 1)
         return init_device_mesh(
             self._device_type(device_type),
-            (cfg.dp_replicate, cfg.efsdp, cfg.ep),
-            mesh_dim_names=EP_MESH_AXES,
+            (cfg.pp,) * (cfg.pp > 1) + (cfg.dp_replicate, cfg.efsdp, cfg.ep),
+            mesh_dim_names=pp + EP_MESH_AXES,
         )
 
 

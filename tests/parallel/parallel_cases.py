@@ -40,7 +40,9 @@ def make_model(kind: str, seed: int = 0):
     "hf-mixtral", "hf-mistral" (a sliding window of 8), "hf-qwen2-moe" (a gated shared expert), "hf-olmoe" and "hf-qwen3-moe" (a
     dense first layer, top-k weights not renormalized) with their router aux loss in the loss,
     "hf-deepseek-v3" (multi-head latent attention, a dense first layer, sigmoid
-    group-limited routing, a shared expert)."""
+    group-limited routing, a shared expert), "hf-gemma2" (scaled embeddings tied to the
+    head, soft-capped attention and logits, a window of 8 on every other layer; eager
+    attention)."""
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**TINY))
@@ -82,6 +84,11 @@ def make_model(kind: str, seed: int = 0):
             n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
             q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=8))
+    if kind == "hf-gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **{**common, "attn_implementation": "eager"}, head_dim=8, query_pre_attn_scalar=8,
+            sliding_window=8, pad_token_id=None, final_logit_softcapping=2.0,
+            attn_logit_softcapping=3.0))
     raise ValueError(kind)
 
 

@@ -285,9 +285,9 @@ def test_from_dict_same_field_twice():
 
 def test_from_dict_unknown_key_lists_accepted():
     with pytest.raises(ParallelConfigError) as info:
-        ParallelConfig.from_dict({"tensor_paralel_size": 2, "pipeline_parallel_degree": 2})
+        ParallelConfig.from_dict({"tensor_paralel_size": 2, "zero_stage": 2})
     message = str(info.value)
-    assert "'tensor_paralel_size'" in message and "'pipeline_parallel_degree'" in message
+    assert "'tensor_paralel_size'" in message and "'zero_stage'" in message
     assert "did you mean 'tensor_parallel_size'" in message
     for key in ("dp_shard_size", "sequence_parallel_degree", "data_parallel_shard_degree", "expert_parallel_size", "tp"):
         assert key in message
@@ -433,3 +433,53 @@ def test_build_mesh_on_four_ranks(pools, case):
     if cfg.ep == 2:
         assert [sorted(r["ep_axes"]["ep"]) for r in reports] == [[0, 1], [0, 1], [2, 3], [2, 3]]
         assert [sorted(r["ep_axes"]["efsdp"]) for r in reports] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+# --------------------------------------------------------------------------- pipeline parallelism
+
+
+@pytest.mark.parametrize("key", ["pp", "pipeline_parallel_size", "pipeline_parallel_degree", "pp_size"])
+def test_pp_is_the_outermost_axis(key):
+    cfg = ParallelConfig.from_dict({key: 2, "tp": 2}).validate(8)
+    assert (cfg.pp, cfg.dp_shard, cfg.world_size) == (2, 2, 8)
+    assert cfg.mesh_axes == ("pp", *MESH_AXES) and cfg.mesh_shape == (2, 1, 2, 1, 2)
+    assert cfg.describe() == "pp=2 (1F1B) dp_replicate=1 dp_shard=2 cp=1 tp=2 ep=1 (world 8)"
+    plain = ParallelConfig(tp=2).validate(8)  # without pp: no pp axis, the same description
+    assert plain.mesh_axes == MESH_AXES and plain.mesh_shape == (1, 4, 1, 2)
+    assert plain.describe() == "dp_replicate=1 dp_shard=4 cp=1 tp=2 ep=1 (world 8)"
+
+
+def test_pp_schedules_and_stages():
+    for name, want, stages in [("gpipe", "GPipe", 1), ("1F1B", "1F1B", 1),
+                               ("interleaved", "Interleaved1F1B", 2), ("ZBV", "ZBVZeroBubble", 2),
+                               ("interleaved_zero_bubble", "InterleavedZeroBubble", 2)]:
+        cfg = ParallelConfig.from_dict({"pp": 2, "pipeline_parallel_schedule": name}).validate(4)
+        assert (cfg.pp_schedule, cfg.pp_stages_per_rank, cfg.pp_stages) == (want, stages, 2 * stages)
+    cfg = ParallelConfig(pp=4, pp_schedule="Interleaved1F1B", pp_stages_per_rank=3,
+                         pp_microbatches=8, pp_split_points=[2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22])
+    assert cfg.pp_stages == 12 and cfg.pp_split_points == tuple(range(2, 24, 2))
+    assert cfg.describe().startswith("pp=4 (Interleaved1F1B, 8 microbatches) ")
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(pp=2, pp_schedule="pipedream"), "pp_schedule='pipedream': choose one of 1F1B, GPipe, Interleaved1F1B"),
+    (dict(pp=2, pp_stages_per_rank=2), "pp_stages_per_rank=2 with pp_schedule=1F1B: 1F1B runs one stage per rank"),
+    (dict(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=1), "a multi-stage schedule runs at least 2"),
+    (dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=3), "ZBVZeroBubble runs exactly 2 stages per rank"),
+    (dict(pp=0), "pp=0: must be a positive int"),
+    (dict(pp=-1), "pp=-1 is not allowed"),
+    (dict(pp=2, pp_microbatches=0), "pp_microbatches=0: must be a positive int"),
+    (dict(pp=2, pp_split_points="2,4"), "pp_split_points='2,4': give the decoder-layer indices"),
+])
+def test_pp_option_errors(kwargs, fragment):
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_pp_counts_in_the_world_size():
+    with pytest.raises(ParallelConfigError, match=r"pp\(2\) \* dp_replicate\(1\) \* dp_shard\(4\) \* "
+                                                  r"cp\(1\) \* tp\(1\) = 8 but world_size is 4"):
+        ParallelConfig(pp=2, dp_shard=4).validate(4)
+    with pytest.raises(ParallelConfigError, match="pp=3 does not divide world_size=4"):
+        ParallelConfig(pp=3).validate(4)

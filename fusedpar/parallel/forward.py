@@ -1,0 +1,215 @@
+"""The forward of a parallelized causal LM, and the pieces fusedpar's own models share with
+it: the decoder forward an adapter describes, Hugging Face's label shift, and the mean token
+loss over the valid labels of the whole global batch.
+
+Plain-PyTorch equivalent of the parallelized forward on one process::
+
+    hidden = decoder_forward(model, input_ids, position_ids)[0]  # embed -> layers -> norm
+    logits = model.lm_head(hidden)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), shift_labels(labels).flatten(),
+                           ignore_index=-100)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .adapters import ModelAdapter, find_adapter, is_hf
+
+__all__ = ["IGNORE_INDEX", "CausalLMOutput", "causal_lm_loss", "decoder_forward", "mean_loss",
+           "shift_labels"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """``loss`` (None without labels), ``logits`` ``[B, S, V]`` (under tensor parallelism
+    this rank's vocabulary shard ``[B, S, V/tp]``), ``aux_loss`` (MoE models, else None)."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal shift: position ``i`` predicts ``labels[:, i + 1]``; the last
+    position predicts nothing (``-100``)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy with the causal shift, in fp32::
+
+        F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels).flatten(),
+                        ignore_index=-100)
+    """
+    return F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels).flatten(),
+                           ignore_index=IGNORE_INDEX)
+
+
+def run_layers(adapter: ModelAdapter, model: nn.Module, layers, hidden: torch.Tensor,
+               position_ids: torch.Tensor, masks: list | None, first: int = 0):
+    """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``) on ``hidden``;
+    returns the hidden states and the summed auxiliary loss of MoE layers (or None)."""
+    position_embeddings = adapter.rotary(model)(hidden, position_ids)
+    aux = None
+    for i, layer in enumerate(layers, first):
+        out = layer(hidden, position_embeddings=position_embeddings,
+                    attention_mask=None if masks is None else masks[i], position_ids=position_ids)
+        if isinstance(out, tuple):
+            hidden, layer_aux = out
+            aux = layer_aux if aux is None else aux + layer_aux
+        else:
+            hidden = out
+    return hidden, aux
+
+
+def decoder_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                    attention_masks: list | None = None, adapter: ModelAdapter | None = None):
+    """Embeddings, decoder layers and final norm of ``model`` as its adapter describes them
+    (default: found by :func:`~fusedpar.parallel.adapters.find_adapter`); returns the
+    hidden states and the summed auxiliary loss of MoE layers (or None).
+    ``attention_masks``: one per layer, as they are (None: causal attention by itself)."""
+    adapter = find_adapter(model) if adapter is None else adapter
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
+    hidden = adapter.embed(model, input_ids)
+    hidden, aux = run_layers(adapter, model, adapter.layers(model), hidden, position_ids,
+                             attention_masks)
+    return adapter.final_norm(model)(hidden), aux
+
+
+def mean_loss(per_token: torch.Tensor, target: torch.Tensor, group: str | None, ranks: int):
+    """The mean over the valid tokens of the whole global batch, as one process computes it,
+    whatever each rank's share of ignored labels. ``group``: the ranks holding other tokens
+    (``dp_cp``, ``ranks`` of them; None when one), over which the sum and count are
+    all-reduced; each rank's gradient is scaled by ``ranks``, because FSDP averages the
+    gradients over them while the true gradient is their sum."""
+    total, count = per_token.sum(), (target != IGNORE_INDEX).sum()
+    if group is None:
+        return total / count
+    both = torch.stack([total.detach(), count.to(total.dtype)])
+    both = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_reduce(both, "sum", group))
+    scaled = total * ranks / both[1]
+    return both[0] / both[1] + (scaled - scaled.detach())
+
+
+def token_losses(logits: torch.Tensor, target: torch.Tensor, tp_group: str | None) -> torch.Tensor:
+    """Each position's cross-entropy (0 where ignored), over a tp vocabulary shard when
+    ``tp_group`` is set."""
+    from ..nn.sequence import vocab_parallel_cross_entropy
+
+    if tp_group is not None:
+        return vocab_parallel_cross_entropy(logits, target, tp_group)
+    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="none")
+
+
+@dataclass
+class Plan:
+    """What the parallelized forward needs to know about the parallelization."""
+
+    adapter: ModelAdapter
+    config: object  # the resolved ParallelConfig
+    mesh: object
+    tp_group: str | None
+    cp_group: str | None
+    loss_group: str | None  # dp_cp: the ranks holding other tokens (None when one)
+    router_aux: object = None  # steps.RouterAuxLoss for a Hugging Face MoE model's aux loss
+    sliding_window: int | None = None
+    hf_masks: bool = False  # a Hugging Face model whose layers get HF's attention masks
+
+
+def check_batch(model: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook ahead of FSDP's (which all-gathers): bad shapes fail before any
+    communication."""
+    unknown = sorted(set(kwargs) - set(FORWARD_ARGS))
+    if unknown or len(args) + len(kwargs) > len(FORWARD_ARGS):
+        raise TypeError(f"parallelized forward takes {', '.join(FORWARD_ARGS)}; got "
+                        f"{len(args)} positional and {', '.join(unknown) or 'no other'} keyword "
+                        "arguments")
+    input_ids = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError("parallelized forward: pass input_ids (a [batch, seq] tensor)")
+    plan = model._fusedpar_plan
+    sequence_checks(plan, input_ids)
+    positions = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    if plan.cp_group is not None and is_hf(model) and positions is not None \
+            and bool((positions.diff(dim=-1) != 1).any()):  # one host read, only when passed
+        raise ValueError("parallelized forward: position_ids restart inside a row (packed "
+                         "sequences), which Hugging Face models attend to as separate "
+                         "documents; context parallelism attends over the whole row: use cp=1 "
+                         "or unpacked rows")
+    mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
+    if mask is not None and not bool(mask.all()):  # one host read, only when a mask is passed
+        raise ValueError("parallelized forward: attention_mask masks some positions, and the "
+                         "parallelized forward runs causal attention over whole rows; pass no "
+                         "attention_mask (right padding with labels = -100 at the pads gives the "
+                         "same cross-entropy) or pack the sequences")
+
+
+def sequence_checks(plan: Plan, input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2:
+        raise ValueError(f"parallelized forward: input_ids must be [batch, seq], got "
+                         f"{tuple(input_ids.shape)}")
+    seq, cfg = input_ids.shape[1], plan.config
+    if cfg.cp > 1 and seq % (2 * cfg.cp):
+        raise ValueError(f"sequence length {seq} is not divisible by 2*cp = {2 * cfg.cp} (context "
+                         f"parallelism cuts it into 2*cp zigzag chunks); pad it to a multiple")
+    if cfg.tp > 1 and (seq // cfg.cp) % cfg.tp:
+        raise ValueError(f"sequence length {seq} (per cp rank {seq // cfg.cp}) is not divisible by "
+                         f"tp={cfg.tp} (sequence parallelism splits it); pad it to a multiple")
+    if plan.sliding_window is not None and seq > plan.sliding_window:
+        raise ValueError(f"sequence length {seq} exceeds the model's sliding window "
+                         f"{plan.sliding_window} (config.sliding_window), and the parallelized "
+                         "forward attends over the whole causal prefix; use sequences of at most "
+                         "that length")
+
+
+def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+    """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
+    full sequence (the same on every rank of a tp / cp group). ``attention_mask``: only all
+    ones (checked in :func:`check_batch`). No ``**kwargs``: Hugging Face's Trainer then
+    divides the loss by the gradient-accumulation steps itself instead of passing
+    ``num_items_in_batch``, which this forward would not use."""
+    plan: Plan = self._fusedpar_plan
+    adapter = plan.adapter
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    target = None if labels is None else shift_labels(labels)
+    if plan.cp_group is not None:
+        input_ids, position_ids, target = cp_shard(plan.cp_group, input_ids, position_ids, target)
+    if plan.router_aux is not None:
+        plan.router_aux.logits.clear()  # what a recompute in the last backward recorded
+    masks = adapter.attention_masks(self, input_ids, position_ids) if plan.hf_masks else None
+    hidden, aux = decoder_forward(self, input_ids, position_ids, masks, adapter)
+    logits = adapter.logits(self, hidden)
+    loss = None
+    if target is not None:
+        per_token = token_losses(logits, target, plan.tp_group)
+        loss = mean_loss(per_token, target, plan.loss_group, plan.config.dp * plan.config.cp)
+    if plan.router_aux is not None:  # Hugging Face MoE: its forward's load-balancing term
+        aux = plan.router_aux.loss()
+        loss = None if loss is None else loss + plan.router_aux.coef * aux
+    return adapter.output(self, loss, logits, aux)
+
+
+FORWARD_ARGS = tuple(inspect.signature(parallel_forward).parameters)[1:]
+
+
+def cp_shard(cp_group: str, *tensors):
+    """This cp rank's zigzag chunks of each tensor's sequence (dim 1); None stays None."""
+    from .cp import zigzag_shard
+
+    pg = dist.distributed_c10d._resolve_process_group(cp_group)
+    return tuple(None if t is None else zigzag_shard(t, 1, pg.rank(), pg.size()) for t in tensors)
