@@ -55,11 +55,7 @@ class Symmetric(C.SymmetricBackend):
         return out
 
 
-DISPATCHER = Dispatcher(OP, [
-    Symmetric("triton", C.TRITON_LAUNCHERS, C.triton_reasons),
-    Symmetric("cuda", C.CUDA_LAUNCHERS, C.cuda_reasons),
-    Reference(),
-])
+DISPATCHER = Dispatcher(OP, [*C.symmetric_backends(Symmetric), Reference()])
 
 
 @torch.library.custom_op("fusedpar::all_gather", mutates_args=())

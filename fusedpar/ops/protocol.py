@@ -293,6 +293,12 @@ class SymmetricBackend(Backend):
         raise NotImplementedError
 
 
+def symmetric_backends(cls) -> list[SymmetricBackend]:
+    """An op's ``triton`` and ``cuda`` backends: its ``SymmetricBackend`` subclass ``cls``
+    on each launcher set."""
+    return [cls("triton", TRITON_LAUNCHERS, triton_reasons), cls("cuda", CUDA_LAUNCHERS, cuda_reasons)]
+
+
 def raise_on_mismatch(call: CollectiveCall) -> None:
     """Reference backends: all-gather fingerprints and descriptions (one tiny collective)
     and compare."""
