@@ -14,8 +14,12 @@ profiles written so far (``results.tar.gz``) and ``summary.txt`` (each stage's w
 what it ran and skipped, the Triton compiles it made), so a run cut short still returns what
 it did. The benchmark rows go to ``$WORK/results`` and are packed, since the device tool
 brings back at most 8 files. ``FUSEDPAR_COMMIT=<sha>`` names the commit measured (a copied
-tree has no git metadata). A ``.cache/triton`` folder in the checkout (carried) seeds
-Triton's cache first; the summary's cache hits tell whether it served the JIT.
+tree has no git metadata). The summary gives each stage's Triton compiles and their time
+(``triton_compiles.py``). A ``.cache/triton`` folder in the checkout (carried) seeds Triton's
+cache first, and the cache hits tell whether it served the JIT. CI's ahead-of-time compiles
+cannot seed it: Triton's cache key hashes ``libtriton.so``, which differs between the
+Python 3.11 build of triton 3.6.0 that CI compiles with and the Python 3.12 build of the
+GPU image; a seed must come from the image's own wheel, with the JIT's specializations.
 ``--dry-run`` runs nothing: it prints the stages, their budgets and commands.
 """
 
