@@ -48,6 +48,17 @@ def test_plan_matches_measured_runs(runs):
     assert not misses, "\n".join(misses)
 
 
+def test_dry_run_equals_the_real_run(runs):
+    """The fake-tensor dry run of a config allocates exactly what the 4 real ranks did."""
+    from fusedpar.plan.dry_run import dry_run
+
+    got, _ = runs[("llama", "fsdp4")]
+    fake = dry_run(measured.model_config("llama"), {"dp_shard": 4}, 4, seq_len=measured.SEQ,
+                   micro_batch=measured.BATCH // 4)
+    assert (fake.params, fake.grads, fake.optimizer, fake.peak) == (
+        got["params"], got["grads"], got["optimizer"], got["peak"])
+
+
 @pytest.mark.xfail(strict=True, reason="planner under the measured peak by 14% for tp=2 + AC")
 def test_plan_matches_measured_tp_with_checkpointing(runs):
     for key in KNOWN_MISS:
