@@ -1,0 +1,165 @@
+"""fusedpar.integrations.hf: a tiny Hugging Face Qwen2 parallelized at tp=2 x dp_shard=2 on 4
+CPU ranks, trained by ``FusedparTrainer`` and by a plain ``accelerate.Accelerator`` loop,
+against the same loop in one process (this test's process) on the plain model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="fusedpar[hf] extra: transformers not installed")
+pytest.importorskip("accelerate", reason="fusedpar[hf] extra: accelerate not installed")
+
+from tests.parallel.parallel_cases import make_model, reference_backends  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+SEQ, ROWS, STEPS, GA, MICRO = 16, 40, 5, 2, 4  # MICRO: the global micro-batch (rows)
+PARALLEL = {"tp": 2, "dp_shard": 2}
+TRAIN_ARGS = dict(max_steps=STEPS, gradient_accumulation_steps=GA, learning_rate=1e-2,
+                  max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=3,
+                  report_to="none", seed=0, use_cpu=True, disable_tqdm=True,
+                  lr_scheduler_type="linear", dataloader_num_workers=0)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Rows of tokens whose labels ignore (-100) a different number of positions per row,
+    so the accumulation window's token count differs from micro-batch to micro-batch."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(64, (ROWS, SEQ), generator=g)
+        self.labels = self.ids.clone()
+        for r in range(ROWS):
+            self.labels[r, SEQ - 1 - r % 7:] = -100
+
+    def __len__(self):
+        return ROWS
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+@contextlib.contextmanager
+def accelerate_env(rank: int | None = None, world: int = 1):
+    """The environment torchrun gives a rank (Accelerate reads it; none for one process),
+    restored afterwards with Accelerate's shared state (the pool's ranks run other tests
+    too, and each loop here starts from a fresh state)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    keys = {} if rank is None else {"RANK": str(rank), "LOCAL_RANK": str(rank),
+                                    "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+
+def losses_of(trainer, after: int = 0) -> list[tuple[float, float]]:
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history
+            if "loss" in h and h["step"] > after]
+
+
+def trainer_losses(out: str, parallel: dict | None, resume_step: int | None = None, seed: int = 0,
+                   **args) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each step of a Trainer run (a FusedparTrainer when ``parallel``)."""
+    from transformers import Trainer, TrainingArguments
+
+    import fusedpar
+    from fusedpar.integrations.hf import FusedparTrainer
+
+    model, cls, batch = make_model("hf-qwen2", seed=seed), Trainer, MICRO
+    if parallel is not None:
+        model = fusedpar.parallelize(model, parallel, device_type="cpu")
+        cls, batch = FusedparTrainer, MICRO // model.fusedpar_config.dp
+    trainer = cls(model=model, train_dataset=Rows(),
+                  args=TrainingArguments(output_dir=out, per_device_train_batch_size=batch,
+                                         **{**TRAIN_ARGS, **args}))
+    resume = None if resume_step is None else os.path.join(out, f"checkpoint-{resume_step}")
+    trainer.train(resume_from_checkpoint=resume)
+    return losses_of(trainer, after=resume_step or 0)
+
+
+def accelerate_losses(out: str, parallel: dict | None, resume: bool = False) -> list[float]:
+    """Each micro-batch's loss of a plain Accelerator loop (gradient accumulation, clipping);
+    saves a DCP checkpoint after optimizer step 3, or with ``resume`` starts from it (other
+    initial weights)."""
+    from accelerate import Accelerator
+
+    import fusedpar
+    from fusedpar.integrations.hf import prepare_accelerator
+    from fusedpar.parallel import checkpoint
+
+    model, batch = make_model("hf-qwen2", seed=5 if resume else 0), MICRO
+    accelerator = Accelerator(gradient_accumulation_steps=GA, cpu=True)
+    if parallel is not None:
+        model = fusedpar.parallelize(model, parallel, device_type="cpu")
+        prepare_accelerator(accelerator, model)
+        batch = MICRO // model.fusedpar_config.dp
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    first = 3 * GA if resume else 0
+    if resume:
+        checkpoint.load(out, model, optimizer)
+        loader = accelerator.skip_first_batches(loader, first)
+    losses = []
+    for micro, inputs in enumerate(loader, first):
+        with accelerator.accumulate(model):
+            loss = model(**inputs).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), TRAIN_ARGS["max_grad_norm"])
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        if micro + 1 == 3 * GA and not resume:
+            checkpoint.save(out, model, optimizer)
+    return losses
+
+
+def _hf_cases(out: str):
+    """The Trainer run, its resumption, the Accelerate loop and its resumption, on this rank."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 4 ranks share the machine's cores
+    env = (dist.get_rank(), dist.get_world_size())
+    results = []
+    for run in (lambda: trainer_losses(out, PARALLEL),
+                lambda: trainer_losses(out, PARALLEL, resume_step=3, seed=5),
+                lambda: accelerate_losses(out + "-dcp", PARALLEL),
+                lambda: accelerate_losses(out + "-dcp", PARALLEL, resume=True)):
+        with reference_backends(), accelerate_env(*env):
+            results.append(run())
+    return results
+
+
+def test_trainer_and_accelerate_match_one_process_and_resume(pools, tmp_path):
+    run, resumed, acc_run, acc_resumed = pools(4).run(_hf_cases, str(tmp_path / "parallel"),
+                                                      timeout=500)[0]
+    with accelerate_env():
+        single = trainer_losses(str(tmp_path / "single"), None)
+    with accelerate_env():
+        acc_single = accelerate_losses(str(tmp_path / "single-dcp"), None)
+    assert len(acc_run) == len(acc_single) == STEPS * GA
+    for loss, ref in zip(acc_run, acc_single):
+        assert abs(loss - ref) <= 1e-5 * abs(ref), (acc_run, acc_single)
+    assert acc_resumed == acc_run[3 * GA:]
+    assert len(run) == len(single) == STEPS
+    assert max(g for _, g in single) > TRAIN_ARGS["max_grad_norm"]  # clipping was active
+    for (loss, norm), (ref_loss, ref_norm) in zip(run, single):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (run, single)
+        assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (run, single)
+    assert resumed == run[3:]
