@@ -1,6 +1,7 @@
-"""``fusedpar bench``: ``pytest benchmarks --benchmark-only -q`` plus whatever arguments
-follow. Needs pytest-benchmark (``pip install 'fusedpar[bench]'``) and a fusedpar checkout
-(the suites live in ``benchmarks/``, beside the package)."""
+"""``fusedpar bench``: ``pytest benchmarks -q`` plus whatever arguments follow: the timing
+cases (on a GPU) and the communication-volume checks (everywhere, CPU included; pytest's
+``--benchmark-only`` would skip those: add it to run the timings alone). Needs
+pytest-benchmark (``pip install 'fusedpar[bench]'``) and a fusedpar checkout (the suites live in ``benchmarks/``, beside the package)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import fusedpar
 NO_GPU = ("fusedpar bench: nothing was timed: there is no CUDA GPU here, and timings of "
           "Triton's CPU interpreter mean nothing. On a GPU this times every op's fusedpar "
           "backends against the baselines (NCCL + cuBLAS, torch symm_mem, torch.matmul) in "
-          "one-process loopback cases; `torchrun --nproc-per-node N -m pytest benchmarks "
-          "--benchmark-only` adds the multi-GPU cases.")
+          "one-process loopback cases; `torchrun --nproc-per-node N -m pytest benchmarks` "
+          "adds the multi-GPU cases. The communication-volume checks run here too.")
 
 
 def add_parser(sub) -> None:
-    sub.add_parser("bench", help="pytest benchmarks --benchmark-only -q [extra pytest args]",
+    sub.add_parser("bench", help="pytest benchmarks -q [extra pytest args]: timings on a GPU, "
+                        "communication-volume checks everywhere",
                    add_help=False)
 
 
@@ -44,7 +46,7 @@ def run(extra: list[str]) -> int:
         print("fusedpar bench: no benchmarks/ folder: run it from a fusedpar checkout",
               file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "pytest", bench_dir, "--benchmark-only", "-q", *extra]
+    cmd = [sys.executable, "-m", "pytest", bench_dir, "-q", *extra]
     print("+ " + " ".join(cmd), flush=True)
     code = subprocess.call(cmd, cwd=os.path.dirname(bench_dir))
     if not torch.cuda.is_available():
