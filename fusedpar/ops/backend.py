@@ -1,12 +1,14 @@
 """Backend selection shared by every op (docs/design.md §2).
 
 An op lists its backends in priority order; each says why it cannot take a call
-(``not_supported_reasons``). The first with no reasons runs. ``backend=`` forces one (and
-fails loudly if it refuses); ``FUSEDPAR_BACKEND`` forces one for every op that has it (a
-name that no op has is an error).
+(``not_supported_reasons``). On CPU the first with no reasons runs; on a GPU, where a call
+type has a ``bucket()``, the one ``tuning.choose`` picks among them (measured, the default
+table, else the priority order). ``backend=`` forces one (and fails loudly if it refuses);
+``FUSEDPAR_BACKEND`` forces one for every op that has it (a name that no op has is an error).
 Reasons depend only on what is identical on every rank (device type, dtype, shape, group,
-installed extensions; collective checks are agreed and cached per group), so every rank
-picks the same backend; the choice is cached per (op, group, device type, dtype).
+installed extensions; collective checks are agreed and cached per group), and a tuned
+choice is agreed by the group, so every rank picks the same backend; the choice is cached
+per (op, group, device type, dtype) and, where tuned, device and shape bucket.
 
 What a backend implements depends on its op's kind (every backend of one op is of one kind):
 
@@ -33,7 +35,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..errors import BackendNotSupportedError
-from . import registry
+from . import registry, tuning
 
 
 class Backend:
@@ -154,7 +156,8 @@ class Dispatcher:
 
     def select(self, call, requested: str = "") -> Backend:
         forced = self.forced_name(requested)
-        key = (call.cache_key(), forced)
+        key = (call.cache_key(), forced,
+               (str(tuning.tensor(call).device), call.bucket()) if tuning.applies(call) else None)
         if key not in self._cache:
             self._cache[key] = self._choose(call, forced)
         return self._cache[key]
@@ -168,12 +171,18 @@ class Dispatcher:
                     f"{call.describe()}: " + "; ".join(reasons)
                 )
             return self.backends[forced]
-        rejected = []
+        rejected, available = [], []
+        tuned = tuning.applies(call)
         for backend in self.backends.values():
             reasons = backend.not_supported_reasons(call)
+            if not reasons and not tuned:
+                return backend  # untuned: the priority order
             if not reasons:
-                return backend
-            rejected.append(f"  {backend.name}: " + "; ".join(reasons))
+                available.append(backend.name)
+            else:
+                rejected.append(f"  {backend.name}: " + "; ".join(reasons))
+        if available:
+            return self.backends[tuning.choose(self, call, available)]
         raise BackendNotSupportedError(
             f"fusedpar.{self.op}: no backend can run {call.describe()}:\n" + "\n".join(rejected)
         )

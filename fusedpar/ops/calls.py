@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import symmetric
+from .tuning import pow2
 
 GATHER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -34,6 +35,10 @@ class CollectiveCall:
     def describe(self) -> str:
         return (f"x of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
                 f"dim={self.dim}, world size {self.world_size}")
+
+    def bucket(self) -> tuple:
+        """The tuning bucket (``tuning``): this rank's input elements, a power of two."""
+        return (pow2(self.x.numel()),)
 
     @property
     def outer(self) -> int:
@@ -91,6 +96,14 @@ class MatmulCall(CollectiveCall):
     def description(self) -> list[int]:
         # A's shape: what usually differs (B shapes are in the fingerprint too)
         return symmetric.describe_words(1, self.x.dtype, tuple(self.x.shape), self.dim)
+
+    def bucket(self) -> tuple:
+        """The tuning bucket: the product's ``M, K, N`` (all_gather_matmul: of A gathered;
+        N: every B's columns) as powers of two, and whether ``dim`` is A's last."""
+        m, k = math.prod(self.x.shape[:-1]), self.x.shape[-1]
+        if self.op == "all_gather_matmul":
+            m, k = (m, k * self.world_size) if self.last_dim else (m * self.world_size, k)
+        return (pow2(m), pow2(k), pow2(sum(b.shape[1] for b in self.bs)), int(self.last_dim))
 
     def describe(self) -> str:
         return (f"A of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "

@@ -11,6 +11,7 @@ from ..kernels import flash_attention as kernels
 from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
+from .tuning import pow2
 
 OP = "flash_attention"
 MASK_SCHEMA = ("bool causal, float softmax_scale, int window_left, int window_right, float softcap, "
@@ -50,6 +51,16 @@ class AttentionCall:
 
     def cache_key(self) -> tuple:
         return (self.q.device.type, self.q.dtype)
+
+    def bucket(self) -> tuple:
+        """The tuning bucket: batch x heads, K/V heads, query and key lengths (packed: the
+        totals) as powers of two, the head dim, and the mask's kind (causal, windowed or
+        capped, packed)."""
+        packed = self.cu_seqlens is not None
+        rows = self.q.shape[-2] * (1 if packed else self.q.shape[0])
+        sizes = (rows, self.k.shape[-2], self.q.shape[-3], self.k.shape[-3])
+        return (*(pow2(n) for n in sizes), self.q.shape[-1], int(self.causal),
+                int(self.window != (-1, -1) or self.softcap > 0), int(packed))
 
     def describe(self) -> str:
         return (f"q {tuple(self.q.shape)}, k/v {tuple(self.k.shape)} {self.q.dtype} on "

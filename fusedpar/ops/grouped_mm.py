@@ -9,6 +9,7 @@ from ..kernels import grouped_mm as kernels
 from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
+from .tuning import pow2
 
 OP = "grouped_mm"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -44,6 +45,12 @@ class GroupedCall:
 
     def cache_key(self) -> tuple:
         return (self.a.device.type, self.a.dtype, self.a.dim(), self.b.dim(), self.out_dtype)
+
+    def bucket(self) -> tuple:
+        """The tuning bucket: the form (``a.dim(), b.dim()``), then a's and b's sizes and
+        the group count as powers of two."""
+        sizes = (*self.a.shape, *self.b.shape, self.groups)
+        return (self.a.dim(), self.b.dim(), *(pow2(s) for s in sizes))
 
     def describe(self) -> str:
         return (f"a {tuple(self.a.shape)} x b {tuple(self.b.shape)} {self.a.dtype} on "
