@@ -39,12 +39,20 @@ class PoolError(AssertionError):
     pass
 
 
-def _worker_main(rank, world_size, init_file, tasks, results):
+def _worker_main(rank, world_size, init_file, tasks, results, shared_gpu=False):
     import torch
     import torch.distributed as dist
 
-    # with a GPU, one group serves both: gloo for CPU tensors, NCCL for CUDA tensors
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if shared_gpu:
+        # every rank on cuda:0 (where there is one): NCCL refuses ranks sharing a GPU, so
+        # gloo; torch symmetric memory accepts them with this opt-in
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        backend = "gloo"
+    else:
+        # with a GPU, one group serves both: gloo for CPU tensors, NCCL for CUDA tensors
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     while True:
@@ -60,7 +68,9 @@ def _worker_main(rank, world_size, init_file, tasks, results):
 
 
 class WorkerPool:
-    def __init__(self, world_size: int, rendezvous_dir):
+    """W spawned ranks in one gloo world (``shared_gpu``: all on cuda:0, see ``_worker_main``)."""
+
+    def __init__(self, world_size: int, rendezvous_dir, shared_gpu: bool = False):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         init_file = os.path.join(str(rendezvous_dir), f"init_{world_size}_{time.time_ns()}")
@@ -68,7 +78,7 @@ class WorkerPool:
         self.results = ctx.Queue()
         self.procs = [
             ctx.Process(target=_worker_main, daemon=True,
-                        args=(r, world_size, init_file, self.tasks[r], self.results))
+                        args=(r, world_size, init_file, self.tasks[r], self.results, shared_gpu))
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -122,14 +132,16 @@ class WorkerPool:
 
 
 class PoolRegistry:
-    def __init__(self, rendezvous_dir):
+    def __init__(self, rendezvous_dir, shared_gpu: bool = False):
         self.rendezvous_dir = rendezvous_dir
+        self.shared_gpu = shared_gpu
         self.pools: dict[int, WorkerPool] = {}
 
     def __call__(self, world_size: int) -> WorkerPool:
         pool = self.pools.get(world_size)
         if pool is None or pool.broken:
-            pool = self.pools[world_size] = WorkerPool(world_size, self.rendezvous_dir)
+            pool = self.pools[world_size] = WorkerPool(world_size, self.rendezvous_dir,
+                                                       self.shared_gpu)
         return pool
 
     def close(self):

@@ -13,12 +13,12 @@ from fusedpar.comm import symmetric
 ENV = symmetric.OVERLAPPING_DEVICES
 
 
-def test_ranks_on_distinct_gpus_need_no_opt_in(monkeypatch):
+def test_ranks_on_distinct_devices_need_no_opt_in(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert symmetric.shared_device_reason(["h:0", "h:1", "h:2", "h:3"], "g") == ""
 
 
-def test_shared_gpu_refused_with_the_ranks_and_the_fix(monkeypatch):
+def test_shared_device_refused_with_the_ranks_and_the_fix(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     reason = symmetric.shared_device_reason(["h:0", "h:1", "h:1", "h:0"], "g")
     assert reason.startswith("ranks [0, 3] share cuda:0: ")
