@@ -259,6 +259,7 @@ def main() -> None:
     write_build_info(build, reason, on_purpose, archs)
     setup(
         packages=find_packages_checked(),
+        package_data={"fusedpar.ops": ["tuning_defaults.json"]},  # the default tuning table
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

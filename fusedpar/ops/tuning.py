@@ -220,7 +220,8 @@ def user_table() -> Table:
 
 def load_defaults(path: Path = DEFAULTS_PATH) -> dict:
     """The shipped default table: ``{"entries": {signature key without placement: row},
-    "fallback": {op: {device name: row}}}``, each row ``{"backend", "why"}``."""
+    "fallback": {op: {device name or "*" (any device): row}}}``, each row
+    ``{"backend", "why"}``."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -254,9 +255,10 @@ def lookup(sig: Signature, candidates: list[str]) -> tuple[str, str, int]:
     row = table.get("entries", {}).get(sig.key(with_placement=False))
     if row is not None and row.get("backend") in candidates:
         return row["backend"], f"default table row: {row.get('why', '')}", DEFAULT
-    row = table.get("fallback", {}).get(sig.op, {}).get(sig.device)
+    fallback = table.get("fallback", {}).get(sig.op, {})
+    row = fallback.get(sig.device) or fallback.get("*")  # this device's, else every device's
     if row is not None and row.get("backend") in candidates:
-        return row["backend"], f"default for {sig.op} on {sig.device}: {row.get('why', '')}", DEFAULT
+        return row["backend"], f"default for {sig.op} (no row of this bucket): {row.get('why', '')}", DEFAULT
     return candidates[0], "untuned: the priority order", UNTUNED
 
 

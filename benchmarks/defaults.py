@@ -1,0 +1,165 @@
+"""Generate fusedpar's default tuning table (``fusedpar/ops/tuning_defaults.json``) from the
+committed benchmark rows, the choice a GPU gets where nothing was measured on it
+(``fusedpar.ops.tuning``).
+
+    python benchmarks/defaults.py            # rewrite the table
+    python benchmarks/defaults.py --check    # exit 1 if the shipped table is not this output
+
+Each row's backend label is mapped to the dispatcher backend it measured (``LABELS``; a
+baseline stands for the plain-torch backend: a loopback baseline is that path's compute
+alone, so a fusedpar backend slower than it is not known to be faster than the plain
+path). Per (op, device, world, dtype, shape bucket): the latest row of each label per case
+(``report.latest``); a fusedpar backend slower than a baseline in any case is not eligible;
+among the eligible backends measured in every case, the least total median wins (ties: the
+dispatcher's priority order). Per op and device, and over all devices (``"*"``), the
+fallback is the backend chosen in most buckets. Rows of a backend the op does not have
+(yet) are left out; so are ops whose calls have no bucket (ring_attention, the MoE ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from report import RESULTS, load, latest, parse_notes  # benchmarks/ is on sys.path
+from targets import BASELINES
+
+from fusedpar.ops import registry, tuning
+from fusedpar.ops.calls import CollectiveCall, MatmulCall
+from fusedpar.ops.flash_attention import AttentionCall
+from fusedpar.ops.grouped_mm import GroupedCall
+
+OUT = Path(tuning.DEFAULTS_PATH)
+# {op: {row label: backend}}: a baseline label names the plain-torch backend it stands for
+LABELS = {
+    "all_gather": {"triton": "triton", "cuda": "cuda", "torch.cat": "reference", "nccl": "reference"},
+    "reduce_scatter": {"triton": "triton", "cuda": "cuda", "torch.stack.sum": "reference",
+                       "nccl": "reference"},
+    "all_gather_matmul": {"triton": "triton", "pipelined": "pipelined", "torch.matmul": "reference",
+                          "nccl+matmul": "reference", "symm_mem.fused_all_gather_matmul": "symm_mem"},
+    "matmul_reduce_scatter": {"triton": "triton", "pipelined": "pipelined",
+                              "torch.matmul": "reference", "matmul+nccl": "reference",
+                              "symm_mem.fused_matmul_reduce_scatter": "symm_mem"},
+    "flash_attention": {"triton": "triton", "sdpa_flash": "sdpa"},
+    "grouped_mm": {"fusedpar.triton": "triton", "torch._grouped_mm": "torch",
+                   "torch.mm loop": "reference"},
+}
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta")
+
+
+def call_of(op: str, shape: str, world: int, notes: dict):
+    """The call a row measured (meta tensors: only its bucket is asked), per the shape
+    column's meaning (results/README.md); None for a row that is not one call of the op."""
+    dims = [int(d) for d in shape.split("x")]
+    if op == "all_gather":
+        return CollectiveCall(op, _meta(*dims), 0, world)
+    if op == "reduce_scatter":  # the shape is the per-rank output
+        return CollectiveCall(op, _meta(dims[0] * world, *dims[1:]), 0, world, reduce_op="sum")
+    if op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        m, k, n = dims
+        rows = m // world if op == "all_gather_matmul" else m  # A_gathered [M, K]: shards of M/W
+        return MatmulCall(op, _meta(rows, k), 0, world, None, [_meta(k, n)])
+    if op == "flash_attention":
+        if notes.get("mode") != "fwd+bwd":  # the choice serves forward and backward
+            return None
+        q = _meta(*dims)
+        return AttentionCall(q, q, q, notes.get("causal") == "True", dims[-1] ** -0.5)
+    if op == "grouped_mm":
+        t, k, n, e = dims
+        return GroupedCall(_meta(t, k), _meta(e, k, n), torch.empty(e, dtype=torch.int32, device="meta"))
+    return None
+
+
+def _key(op: str, device: str, world: int, dtype: str, call) -> str:
+    return tuning.Signature(op, device, world, dtype, tuple(call.bucket()), "").key(with_placement=False)
+
+
+def cases_by_key(rows: dict[str, list[dict]]) -> dict[str, list[dict[str, float]]]:
+    """``{signature key: [{backend label: latest median ms} per case]}`` of the tuned ops."""
+    found: dict[str, list[dict[str, float]]] = {}
+    for op in LABELS:
+        for (shape, dtype, world, device, _), by_label in latest(rows.get(op, [])).items():
+            notes = parse_notes(next(iter(by_label.values()))["notes"])
+            call = call_of(op, shape, world, notes)
+            if call is not None:
+                found.setdefault(_key(op, device, world, dtype, call), []).append(
+                    {label: float(row["median_ms"]) for label, row in by_label.items()})
+    return found
+
+
+def choose(op: str, cases: list[dict[str, float]]) -> dict | None:
+    """The default row of one key (see the module docstring), or None if no backend the op
+    has was measured in every case."""
+    names = registry.get(op).backends
+    labels = {label: b for label, b in LABELS[op].items() if b in names}
+    baselines = [label for label in labels if label in BASELINES.get(op, {})]
+    measured = [label for label in labels if all(label in case for case in cases)]
+    slower = {label for label in measured if label not in baselines
+              and any(case[label] > case[base] for case in cases for base in baselines if base in case)}
+    eligible = [label for label in measured if label not in slower]
+    if not eligible:
+        return None
+    total = {label: sum(case[label] for case in cases) for label in measured}
+    best = min(eligible, key=lambda label: (total[label], names.index(labels[label])))
+    times = ", ".join(f"{label} {total[label]:.3f} ms" for label in sorted(total, key=total.get))
+    why = f"{len(cases)} benchmark case(s): {times}"
+    if best in baselines and labels[best] != best:
+        why += f" ({best} stands for {labels[best]})"
+    if slower:
+        why += "; slower than a baseline, so not the default: " + ", ".join(sorted(slower))
+    return {"backend": labels[best], "why": why}
+
+
+def generate(results: Path = RESULTS) -> dict:
+    entries = {}
+    for key, cases in sorted(cases_by_key(load(results)).items()):
+        row = choose(key.split("|")[0], cases)
+        if row is not None:
+            entries[key] = row
+    fallback: dict[str, dict[str, dict]] = {}
+    by_op: dict[str, dict[str, Counter]] = {}
+    for key, row in entries.items():
+        op, device = key.split("|")[:2]
+        for where in (device, "*"):
+            by_op.setdefault(op, {}).setdefault(where, Counter())[row["backend"]] += 1
+    for op, devices in sorted(by_op.items()):
+        names = registry.get(op).backends
+        for where, counts in sorted(devices.items()):
+            best = min(counts, key=lambda b: (-counts[b], names.index(b)))
+            on = "every device measured" if where == "*" else where
+            fallback.setdefault(op, {})[where] = {
+                "backend": best, "why": f"the default of {counts[best]} of {sum(counts.values())} "
+                                        f"measured bucket(s) on {on}"}
+    return {"generated_by": "python benchmarks/defaults.py (from benchmarks/results/*.csv)",
+            "entries": entries, "fallback": fallback}
+
+
+def render(table: dict) -> str:
+    return json.dumps(table, indent=1, sort_keys=True) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the shipped table differs")
+    args = parser.parse_args(argv)
+    text = render(generate())
+    if args.check:
+        if OUT.read_text() != text:
+            print(f"{OUT} is not the output of benchmarks/defaults.py: rerun it", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

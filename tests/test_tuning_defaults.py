@@ -1,0 +1,75 @@
+"""benchmarks/defaults.py: the default tuning table shipped in the package is generated from
+the committed benchmark rows, and a fusedpar backend slower than its baseline there is not
+the default."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedpar.ops import tuning
+
+BENCH = Path(__file__).parent.parent / "benchmarks"
+HEAD = ["op", "backend", "shape", "dtype", "world", "device", "median_ms", "date", "notes"]
+
+
+@pytest.fixture
+def defaults(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in ("defaults", "report", "targets"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import defaults
+
+    return defaults
+
+
+def test_the_shipped_table_is_the_scripts_output(defaults):
+    assert json.loads(tuning.DEFAULTS_PATH.read_text()) == defaults.generate()
+    assert defaults.main(["--check"]) == 0
+
+
+def _rows(path, rows):
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=HEAD)
+        writer.writeheader()
+        for i, (op, backend, shape, ms, notes) in enumerate(rows):
+            writer.writerow({"op": op, "backend": backend, "shape": shape, "dtype": "bfloat16",
+                             "world": 8, "device": "GPU-A", "median_ms": ms,
+                             "date": f"2026-01-01T00:00:{i:02d}", "notes": notes})
+
+
+def test_a_backend_slower_than_its_baseline_in_any_case_is_not_the_default(defaults, tmp_path):
+    _rows(tmp_path / "rows.csv", [
+        # one bucket (1000 and 1024 rows share it), two cases: triton wins one, loses one
+        ("all_gather_matmul", "torch.matmul", "8192x1024x1024", 1.0, "mode=loopback"),
+        ("all_gather_matmul", "triton", "8192x1024x1024", 0.5, "mode=loopback"),
+        ("all_gather_matmul", "torch.matmul", "8000x1000x1024", 1.0, "mode=loopback"),
+        ("all_gather_matmul", "triton", "8000x1000x1024", 1.1, "mode=loopback"),
+        # another bucket: triton faster in its only case; an older slower row is superseded
+        ("all_gather_matmul", "torch.matmul", "16384x1024x1024", 2.0, "mode=loopback"),
+        ("all_gather_matmul", "triton", "16384x1024x1024", 9.0, "mode=loopback"),
+        ("all_gather_matmul", "triton", "16384x1024x1024", 1.5, "mode=loopback"),
+        # a label no backend has yet is left out; ops without buckets are skipped
+        ("all_gather_matmul", "no.such.thing", "16384x1024x1024", 0.1, "mode=loopback"),
+        ("moe_experts", "fused", "8x2048x4096x14336", 1.0, "top_k=2"),
+    ])
+    table = defaults.generate(tmp_path)
+    key = lambda m: f"all_gather_matmul|GPU-A|8|bfloat16|{m}x1024x1024x0"  # noqa: E731
+    assert set(table["entries"]) == {key(8192), key(16384)}
+    mixed, faster = table["entries"][key(8192)], table["entries"][key(16384)]
+    assert mixed["backend"] == "reference" and "not the default: triton" in mixed["why"]
+    assert "torch.matmul stands for reference" in mixed["why"]
+    assert faster == {"backend": "triton", "why": "1 benchmark case(s): triton 1.500 ms, "
+                                                  "torch.matmul 2.000 ms"}
+    fallback = table["fallback"]["all_gather_matmul"]
+    # one bucket each: the tie goes to the priority order (triton before reference)
+    assert fallback["GPU-A"]["backend"] == fallback["*"]["backend"] == "triton"
+    assert "1 of 2" in fallback["*"]["why"]
+
+
+def test_without_rows_the_table_is_empty(defaults, tmp_path):
+    assert defaults.generate(tmp_path) == {
+        "generated_by": "python benchmarks/defaults.py (from benchmarks/results/*.csv)",
+        "entries": {}, "fallback": {}}
