@@ -344,6 +344,8 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     head_saved = (seq_shard * h * (4 + c) + tokens * h * c) if last else 0  # final norm, head input
     if cand.activation_checkpointing:
         kept = layers_here * seq_shard * h * c + rope  # each block's input
+        if cand.tp > 1:  # each SharedGather keeps its last gathered input until its next call
+            kept += layers_here * (1 if spec.moe else 2) * tokens * h * c
         recompute = per_layer
     else:
         kept = layers_here * per_layer + rope
