@@ -42,6 +42,10 @@ def add_parser(sub) -> None:
                    help="time TP/CP/EP communication as not overlapped with compute")
     p.add_argument("--limit", type=int, default=None, help="rows per table (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--dry-run", metavar="CONFIG", action="append", default=[],
+                   help="also run the real parallelized model under fake tensors on one CPU "
+                        "process for this config, e.g. tp=2,dp_shard=-1 (ParallelConfig keys; "
+                        "add ,ac for activation checkpointing); repeatable")
     p.add_argument("--plot", metavar="PNG", help="write a stacked-bar plot of memory per GPU "
                                                  "(needs matplotlib: pip install 'fusedpar[bench]')")
 
@@ -50,6 +54,48 @@ def _model(name: str):
     from fusedpar.models import LlamaConfig, MixtralConfig
 
     return {"llama": LlamaConfig, "mixtral": MixtralConfig}.get(name, lambda: name)()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _parse_config(text: str) -> tuple[dict, bool]:
+    """``"tp=2,dp_shard=-1,ac"`` -> ``({"tp": 2, "dp_shard": -1}, True)``."""
+    keys, ac = {}, False
+    for part in filter(None, text.split(",")):
+        if part.strip() == "ac":
+            ac = True
+            continue
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"--dry-run {text!r}: write KEY=VALUE pairs such as tp=2,dp_shard=-1 (and ac)")
+        keys[key.strip()] = int(value)
+    return keys, ac
+
+
+def dry_runs(args, result) -> list[str]:
+    """One line per ``--dry-run`` config: the fake run's peak next to the formula's."""
+    from fusedpar.parallel.config import ParallelConfig
+    from fusedpar.plan import Candidate, Training, estimate_memory
+    from fusedpar.plan.dry_run import dry_run, fusedpar_config
+
+    config = fusedpar_config(result.model)
+    world, lines = args.gpus * args.nodes, ["", "dry runs (fake tensors, one CPU process; rank 0):"]
+    for text in args.dry_run:
+        keys, ac = _parse_config(text)
+        pcfg = ParallelConfig.from_dict({**keys, "param_dtype": args.compute_dtype}).validate(world)
+        micro = args.micro_batch or 1
+        got = dry_run(config, pcfg, world, seq_len=args.seq, micro_batch=micro, activation_checkpointing=ac)
+        cand = Candidate(dp_replicate=pcfg.dp_replicate, dp_shard=pcfg.dp_shard, cp=pcfg.cp, tp=pcfg.tp,
+                         ep=pcfg.ep, activation_checkpointing=ac)
+        planned = estimate_memory(result.model, cand, Training(
+            seq_len=args.seq, global_batch=micro * cand.dp, param_dtype=args.param_dtype,
+            compute_dtype=args.compute_dtype, optimizer="adamw", foreach=False, units_in_flight=1)).peak
+        lines.append(f"  {cand.name:<26} peak {_size(got.peak)} (formula, one FSDP unit in flight: "
+                     f"{_size(planned)}); params {_size(got.params)}, grads {_size(got.grads)}, "
+                     f"optimizer {_size(got.optimizer)}; {got.seconds:.0f} s")
+    return lines
 
 
 def run(args) -> int:
@@ -64,6 +110,12 @@ def run(args) -> int:
         print(f"fusedpar plan: {e}", file=sys.stderr)
         return 2
     print(result.to_json() if args.json else result.table(args.limit))
+    if args.dry_run:
+        try:
+            print("\n".join(dry_runs(args, result)), file=sys.stderr if args.json else sys.stdout)
+        except (ValueError, TypeError) as e:
+            print(f"fusedpar plan: {e}", file=sys.stderr)
+            return 2
     if args.plot:
         try:
             result.plot(args.plot, limit=args.limit or 24)

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-__all__ = ["DryRun", "dry_run"]
+__all__ = ["DryRun", "dry_run", "fusedpar_config"]
 
 
 @dataclasses.dataclass
@@ -71,6 +71,25 @@ def _fake_world(world_size: int):
         else:
             os.environ["FUSEDPAR_BACKEND"] = saved
         dist.destroy_process_group()
+
+
+def fusedpar_config(spec):
+    """The fusedpar ``LlamaConfig`` / ``MixtralConfig`` of a :class:`~fusedpar.plan.ModelSpec`
+    (a Llama / Mixtral-style model: SwiGLU, RMSNorm, rotary, no biases), to dry-run a
+    Hugging Face config without transformers; anything else raises ``ValueError``."""
+    from ..models import LlamaConfig, MixtralConfig
+
+    if spec.mlp != "swiglu" or spec.norm != "rms" or spec.qkv_bias or spec.linear_bias or spec.positions \
+            or spec.head_dim * spec.heads != spec.hidden:
+        raise ValueError(f"dry run of {spec.name}: fusedpar's models are Llama / Mixtral-style "
+                         "(SwiGLU, RMSNorm, rotary, no biases, head_dim x heads = hidden); pass a "
+                         "Hugging Face config object for other models (needs transformers)")
+    sizes = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_layers=spec.layers,
+                 num_heads=spec.heads, num_kv_heads=spec.kv_heads, tie_embeddings=spec.tie_embeddings)
+    if spec.moe:
+        return MixtralConfig(**sizes, intermediate_size=spec.expert_intermediate,
+                             num_experts=spec.experts, top_k=spec.top_k)
+    return LlamaConfig(**sizes, intermediate_size=spec.intermediate)
 
 
 def _build(config) -> torch.nn.Module:

@@ -166,3 +166,22 @@ def test_train_reports_the_planned_peak_next_to_the_measured_one():
     line = next(x for x in train.report({**result, "peak_bytes": 3 << 20}, pcfg, tcfg)
                 if x.startswith("peak memory"))
     assert line.endswith("measured 3.0 MiB")
+
+
+def test_cli_dry_run(capsys, tmp_path):
+    """``--dry-run`` runs the picked configs under fake tensors and prints their peaks."""
+    from fusedpar.cli import main
+
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(LlamaConfig(num_layers=1).to_dict()))
+    assert main(["plan", "--model", str(path), "--gpus", "4", "--seq", "32", "--global-batch", "8",
+                 "--limit", "1", "--dry-run", "tp=2,dp_shard=-1,ac"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("tp2 x fsdp2 +AC"))
+    assert " MiB (formula" in line and "peak " in line
+    assert main(["plan", "--model", str(path), "--gpus", "4", "--seq", "32", "--global-batch", "8",
+                 "--dry-run", "tp2"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    (tmp_path / "gpt2.json").write_text(json.dumps(GPT2_XL))
+    assert main(["plan", "--model", str(tmp_path / "gpt2.json"), "--gpus", "2", "--seq", "64",
+                 "--global-batch", "2", "--dry-run", "dp_shard=2"]) == 2
+    assert "Llama / Mixtral-style" in capsys.readouterr().err
