@@ -29,10 +29,8 @@ import torch
 from report import RESULTS, load, latest, parse_notes  # benchmarks/ is on sys.path
 from targets import BASELINES
 
+from fusedpar.cli import tune
 from fusedpar.ops import registry, tuning
-from fusedpar.ops.calls import CollectiveCall, MatmulCall
-from fusedpar.ops.flash_attention import AttentionCall
-from fusedpar.ops.grouped_mm import GroupedCall
 
 OUT = Path(tuning.DEFAULTS_PATH)
 # {op: {row label: backend}}: a baseline label names the plain-torch backend it stands for
@@ -56,26 +54,12 @@ def _meta(*shape):
 
 
 def call_of(op: str, shape: str, world: int, notes: dict):
-    """The call a row measured (meta tensors: only its bucket is asked), per the shape
-    column's meaning (results/README.md); None for a row that is not one call of the op."""
-    dims = [int(d) for d in shape.split("x")]
-    if op == "all_gather":
-        return CollectiveCall(op, _meta(*dims), 0, world)
-    if op == "reduce_scatter":  # the shape is the per-rank output
-        return CollectiveCall(op, _meta(dims[0] * world, *dims[1:]), 0, world, reduce_op="sum")
-    if op in ("all_gather_matmul", "matmul_reduce_scatter"):
-        m, k, n = dims
-        rows = m // world if op == "all_gather_matmul" else m  # A_gathered [M, K]: shards of M/W
-        return MatmulCall(op, _meta(rows, k), 0, world, None, [_meta(k, n)])
-    if op == "flash_attention":
-        if notes.get("mode") != "fwd+bwd":  # the choice serves forward and backward
-            return None
-        q = _meta(*dims)
-        return AttentionCall(q, q, q, notes.get("causal") == "True", dims[-1] ** -0.5)
-    if op == "grouped_mm":
-        t, k, n, e = dims
-        return GroupedCall(_meta(t, k), _meta(e, k, n), torch.empty(e, dtype=torch.int32, device="meta"))
-    return None
+    """The call a row measured (meta tensors: only its bucket is asked; the shape notation
+    is ``fusedpar tune``'s), or None for a row that is not one call of a tuned op."""
+    if op not in tune.OPS or (op == "flash_attention" and notes.get("mode") != "fwd+bwd"):
+        return None  # attention: the choice serves forward and backward
+    return tune.call_of(op, tune.parse_shape(op, shape), world, None, _meta,
+                        causal=notes.get("causal") == "True")
 
 
 def _key(op: str, device: str, world: int, dtype: str, call) -> str:

@@ -8,6 +8,7 @@ per command:
   its oracle, with the bytes moved next to the lower bound.
 - ``bench`` (:mod:`.bench`): the benchmark suite (pytest-benchmark).
 - ``plan`` (:mod:`.plan`): memory per GPU and step time of every parallel config.
+- ``tune`` (:mod:`.tune`): measure each op's fastest backend for given shapes on this GPU.
 
 Multi-rank commands launch their ranks through :mod:`.launch`. Nothing in fusedpar
 imports this package.
@@ -19,7 +20,7 @@ import argparse
 import sys
 import traceback
 
-from fusedpar.cli import bench, check, info, plan, train
+from fusedpar.cli import bench, check, info, plan, train, tune
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "what runs here, 'train' (alias 'demo') trains a small model on several "
                     "ranks, 'check' checks every op on every backend, 'bench' runs "
                     "the benchmark suite.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,check,info,bench,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,check,info,bench,plan,tune}")
     sub.required = True
-    for command in (train, check, info, bench, plan):
+    for command in (train, check, info, bench, plan, tune):
         command.add_parser(sub)
     return parser
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return info.run(args)
     if args.command == "plan":
         return plan.run(args)
+    if args.command == "tune":
+        return tune.run(args)
     try:
         return check.run(args, parser) if args.command == "check" else train.run(args, parser)
     except KeyboardInterrupt:

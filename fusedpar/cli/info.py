@@ -16,7 +16,7 @@ import torch
 import fusedpar
 from fusedpar import _extension
 from fusedpar.kernels.interpreter import interpreting
-from fusedpar.ops import registry
+from fusedpar.ops import registry, tuning
 
 
 def add_parser(sub) -> None:
@@ -107,10 +107,12 @@ def _ops_info() -> dict:
         call = spec.example(device)
         avail = spec.dispatcher.availability(call)
         reduce_op = getattr(call, "reduce_op", "")
+        runs, why = tuning.explain(spec.dispatcher, call)
         ops[spec.name] = {
             "call": call.describe() + (f", op={reduce_op!r}" if reduce_op else ""),
             "backends": {name: {"available": not reasons, "reasons": list(reasons)}
                          for name, reasons in avail.items()},
+            "runs": {"backend": runs, "why": why},
         }
     return {
         "device": device.type,
@@ -202,6 +204,8 @@ def format_info(info: dict) -> str:
     add(f"backends, for a float32 call on {be['device']} (evaluated as {be['evaluated_as']}):")
     for op, entry in be["ops"].items():
         add(f"  {op}: {entry['call']}")
+        if "runs" in entry:
+            add(f"    runs: {entry['runs']['backend']} ({entry['runs']['why']})")
         for name, st in entry["backends"].items():
             add(f"    {name:<12} {'-' if st['available'] is None else _yes(st['available'])}"
                 + (": " + "; ".join(st["reasons"]) if st["reasons"] else ""))

@@ -422,3 +422,22 @@ def measure(dispatcher, call, candidates: list[str], timer=None) -> Entry:
         raise RuntimeError(f"fusedpar.{dispatcher.op}: every backend failed its check: {rejected}")
     return Entry(candidates[best], {n: (None if math.isinf(t) else t) for n, t in zip(candidates, times)},
                  rejected)
+
+
+def explain(dispatcher, call) -> tuple[str | None, str]:
+    """``(backend, why)``: what ``dispatcher`` runs for ``call`` (a call without a group) and
+    why, from the tables alone: no timing, no collective (``fusedpar info``)."""
+    forced = os.environ.get("FUSEDPAR_BACKEND", "")
+    if forced in dispatcher.backends:
+        return forced, "forced by FUSEDPAR_BACKEND"
+    candidates = [name for name, reasons in dispatcher.availability(call).items() if not reasons]
+    if not candidates:
+        return None, "no backend can run it here"
+    if not applies(call):
+        return candidates[0], (f"the priority order (nothing is timed on "
+                               f"{tensor(call).device.type})" if hasattr(call, "bucket")
+                               else "the priority order (this op is not tuned)")
+    if len(candidates) == 1:
+        return candidates[0], "the only backend that can run it"
+    name, why, _ = lookup(signature(dispatcher.op, call), candidates)
+    return name, why
