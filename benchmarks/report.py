@@ -2,6 +2,8 @@
 
     python benchmarks/report.py            # rewrite README.md, draw plots/<family>.png
     python benchmarks/report.py --check    # exit 1 if README.md is not this script's output
+    python benchmarks/report.py --merge DIR   # first append DIR's rows and profiles (the
+                                              # results/ of a .ci/gpu all run) to this folder
 
 Per op: the latest row of each (case, backend) (a case: shape, dtype, world, device and the
 notes that tell cases apart, e.g. ``causal``, ``mode``), its speed-up over each baseline of
@@ -174,11 +176,37 @@ several GPUs.
     pytest benchmarks --benchmark-only                                  # one GPU: loopback cases
     torchrun --nproc-per-node 8 -m pytest benchmarks --benchmark-only   # several GPUs
     .ci/gpu all                                                         # a lent GPU machine, staged
-    python benchmarks/report.py                                         # then this page
+    python benchmarks/report.py --merge DIR   # a run's rows and profiles (results.tar.gz), then this page
 
 `FUSEDPAR_BENCH_RESULTS=/some/dir` writes the CSVs there instead of this folder;
 `FUSEDPAR_COMMIT` names the commit where the checkout has no git metadata.
 """
+
+
+def merge(new: Path, results: Path) -> list[str]:
+    """Append the rows of ``new/*.csv`` to ``results/`` (a new file is copied; an existing one
+    must have the same header) and copy ``new/profiles/*`` over; returns what it did."""
+    import shutil
+
+    done = []
+    for path in sorted(new.glob("*.csv")):
+        target = results / path.name
+        lines = path.read_bytes().decode().splitlines(keepends=True)  # keeps csv's \r\n
+        if not target.exists():
+            shutil.copyfile(path, target)
+        elif target.read_text().splitlines()[:1] != [line.rstrip("\r\n") for line in lines[:1]]:
+            raise SystemExit(f"{path}: its columns differ from {target}'s: not merged")
+        else:
+            with target.open("a", newline="") as f:
+                f.writelines(lines[1:])
+        done.append(f"{target.name}: +{len(lines) - 1} rows")
+    profiles = sorted((new / "profiles").glob("*.txt"))
+    if profiles:
+        (results / "profiles").mkdir(exist_ok=True)
+        for path in profiles:
+            shutil.copyfile(path, results / "profiles" / path.name)
+        done.append(f"profiles: {len(profiles)} files")
+    return done
 
 
 def render(rows: dict[str, list[dict]]) -> str:
@@ -252,7 +280,11 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if README.md differs from the generated page; write nothing")
     parser.add_argument("--no-plots", action="store_true", help="write README.md only")
+    parser.add_argument("--merge", type=Path, metavar="DIR",
+                        help="first append DIR's CSV rows and profiles to the results folder")
     args = parser.parse_args(argv)
+    if args.merge and not args.check:
+        print("\n".join(merge(args.merge, args.results)))
     rows = load(args.results)
     page = render(rows)
     readme = args.results / "README.md"

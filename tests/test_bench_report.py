@@ -154,3 +154,27 @@ def test_committed_rows_carry_the_columns_the_suites_write(report):
     for path in sorted((BENCH / "results").glob("*.csv")):
         with path.open(newline="") as f:
             assert next(csv.reader(f)) == conf.COLUMNS, path.name
+
+
+def test_merge_appends_a_runs_rows_and_profiles(report, tmp_path):
+    """``--merge DIR``: the rows and profiles a .ci/gpu all run brought back join the folder."""
+    results, run = tmp_path / "results", tmp_path / "run"
+    results.mkdir()
+    (run / "profiles").mkdir(parents=True)
+    row = dict(op="moe_experts", backend="fused", shape="8x2", median_ms="9.0",
+               date="2026-01-02T00:00:00+00:00")
+    _write(results / "moe_experts.csv", [{**row, "median_ms": "10.0", "date": "2026-01-01T00:00:00+00:00"}])
+    _write(run / "moe_experts.csv", [row])
+    _write(run / "grouped_mm.csv", [{**row, "op": "grouped_mm"}])
+    (run / "profiles" / "moe_experts_fused_8x2.txt").write_text("# profile\n")
+    assert report.main(["--results", str(results), "--merge", str(run), "--no-plots"]) == 0
+    merged = report.load(results)
+    assert [r["median_ms"] for r in merged["moe_experts"]] == ["10.0", "9.0"]
+    data = (results / "moe_experts.csv").read_bytes()
+    assert data.count(b"\r\n") == data.count(b"\n") == 3  # csv's line ends, kept
+    assert [r["op"] for r in merged["grouped_mm"]] == ["grouped_mm"]
+    assert (results / "profiles" / "moe_experts_fused_8x2.txt").read_text() == "# profile\n"
+    assert "| 8x2 |  | 8 | fused | 9.000 |" in (results / "README.md").read_text()  # the latest
+    _write(run / "moe_experts.csv", [row], head=[h for h in HEAD if h != "commit"])
+    with pytest.raises(SystemExit, match="columns differ"):
+        report.main(["--results", str(results), "--merge", str(run), "--no-plots"])
