@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=None,
-                   help="sequences per forward on a data-parallel rank (default: all of its share)")
+                   help="sequences per forward on a data-parallel rank (default: all of its share; "
+                        "pipeline configs need at least pp micro-batches, so give one to see them)")
     p.add_argument("--param-dtype", choices=DTYPES, default="float32",
                    help="parameters, gradients, optimizer state (default float32)")
     p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16",

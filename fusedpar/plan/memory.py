@@ -55,7 +55,8 @@ class Training:
     """What one step trains on and with.
 
     ``micro_batch``: sequences per data-parallel rank per forward (None: the whole
-    ``global_batch / dp``, no accumulation; one under pipeline parallelism); ``param_dtype`` stores parameters, gradients
+    ``global_batch / dp``, no accumulation; pipeline configs need at least ``pp``
+    micro-batches, so they appear only with a ``micro_batch`` that gives them); ``param_dtype`` stores parameters, gradients
     and optimizer state; ``compute_dtype`` is FSDP2's ``MixedPrecisionPolicy.param_dtype``
     (activations), ``reduce_dtype`` its gradient reduction; ``foreach``: the optimizer's
     multi-tensor path (torch's default on GPUs); ``units_in_flight``: FSDP2 block units
@@ -132,13 +133,6 @@ class Candidate:
         elif self.dp_shard > 1 or not parts:
             parts.append(f"fsdp{self.dp_shard}")
         return " x ".join(parts) + (" +AC" if self.activation_checkpointing else "")
-
-    def parallel_config(self):
-        """The :class:`~fusedpar.ParallelConfig` of the non-pipeline degrees."""
-        from ..parallel.config import ParallelConfig
-
-        return ParallelConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp,
-                              tp=self.tp, ep=self.ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,15 +280,14 @@ def estimate_memory(spec: ModelSpec, cand: Candidate, train: Training, device=No
 
 
 def micro_batches(cand: Candidate, train: Training) -> tuple[int, int]:
-    """``(micro_batch, count)``: sequences per forward on a data-parallel rank, and forwards
-    per step (``micro_batch`` None: the rank's whole share, or one sequence per micro-batch
-    under pipeline parallelism, the smallest bubble). Raises ``ValueError`` when the batch
-    does not split evenly."""
+    """``(micro_batch, count)``: sequences per forward on a data-parallel rank (``micro_batch``
+    None: the rank's whole share), and forwards per step. Raises ``ValueError`` when the
+    batch does not split evenly."""
     if train.global_batch % cand.dp:
         raise ValueError(f"global_batch={train.global_batch} is not divisible by the "
                          f"data-parallel degree dp_replicate*dp_shard={cand.dp}")
     per_rank = train.global_batch // cand.dp
-    micro = train.micro_batch or (1 if cand.pp > 1 else per_rank)
+    micro = train.micro_batch or per_rank
     if per_rank % micro:
         raise ValueError(f"micro_batch={micro} does not divide the {per_rank} sequences per "
                          f"data-parallel rank (global_batch {train.global_batch} / dp {cand.dp})")

@@ -92,7 +92,7 @@ def test_fit_verdict_uses_the_reserve():
 
 
 def test_sweep_orders_fits_by_time_and_misfits_by_shortfall():
-    result = plan(MixtralConfig(), 8, "80GiB", seq_len=64, global_batch=16)
+    result = plan(MixtralConfig(), 8, "80GiB", seq_len=64, global_batch=16, micro_batch=1)
     times = [e.time.total for e in result.fits]
     assert times == sorted(times) and result.fits
     names = {e.candidate.name for e in result.estimates}
