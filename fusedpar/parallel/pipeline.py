@@ -223,14 +223,14 @@ def pipeline_stages(model: nn.Module, adapter: ModelAdapter, layout: ModelLayout
                                    activation_checkpointing=activation_checkpointing, backend=backend)
     by_index = dict(zip(keep, layers))  # activation checkpointing: the wrapped layers
     device = _device(mesh)
-    pipeline_stages_, roots = [], []
+    torch_stages, roots = [], []
     for s in ids:
         stage = _Stage(model, adapter, {i: by_index[i] for i in ranges[s]}, s == 0, s == stages_total - 1)
         stage_experts = [(m, efsdp) for m, efsdp in experts
                          if any(m is x for layer in stage.layers.values() for x in layer.modules())]
         apply_fsdp(stage, list(stage.layers.values()), stage_experts, cfg, mesh)
         roots.append(stage)
-        pipeline_stages_.append(PipelineStage(stage, s, stages_total, device, group=pp_mesh.get_group()))
+        torch_stages.append(PipelineStage(stage, s, stages_total, device, group=pp_mesh.get_group()))
     microbatches = cfg.pp_microbatches or stages_total
     weight = adapter.aux_loss_weight(model)  # the mean over microbatches of the model's aux term
     run = _Run(cfg, is_hf(model) and cfg.cp == 1, None if weight is None else weight / microbatches,
@@ -244,10 +244,10 @@ def pipeline_stages(model: nn.Module, adapter: ModelAdapter, layout: ModelLayout
 
     schedule_class = get_schedule_class(cfg.pp_schedule)
     single = issubclass(schedule_class, PipelineScheduleSingle)
-    schedule = schedule_class(pipeline_stages_[0] if single else pipeline_stages_, microbatches,
+    schedule = schedule_class(torch_stages[0] if single else torch_stages, microbatches,
                               loss_fn=loss_fn, scale_grads=False)
     model._fusedpar_pipeline = run
-    run.schedule, run.stages, run.roots, run.microbatches = schedule, ids, roots, microbatches
+    run.schedule, run.roots, run.microbatches = schedule, roots, microbatches
     run.dp_group, run.tp_group = dp_group, tp_group
     run.cp_group = mesh["cp"].get_group().group_name if cfg.cp > 1 else None
     run.has_first, run.has_last = 0 in ids, stages_total - 1 in ids

@@ -39,7 +39,7 @@ class HFAdapter(ModelAdapter):
         return [mask] * model.config.num_hidden_layers
 
     def _dummy(self, model, input_ids):
-        dtype = self.embedding(model).weight.dtype
+        dtype = next(model.parameters()).dtype  # a pipeline stage may lack the embedding
         return torch.empty(*input_ids.shape, 0, dtype=dtype, device=input_ids.device)
 
     def apply_context_parallel(self, model, layers, cp_mesh) -> None:
