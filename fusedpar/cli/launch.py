@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import secrets
 import tempfile
 import time
@@ -82,26 +83,52 @@ def _kill(processes) -> None:
         p.join(timeout=10)
 
 
+def root_cause(traceback_text: str) -> tuple[str, str]:
+    """``(the root cause's exception line, the traceback text up to it)``: in a chain the
+    first exception (the cause, printed first); an exception whose message nests the
+    tracebacks of several ranks (DCP's ``CheckpointException``) stands for the first
+    of them."""
+    lines = traceback_text.rstrip().splitlines()
+    nested = "Traceback (most recent call last): ("  # DCP's per-rank header: "(RANK 0)"
+    in_nested = False
+    for i, line in enumerate(lines):
+        in_nested = in_nested or line.startswith(nested)
+        wrapper = not in_nested and i + 1 < len(lines) and lines[i + 1].startswith(nested)
+        if _EXCEPTION_LINE.match(line) and not wrapper:
+            return line, "\n".join(lines[:i + 1])
+    return (lines[-1] if lines else "(empty traceback)"), traceback_text.rstrip()
+
+
+# "ValueError: ...", "torch.distributed.checkpoint.api.CheckpointException: ...", at column 0
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*(: |$)")
+
+
 def _rank_failures(ctx, killed: list[int]) -> list[str]:
-    """Each failed rank's traceback (or exit status), the earliest failure first."""
+    """What failed, the earliest failure first: its rank's traceback up to the root cause,
+    once, then one line per distinct root cause naming the ranks it ended."""
     found = []
     for rank, (proc, path) in enumerate(zip(ctx.processes, ctx.error_files)):
         if os.path.exists(path):
             try:
                 with open(path, "rb") as f:
                     text = pickle.load(f)
-                found.append((os.path.getmtime(path), rank, f" raised:\n{text}"))
+                found.append((os.path.getmtime(path), rank, text))
             except (OSError, EOFError, pickle.UnpicklingError) as e:
-                found.append((0.0, rank, f" failed (its traceback is unreadable: {e})"))
+                found.append((float("inf"), rank, f"RuntimeError: its traceback is unreadable: {e}"))
         elif rank not in killed and proc.exitcode not in (0, None):
-            found.append((0.0, rank, f" exited with status {proc.exitcode} (no traceback: "
-                                     "killed by a signal or exited from native code)"))
-    # ranks that raised the same error (a bad config, say) are reported once
-    same: dict[str, list[int]] = {}
-    for _, rank, text in sorted(found, key=lambda t: t[0]):
-        same.setdefault(text, []).append(rank)
-    lines = [(f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}") + text
-             for text, ranks in same.items()]
+            found.append((float("inf"), rank, f"exited with status {proc.exitcode} without a Python "
+                                     "exception (killed by a signal or exited from native code)"))
+    found.sort(key=lambda t: (t[0], t[1]))
+    lines = []
+    if found:
+        first_rank, first_text = found[0][1], found[0][2]
+        lines += [f"rank {first_rank} (the first to fail):", root_cause(first_text)[1], ""]
+    same: dict[str, list[int]] = {}  # ranks that failed the same way are named together
+    for _, rank, text in found:
+        same.setdefault(root_cause(text)[0], []).append(rank)
+    for cause, ranks in same.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {sorted(ranks)}"
+        lines.append(f"{who} {cause}" if cause.startswith("exited with status") else f"{who}: {cause}")
     if killed:
         lines.append(f"ranks {killed} were killed after the failure")
     return lines
@@ -146,7 +173,13 @@ def _spawned_rank(rank: int, world: int, target, spec: dict, how: dict) -> None:
                             init_method=how["init_method"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=how["timeout"] + 60))
     try:
-        result = target(dist.group.WORLD, device, spec)
+        try:
+            result = target(dist.group.WORLD, device, spec)
+        except (Exception, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # e.g. DCP's CheckpointException: torch's spawn records
+            # the traceback of an Exception only (the parent would see just an exit status)
+            raise RuntimeError(f"{type(e).__name__} (a BaseException) on rank {rank}") from e
         if rank == 0:
             tmp = how["result_file"] + ".tmp"
             with open(tmp, "w") as f:

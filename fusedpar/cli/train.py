@@ -30,7 +30,7 @@ import time
 import torch
 
 import fusedpar
-from fusedpar.cli import bounds, launch
+from fusedpar.cli import bounds, launch, preflight
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.nn.linear import local
 from fusedpar.parallel.config import _KEY_ALIASES as PARALLEL_KEYS
@@ -189,6 +189,10 @@ def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, lis
 
 def model_config(tcfg: TrainConfig):
     return MixtralConfig() if tcfg.moe else LlamaConfig()
+
+
+def model_name(tcfg: TrainConfig) -> str:
+    return "Mixtral-style MoE" if tcfg.moe else "Llama-style"
 
 
 def build_model(tcfg: TrainConfig, device) -> torch.nn.Module:
@@ -407,8 +411,13 @@ def run(args, parser) -> int:
             "save": args.save and os.path.abspath(args.save),
             "resume": args.resume and os.path.abspath(args.resume),
             "compare": not args.no_compare}
-    model_name = "Mixtral-style MoE" if tcfg.moe else "Llama-style"
-    header = [f"fusedpar train: {model_name} model, {pcfg}, {tcfg.steps} steps of "
+    # what would fail on every rank after the model is built fails here, once
+    problem = preflight.backend_problem() or (args.resume and preflight.resume_problem(
+        args.resume, tcfg, build_model, model_name))
+    if problem:
+        print(f"fusedpar train: {problem}", file=sys.stderr)
+        return 2
+    header = [f"fusedpar train: {model_name(tcfg)} model, {pcfg}, {tcfg.steps} steps of "
               f"{tcfg.batch_size} x {tcfg.seq_len} tokens, seed {tcfg.seed}"]
     if ignored:
         header.append(f"  (config keys not used by fusedpar train, ignored: {', '.join(ignored)})")
