@@ -86,8 +86,11 @@ STAGES = [
     Stage("build", 150, "build fusedpar._C (where not built) and fusedpar info",
           f"[ -f fusedpar/_build_info.py ] || TORCH_CUDA_ARCH_LIST=${{TORCH_CUDA_ARCH_LIST:-9.0a}} "
           f"{PY} setup.py -q build_ext --inplace && {PY} -m fusedpar info"),
+    # the build checks, then the shared-GPU-rank tests (the path never run on a GPU), then
+    # the others; no argument holds another (pytest would merge them and lose this order)
     Stage("tests", 180, "GPU tests (shared-GPU ranks included) and build checks",
-          f"{PYTEST} --timeout=90 tests -k 'gpu or build'"),
+          f"{PYTEST} --timeout=90 -k 'gpu or build' tests/test_build.py tests/gpu "
+          "$(ls -d tests/*/ | grep -v -e '^tests/gpu/$' -e __pycache__) tests/test_*.py"),
     Stage("headline", 150, "headline rows, one per op at its flagship shape, with profiles",
           f"FUSEDPAR_BENCH_PROFILE=1 {BENCH} {HEADLINE_IDS}"),
     Stage("bench", None, "the remaining benchmark rows",
