@@ -187,8 +187,8 @@ def run_case(backend, make_case, agree):
 class MatmulSuite:
     """The timed cases of a fused matmul suite (bench_all_gather_matmul.py,
     bench_matmul_reduce_scatter.py), with the backends and targets they share: fusedpar's
-    backends against ``torch.matmul`` in loopback (>= 0.9x), against torch's async-TP op
-    ``symm_mem`` (>= 1.0x) and the ``unfused`` collective + cuBLAS (>= 1.2x) under torchrun.
+    backends against ``torch.matmul`` in loopback, against torch's async-TP op ``symm_mem``
+    and the ``unfused`` collective + cuBLAS under torchrun (targets: targets.py).
     A row per case carries its TFLOP/s, % of the session's ``matmul_roofline`` and, for
     fusedpar's backends, the speedups over the baselines in ``notes``.
 
