@@ -65,11 +65,12 @@ TRAIN_KEYS = {
     "moe": "moe",
 }
 #: Flags that set ParallelConfig fields (its degrees and FSDP options).
-DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "ep")
-PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
+PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm", "pp_schedule")
 DEGREE_HELP = {
     "dp_shard": "FSDP degree (-1: the remaining ranks, the default)",
     "dp_replicate": "HSDP replicas (-1: the remaining ranks)",
+    "pp": "pipeline stages (the outermost axis; one step is model.step(input_ids, labels))",
     "tp": "tensor (+ sequence) parallel degree; with no degree given anywhere the run is "
           "tp=2 x dp_shard (--moe: ep=2 x dp_shard)",
 }
@@ -88,6 +89,10 @@ def add_parser(sub) -> None:
     for name in DEGREES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name,
                        help=DEGREE_HELP.get(name, f"degree of the {name} axis"))
+    p.add_argument("--schedule", dest="pp_schedule", default=None,
+                   choices=("gpipe", "1f1b", "interleaved", "zbv"),
+                   help="pipeline schedule with --pp (default 1f1b; interleaved runs 2 stages "
+                        "per rank; zbv is refused: see fusedpar.parallel.pipeline)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 32)")
@@ -259,8 +264,11 @@ def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = 
     """One AdamW step on the causal-LM loss of ``input_ids`` (the labels are the inputs;
     the model shifts them); returns the loss (the global batch's mean token loss).
     ``memory`` (a dict) receives :func:`state_bytes` while the gradients still exist."""
-    loss = model(input_ids, labels=input_ids).loss
-    loss.backward()
+    if hasattr(model, "step"):  # pipeline parallel: forward and backward in one call
+        loss = model.step(input_ids, input_ids)
+    else:
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
     optimizer.step()
     if memory is not None:
         memory.update(state_bytes(model, optimizer))
@@ -298,7 +306,8 @@ def train_rank(group, device, spec: dict) -> dict:
             raise ValueError(f"the checkpoint in {spec['resume']} is at step {first}: ask for "
                              f"more steps (--steps > {first}) to continue")
 
-    static = bounds.static_bounds(model, pcfg, tcfg.batch_size, tcfg.seq_len)
+    # pp: FSDP gathers a stage's units per microbatch, which these bounds do not count
+    static = bounds.static_bounds(model, pcfg, tcfg.batch_size, tcfg.seq_len) if pcfg.pp == 1 else {}
     routed = bounds.RoutedRows(model, pcfg.param_dtype)
     progress = Progress(tcfg.steps, enabled=rank == 0)
     tokens = tcfg.batch_size * tcfg.seq_len
@@ -318,7 +327,7 @@ def train_rank(group, device, spec: dict) -> dict:
         for (op, _), n in counter.by_op().items():
             comm[op] = comm.get(op, 0) + n
         record["comm"].append(comm)
-        moe = routed.bounds(set(comm))  # the last step's are reported
+        moe = routed.bounds(set(comm)) if pcfg.pp == 1 else {}  # the last step's are reported
         record["lower_bounds"] = {**static, **{op: bound for op, (bound, _) in moe.items()}}
         record["per_copy_bytes"] = {op: copies for op, (_, copies) in moe.items()}
         record["state_bytes"] = mem

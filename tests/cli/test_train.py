@@ -225,3 +225,26 @@ def test_moe_train_moves_its_lower_bounds(tmp_path, argv):
     if m["parallel"]["tp"] > 1:
         assert m["lower_bounds"]["all_gather_matmul"] > 0, m
     assert ("moe_experts" in m["comm"][-1]) == (m["parallel"]["ep"] > 1), m
+
+
+def test_pp_flags_and_keys(tmp_path):
+    pcfg, _, _ = _resolve(["--pp", "2", "--schedule", "gpipe"])
+    assert (pcfg.pp, pcfg.pp_schedule, pcfg.dp_shard, pcfg.tp) == (2, "GPipe", 2, 1)
+    path = tmp_path / "pp.json"
+    path.write_text(json.dumps({"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "interleaved"}))
+    pcfg, _, _ = _resolve(["--config", str(path)])
+    assert (pcfg.pp, pcfg.pp_schedule, pcfg.pp_stages_per_rank) == (2, "Interleaved1F1B", 2)
+
+
+@pytest.mark.timeout(300)
+def test_pp_train_matches_one_process(tmp_path):
+    """--pp 2 (1F1B, two microbatches per data-parallel rank) x dp_shard=2: model.step's
+    loss is the single process's on every step."""
+    metrics = tmp_path / "pp.json"
+    res = run_cli(["train", "--pp", "2", "--steps", "3", "--metrics", str(metrics)], timeout=240,
+                  env={"FUSEDPAR_BACKEND": "reference"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = json.loads(metrics.read_text())
+    assert (m["parallel"]["pp"], m["parallel"]["dp_shard"]) == (2, 2)
+    assert train.max_rel_diff(m["losses"], m["reference_losses"]) <= 1e-5, m
+    assert "pp=2 (1F1B)" in res.stdout
