@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops import registry
-from fusedpar.testing.collectives import symmetric_backends
+from fusedpar.testing.collectives import symmetric_backend_names
 
 from common import (DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, bench, counted, name, nbytes, or_skip,
                     run_case, symm_mem_op)
@@ -36,7 +36,7 @@ def _shard(shape, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", [*symmetric_backends(OP), "torch.cat"])
+@pytest.mark.parametrize("backend", [*symmetric_backend_names(OP), "torch.cat"])
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
@@ -114,7 +114,7 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
 # ---- communication volume (no timing; CPU too) -----------------------------------------------
 
 
-@pytest.mark.parametrize("backend", symmetric_backends(OP))
+@pytest.mark.parametrize("backend", symmetric_backend_names(OP))
 @pytest.mark.parametrize("shape,dim,dtype", [((5, 7), 0, torch.bfloat16),
                                              ((3, 5, 2), 1, torch.float32),
                                              ((1, 9), -1, torch.int32)],

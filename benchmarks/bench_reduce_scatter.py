@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops import registry
-from fusedpar.testing.collectives import symmetric_backends
+from fusedpar.testing.collectives import symmetric_backend_names
 
 from common import (DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, bench, counted, name, nbytes,
                     or_skip, rel_err, run_case, symm_mem_op)
@@ -40,7 +40,7 @@ def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", [*symmetric_backends(OP), "torch.stack.sum"])
+@pytest.mark.parametrize("backend", [*symmetric_backend_names(OP), "torch.stack.sum"])
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
@@ -145,7 +145,7 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
 # ---- communication volume (no timing; CPU too) -----------------------------------------------
 
 
-@pytest.mark.parametrize("backend", symmetric_backends(OP))
+@pytest.mark.parametrize("backend", symmetric_backend_names(OP))
 @pytest.mark.parametrize("shape,dim,dtype", [((3, 5), 0, torch.bfloat16),
                                              ((3, 5, 2), 1, torch.float32),
                                              ((2, 7), -1, torch.float16)],

@@ -38,7 +38,7 @@ def demo_input(op: str, shape, dtype, rank: int, world: int, salt: int, device) 
     return v.to(dtype).to(device)
 
 
-def symmetric_backends(op: str) -> list[str]:
+def symmetric_backend_names(op: str) -> list[str]:
     """``op``'s symmetric-memory backends in priority order: those its ``*_loopback``
     variant takes."""
     return [name for name, b in registry.get(op).dispatcher.backends.items()
@@ -93,7 +93,7 @@ class CollectiveCase(Case):
         return lower_bound(self.op, args[0], world)
 
     def loopback_backends(self) -> list[str]:
-        return symmetric_backends(self.op)
+        return symmetric_backend_names(self.op)
 
     def loopback(self, inputs, backend) -> list:
         xs = [x for (x,) in inputs]

@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.testing.cases import DTYPES
-from fusedpar.testing.collectives import symmetric_backends
+from fusedpar.testing.collectives import symmetric_backend_names
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     capture_errors,
@@ -169,7 +169,7 @@ def test_a_missing_peer_times_out(pools, mode):
 # ---- GPU: skipped without CUDA ----------------------------------------------------------
 
 @requires_cuda
-@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
+@pytest.mark.parametrize("backend", symmetric_backend_names("all_gather"))
 def test_gpu_loopback_matches_cat(backend):
     for world in (1, 4):
         for dtype in DTYPES:
@@ -181,7 +181,7 @@ def test_gpu_loopback_matches_cat(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
+@pytest.mark.parametrize("backend", symmetric_backend_names("all_gather"))
 def test_gpu_collectives_replay_from_a_cuda_graph(backend):
     """The all_gather and reduce_scatter kernels take relative epochs: one capture of both,
     replayed with new inputs, gives the right outputs each time; an op whose kernels take
@@ -212,7 +212,7 @@ def test_gpu_collectives_replay_from_a_cuda_graph(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
+@pytest.mark.parametrize("backend", symmetric_backend_names("all_gather"))
 def test_gpu_calls_on_two_streams_take_turns(backend):
     """FSDP2 issues its all-gathers and reduce-scatters on two streams, on one group's
     symmetric buffer, and a call restages this rank's data region: a call on another stream
@@ -243,7 +243,7 @@ def _gpu_single_rank(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", symmetric_backends("all_gather"))
+@pytest.mark.parametrize("backend", symmetric_backend_names("all_gather"))
 def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
     assert pools(1).run(_gpu_single_rank, backend) == [(True, "torch")]
 

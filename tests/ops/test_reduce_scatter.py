@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.testing.cases import DTYPES
-from fusedpar.testing.collectives import symmetric_backends
+from fusedpar.testing.collectives import symmetric_backend_names
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import (
     capture_errors,
@@ -152,7 +152,7 @@ def test_a_stalled_peer_times_out(pools):
 # ---- GPU: skipped without CUDA ----------------------------------------------------------
 
 @requires_cuda
-@pytest.mark.parametrize("backend", symmetric_backends("reduce_scatter"))
+@pytest.mark.parametrize("backend", symmetric_backend_names("reduce_scatter"))
 def test_gpu_loopback_matches_sum(backend):
     for world in (1, 4):
         for dtype in DTYPES:
@@ -174,6 +174,6 @@ def _gpu_single_rank(backend):
 
 
 @requires_cuda
-@pytest.mark.parametrize("backend", symmetric_backends("reduce_scatter"))
+@pytest.mark.parametrize("backend", symmetric_backend_names("reduce_scatter"))
 def test_gpu_torch_symmetric_memory_one_rank(pools, backend):
     assert pools(1).run(_gpu_single_rank, backend) == [True]
