@@ -44,7 +44,9 @@ class GroupedCall:
         return (self.masked_m if self.offs is None else self.offs).shape[0]
 
     def cache_key(self) -> tuple:
-        return (self.a.device.type, self.a.dtype, self.a.dim(), self.b.dim(), self.out_dtype)
+        # with what the torch backend's reasons read: masked_m, group count, alignment
+        return (self.a.device.type, self.a.dtype, self.a.dim(), self.b.dim(), self.out_dtype,
+                self.masked_m is None, self.groups == 0, _aligned(self.a), _aligned(self.b))
 
     def bucket(self) -> tuple:
         """The tuning bucket: the form (``a.dim(), b.dim()``), then a's and b's sizes and
@@ -217,7 +219,58 @@ class Triton(Backend):
         return out
 
 
-DISPATCHER = Dispatcher(OP, [Triton(), Reference()])
+class Torch(Backend):
+    """``torch._grouped_mm``, torch's own grouped GEMM, with what it leaves unwritten (rows or
+    columns past ``offs[-1]``) zeroed on the device (no host sync)."""
+
+    name = "torch"
+
+    def not_supported_reasons(self, call: GroupedCall) -> list[str]:
+        if not hasattr(torch, "_grouped_mm"):
+            return [f"torch {torch.__version__} has no torch._grouped_mm"]
+        reasons = []
+        if call.masked_m is not None:
+            reasons.append("torch._grouped_mm takes offs, not masked_m")
+        if call.groups == 0:
+            reasons.append("no groups")
+        device = call.a.device
+        if device.type == "cpu" and call.out_dtype != call.a.dtype:
+            reasons.append(f"torch._grouped_mm on CPU needs out_dtype == the inputs' dtype "
+                           f"({call.a.dtype}), not {call.out_dtype}")
+        if device.type == "cuda":
+            if call.a.dtype != torch.bfloat16:
+                reasons.append(f"torch._grouped_mm on CUDA takes bfloat16, not {call.a.dtype}")
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (9, 0):
+                reasons.append(f"torch._grouped_mm's CUDA kernels need compute capability 9.0+, "
+                               f"this GPU has {capability[0]}.{capability[1]}")
+        elif device.type != "cpu":
+            reasons.append(f"torch._grouped_mm runs on CPU and CUDA, not {device.type}")
+        for name, t in (("a", call.a), ("b", call.b)):
+            if not _aligned(t):
+                reasons.append(f"torch._grouped_mm needs {name} row- or column-major with strides "
+                               f"of a multiple of 16 bytes; {name} has strides {t.stride()} of "
+                               f"{t.element_size()}-byte elements")
+        return reasons
+
+    def run(self, call: GroupedCall) -> torch.Tensor:
+        out = torch._grouped_mm(call.a, call.b, call.offs,
+                                out_dtype=None if call.out_dtype == call.a.dtype else call.out_dtype)
+        if call.n_grouped or not call.k_grouped:  # columns / rows past offs[-1]: zeros
+            dim = 1 if call.n_grouped else 0
+            past = torch.arange(out.shape[dim], device=out.device) >= call.offs[-1]
+            out.masked_fill_(past[None, :] if dim else past[:, None], 0)
+        return out
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """One of the last two dims contiguous and every other stride a multiple of 16 bytes."""
+    inner = t.stride()[-1] == 1 or t.stride()[-2] == 1
+    return inner and t.data_ptr() % 16 == 0 and all(
+        (s * t.element_size()) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
+
+
+DISPATCHER = Dispatcher(OP, [Triton(), Reference(), Torch()])  # vendor backends after ours
 
 
 def runs_triton(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, backend: str = "") -> bool:
@@ -321,7 +374,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     ``torch.float32`` gives 16-bit inputs' products unrounded (the accumulation is fp32
     either way); None: ``a``'s dtype.
     Backends: ``triton`` (one persistent launch over every group's tiles, reading ``offs``
-    / ``masked_m`` on the device: no host sync) and ``reference``. Bad values raise on CPU;
+    / ``masked_m`` on the device: no host sync), ``reference`` and ``torch``
+    (``torch._grouped_mm`` itself, where it takes the call). Bad values raise on CPU;
     on CUDA they trip a device-side assert (checking on the host would sync). Under
     ``torch.autocast``, a and b are cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
