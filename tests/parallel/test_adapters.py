@@ -42,7 +42,7 @@ def test_parallel_does_not_import_models():
     assert not any(bad.values()), bad
 
 
-def test_import_parser_resolves_relative_imports(tmp_path):
+def test_import_parser_resolves_relative_imports():
     # the check above is only as good as this: "from ..models import x" inside fusedpar/parallel
     probe = PARALLEL / "adapters" / "own.py"
     assert "fusedpar.nn.attention" in _imported_modules(probe)  # from ...nn.attention import
