@@ -9,7 +9,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group
+from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, resolve_group,
+                    torch_symm_unsupported_reason)
 from ..kernels import gemm_peers
 from . import protocol as C
 from .calls import CollectiveCall, MatmulCall, check_matmul_inputs, moved_shape
@@ -184,7 +185,39 @@ def _shard_blocks(rank: int, world: int, m: int, device: torch.device):
     return sources, (as_device(table), as_device(runs), runs[:, 2].tolist())
 
 
-DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
+def symm_mem_reasons(call: MatmulCall, op: str) -> list[str]:
+    """Why torch's async-TP op ``torch.ops.symm_mem.<op>`` cannot run ``call``: CUDA tensors
+    in a group whose ranks torch symmetric memory serves (collective, agreed and cached per
+    group), in a torch that has the op."""
+    if call.x.device.type != "cuda":
+        return [f"torch.ops.symm_mem.{op} needs CUDA tensors"]
+    if call.group is None:
+        return [f"torch.ops.symm_mem.{op} needs a process group (a loopback call has none)"]
+    reason = torch_symm_unsupported_reason(call.x.device, call.group)
+    if reason:
+        return [reason]
+    import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+
+    if not hasattr(torch.ops.symm_mem, op):
+        return [f"torch {torch.__version__} has no torch.ops.symm_mem.{op}"]
+    return []
+
+
+class SymmMem(Backend):
+    """torch's async-TP op ``torch.ops.symm_mem.fused_all_gather_matmul`` (same schema)."""
+
+    name = "symm_mem"
+
+    def not_supported_reasons(self, call):
+        return symm_mem_reasons(call, "fused_all_gather_matmul")
+
+    def run(self, call: MatmulCall):
+        gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+            call.x, call.bs, call.dim, call.group.group_name, return_A=call.return_a)
+        return gathered, list(outs)
+
+
+DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference(), SymmMem()])  # vendor's last
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
@@ -280,7 +313,8 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
     the next one travels on ``pipelined``. Outputs are laid out as torch's
     ``symm_mem.fused_all_gather_matmul`` lays them out (a ``movedim`` view for a leading
     ``gather_dim`` other than 0). fp32, fp16 or bf16. ``group`` and ``backend`` as in
-    ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``).
+    ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``,
+    ``symm_mem``: torch's ``fused_all_gather_matmul`` itself, CUDA groups only).
     Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` along ``gather_dim`` and
     ``dB = A_gatheredᵀ dY`` (A_gathered is kept from the forward pass). Under ``torch.autocast``, A and the Bs are
     cast to its dtype first, as ``torch.matmul``'s inputs are.

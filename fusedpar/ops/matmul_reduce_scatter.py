@@ -12,7 +12,7 @@ from ..kernels import signal as signal_kernels
 from ..kernels.signal import sm_count
 from . import protocol as C
 from .all_gather_matmul import DISPATCHER as ALL_GATHER_MATMUL
-from .all_gather_matmul import all_gather_matmul
+from .all_gather_matmul import all_gather_matmul, symm_mem_reasons
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
@@ -185,7 +185,20 @@ def _fetch_partials(buf, stage: torch.Tensor, epoch: int, meta: int, numel: int)
         stage[j].copy_(buf.data(stage.dtype, numel, rank=src).view(world, -1)[rank])
 
 
-DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference()])
+class SymmMem(Backend):
+    """torch's async-TP op ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` (same schema)."""
+
+    name = "symm_mem"
+
+    def not_supported_reasons(self, call):
+        return symm_mem_reasons(call, "fused_matmul_reduce_scatter")
+
+    def run(self, call: MatmulCall):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            call.x, call.bs[0], call.reduce_op, call.dim, call.group.group_name).contiguous()
+
+
+DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference(), SymmMem()])  # vendor's last
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
@@ -268,7 +281,8 @@ def matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str = "su
     ``A``: 2-D or 3-D ``[..., K]`` (K is this rank's shard of the contraction); ``B``:
     ``[K, N]``; the output's ``scatter_dim`` (a leading dim of A, or the last: N's columns)
     divisible by the world size. The output is contiguous, as torch's. fp32, fp16 or
-    bf16. Backends: ``triton``, ``pipelined``, ``reference``. Differentiable:
+    bf16. Backends: ``triton``, ``pipelined``, ``reference``, ``symm_mem`` (torch's
+    ``fused_matmul_reduce_scatter`` itself, CUDA groups only). Differentiable:
     ``dA = all_gather_matmul(dY, Bᵀ)`` and ``dB = Aᵀ all_gather(dY)``. Under
     ``torch.autocast``, A and B are cast to its dtype first, as ``torch.matmul``'s inputs are.
     """

@@ -24,9 +24,9 @@ def rank_data(shape, dtype, rank, salt=0):
 
 def cpu_backends(op: str) -> list[str]:
     """``op``'s backends (the registry's, in priority order) but the CUDA extension's, which
-    needs CUDA tensors, and torch's own kernel as a backend (``torch``: it refuses the odd
-    shapes these tests use; tests/ops/test_grouped_mm_torch.py is its own)."""
-    return [name for name in registry.get(op).backends if name not in ("cuda", "torch")]
+    needs CUDA tensors, and torch's own kernels as backends (``torch``: it refuses the odd
+    shapes these tests use; ``symm_mem``: CUDA only; each has tests of its own)."""
+    return [name for name in registry.get(op).backends if name not in ("cuda", "torch", "symm_mem")]
 
 
 def capture_errors(calls: dict) -> dict:
