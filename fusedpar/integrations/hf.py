@@ -8,8 +8,8 @@ again (Accelerate's DDP fails on DTensors) and must give every rank of a tp / cp
 same batch. Plain-Accelerate equivalent of what :func:`prepare_accelerator` arranges::
 
     model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-    # (autocast for mixed_precision, no DDP/FSDP wrapper: what transformers does for
-    # models it sharded at load time)
+    # (no DDP/FSDP wrapper: what transformers does for models it sharded at load time;
+    # mixed precision is FSDP2's, parallelize(..., {"param_dtype": "bfloat16", ...}))
     loader = prepare_data_loader(loader, num_processes=dp, process_index=dp_rank)
 
 Checkpoints go through ``torch.distributed.checkpoint`` (:mod:`fusedpar.parallel.checkpoint`):
@@ -75,8 +75,9 @@ def prepare_accelerator(accelerator: accelerate.Accelerator, model: nn.Module) -
     before ``accelerator.prepare(model, optimizer, loader)``, which then leaves the model as
     it is. Returns the model.
 
-    - The model keeps fusedpar's sharding: Accelerate adds its autocast (``mixed_precision``)
-      and no DDP / FSDP wrapper.
+    - The model keeps fusedpar's sharding: no DDP / FSDP wrapper. Mixed precision
+      (``mixed_precision="bf16"``) needs the model parallelized with
+      ``param_dtype="bfloat16"`` (FSDP2's policy; a ValueError otherwise).
     - Data loaders it prepares afterwards give each data-parallel rank its own batches and
       every rank of a tp / cp group the same ones (Accelerate's device-mesh sharding, over
       the model's mesh).
@@ -86,11 +87,19 @@ def prepare_accelerator(accelerator: accelerate.Accelerator, model: nn.Module) -
     - ``model.generate()`` raises at once, naming :func:`unparallelized`.
     """
     mesh = _mesh(model)
-    if accelerator.parallelism_config is not None and accelerator.parallelism_config.total_size > 1:
+    own = getattr(accelerator, "parallelism_config", None)  # accelerate >= 1.10
+    if own is not None and own.total_size > 1:
         raise ValueError("prepare_accelerator: this Accelerator has a ParallelismConfig of its own "
-                         f"({accelerator.parallelism_config.total_size} ranks); the model is "
+                         f"({own.total_size} ranks); the model is "
                          "parallelized by fusedpar already: create it without one")
     cfg = model.fusedpar_config
+    if accelerator.mixed_precision != "no" and cfg.param_dtype != "bfloat16":
+        # fusedpar's ops turn autocast off around their own math: under tp nearly every
+        # matmul would stay in float32
+        raise ValueError(f"mixed precision ({accelerator.mixed_precision}): parallelize the model "
+                         "with param_dtype='bfloat16' (FSDP2's mixed precision: bfloat16 compute "
+                         "and communication, float32 weights and gradient reduction) instead of "
+                         "Accelerate's autocast, which does not reach fusedpar's ops")
     # Accelerate's device-mesh sharding gives rank r the data index r // (tp * cp): the
     # layout of fusedpar's mesh (dp_replicate, dp_shard outermost, tp innermost)
     dp_rank = get_submesh(mesh, "dp").get_local_rank()
@@ -131,8 +140,8 @@ class FusedparTrainer(transformers.Trainer):
       data-parallel rank divided by the valid labels of the whole accumulated global batch
       (Trainer's ``num_items_in_batch``), so each optimizer step's gradient is the single
       process's;
-    - ``bf16=True``: Accelerate's autocast around the forward (for bf16 parameters and
-      communication instead, parallelize with ``param_dtype="bfloat16"``);
+    - ``bf16=True``: needs the model parallelized with ``param_dtype="bfloat16"`` (FSDP2's
+      mixed precision: bf16 compute and communication, fp32 weights and gradient reduction);
     - ``max_grad_norm``: the norm over every DTensor gradient;
     - checkpoints: ``checkpoint-N/fusedpar_dcp`` holds the model and optimizer shards
       (``torch.distributed.checkpoint``, written by every rank), which

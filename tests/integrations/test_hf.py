@@ -130,6 +130,51 @@ def accelerate_losses(out: str, parallel: dict | None, resume: bool = False) -> 
     return losses
 
 
+def generate_cases() -> list:
+    """For an fsdp and a tp model (prepared for Accelerate): what ``generate()`` says, and
+    the greedy tokens of ``unparallelized(model)`` (weights 0's)."""
+    from accelerate import Accelerator
+
+    import fusedpar
+    from fusedpar.integrations.hf import prepare_accelerator, unparallelized
+
+    prompt = Rows().ids[:2, :5]
+    results = []
+    for parallel in ({"dp_shard": 4}, PARALLEL):
+        model = fusedpar.parallelize(make_model("hf-qwen2", seed=0), parallel, device_type="cpu")
+        accelerator = Accelerator(cpu=True)
+        model = prepare_accelerator(accelerator, model)
+        try:
+            model.generate(prompt, max_new_tokens=3)
+            refusal = None
+        except NotImplementedError as e:
+            refusal = str(e)
+        try:
+            accelerator.save_state("unused")
+            save_refusal = None
+        except NotImplementedError as e:
+            save_refusal = str(e)
+        tokens = unparallelized(model).generate(prompt, max_new_tokens=3, do_sample=False)
+        results.append((refusal, save_refusal, tokens.tolist()))
+    return results
+
+
+def bf16_without_param_dtype() -> str:
+    """What bf16=True says for a model parallelized in float32."""
+    from transformers import TrainingArguments
+
+    import fusedpar
+    from fusedpar.integrations.hf import FusedparTrainer
+
+    model = fusedpar.parallelize(make_model("hf-qwen2"), PARALLEL, device_type="cpu")
+    try:
+        FusedparTrainer(model=model, train_dataset=Rows(), args=TrainingArguments(
+            output_dir="unused", bf16=True, use_cpu=True, report_to="none"))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _hf_cases(out: str):
     """The Trainer run, its resumption, the Accelerate loop and its resumption, on this rank."""
     import torch.distributed as dist
@@ -140,17 +185,23 @@ def _hf_cases(out: str):
     for run in (lambda: trainer_losses(out, PARALLEL),
                 lambda: trainer_losses(out, PARALLEL, resume_step=3, seed=5),
                 lambda: accelerate_losses(out + "-dcp", PARALLEL),
-                lambda: accelerate_losses(out + "-dcp", PARALLEL, resume=True)):
+                lambda: accelerate_losses(out + "-dcp", PARALLEL, resume=True),
+                lambda: trainer_losses(out + "-bf16", {**PARALLEL, "param_dtype": "bfloat16"},
+                                       bf16=True, max_steps=2),
+                bf16_without_param_dtype,
+                generate_cases):
         with reference_backends(), accelerate_env(*env):
             results.append(run())
     return results
 
 
 def test_trainer_and_accelerate_match_one_process_and_resume(pools, tmp_path):
-    run, resumed, acc_run, acc_resumed = pools(4).run(_hf_cases, str(tmp_path / "parallel"),
-                                                      timeout=500)[0]
+    run, resumed, acc_run, acc_resumed, bf16, bf16_refusal, generated = pools(4).run(
+        _hf_cases, str(tmp_path / "parallel"), timeout=500)[0]
     with accelerate_env():
         single = trainer_losses(str(tmp_path / "single"), None)
+    with accelerate_env():
+        single_bf16 = trainer_losses(str(tmp_path / "single-bf16"), None, bf16=True, max_steps=2)
     with accelerate_env():
         acc_single = accelerate_losses(str(tmp_path / "single-dcp"), None)
     assert len(acc_run) == len(acc_single) == STEPS * GA
@@ -163,3 +214,15 @@ def test_trainer_and_accelerate_match_one_process_and_resume(pools, tmp_path):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (run, single)
         assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (run, single)
     assert resumed == run[3:]
+    # bf16=True: FSDP2's bf16 compute (param_dtype), close to one process's autocast
+    assert bf16[0][0] != run[0][0]  # it did compute in bf16
+    for (loss, _), (ref, _) in zip(bf16, single_bf16):
+        assert abs(loss - ref) <= 2e-2 * abs(ref), (bf16, single_bf16)
+    assert "param_dtype='bfloat16'" in bf16_refusal
+
+    plain = make_model("hf-qwen2", seed=0).eval()
+    expected = plain.generate(Rows().ids[:2, :5], max_new_tokens=3, do_sample=False).tolist()
+    for refusal, save_refusal, tokens in generated:  # fsdp, then tp x fsdp
+        assert "unparallelized(model)" in refusal and "full_state_dict" in refusal
+        assert "fusedpar.parallel.checkpoint.save" in save_refusal
+        assert tokens == expected
