@@ -92,6 +92,10 @@ _RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               256: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)}
 _TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "dkdv": (_DKDV_SM90, _BWD_SM80),
            "dq": (_DQ_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
+# Soft-capping on sm_90: the score tile's side to halve (the keys of the forward's and dQ's
+# tile, the query rows of dK/dV's, whose keys are its wgmma rows); at full size the tanh and
+# its derivative spill
+_SOFTCAP_SM90_HALVES = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
 # Variants left on mma.sync on sm_90 (head dim 256), and why
 _MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32"}
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
@@ -168,9 +172,9 @@ def _in_band(visible, keys, diags, win_left, win_right, CAUSAL: tl.constexpr, WI
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from one exp2 (1 at +inf, -1 at -inf)."""
-    return 1.0 - 2.0 / (1.0 + tl.exp2(x * 2.8853900817779268))
+def _tanh_exp2(y):
+    """``tanh(y / (2 log2(e)))`` from one exp2 (1 at +inf, -1 at -inf)."""
+    return 1.0 - 2.0 / (1.0 + tl.exp2(y))
 
 
 @triton.jit
@@ -180,7 +184,7 @@ def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d
     """One online-softmax step: fold keys ``cols`` (``visible[row, key]``) into the running
     row max ``m_i`` (base 2), row sum ``l_i`` and fp32 output ``acc``. Not ``MASKED``: every
     row sees every key (``n_ok`` and ``visible`` unused), so no mask is computed. SOFTCAP:
-    scores are ``qk_scale * tanh(q.k * cap_in)``."""
+    scores are ``qk_scale * _tanh_exp2(q.k * cap_in)``."""
     if MASKED:
         k_ok = n_ok[None, :] & d_ok[:, None]
         v_ok = n_ok[:, None] & d_ok[None, :]
@@ -189,9 +193,10 @@ def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d
         v_ok = d_ok[None, :]
     kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=k_ok, other=0.0)
     qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
-    if SOFTCAP:
-        qk = _tanh(qk * cap_in)
-    qk = qk * qk_scale
+    if SOFTCAP:  # qk_scale * tanh, folded
+        qk = qk_scale - (2.0 * qk_scale) / (1.0 + tl.exp2(qk * cap_in))
+    else:
+        qk = qk * qk_scale
     if MASKED:
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -216,9 +221,9 @@ def _store_rows(o_rows, stride_os, lse_rows, offs_m, m_ok, offs_d, d_ok, m_i, l_
 @triton.jit
 def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
     """``(qk_scale, cap_in)``: base-2 scores are ``qk_scale * q.k``, or with SOFTCAP
-    ``qk_scale * tanh(q.k * cap_in)`` (``softcap * tanh(q.k * sm_scale / softcap)``)."""
+    ``qk_scale * _tanh_exp2(q.k * cap_in)`` (``softcap * tanh(q.k * sm_scale / softcap)``)."""
     if SOFTCAP:
-        return softcap * 1.4426950408889634, sm_scale / softcap
+        return softcap * 1.4426950408889634, sm_scale / softcap * 2.8853900817779268
     else:
         return sm_scale * 1.4426950408889634, 1.0
 
@@ -353,18 +358,19 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
                 delta = tl.load(delta_ptr + stat_base + rows, mask=m_ok, other=0.0)
                 qkt = mma(k, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
                 if SOFTCAP:
-                    qkt = _tanh(qkt * cap_in)
+                    qkt = _tanh_exp2(qkt * cap_in)
                 pt = tl.exp2(qkt * qk_scale - lse[None, :] * 1.4426950408889634)
                 visible = _in_band(n_ok[:, None] & m_ok[None, :], offs_n[:, None],
                                    (rows + diag)[None, :], win_left, win_right, CAUSAL, WINDOW)
                 pt = tl.where(visible, pt, 0.0)
+                pt_ds = pt  # dS = pt_ds * (dP - delta): P, times tanh's derivative with SOFTCAP
+                if SOFTCAP:  # (applied now: the tanh tile dies before the next dots)
+                    pt_ds = pt * (1.0 - qkt * qkt)
                 do = tl.load(do_base + rows[:, None] * stride_dos + offs_d[None, :],
                              mask=m_ok[:, None] & d_ok[None, :], other=0.0)
                 dv = mma(pt.to(do.dtype), do, dv, UPCAST)
                 dpt = mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
-                dst = pt * (dpt - delta[None, :])
-                if SOFTCAP:  # d tanh
-                    dst = dst * (1.0 - qkt * qkt)
+                dst = pt_ds * (dpt - delta[None, :])
                 dk = mma(dst.to(qt.dtype), tl.trans(qt), dk, UPCAST)
         dk = dk * sm_scale
         tl.store(dk_ptr + b64 * stride_dkb + key0 * stride_dks + hk * stride_dkh
@@ -392,16 +398,16 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, cols,
     vt = tl.load(v_base + cols[None, :] * stride_vs + offs_d[:, None], mask=kv_ok, other=0.0)
     qk = mma(q, kt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
     if SOFTCAP:
-        qk = _tanh(qk * cap_in)
+        qk = _tanh_exp2(qk * cap_in)
     p = tl.exp2(qk * qk_scale - lse[:, None])
     if MASKED:
         visible = _in_band(m_ok[:, None] & n_ok[None, :], cols[None, :], diags[:, None], win_left,
                            win_right, CAUSAL, WINDOW)
         p = tl.where(visible, p, 0.0)
+    if SOFTCAP:  # tanh's derivative, applied before the dot: the tanh tile dies here
+        p = p * (1.0 - qk * qk)
     dp = mma(do, vt, tl.zeros([q.shape[0], kt.shape[1]], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
-    if SOFTCAP:  # d tanh
-        ds = ds * (1.0 - qk * qk)
     return mma(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST)
 
 
@@ -583,14 +589,26 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attn_config(head_dim: int, device: torch.device, kernel: str, config: dict | None = None) -> dict:
+def gpu_config(kernel: str, sm90: bool, d: int, softcap: bool = False) -> dict:
+    """The table's block sizes and launch options of ``kernel`` at ``BLOCK_D = d``; with
+    softcap on sm_90 the score tile's key side (dK/dV's query side) is halved, so the tanh
+    and its derivative fit the registers."""
+    cfg = dict(_TABLES[kernel][0 if sm90 else 1][d])
+    if softcap and sm90 and kernel in _SOFTCAP_SM90_HALVES:
+        side = _SOFTCAP_SM90_HALVES[kernel]
+        cfg[side] //= 2
+    return cfg
+
+
+def attn_config(head_dim: int, device: torch.device, kernel: str, config: dict | None = None,
+                softcap: bool = False) -> dict:
     """Block sizes and launch options of ``kernel`` ("fwd", "dkdv", "dq" or "ring") for this head
     dim and GPU generation (queried at launch, never at import); ``config`` overrides them."""
     if interpreting():
         cfg = dict(INTERPRETER_CONFIG)
     else:
         sm90 = torch.cuda.get_device_capability(device)[0] >= 9
-        cfg = dict(_TABLES[kernel][0 if sm90 else 1][max(64, block_d(head_dim))])
+        cfg = gpu_config(kernel, sm90, max(64, block_d(head_dim)), softcap)
     cfg.update(config or {})
     return cfg
 
@@ -662,7 +680,7 @@ def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seql
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     masks, mask_values = mask_args(causal, window, softcap, bottom_right, seqlen_q, seqlen_k,
                                    cu_k is cu_q if varlen else seqlen_q == seqlen_k)
-    cfg = attn_config(head_dim, q.device, "fwd", config)
+    cfg = attn_config(head_dim, q.device, "fwd", config, masks["SOFTCAP"])
     m_blocks = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
     grid = (m_blocks * batch * n_heads,)
     if grid[0] == 0:
@@ -691,7 +709,7 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
                                    cu_k is cu_q if varlen else seqlen_q == seqlen_k)
 
     def launch_options(kernel: str) -> dict:
-        cfg = attn_config(head_dim, q.device, kernel, config)
+        cfg = attn_config(head_dim, q.device, kernel, config, masks["SOFTCAP"])
         return dict(**masks, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                     BLOCK_D=block_d(head_dim), UPCAST=interpreting(), num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])
@@ -810,8 +828,8 @@ def _aot_examples():
                 "row_lo": i32, "row_hi": i32, "segments": i32, "seqlen": i32, "row_elems": i32}
     out = []
     for arch, table in ((90, 0), (80, 1)):
-        def options(kernel: str, d: int) -> dict:
-            cfg = _TABLES[kernel][table][d]
+        def options(kernel: str, d: int, softcap: bool = False) -> dict:
+            cfg = gpu_config(kernel, arch == 90, d, softcap)
             mma_sync_ok = _MMA_SYNC_OK.get(kernel, "") if d == 256 else ""
             return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
                         mma_sync_ok=mma_sync_ok)
@@ -820,12 +838,13 @@ def _aot_examples():
             for kernel, sig, name in ((flash_fwd_kernel, fwd_sig, "fwd"),
                                       (flash_bwd_dkdv_kernel, dkdv_sig, "dkdv"),
                                       (flash_bwd_dq_kernel, dq_sig, "dq")):
-                cfg = _TABLES[name][table][d]
                 for variant in MASK_VARIANTS:
+                    softcap = variant.get("SOFTCAP", False)
+                    cfg = gpu_config(name, arch == 90, d, softcap)
                     consts = {**dict(CAUSAL=False, WINDOW=False, BOTTOM_RIGHT=False, SOFTCAP=False,
                                      VARLEN=False), **variant, "BLOCK_M": cfg["BLOCK_M"],
                               "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "UPCAST": False}
-                    out.append((kernel, sig, consts, options(name, d)))
+                    out.append((kernel, sig, consts, options(name, d, softcap)))
             cfg = _TABLES["ring"][table][d]
             # the own (causal) block first, a peer's block in the middle (state in and
             # out), a peer's block last
