@@ -338,3 +338,23 @@ def test_ranks_whose_timings_disagree_pick_one_backend(pools, tmp_path):
         assert times == {"pipelined": 8.0, "reference": 7.0}
         assert agreed == "reference"  # rank 0's measured entry beats rank 1's default row
         assert placement == "1x2"
+
+
+def test_real_ops_autotune_every_candidate_passing_the_oracle_check(tuned_cpu, monkeypatch):
+    """grouped_mm (run kind) and flash_attention (forward and backward checked) through
+    their dispatchers: every candidate here (triton in the interpreter) matches the oracle."""
+    from fusedpar.ops import flash_attention, grouped_mm
+
+    monkeypatch.setenv("FUSEDPAR_AUTOTUNE", "1")
+    monkeypatch.setattr(tuning, "TIMER", FakeTimer(triton=3.0, reference=2.0, torch=1.0))
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 16), torch.randn(4, 16, 16)
+    offs = torch.tensor([8, 8, 24, 32], dtype=torch.int32)
+    torch.testing.assert_close(grouped_mm(a, b, offs), grouped_mm(a, b, offs, backend="reference"))
+    q, k, v = (torch.randn(1, 16, 2, 16) for _ in range(3))
+    flash_attention(q, k, v, causal=True)
+    entries = {key.split("|")[0]: e for key, e in tuning.user_table().entries.items()}
+    assert entries["grouped_mm"].times_ms == {"triton": 3.0, "reference": 2.0, "torch": 1.0}
+    assert entries["grouped_mm"].backend == "torch"
+    assert entries["flash_attention"].times_ms == {"triton": 3.0, "reference": 2.0}
+    assert entries["flash_attention"].backend == "reference"
