@@ -19,12 +19,8 @@ KNOWN_CYCLES = [
      "fusedpar.parallel.adapters.gemma2", "fusedpar.parallel.adapters.generic",
      "fusedpar.parallel.adapters.hf", "fusedpar.parallel.adapters.own",
      "fusedpar.parallel.forward"],
-    ["fusedpar.plan.memory", "fusedpar.plan.model"],
 ]
-KNOWN_PRIVATE_IMPORTS = [
-    "fusedpar/cli/train.py imports _KEY_ALIASES from fusedpar.parallel.config",
-    "fusedpar/nn/embedding.py imports _TPLinear from fusedpar.nn.linear",
-]
+KNOWN_PRIVATE_IMPORTS = []
 
 
 def _modules() -> dict[str, str]:

@@ -33,6 +33,7 @@ from fusedpar.comm.groups import host_collective_device
 from fusedpar.nn.linear import local
 from fusedpar.nn.moe import ExpertParallelMoE
 from fusedpar.ops import topk_route
+from fusedpar.ops.moe.routing import rows_received, rows_sent
 
 #: Mesh axes over which FSDP2 shards a parameter (the dense blocks', the experts').
 FSDP_SHARD_AXES = ("dp_shard_cp", "efsdp")
@@ -109,21 +110,3 @@ class RoutedRows:
                   "moe_dispatch": 2 * incoming * self.row_bytes,
                   "moe_combine": 2 * outgoing * self.row_bytes}
         return {op: (int(t[0]), int(t[1])) for op, t in totals.items() if op in ops}
-
-
-def rows_sent(topk_idx: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
-    """``[2, world]``: the rows a rank routing its tokens to ``topk_idx`` (ids of the ep
-    group's experts, rank r holding ``experts_per_rank`` of them from ``r *
-    experts_per_rank``) sends each rank (itself too): one per token and rank holding one
-    of its experts; one per routed copy."""
-    owner = (topk_idx // experts_per_rank).cpu().long()
-    held = torch.nn.functional.one_hot(owner, world).amax(1)  # [T, ranks]
-    return torch.stack([held.sum(0), torch.bincount(owner.flatten(), minlength=world)])
-
-
-def rows_received(sent: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From every rank's :func:`rows_sent` (``[src, 2, dst]``): the rows ``rank`` receives
-    in one exchange, into its experts and back to its tokens (each ``[per token and rank,
-    per copy]``)."""
-    others = torch.arange(sent.shape[0]) != rank
-    return sent[others, :, rank].sum(0), sent[rank][:, others].sum(1)

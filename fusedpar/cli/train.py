@@ -33,7 +33,7 @@ import fusedpar
 from fusedpar.cli import bounds, launch, preflight
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.nn.linear import local
-from fusedpar.parallel.config import _KEY_ALIASES as PARALLEL_KEYS
+from fusedpar.parallel.config import KEY_ALIASES as PARALLEL_KEYS
 
 DEFAULT_WORLD = 4
 #: The demo: tensor parallelism with sequence parallelism inside data-parallel sharding;

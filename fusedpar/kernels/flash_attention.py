@@ -11,9 +11,9 @@ block cannot see are never loaded, and a row that sees no key gets output 0 and 
 Soft-capping (Gemma 2) caps the scaled scores at ``softcap * tanh(s / softcap)`` before the
 mask; the backward multiplies by its derivative. The forward and dQ kernels run
 the K/V blocks that every row of their query block sees whole (most blocks of a long
-sequence) in a loop of their own that computes no mask: masks made up a third of their
-loops' sm_90 instructions. Any head dim ``D <= 256`` runs in a ``BLOCK_D = next_pow2(D)``
-register tile with the tail masked; any sequence length runs with masked tails.
+sequence) in a loop of their own that computes no mask. Any head dim ``D <= 256`` runs in
+a ``BLOCK_D = next_pow2(D)`` register tile with the tail masked; any sequence length runs
+with masked tails.
 
 Backward (from the saved ``lse`` and ``delta = rowsum(dO * O) - dlse``): one kernel per
 K/V block for dK/dV that loops over the query heads of its KV group (so GQA needs no
@@ -61,20 +61,18 @@ MAX_HEAD_DIM = 256
 _FWD_SM90 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
              128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}
-# sm_80 at head dim 128: 64-row tiles, two programs per SM (128 rows on 8 warps spill 12-24 B
-# since the unmasked loop was split off)
+# sm_80 at head dim 128: 64-row tiles, two programs per SM (128 rows on 8 warps spill)
 _FWD_SM80 = {64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
              128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
              256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
-# dK/dV at head dim 128: 128 keys per program. Its query tiles (Q, dO) are loaded once per
-# 128 keys, not 64, for the same occupancy (one 8-warp program per SM: 248 registers here,
-# 181 with 64 keys); the Triton tutorial's block shape, no spills (tests/kernels/test_aot.py)
+# dK/dV at head dim 128: 128 keys per program, so its query tiles (Q, dO) are loaded once per
+# 128 keys at the occupancy 64 keys would have (one 8-warp program per SM)
 _DKDV_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2),
               256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
 # dQ's tiles hold 64 or 128 query rows: with 32, Triton compiles its dots to mma.sync, not
 # Hopper's wgmma (tests/kernels/test_aot.py checks which one each variant gets)
-# (8 warps at head dim 256: with 4, its two loops, unmasked and masked, spill 56-160 B)
+# (8 warps at head dim 256: with 4, its two loops, unmasked and masked, spill)
 _DQ_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
             128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
             256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)}
@@ -82,8 +80,8 @@ _BWD_SM80 = {64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
              256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}
 # The ring kernel carries fp32 state between steps: more registers than the plain forward.
-# sm_80 at head dim 128: 64-row tiles, two programs per SM (128 rows on 8 warps spill 4-32 B
-# in the last step, which normalises and stores the output)
+# sm_80 at head dim 128: 64-row tiles, two programs per SM (128 rows on 8 warps spill in the
+# last step, which normalises and stores the output)
 _RING_SM90 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
               256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1)}
@@ -101,7 +99,7 @@ _MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
 # Its grid is capped at a quarter of the SMs, so its bandwidth is the bytes each program has
 # in flight over the latency: 16384 bf16 elements on 8 warps are eight 16-byte loads per
-# thread issued before their stores (32 KB a program; 1024 on 4 warps had one, 2 KB)
+# thread issued before their stores (32 KB a program)
 COPY_CONFIG = dict(BLOCK=16384, num_warps=8)
 # The interpreter's cost grows with programs x loop iterations: few, mid-sized blocks.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)

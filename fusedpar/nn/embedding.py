@@ -21,12 +21,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from ..ops import reduce_scatter
-from .linear import _TPLinear, local, reduce_from_tp
+from .linear import TPLinear, local, reduce_from_tp
 
 __all__ = ["VocabParallelEmbedding"]
 
 
-class VocabParallelEmbedding(_TPLinear):
+class VocabParallelEmbedding(TPLinear):
     """``nn.Embedding(num_embeddings, embedding_dim)`` split by rows over ``group``.
 
     ``forward(ids [B, S])`` → ``[B, S/W, D]`` (``sequence_parallel=True``, S divisible by

@@ -131,7 +131,7 @@ def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
 # ---- layers -------------------------------------------------------------------------------
 
 
-class _TPLinear(nn.Module):
+class TPLinear(nn.Module):
     """What both layers share: the group, the sizes, the sequence dim, the backend."""
 
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool,
@@ -239,7 +239,7 @@ class _TPLinear(nn.Module):
                 + (f", backend={self.backend!r}" if self.backend else ""))
 
 
-class ColumnParallelLinear(_TPLinear):
+class ColumnParallelLinear(TPLinear):
     """``nn.Linear(in_features, out_features)`` split by output features over ``group``;
     the same as (this rank's columns of the output)::
 
@@ -297,7 +297,7 @@ class ColumnParallelLinear(_TPLinear):
         return _column_outputs([self], x)[0]
 
 
-class RowParallelLinear(_TPLinear):
+class RowParallelLinear(TPLinear):
     """``nn.Linear(in_features, out_features)`` split by input features over ``group``;
     the same as::
 
@@ -551,7 +551,7 @@ def sync_replicated_grads(module: nn.Module, group=None, *, skip: tuple[nn.Modul
     skipped = {id(sub) for part in skip for sub in part.modules()}
     handles, modules = [], []
     for sub in module.modules():
-        if (isinstance(sub, _TPLinear) or id(sub) in skipped
+        if (isinstance(sub, TPLinear) or id(sub) in skipped
                 or not any(True for _ in sub.parameters(recurse=False))):
             continue  # TP layers' parameters are shards (a row layer syncs its own bias)
         if getattr(sub, "_fusedpar_synced_over", None) is not None:

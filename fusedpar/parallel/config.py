@@ -86,7 +86,7 @@ MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("Interleaved1F1B", "ZBVZeroBubble", "I
 
 # Every key from_dict accepts -> our field. Ours, Axolotl's (and Accelerate's
 # ParallelismConfig), torchtitan's.
-_KEY_ALIASES: dict[str, str] = {
+KEY_ALIASES: dict[str, str] = {
     # ours
     "pp": "pp",
     "dp_replicate": "dp_replicate",
@@ -450,14 +450,14 @@ class ParallelConfig:
         """
         if not isinstance(d, Mapping):
             raise ParallelConfigError(f"from_dict expects a mapping, got {type(d).__name__}")
-        unknown = [key for key in d if key not in _KEY_ALIASES]
+        unknown = [key for key in d if key not in KEY_ALIASES]
         if unknown:
             hints = []
             for key in unknown:
-                close = difflib.get_close_matches(str(key), _KEY_ALIASES, n=1)
+                close = difflib.get_close_matches(str(key), KEY_ALIASES, n=1)
                 hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             accepted = "; ".join(
-                f"{field}: " + ", ".join(k for k, f in _KEY_ALIASES.items() if f == field)
+                f"{field}: " + ", ".join(k for k, f in KEY_ALIASES.items() if f == field)
                 for field in _FIELDS + _OPTION_FIELDS
             )
             raise ParallelConfigError(
@@ -468,7 +468,7 @@ class ParallelConfig:
         for key, value in d.items():
             if value is None:
                 continue
-            field = _KEY_ALIASES[key]
+            field = KEY_ALIASES[key]
             if field not in _OPTION_FIELDS:
                 value = _as_degree(key, value, field)
             if field in values and values[field] != value:

@@ -74,8 +74,6 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """Every parameter (tied embeddings counted once)."""
-        from .memory import parameter_shapes
-
         return sum(t.numel for t in parameter_shapes(self, tp=1, ep=1))
 
     def active_parameters(self) -> int:
@@ -161,3 +159,55 @@ def model_spec(model: Any, name: str | None = None) -> ModelSpec:
     raise TypeError(f"model_spec: cannot read model sizes from {type(model).__name__}; pass a "
                     "fusedpar LlamaConfig / MixtralConfig, a Hugging Face config (or a model "
                     "holding one), a config mapping or a JSON file path")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A parameter after TP / EP: ``count`` tensors of ``[dim0, rest]`` in FSDP unit ``unit``
+    (``"root"``, ``"layer"``, ``"experts"``); ``stage`` ``"first"`` / ``"last"`` / ``"layer"``
+    says which pipeline stage holds it."""
+
+    name: str
+    dim0: int
+    rest: int
+    count: int
+    unit: str
+    stage: str
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.dim0 * self.rest
+
+
+def parameter_shapes(spec: ModelSpec, tp: int, ep: int) -> list[Tensor]:
+    """Every parameter as this rank's TP / EP piece (before FSDP)."""
+    h, L = spec.hidden, spec.layers
+    norms = 2 if spec.norm == "layer" else 1  # weight (+ bias), 1-D [hidden]
+    out = [Tensor("embed_tokens", spec.vocab // tp, h, 1, "root", "first")]
+    if spec.positions:
+        out.append(Tensor("embed_positions", spec.positions, h, 1, "root", "first"))
+    out.append(Tensor("norm", h, 1, norms, "root", "last"))
+    if not spec.tie_embeddings:
+        out.append(Tensor("lm_head", spec.vocab // tp, h, 1, "root", "last"))
+
+    def linear(name, out_rows, in_cols, bias, unit="layer"):  # [out, in] (+ a bias [out])
+        return [Tensor(name, out_rows, in_cols, L, unit, "layer")] + (
+            [Tensor(name + ".bias", out_rows, 1, L, unit, "layer")] if bias else [])
+
+    bias, qkv_bias = spec.linear_bias, spec.linear_bias or spec.qkv_bias
+    layer = [Tensor("layernorms", h, 1, 2 * norms * L, "layer", "layer")]
+    layer += linear("q_proj", spec.q_dim // tp, h, qkv_bias) + linear("k_proj", spec.kv_dim // tp, h, qkv_bias)
+    layer += linear("v_proj", spec.kv_dim // tp, h, qkv_bias) + linear("o_proj", h, spec.q_dim // tp, bias)
+    if spec.moe:
+        E, I = spec.experts, spec.expert_intermediate
+        experts_unit = "experts" if ep > 1 else "layer"
+        layer += [Tensor("router", E, h, L, experts_unit, "layer"),
+                  Tensor("w13", E // ep, 2 * I * h, L, experts_unit, "layer"),
+                  Tensor("w2", E // ep, h * I, L, experts_unit, "layer")]
+    elif spec.mlp == "swiglu":
+        I = spec.intermediate // tp
+        layer += linear("gate_proj", I, h, False) + linear("up_proj", I, h, False) + linear("down_proj", h, I, False)
+    else:
+        I = spec.intermediate // tp
+        layer += linear("c_fc", I, h, bias) + linear("c_proj", h, I, bias)
+    return out + layer

@@ -31,8 +31,8 @@ import dataclasses
 import glob
 import os
 
-from .memory import Candidate, Training, dtype_bytes, micro_batches, parameter_shapes
-from .model import ModelSpec
+from .memory import Candidate, Training, dtype_bytes, micro_batches
+from .model import ModelSpec, parameter_shapes
 
 __all__ = ["DEVICES", "Device", "StepTime", "estimate_step_time", "measured_peak_tflops"]
 

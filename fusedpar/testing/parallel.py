@@ -143,7 +143,7 @@ def ep_case(rank: int, world: int, device):
     local = [t.detach()[...].float().to(device) for t in (every[rank][0], every[rank][2],
                                                          w13[local_experts], w2[local_experts],
                                                          every[rank][3])]
-    from fusedpar.cli.bounds import rows_received, rows_sent
+    from fusedpar.ops.moe.routing import rows_received, rows_sent
 
     sent = torch.stack([rows_sent(i, EP_EXPERTS // world, world) for _, i, _, _ in every])
     incoming, outgoing = rows_received(sent, rank)  # [a row per token and rank, per copy]

@@ -86,3 +86,21 @@ def _within_capacity(topk_idx, weights, experts, capacity, policy) -> torch.Tens
     keep = torch.empty(n, dtype=torch.bool, device=flat.device)
     keep[order] = rank_in_expert < capacity
     return keep.view_as(topk_idx)
+
+
+def rows_sent(topk_idx: torch.Tensor, experts_per_rank: int, world: int) -> torch.Tensor:
+    """``[2, world]``: the rows a rank routing its tokens to ``topk_idx`` (ids of the ep
+    group's experts, rank r holding ``experts_per_rank`` of them from ``r *
+    experts_per_rank``) sends each rank (itself too): one per token and rank holding one
+    of its experts; one per routed copy."""
+    owner = (topk_idx // experts_per_rank).cpu().long()
+    held = torch.nn.functional.one_hot(owner, world).amax(1)  # [T, ranks]
+    return torch.stack([held.sum(0), torch.bincount(owner.flatten(), minlength=world)])
+
+
+def rows_received(sent: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From every rank's :func:`rows_sent` (``[src, 2, dst]``): the rows ``rank`` receives
+    in one exchange, into its experts and back to its tokens (each ``[per token and rank,
+    per copy]``)."""
+    others = torch.arange(sent.shape[0]) != rank
+    return sent[others, :, rank].sum(0), sent[rank][:, others].sum(1)
