@@ -13,7 +13,7 @@ from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, reso
                     torch_symm_unsupported_reason)
 from ..kernels import gemm_peers
 from . import protocol as C
-from .calls import CollectiveCall, MatmulCall, check_matmul_inputs, moved_shape
+from .calls import CollectiveCall, MatmulCall, check_matmul_inputs
 from .all_gather import DISPATCHER as ALL_GATHER
 from .reduce_scatter import DISPATCHER as REDUCE_SCATTER, reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
@@ -233,13 +233,10 @@ def _(A_shard, Bs, gather_dim, group_name, *, return_A=True, backend=""):
     world = dist.get_world_size(resolve_group(group_name))
     dim = _check(A_shard, Bs, gather_dim, world)
 
-    def empty(n):  # the backends' layout: contiguous with ``dim`` first, viewed back
-        if dim == A_shard.dim() - 1:
-            return A_shard.new_empty(*A_shard.shape[:-1], n)
-        return A_shard.new_empty(moved_shape(A_shard.shape, dim, world, n)).movedim(0, dim)
-
-    gathered = empty(A_shard.shape[-1] * (world if dim == A_shard.dim() - 1 else 1)) if return_A else None
-    return gathered, [empty(b.shape[1]) for b in Bs]
+    shape = list(A_shard.shape)
+    shape[dim] *= world  # K-sharded: the gathered K
+    gathered = A_shard.new_empty(shape) if return_A else None
+    return gathered, [A_shard.new_empty(shape[:-1] + [b.shape[1]]) for b in Bs]
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -310,9 +307,9 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
     gate/up). A leading ``gather_dim`` is what the fused backends overlap with the GEMM;
     the last (a K-sharded A, ``K = W * A_shard.shape[-1]``) is gathered first on ``triton``
     and ``reference`` (every output element needs all of K) and summed shard by shard while
-    the next one travels on ``pipelined``. Outputs are laid out as torch's
-    ``symm_mem.fused_all_gather_matmul`` lays them out (a ``movedim`` view for a leading
-    ``gather_dim`` other than 0). fp32, fp16 or bf16. ``group`` and ``backend`` as in
+    the next one travels on ``pipelined``. Outputs are contiguous (torch's
+    ``symm_mem.fused_all_gather_matmul`` returns ``movedim`` views for a leading
+    ``gather_dim`` other than 0; a view out of a model makes FSDP2 warn). fp32, fp16 or bf16. ``group`` and ``backend`` as in
     ``fusedpar.ops.all_gather`` (backends: ``triton``, ``pipelined``, ``reference``,
     ``symm_mem``: torch's ``fused_all_gather_matmul`` itself, CUDA groups only).
     Differentiable: ``dA_shard = matmul_reduce_scatter(dY, Bᵀ)`` along ``gather_dim`` and

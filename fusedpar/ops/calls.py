@@ -121,9 +121,11 @@ class MatmulCall(CollectiveCall):
         return self.dim == self.x.dim() - 1
 
     def unflatten(self, t: torch.Tensor, world: int) -> torch.Tensor:
-        """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank: a
-        ``movedim`` view, the layout torch's symm_mem ops (and their meta kernels) return."""
-        return t.view(moved_shape(self.x.shape, self.dim, world, t.shape[-1])).movedim(0, self.dim)
+        """Undo ``rows()`` for a result whose rows are ``world`` blocks, one per rank,
+        contiguous: a layer's output is often a model's (FSDP2 warns about a module that
+        returns a view, whose in-place use would skip its pre-backward hook)."""
+        moved = t.view(moved_shape(self.x.shape, self.dim, world, t.shape[-1]))
+        return moved.movedim(0, self.dim).contiguous()
 
 
 def moved_shape(shape, dim: int, world: int, n: int) -> tuple:
