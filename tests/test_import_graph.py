@@ -12,14 +12,9 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # package-private modules of fusedpar itself, not another module's private names
 PRIVATE_MODULES_ALLOWED = {"fusedpar._extension", "fusedpar._build_info", "fusedpar._C"}
-# Violations found when this test was written, in modules being restructured (issue 32):
-# each must go (the test fails when one is fixed and still listed, or a new one appears).
-KNOWN_CYCLES = [
-    ["fusedpar.parallel.adapters", "fusedpar.parallel.adapters.base",
-     "fusedpar.parallel.adapters.gemma2", "fusedpar.parallel.adapters.generic",
-     "fusedpar.parallel.adapters.hf", "fusedpar.parallel.adapters.own",
-     "fusedpar.parallel.forward"],
-]
+# Violations allowed (each must go: the test fails when one is fixed and still listed, or a
+# new one appears): none.
+KNOWN_CYCLES = []
 KNOWN_PRIVATE_IMPORTS = []
 
 

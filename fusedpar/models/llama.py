@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.forward import (IGNORE_INDEX, CausalLMOutput, causal_lm_loss, decoder_forward,
-                                shift_labels)
+from ..parallel.decoder import IGNORE_INDEX, CausalLMOutput, causal_lm_loss, shift_labels
+from ..parallel.forward import decoder_forward
 
 __all__ = ["CausalLMOutput", "IGNORE_INDEX", "LlamaConfig", "LlamaForCausalLM", "causal_lm_loss",
            "shift_labels"]

@@ -1,6 +1,5 @@
-"""The forward of a parallelized causal LM, and the pieces fusedpar's own models share with
-it: the decoder forward an adapter describes, Hugging Face's label shift, and the mean token
-loss over the valid labels of the whole global batch.
+"""The forward of a parallelized causal LM (the decoder of ``decoder.py`` as the model's
+adapter describes it) and the mean token loss over the valid labels of the whole global batch.
 
 Plain-PyTorch equivalent of the parallelized forward on one process::
 
@@ -21,69 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import ModelAdapter, find_adapter, is_hf
+from .decoder import IGNORE_INDEX, CausalLMOutput, run_decoder, shift_labels
 
-__all__ = ["IGNORE_INDEX", "CausalLMOutput", "causal_lm_loss", "decoder_forward", "mean_loss",
-           "shift_labels"]
-
-IGNORE_INDEX = -100
-
-
-@dataclass
-class CausalLMOutput:
-    """``loss`` (None without labels), ``logits`` ``[B, S, V]`` (under tensor parallelism
-    this rank's vocabulary shard ``[B, S, V/tp]``), ``aux_loss`` (MoE models, else None)."""
-
-    loss: torch.Tensor | None
-    logits: torch.Tensor
-    aux_loss: torch.Tensor | None = None
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's causal shift: position ``i`` predicts ``labels[:, i + 1]``; the last
-    position predicts nothing (``-100``)."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy with the causal shift, in fp32::
-
-        F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels).flatten(),
-                        ignore_index=-100)
-    """
-    return F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels).flatten(),
-                           ignore_index=IGNORE_INDEX)
-
-
-def run_layers(adapter: ModelAdapter, model: nn.Module, layers, hidden: torch.Tensor,
-               position_ids: torch.Tensor, masks: list | None, first: int = 0):
-    """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``) on ``hidden``;
-    returns the hidden states and the summed auxiliary loss of MoE layers (or None)."""
-    position_embeddings = adapter.rotary(model)(hidden, position_ids)
-    aux = None
-    for i, layer in enumerate(layers, first):
-        out = layer(hidden, position_embeddings=position_embeddings,
-                    attention_mask=None if masks is None else masks[i], position_ids=position_ids)
-        if isinstance(out, tuple):
-            hidden, layer_aux = out
-            aux = layer_aux if aux is None else aux + layer_aux
-        else:
-            hidden = out
-    return hidden, aux
-
+__all__ = ["decoder_forward", "mean_loss"]
 
 def decoder_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                     attention_masks: list | None = None, adapter: ModelAdapter | None = None):
-    """Embeddings, decoder layers and final norm of ``model`` as its adapter describes them
-    (default: found by :func:`~fusedpar.parallel.adapters.find_adapter`); returns the
-    hidden states and the summed auxiliary loss of MoE layers (or None).
-    ``attention_masks``: one per layer, as they are (None: causal attention by itself)."""
-    adapter = find_adapter(model) if adapter is None else adapter
-    if position_ids is None:
-        position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-    hidden = adapter.embed(model, input_ids)
-    hidden, aux = run_layers(adapter, model, adapter.layers(model), hidden, position_ids,
-                             attention_masks)
-    return adapter.final_norm(model)(hidden), aux
+    """:func:`~fusedpar.parallel.decoder.run_decoder` with ``model``'s adapter (default:
+    found by :func:`~fusedpar.parallel.adapters.find_adapter`)."""
+    return run_decoder(find_adapter(model) if adapter is None else adapter, model, input_ids,
+                       position_ids, attention_masks)
 
 
 def mean_loss(per_token: torch.Tensor, target: torch.Tensor, group: str | None, ranks: int):
@@ -160,16 +106,20 @@ def sequence_checks(plan: Plan, input_ids: torch.Tensor) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"parallelized forward: input_ids must be [batch, seq], got "
                          f"{tuple(input_ids.shape)}")
-    seq, cfg = input_ids.shape[1], plan.config
+    check_sequence_length(input_ids.shape[1], plan.config, plan.sliding_window)
+
+
+def check_sequence_length(seq: int, cfg, sliding_window: int | None) -> None:
+    """A sequence length cp and tp can split (and within a sliding-window model's window)."""
     if cfg.cp > 1 and seq % (2 * cfg.cp):
         raise ValueError(f"sequence length {seq} is not divisible by 2*cp = {2 * cfg.cp} (context "
                          f"parallelism cuts it into 2*cp zigzag chunks); pad it to a multiple")
     if cfg.tp > 1 and (seq // cfg.cp) % cfg.tp:
         raise ValueError(f"sequence length {seq} (per cp rank {seq // cfg.cp}) is not divisible by "
                          f"tp={cfg.tp} (sequence parallelism splits it); pad it to a multiple")
-    if plan.sliding_window is not None and seq > plan.sliding_window:
+    if sliding_window is not None and seq > sliding_window:
         raise ValueError(f"sequence length {seq} exceeds the model's sliding window "
-                         f"{plan.sliding_window} (config.sliding_window), and the parallelized "
+                         f"{sliding_window} (config.sliding_window), and the parallelized "
                          "forward attends over the whole causal prefix; use sequences of at most "
                          "that length")
 

@@ -40,7 +40,8 @@ from torch import nn
 from ..errors import ParallelConfigError
 from .adapters import ModelAdapter, ModelLayout, is_hf, is_moe
 from .config import ParallelConfig
-from .forward import IGNORE_INDEX, cp_shard, run_layers, shift_labels, token_losses
+from .decoder import IGNORE_INDEX, run_layers, shift_labels
+from .forward import check_sequence_length, cp_shard, token_losses
 from .steps import apply_fsdp, apply_model_parallel
 
 __all__ = ["check_pipeline", "pipeline_stages", "stage_layers"]
@@ -320,14 +321,4 @@ def _check_step(run: _Run, input_ids, labels) -> None:
         raise ValueError(f"model.step: this data-parallel rank's batch of {batch} rows does not "
                          f"split into pp_microbatches={run.microbatches}; pass a multiple of "
                          f"{run.microbatches} rows (or set pp_microbatches)")
-    if cfg.cp > 1 and seq % (2 * cfg.cp):
-        raise ValueError(f"sequence length {seq} is not divisible by 2*cp = {2 * cfg.cp} (context "
-                         f"parallelism cuts it into 2*cp zigzag chunks); pad it to a multiple")
-    if cfg.tp > 1 and (seq // cfg.cp) % cfg.tp:
-        raise ValueError(f"sequence length {seq} (per cp rank {seq // cfg.cp}) is not divisible by "
-                         f"tp={cfg.tp} (sequence parallelism splits it); pad it to a multiple")
-    if run.sliding_window is not None and seq > run.sliding_window:
-        raise ValueError(f"sequence length {seq} exceeds the model's sliding window "
-                         f"{run.sliding_window} (config.sliding_window), and the parallelized "
-                         "forward attends over the whole causal prefix; use sequences of at most "
-                         "that length")
+    check_sequence_length(seq, cfg, run.sliding_window)

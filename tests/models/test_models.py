@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-from fusedpar.parallel.forward import causal_lm_loss
+from fusedpar.parallel.decoder import causal_lm_loss
 
 
 def test_llama_equals_hugging_face_llama():

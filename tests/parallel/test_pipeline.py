@@ -14,7 +14,7 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.parallel import checkpoint, shard_batch
-from fusedpar.parallel.forward import causal_lm_loss
+from fusedpar.parallel.decoder import causal_lm_loss
 from tests.parallel.parallel_cases import (LR, TINY, assert_matches, batches, clean_name, full,
                                            make_model, reference_backends, reference_run)
 

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedpar
-from fusedpar.nn import ColumnParallelLinear, RowParallelLinear
 from fusedpar.parallel import apply_tp
 from tests.nn.tp_cases import close, tp_mesh
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import ModelAdapter, ModelLayout, is_hf, is_moe
+from .base import ADAPTERS, ModelAdapter, ModelLayout, is_hf, is_moe
 from .gemma2 import Gemma2Adapter
 from .generic import LlamaStyleAdapter
 from .hf import HFAdapter
@@ -21,8 +21,8 @@ from .own import OwnAdapter
 __all__ = ["ADAPTERS", "HFAdapter", "ModelAdapter", "ModelLayout", "find_adapter", "is_hf",
            "is_moe", "register_adapter"]
 
-#: The registry, tried in order (the fallback last).
-ADAPTERS: list[ModelAdapter] = [
+# the built-in adapters, tried in order (the fallback last); register_adapter puts one first
+ADAPTERS[:] = [
     OwnAdapter(),
     HFAdapter("Hugging Face LlamaForCausalLM", ("llama",)),
     HFAdapter("Qwen2ForCausalLM (q/k/v biases)", ("qwen2",)),
@@ -34,16 +34,6 @@ ADAPTERS: list[ModelAdapter] = [
     Gemma2Adapter(),
     LlamaStyleAdapter(),
 ]
-
-HOW_TO_REGISTER = (
-    "For another family, subclass fusedpar.parallel.adapters.ModelAdapter (where the "
-    "embeddings, decoder layers, norm and head are, what its forward does around them) and "
-    "call fusedpar.parallel.adapters.register_adapter(MyAdapter()) before parallelize; or "
-    "build your own plan from the pieces: fusedpar.parallel.apply_tp(block, mesh['tp']) per "
-    "block, fusedpar.nn.VocabParallelEmbedding / ColumnParallelLinear for the embedding and "
-    "head, fusedpar.nn.sequence.vocab_parallel_cross_entropy for the loss, and "
-    "fusedpar.parallel.fsdp.shard_model for FSDP2"
-)
 
 
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
@@ -58,9 +48,3 @@ def find_adapter(model: nn.Module) -> ModelAdapter:
     """The adapter describing ``model`` (the fallback's :meth:`~ModelAdapter.layout` then
     refuses a model that is not Llama-shaped, listing the supported families)."""
     return next(a for a in ADAPTERS if a.matches(model))
-
-
-def unsupported(model: nn.Module, problems: list[str]) -> TypeError:
-    supported = "; ".join(a.family for a in ADAPTERS)
-    return TypeError(f"fusedpar.parallelize: {type(model).__name__} is not a supported model "
-                     f"({'; '.join(problems)}). Supported families: {supported}. {HOW_TO_REGISTER}")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..decoder import CausalLMOutput
+
 __all__ = ["ModelAdapter", "ModelLayout", "is_hf", "is_moe"]
 
 
@@ -117,8 +119,6 @@ class ModelAdapter:
 
     def output(self, model: nn.Module, loss, logits, aux):
         """The forward's result; fusedpar's MoE models add their aux loss here."""
-        from ..forward import CausalLMOutput
-
         return CausalLMOutput(loss, logits, aux)
 
     def aux_loss_weight(self, model: nn.Module) -> float | None:
@@ -164,8 +164,6 @@ class ModelAdapter:
     def layout(self, model: nn.Module) -> ModelLayout:
         """The decoder layers and the sizes the config must divide; ``TypeError`` listing
         what is missing when ``model`` lacks a part (see :func:`find_adapter`)."""
-        from . import unsupported
-
         problems = self.structure_problems(model) or self.forward_problems(model)
         if problems:
             raise unsupported(model, problems)
@@ -215,3 +213,23 @@ class ModelAdapter:
                 if not isinstance(getattr(layer, n, None), nn.Module):
                     problems.append(f"no model.layers[{i}].{n}")
         return problems
+
+
+#: Every adapter find_adapter tries, in order (fusedpar.parallel.adapters fills it).
+ADAPTERS: list[ModelAdapter] = []
+
+HOW_TO_REGISTER = (
+    "For another family, subclass fusedpar.parallel.adapters.ModelAdapter (where the "
+    "embeddings, decoder layers, norm and head are, what its forward does around them) and "
+    "call fusedpar.parallel.adapters.register_adapter(MyAdapter()) before parallelize; or "
+    "build your own plan from the pieces: fusedpar.parallel.apply_tp(block, mesh['tp']) per "
+    "block, fusedpar.nn.VocabParallelEmbedding / ColumnParallelLinear for the embedding and "
+    "head, fusedpar.nn.sequence.vocab_parallel_cross_entropy for the loss, and "
+    "fusedpar.parallel.fsdp.shard_model for FSDP2"
+)
+
+
+def unsupported(model: nn.Module, problems: list[str]) -> TypeError:
+    supported = "; ".join(a.family for a in ADAPTERS)
+    return TypeError(f"fusedpar.parallelize: {type(model).__name__} is not a supported model "
+                     f"({'; '.join(problems)}). Supported families: {supported}. {HOW_TO_REGISTER}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..decoder import run_decoder
 from .base import ModelAdapter, is_hf
 from .hf import HFAdapter
 
@@ -38,8 +39,6 @@ class LlamaStyleAdapter(HFAdapter):
         with its layers taken out on four tokens, in eval mode and without the router aux
         loss, and comparing what reaches ``model.norm`` and what leaves ``lm_head`` with
         what the parallelized forward computes. Models on the meta device are not run."""
-        from ..forward import decoder_forward
-
         first = next(model.parameters(), None)
         if first is None or first.is_meta:
             return []
@@ -57,7 +56,7 @@ class LlamaStyleAdapter(HFAdapter):
             with torch.no_grad():
                 logits = model.eval()(input_ids=ids).logits
                 embedded = inner.embed_tokens(ids)
-                decoder_forward(model, ids, None, adapter=self)  # e.g. a rotary embedding wanting a layer type
+                run_decoder(self, model, ids, None)  # e.g. a rotary embedding wanting a layer type
         except Exception as e:  # noqa: BLE001 - reported as the reason
             return [f"running its forward and the parallelized one without its layers failed "
                     f"({type(e).__name__}: {e})"]
