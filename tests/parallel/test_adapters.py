@@ -103,3 +103,18 @@ def test_registered_adapter_wins():
         adapters.ADAPTERS.remove(adapter)
     with pytest.raises(TypeError, match="expected a ModelAdapter"):
         register_adapter(object())
+
+
+@pytest.mark.parametrize("kind", ["hf-llama-eager", "hf-gemma2"])
+def test_attention_masks_warn_about_nothing(kind):
+    """The masks the HF adapters build come without transformers' deprecation warning
+    (its mask builders deprecate ``past_key_values`` for ``cache``, which warned on every
+    forward of every rank)."""
+    import warnings
+
+    model = make_model(kind)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        masks = find_adapter(model).attention_masks(model, ids, torch.arange(8)[None])
+    assert len(masks) == model.config.num_hidden_layers

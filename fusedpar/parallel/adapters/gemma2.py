@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .hf import HFAdapter
+from .hf import HFAdapter, no_cache
 
 __all__ = ["Gemma2Adapter"]
 
@@ -40,7 +40,7 @@ class Gemma2Adapter(HFAdapter):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         kwargs = dict(config=model.config, inputs_embeds=self._dummy(model, input_ids),
-                      attention_mask=None, past_key_values=None, position_ids=position_ids)
+                      attention_mask=None, position_ids=position_ids, **no_cache(create_causal_mask))
         masks = {"full_attention": create_causal_mask(**kwargs),
                  "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
         return [masks[kind] for kind in model.config.layer_types]

@@ -4,6 +4,7 @@ loss, a sliding window in its config); a family is a subclass naming its ``model
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -12,6 +13,14 @@ from torch import nn
 from .base import ModelAdapter, ModelLayout, is_hf
 
 __all__ = ["HFAdapter"]
+
+
+def no_cache(mask_function) -> dict:
+    """The keyword that tells transformers' mask builders there is no KV cache: ``cache``
+    where the installed transformers names it so (its ``past_key_values`` is deprecated
+    there and warns on every call), else ``past_key_values``."""
+    return {"cache" if "cache" in inspect.signature(mask_function).parameters
+            else "past_key_values": None}
 
 
 class HFAdapter(ModelAdapter):
@@ -35,7 +44,8 @@ class HFAdapter(ModelAdapter):
         from transformers.masking_utils import create_causal_mask
 
         mask = create_causal_mask(config=model.config, inputs_embeds=self._dummy(model, input_ids),
-                                  attention_mask=None, past_key_values=None, position_ids=position_ids)
+                                  attention_mask=None, position_ids=position_ids,
+                                  **no_cache(create_causal_mask))
         return [mask] * model.config.num_hidden_layers
 
     def _dummy(self, model, input_ids):
