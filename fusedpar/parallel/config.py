@@ -447,6 +447,11 @@ class ParallelConfig:
         Unknown keys, and one field given under two names with different values, raise
         :class:`ParallelConfigError`. Unlike Axolotl, an unset ``dp_replicate`` is 1 (not
         "whatever ``dp_shard`` leaves"): pass ``dp_replicate_size=-1`` for that.
+
+        Axolotl's ``expert_parallel_size`` with its ``dp_shard_size`` means what it means in
+        Axolotl, where ``ep x dp_shard`` ranks make the FSDP group: ``dp_shard`` becomes
+        ``dp_shard_size * expert_parallel_size`` (fusedpar's ep borrows its ranks from
+        ``dp_shard x cp x tp``, torchtitan's convention, which its own keys keep).
         """
         if not isinstance(d, Mapping):
             raise ParallelConfigError(f"from_dict expects a mapping, got {type(d).__name__}")
@@ -478,6 +483,9 @@ class ParallelConfig:
                 )
             values[field] = value
             source.setdefault(field, key)
+        if (source.get("ep") == "expert_parallel_size" and source.get("dp_shard") == "dp_shard_size"
+                and values["dp_shard"] > 0):
+            values["dp_shard"] *= values["ep"]
         return cls(**values)
 
     # ------------------------------------------------------------------ text

@@ -234,7 +234,7 @@ def test_derived_sizes_need_resolution():
     "d",
     [
         {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "cp": 1, "ep": 2},  # ours
-        {"dp_replicate_size": 2, "dp_shard_size": 2, "tensor_parallel_size": 2, "expert_parallel_size": 2},
+        {"dp_replicate_size": 2, "dp_shard_size": 1, "tensor_parallel_size": 2, "expert_parallel_size": 2},  # Axolotl
         {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2, "cp_size": 1, "ep_size": 2},  # Accelerate
         {
             "data_parallel_replicate_degree": 2,
@@ -483,3 +483,14 @@ def test_pp_counts_in_the_world_size():
         ParallelConfig(pp=2, dp_shard=4).validate(4)
     with pytest.raises(ParallelConfigError, match="pp=3 does not divide world_size=4"):
         ParallelConfig(pp=3).validate(4)
+
+
+def test_axolotl_expert_parallel_size_counts_beside_dp_shard():
+    """Axolotl's dp_shard_size: 2, expert_parallel_size: 2 is 4 ranks (ep x dp_shard == world):
+    FSDP over 4, experts over ep=2 of them; torchtitan's keys keep ep borrowing from dp_shard."""
+    axolotl = ParallelConfig.from_dict({"dp_shard_size": 2, "expert_parallel_size": 2}).validate(4)
+    assert (axolotl.dp_shard, axolotl.ep) == (4, 2)
+    titan = ParallelConfig.from_dict({"data_parallel_shard_degree": 4, "expert_parallel_degree": 2})
+    assert (titan.validate(4).dp_shard, titan.ep) == (4, 2)
+    auto = ParallelConfig.from_dict({"dp_shard_size": -1, "expert_parallel_size": 2}).validate(4)
+    assert (auto.dp_shard, auto.ep) == (4, 2)
