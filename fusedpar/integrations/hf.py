@@ -37,12 +37,6 @@ __all__ = ["DCP_DIR", "FusedparTrainer", "prepare_accelerator", "unparallelized"
 #: The folder inside a Trainer checkpoint that holds the DCP shards (model + optimizer).
 DCP_DIR = "fusedpar_dcp"
 
-GENERATE_HINT = (
-    "generate() on a model parallelized by fusedpar: its forward takes whole training "
-    "sequences (no KV cache, logits split over tp ranks). Gather the weights into the plain "
-    "model and generate with that: `plain = fusedpar.integrations.hf.unparallelized(model)` "
-    "on every rank (fusedpar.parallel.checkpoint.full_state_dict loaded into "
-    "type(model)(model.config)), then `plain.generate(...)`")
 
 
 def _mesh(model: nn.Module):
@@ -54,10 +48,6 @@ def _mesh(model: nn.Module):
         raise ValueError("fusedpar.integrations.hf: pipeline parallelism (pp > 1) runs its own "
                          "schedule, not one forward and backward per batch; use pp=1")
     return mesh
-
-
-def _refuse_generate(*args, **kwargs):
-    raise NotImplementedError(GENERATE_HINT)
 
 
 def unparallelized(model: nn.Module) -> nn.Module:
@@ -84,7 +74,7 @@ def prepare_accelerator(accelerator: accelerate.Accelerator, model: nn.Module) -
     - ``accelerator.clip_grad_norm_`` clips over the DTensor gradients of every mesh.
     - ``accelerator.save_state`` would write rank 0's shards only: it raises, naming
       :func:`fusedpar.parallel.checkpoint.save` / ``load``, which do.
-    - ``model.generate()`` raises at once, naming :func:`unparallelized`.
+    - ``model.generate()`` raises at once (``parallelize`` sees to it), naming :func:`unparallelized`.
     """
     mesh = _mesh(model)
     own = getattr(accelerator, "parallelism_config", None)  # accelerate >= 1.10
@@ -108,7 +98,6 @@ def prepare_accelerator(accelerator: accelerate.Accelerator, model: nn.Module) -
                            f"rank {dp_rank} in the model's mesh, not process_index // (tp*cp)")
     accelerator.state.device_mesh = mesh
     accelerator.register_save_state_pre_hook(_refuse_save_state)
-    model.generate = _refuse_generate
     return accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
 
 

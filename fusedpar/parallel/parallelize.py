@@ -55,6 +55,18 @@ from .steps import RouterAuxLoss, apply_all, check, tokens_group
 __all__ = ["parallelize", "shard_batch"]
 
 
+GENERATE_HINT = (
+    "generate() on a model parallelized by fusedpar: its forward takes whole training "
+    "sequences (no KV cache, logits split over tp ranks). Gather the weights into the plain "
+    "model and generate with that: `plain = fusedpar.integrations.hf.unparallelized(model)` "
+    "on every rank (fusedpar.parallel.checkpoint.full_state_dict loaded into "
+    "type(model)(model.config)), then `plain.generate(...)`")
+
+
+def _refuse_generate(*args, **kwargs):
+    raise NotImplementedError(GENERATE_HINT)
+
+
 def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None, *,
                 activation_checkpointing: bool = False, mesh=None, device_type: str | None = None,
                 backend: str | None = None) -> nn.Module:
@@ -110,6 +122,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
                                 layout.sliding_window, hf_masks=is_hf(model) and cfg.cp == 1)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(parallel_forward, model)
+    if hasattr(model, "generate"):  # Hugging Face models: refuse at once, saying what works
+        model.generate = _refuse_generate
     model.register_forward_pre_hook(check_batch, prepend=True, with_kwargs=True)
     return model
 

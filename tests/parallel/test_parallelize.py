@@ -287,6 +287,8 @@ def _invalid_configs() -> dict:
     # vocab-parallel embedding would drop: refused when tp converts it (meshes exist by then)
     errors.update(capture_errors({"tp_scaled_embedding": lambda: fusedpar.parallelize(
         scaled_embedding, {"tp": 2, "dp_shard": 2})}))
+    hf = fusedpar.parallelize(make_model("hf-llama"), {"dp_shard": 4}, backend="reference")
+    errors.update(capture_errors({"generate": lambda: hf.generate(torch.zeros(1, 4, dtype=torch.long))}))
     dist.barrier()  # every rank is still in step
     return errors
 
@@ -315,12 +317,14 @@ def test_invalid_configs_fail_before_any_communication(pools):
                       "parallelized one without its layers failed",
         "loss_kwargs": "parallelized forward takes input_ids, labels, position_ids, attention_mask; "
                        "got 0 positional and num_items_in_batch keyword arguments",
+        "generate": "Gather the weights into the plain model and generate with that",
     }
     for errors in pools(4).run(_invalid_configs, timeout=250):
         for name, fragment in expected.items():
             assert errors[name] is not None, f"{name}: no error"
             kind, message = errors[name]
-            assert kind in ("ParallelConfigError", "ValueError", "TypeError") and fragment in message, (name, errors[name])
+            assert kind in ("ParallelConfigError", "ValueError", "TypeError", "NotImplementedError") \
+                and fragment in message, (name, errors[name])
 
 
 # ---- torch without FSDP2's custom collectives (torch 2.11, the GPU image) -------------------
