@@ -86,13 +86,7 @@ def add_parser(sub) -> None:
                    help="YAML or JSON file: parallel degrees (dp_shard, tp, ... or Axolotl's "
                         "dp_shard_size, tensor_parallel_size, ...) and training keys "
                         f"({', '.join(sorted(TRAIN_KEYS))}); flags win over the file")
-    for name in DEGREES:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name,
-                       help=DEGREE_HELP.get(name, f"degree of the {name} axis"))
-    p.add_argument("--schedule", dest="pp_schedule", default=None,
-                   choices=("gpipe", "1f1b", "interleaved", "zbv"),
-                   help="pipeline schedule with --pp (default 1f1b; interleaved runs 2 stages "
-                        "per rank; zbv is refused: see fusedpar.parallel.pipeline)")
+    add_parallel_arguments(p)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 32)")
@@ -100,12 +94,6 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="model and data seed (default 0)")
     p.add_argument("--moe", action="store_true", default=None,
                    help="the Mixtral-style model (MoE MLPs) instead of the Llama-style one")
-    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="FSDP's mixed-precision compute dtype (default: the parameters', "
-                        "float32); gradients are reduced in float32")
-    p.add_argument("--fsdp-comm", choices=("fusedpar", "torch"), default=None,
-                   help="FSDP's all-gather / reduce-scatter on fusedpar's ops (default) or "
-                        "torch's collectives")
     p.add_argument("--save", metavar="DIR",
                    help="save a checkpoint (torch.distributed.checkpoint: model, optimizer, "
                         "step) after the last step")
@@ -115,6 +103,23 @@ def add_parser(sub) -> None:
                    help="skip the single-process run at the end")
     p.add_argument("--metrics", metavar="FILE",
                    help="write the run's numbers (losses, bytes, ...) as JSON")
+
+
+def add_parallel_arguments(p) -> None:
+    """The flags of ``PARALLEL_FLAGS`` (``fusedpar train`` and ``fusedpar tune --model``)."""
+    for name in DEGREES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, dest=name,
+                       help=DEGREE_HELP.get(name, f"degree of the {name} axis"))
+    p.add_argument("--schedule", dest="pp_schedule", default=None,
+                   choices=("gpipe", "1f1b", "interleaved", "zbv"),
+                   help="pipeline schedule with --pp (default 1f1b; interleaved runs 2 stages "
+                        "per rank; zbv is refused: see fusedpar.parallel.pipeline)")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="FSDP's mixed-precision compute dtype (default: the parameters', "
+                        "float32); gradients are reduced in float32")
+    p.add_argument("--fsdp-comm", choices=("fusedpar", "torch"), default=None,
+                   help="FSDP's all-gather / reduce-scatter on fusedpar's ops (default) or "
+                        "torch's collectives")
 
 
 # ---- configuration ----------------------------------------------------------------------
@@ -200,9 +205,20 @@ def model_name(tcfg: TrainConfig) -> str:
     return "Mixtral-style MoE" if tcfg.moe else "Llama-style"
 
 
-def build_model(tcfg: TrainConfig, device) -> torch.nn.Module:
-    cls = MixtralForCausalLM if tcfg.moe else LlamaForCausalLM
-    return cls(model_config(tcfg), device=device, seed=tcfg.seed)
+def build_model(tcfg: TrainConfig, device, config=None) -> torch.nn.Module:
+    """fusedpar's Llama (Mixtral for a ``MixtralConfig``) of ``config``, by default the
+    demo's (``model_config``), initialized from ``tcfg.seed``."""
+    config = config or model_config(tcfg)
+    cls = MixtralForCausalLM if isinstance(config, MixtralConfig) else LlamaForCausalLM
+    return cls(config, device=device, seed=tcfg.seed)
+
+
+def parallel_model(tcfg: TrainConfig, pcfg: fusedpar.ParallelConfig, device, config=None):
+    """``build_model`` parallelized as each rank of a run builds it. The mesh is on the
+    ranks' device: CPU ranks on a machine with a GPU (--device cpu, or fewer GPUs than
+    ranks) would otherwise get a CUDA mesh."""
+    return fusedpar.parallelize(build_model(tcfg, device, config), pcfg,
+                                device_type=torch.device(device).type)
 
 
 def synthetic_batch(tcfg: TrainConfig, vocab: int, step: int) -> torch.Tensor:
@@ -287,10 +303,7 @@ def train_rank(group, device, spec: dict) -> dict:
     tcfg = TrainConfig(**spec["train"])
     rank = dist.get_rank(group)
     vocab = model_config(tcfg).vocab_size
-    # the mesh on the ranks' device: CPU ranks on a machine with a GPU (--device cpu, or
-    # fewer GPUs than ranks) would otherwise get a CUDA mesh
-    model = fusedpar.parallelize(build_model(tcfg, device), pcfg,
-                                 device_type=torch.device(device).type)
+    model = parallel_model(tcfg, pcfg, device)
 
     def batches(step):  # this data-parallel rank's rows of the global batch
         return fusedpar.parallel.shard_batch(synthetic_batch(tcfg, vocab, step),

@@ -27,6 +27,7 @@ mean nothing): ``applies`` is False there and the priority order stays.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -271,17 +272,50 @@ def _agree(rank_choice: int, tune: bool, group, device) -> tuple[int, bool]:
     return -int(flags[0]), bool(flags[1])
 
 
+@dataclass
+class Session:
+    """What one ``tuning_session()`` met: ``measured`` ``{signature key: Entry}`` and
+    ``single`` ``{signature key: backend}`` (calls only one backend can take)."""
+
+    measured: dict[str, Entry] = field(default_factory=dict)
+    single: dict[str, str] = field(default_factory=dict)
+
+
+_session: Session | None = None
+
+
+@contextlib.contextmanager
+def tuning_session():
+    """Within the block, every tuned call's signature is measured at its first call and
+    stored, as with ``FUSEDPAR_AUTOTUNE=1``, but also where the table already has it
+    (``fusedpar tune --model``: one training step in this block). Yields the ``Session``.
+    Only calls that reach ``choose`` count: run it in a fresh process (``Dispatcher``
+    caches its choices)."""
+    global _session
+    saved, _session = _session, Session()
+    try:
+        yield _session
+    finally:
+        _session = saved
+
+
 def choose(dispatcher, call, candidates: list[str]) -> str:
     """The backend to run ``call`` among ``candidates`` (every backend without reasons, in
     priority order; identical on every rank). With a group the ranks agree: if any rank
-    tunes (``FUSEDPAR_AUTOTUNE=1`` and no measured entry) all measure; else the best-informed
-    rank's choice (measured over default over untuned; then the earlier backend) wins, so
-    ranks whose tables differ still run one backend."""
+    tunes (``FUSEDPAR_AUTOTUNE=1`` and no measured entry, or a ``tuning_session`` that has
+    not measured it yet) all measure; else the best-informed rank's choice (measured over
+    default over untuned; then the earlier backend) wins, so ranks whose tables differ still
+    run one backend."""
     if len(candidates) == 1:
+        if _session is not None:
+            _session.single[signature(dispatcher.op, call).key()] = candidates[0]
         return candidates[0]
     sig = signature(dispatcher.op, call)
     name, _, source = lookup(sig, candidates)
-    tune = autotune_enabled() and source != MEASURED
+    if _session is not None:
+        tune = sig.key() not in _session.measured
+    else:
+        tune = autotune_enabled() and source != MEASURED
     group = getattr(call, "group", None)
     if group is not None and dist.get_world_size(group) > 1:
         n = len(candidates)
@@ -289,7 +323,10 @@ def choose(dispatcher, call, candidates: list[str]) -> str:
                               host_collective_device(group))
         name = candidates[agreed % n]
     if tune:
-        name = tune_call(dispatcher, call, candidates, sig).backend
+        entry = tune_call(dispatcher, call, candidates, sig)
+        if _session is not None:
+            _session.measured[sig.key()] = entry
+        name = entry.backend
     return name
 
 
