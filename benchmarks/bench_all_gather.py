@@ -5,6 +5,8 @@
   rank (the same W outputs): the fused protocol's overhead over a plain device copy.
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against raw NCCL ``all_gather_into_tensor`` and torch ``symm_mem`` all-gathers.
+* ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
+  backend the dispatcher would run there); target: the case's best baseline (targets.py).
 * ``test_loopback_volume_is_the_lower_bound``: not a timing; runs on CPU too.
 
 ``shape`` is the per-rank shard; the gather is along dim 0. Each case checks its result
@@ -17,10 +19,11 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops import registry
+from fusedpar.ops.calls import CollectiveCall
 from fusedpar.testing.collectives import symmetric_backend_names
 
-from common import (DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, bench, counted, name, nbytes, or_skip,
-                    run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, auto_choice, auto_label, bench, counted,
+                    name, nbytes, or_skip, run_case, symm_mem_op)
 
 OP = "all_gather"
 SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank shard
@@ -36,20 +39,27 @@ def _shard(shape, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", [*symmetric_backend_names(OP), "torch.cat"])
+LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), "torch.cat"]
+
+
+@pytest.mark.parametrize("backend", [*LOOPBACK_BACKENDS, AUTO])
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
     benchmark.group = f"{OP} {name(shape)} bf16 loopback W={world}"
     xs = [_shard(shape, r, gpu) for r in range(world)]
     expected = torch.cat(xs, 0)
-    if backend == "torch.cat":
+    runs, notes = backend, {}
+    if backend == AUTO:  # the loopback case of what the dispatcher would run
+        runs, notes["chose"] = or_skip(auto_label, OP, CollectiveCall(OP, xs[0], 0, world),
+                                       LOOPBACK_BACKENDS)
+    if runs == "torch.cat":
         def fn():
             return [torch.cat(xs, 0) for _ in range(world)]  # one output per simulated rank
         outs, bytes_moved = fn(), None
     else:
         def fn():
-            return fusedpar.ops.all_gather_loopback(xs, 0, backend=backend)
+            return fusedpar.ops.all_gather_loopback(xs, 0, backend=runs)
         outs, bytes_moved = or_skip(counted, fn)
     assert len(outs) == world
     for rank, out in enumerate(outs):
@@ -59,7 +69,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
     times = gpu_times(fn)
     record_row(OP, backend, shape, DTYPE, world, *times,
                algo_bytes=world * nbytes(expected), bytes_moved=bytes_moved,
-               lower_bound=world * (world - 1) * nbytes(xs[0]), mode="loopback")
+               lower_bound=world * (world - 1) * nbytes(xs[0]), mode="loopback", **notes)
     bench(benchmark, synced, fn, times)
 
 
@@ -69,8 +79,9 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
 def _case(backend, x, group):
     """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
     world = dist.get_world_size(group)
-    if backend in registry.get(OP).backends:
-        return (lambda: fusedpar.ops.all_gather(x, 0, group, backend=backend)), "fusedpar"
+    if backend in (*registry.get(OP).backends, AUTO):
+        chosen = None if backend == AUTO else backend
+        return (lambda: fusedpar.ops.all_gather(x, 0, group, backend=chosen)), "fusedpar"
     out_shape = (world * x.shape[0], *x.shape[1:])
     if backend == "nccl":
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
@@ -90,7 +101,7 @@ def _case(backend, x, group):
 
 
 DIST_BACKENDS = [*registry.get(OP).backends, "nccl", "symm_mem.multimem_all_gather_out",
-                 "symm_mem._low_contention_all_gather"]
+                 "symm_mem._low_contention_all_gather", AUTO]
 
 
 @pytest.mark.parametrize("backend", DIST_BACKENDS)
@@ -103,11 +114,12 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
     expected = torch.cat([_shard(shape, r, device) for r in range(world)], 0)
     fn, note, out, bytes_moved = or_skip(run_case, backend, lambda: _case(backend, x, group), agree)
     assert agree(torch.equal(out, expected)), f"{backend}: wrong gathered tensor on some rank"
+    notes = {"chose": auto_choice(OP, CollectiveCall(OP, x, 0, world, group))} if backend == AUTO else {}
 
     times = gpu_times(fn)
     record_row(OP, backend, shape, DTYPE, world, *times,
                algo_bytes=nbytes(expected), bytes_moved=bytes_moved,
-               lower_bound=(world - 1) * nbytes(x), mode="torchrun", impl=note)
+               lower_bound=(world - 1) * nbytes(x), mode="torchrun", impl=note, **notes)
     bench(benchmark, synced, fn, times)
 
 

@@ -8,6 +8,8 @@
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against the unfused NCCL ``all_gather_into_tensor`` then cuBLAS matmul, and against torch
   ``symm_mem.fused_all_gather_matmul`` (async-TP). Targets: >= 1.0x symm_mem, >= 1.2x unfused.
+* ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
+  backend the dispatcher would run there); target: the case's best baseline (targets.py).
 * ``test_loopback_volume``: not a timing; runs on CPU too.
 
 ``shape`` is ``M x K x N``: A_gathered is ``[M, K]`` (a rank's shard ``M / W`` rows, gathered
@@ -24,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.ops.calls import MatmulCall
 
-from common import (DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, MatmulSuite, Unavailable, counted, name,
-                    nbytes, or_skip, rel_err, run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, MatmulSuite, Unavailable, auto_choice,
+                    auto_label, counted, name, nbytes, or_skip, rel_err, run_case, symm_mem_op)
 
 OP = "all_gather_matmul"
 SHAPES = [(8192, 8192, 1280), (8192, 8192, 7168), (1000 * W_LOOPBACK, 1032, 1288)]  # M, K, N
@@ -61,6 +64,10 @@ def _loopback_measure(backend, shape, device, gpu_times):
     xs = [_shard(m // world, k, r, device) for r in range(world)]
     b = _weight(k, n, device)
     gathered = torch.cat(xs, 0)
+    chose = None
+    if backend == AUTO:  # the loopback case of what the dispatcher would run
+        backend, chose = auto_label(OP, MatmulCall(OP, xs[0], 0, world, None, [b]),
+                                    SUITE.loopback_labels)
     if backend == "torch.matmul":
         def fn():  # the same W per-rank GEMMs, the gather left out
             return [(None, [torch.matmul(gathered, b)]) for _ in range(world)]
@@ -80,7 +87,7 @@ def _loopback_measure(backend, shape, device, gpu_times):
         assert err <= max(2 * torch_err, 1e-6), \
             f"simulated rank {rank}: error {err:.3g}, torch {torch_err:.3g}"
     del results, ref64
-    return fn, gpu_times(fn), bytes_moved, None
+    return fn, gpu_times(fn), bytes_moved, chose
 
 
 @pytest.mark.parametrize("backend", SUITE.loopback_backends)  # the baseline first
@@ -98,8 +105,9 @@ def _case(backend, a, b, group):
     """``(fn, note)`` for one case, ``fn() -> (A_gathered, [out])``; raises ``Unavailable``
     with the reason it cannot run."""
     world = dist.get_world_size(group)
-    if backend in SUITE.fusedpar:
-        return (lambda: fusedpar.ops.all_gather_matmul(a, [b], 0, group, backend=backend)), \
+    if backend in (*SUITE.fusedpar, AUTO):
+        chosen = None if backend == AUTO else backend
+        return (lambda: fusedpar.ops.all_gather_matmul(a, [b], 0, group, backend=chosen)), \
             "fusedpar"
     if backend == UNFUSED:
         gathered = torch.empty(world * a.shape[0], a.shape[1], dtype=a.dtype, device=a.device)
@@ -134,6 +142,8 @@ def _dist_measure(backend, shape, group, device, gpu_times, agree):
     assert agree(err <= max(2 * torch_err, 1e-6)), \
         f"{backend}: error {err:.3g} vs torch.matmul {torch_err:.3g} on rank {rank}"
     del got, a_gathered, out, ref64, expected
+    if backend == AUTO:
+        note = auto_choice(OP, MatmulCall(OP, a, 0, world, group, [b]))
     return fn, gpu_times(fn), bytes_moved, note
 
 

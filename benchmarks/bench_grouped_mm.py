@@ -5,7 +5,8 @@ The MoE up-projection of tgale96/grouped_gemm#37: 128 experts, K=2048, N=1536, 6
 routed tokens, bf16, with uniform routing (512 tokens per expert) and skewed routing
 (half the tokens on 8 experts, the rest spread, some experts empty). TFLOP/s counts
 ``2 * T * K * N``. Targets (recorded, never asserted): >= 1.0x ``torch._grouped_mm`` and
->= 1.3x the loop. Each case is checked once against the loop in fp32 before it is timed.
+>= 1.3x the loop. ``auto``: what a user gets (``backend=None``); target: the case's best
+baseline (targets.py). Each case is checked once against the loop in fp32 before it is timed.
 Skips without a GPU: no numbers are ever printed for a machine that did not run them.
 
 ``test_grouped_mm_masked``: the masked layout of a padded MoE layer (``masked_m=``; no
@@ -17,12 +18,14 @@ import torch
 
 import fusedpar
 
-from common import DTYPE, Unavailable, name, or_skip, rel_err
+from fusedpar.ops.grouped_mm import GroupedCall
+
+from common import AUTO, DTYPE, Unavailable, auto_choice, name, or_skip, rel_err
 from targets import BASELINES
 
 OP = "grouped_mm"
 EXPERTS, K, N, TOKENS = 128, 2048, 1536, 65536
-BACKENDS = ["torch._grouped_mm", "torch.mm loop", "fusedpar.triton"]  # baselines first
+BACKENDS = ["torch._grouped_mm", "torch.mm loop", "fusedpar.triton", AUTO]  # baselines first
 TARGETS = {b: least for b, least in BASELINES[OP].items() if least is not None}
 _medians: dict = {}
 
@@ -48,8 +51,9 @@ def _case(routing, device):
 
 
 def _fn(backend, a, b, offs):
-    if backend == "fusedpar.triton":
-        return lambda: fusedpar.ops.grouped_mm(a, b, offs, backend="triton")
+    if backend in ("fusedpar.triton", AUTO):
+        chosen = None if backend == AUTO else "triton"
+        return lambda: fusedpar.ops.grouped_mm(a, b, offs, backend=chosen)
     if backend == "torch._grouped_mm":
         if not hasattr(torch, "_grouped_mm"):
             raise Unavailable(f"torch {torch.__version__} has no torch._grouped_mm")
@@ -76,6 +80,8 @@ def test_grouped_mm(benchmark, gpu, gpu_times, record_row, report_target, synced
     tflops = 2 * TOKENS * K * N / (median * 1e-3) / 1e12
     _medians[(backend, routing)] = median
     notes = {"routing": routing, "tflops": f"{tflops:.1f}"}
+    if backend == AUTO:
+        notes["chose"] = auto_choice(OP, GroupedCall(a, b, offs))
     if backend == "fusedpar.triton":
         for baseline, target in TARGETS.items():
             if (baseline, routing) in _medians:
@@ -95,7 +101,7 @@ def test_grouped_mm(benchmark, gpu, gpu_times, record_row, report_target, synced
 # routed (a decode step): the masked kernel multiplies only each block's first rows; the
 # baselines multiply the whole padding (torch.bmm, or grouped_mm's offs over full blocks).
 MASKED_EXPERTS, MASKED_P = 32, 1024
-MASKED_BACKENDS = ["torch.bmm", "fusedpar.triton full blocks", "fusedpar.triton masked"]
+MASKED_BACKENDS = ["torch.bmm", "fusedpar.triton full blocks", "fusedpar.triton masked", AUTO]
 
 
 def _masked_case(device):
@@ -110,10 +116,14 @@ def _masked_case(device):
 @pytest.mark.parametrize("backend", MASKED_BACKENDS)
 def test_grouped_mm_masked(benchmark, gpu, gpu_times, record_row, synced, backend):
     a, b, counts = _masked_case(gpu)
+    notes = {}
     if backend == "torch.bmm":
         fn = lambda: torch.bmm(a, b)  # noqa: E731
-    elif backend == "fusedpar.triton masked":
-        fn = lambda: fusedpar.ops.grouped_mm(a, b, masked_m=counts, backend="triton")  # noqa: E731
+    elif backend in ("fusedpar.triton masked", AUTO):
+        chosen = None if backend == AUTO else "triton"
+        fn = lambda: fusedpar.ops.grouped_mm(a, b, masked_m=counts, backend=chosen)  # noqa: E731
+        if backend == AUTO:
+            notes["chose"] = auto_choice(OP, GroupedCall(a, b, None, counts))
     else:
         full = torch.arange(1, MASKED_EXPERTS + 1, device=gpu, dtype=torch.int32) * MASKED_P
         fn = lambda: fusedpar.ops.grouped_mm(a.view(-1, K), b, full, backend="triton").view(a.shape[0], MASKED_P, N)  # noqa: E731
@@ -127,7 +137,7 @@ def test_grouped_mm_masked(benchmark, gpu, gpu_times, record_row, synced, backen
     shape = (MASKED_EXPERTS, MASKED_P, K, N)
     record_row(OP, backend, shape, DTYPE, 1, median, p20, p80,
                algo_bytes=(routed * K + b.numel() + routed * N) * a.element_size(),
-               routing="masked", routed_rows=routed, tflops=f"{tflops:.1f}")
+               routing="masked", routed_rows=routed, tflops=f"{tflops:.1f}", **notes)
     benchmark.group = f"{OP} masked {name(shape)}"
     benchmark.extra_info.update(tflops=tflops)
     benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)

@@ -13,6 +13,8 @@
   against the unfused cuBLAS matmul then NCCL ``reduce_scatter_tensor``, and against torch
   ``symm_mem.fused_matmul_reduce_scatter`` (async-TP). Targets: >= 1.0x symm_mem, >= 1.2x
   unfused.
+* ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
+  backend the dispatcher would run there); target: the case's best baseline (targets.py).
 * ``test_loopback_volume_is_the_lower_bound``: not a timing; runs on CPU too.
 
 ``shape`` is ``M x K x N``: each rank's A is ``[M, K]`` (K: its shard of the contraction),
@@ -30,9 +32,11 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.ops.calls import MatmulCall
 
-from common import (DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, MatmulSuite, Unavailable, counted,
-                    name, nbytes, or_skip, rel_err, run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, MatmulSuite, Unavailable,
+                    auto_choice, auto_label, counted, name, nbytes, or_skip, rel_err, run_case,
+                    symm_mem_op)
 
 OP = "matmul_reduce_scatter"
 SHAPES = [(8192, 1024, 8192), (8192, 3584, 8192), (1000 * W_LOOPBACK, 1032, 1288)]  # M, K, N
@@ -65,6 +69,10 @@ def _loopback_measure(backend, shape, device, gpu_times):
     products = [a @ b for a, b in zip(As, Bs)]
     torch_outs = torch.stack(products).sum(0).chunk(world, 0)  # bf16 partials, one rounding
     del products
+    chose = None
+    if backend == AUTO:  # the loopback case of what the dispatcher would run
+        backend, chose = auto_label(OP, MatmulCall(OP, As[0], 0, world, None, [Bs[0]], reduce_op="sum"),
+                                    SUITE.loopback_labels)
     if backend == "torch.matmul":
         def fn():  # the same W per-rank GEMMs, the reduction left out
             return [torch.matmul(a, b) for a, b in zip(As, Bs)]
@@ -85,7 +93,7 @@ def _loopback_measure(backend, shape, device, gpu_times):
         assert err <= max(2 * torch_err, 1e-6), \
             f"simulated rank {rank}: error {err:.3g}, torch {torch_err:.3g}"
     del outs, torch_outs, ref64
-    return fn, gpu_times(fn), bytes_moved, None
+    return fn, gpu_times(fn), bytes_moved, chose
 
 
 @pytest.mark.parametrize("backend", SUITE.loopback_backends)  # the baseline first
@@ -113,9 +121,10 @@ def _unfused_case(a, b, group):
 
 def _case(backend, a, b, group):
     """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
-    if backend in SUITE.fusedpar:
+    if backend in (*SUITE.fusedpar, AUTO):
+        chosen = None if backend == AUTO else backend
         return (lambda: fusedpar.ops.matmul_reduce_scatter(a, b, "sum", 0, group,
-                                                           backend=backend)), "fusedpar"
+                                                           backend=chosen)), "fusedpar"
     if backend == UNFUSED:
         return _unfused_case(a, b, group), f"torch.matmul then dist.{NCCL_REDUCE_SCATTER.__name__}"
     _, op = symm_mem_op(backend, enable_for=group)
@@ -145,6 +154,8 @@ def _dist_measure(backend, shape, group, device, gpu_times, agree):
     assert agree(err <= bound), \
         f"{backend}: error {err:.3g} vs unfused {nccl_err:.3g} on rank {rank}"
     del out, ref64
+    if backend == AUTO:
+        note = auto_choice(OP, MatmulCall(OP, a, 0, world, group, [b], reduce_op="sum"))
     return fn, gpu_times(fn), bytes_moved, note
 
 

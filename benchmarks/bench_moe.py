@@ -26,7 +26,10 @@ GEMM starts on the rows already there and applies SwiGLU in its epilogue.
 
 ``test_train_step_one_rank``: forward + backward on a one-rank group (4096 tokens, 8 experts
 of the same size, top-2): each backend's compute in training, no communication; recorded
-in ``moe_experts_train.csv`` without a target.
+in ``moe_experts_train.csv`` without a target, and ``auto`` (what a user gets,
+``backend=None``; target: the reference, the case's baseline, in targets.py). The loopback
+rows have no auto row: ``moe_experts_loopback`` has no choice to make (without a backend it
+runs ``fused``, the fused row).
 
 ``test_loopback_volume`` (no timing; CPU too, W=4): the rows crossing ranks are exactly
 the routed copies whose expert lives on another rank, there and back (the lower bound).
@@ -39,10 +42,11 @@ import torch
 import fusedpar
 from fusedpar.ops import registry
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
+from fusedpar.ops.moe.experts_call import ExpertsCall
 from fusedpar.ops.moe.experts_fused import first_gemm_blocks
 
-from common import (DTYPE, W_LOOPBACK, busy_ms, by_name, counted, gpu_profile, host_ms, name, or_skip,
-                    rel_err)
+from common import (AUTO, DTYPE, W_LOOPBACK, auto_choice, busy_ms, by_name, counted, gpu_profile,
+                    host_ms, name, or_skip, rel_err)
 from targets import BASELINES
 
 OP = "moe_experts"
@@ -152,7 +156,8 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, report_
 
 TRAIN_TOKENS, TRAIN_EXPERTS = 4096, 8  # one rank holding 8 experts: ~1,024 rows per expert
 _SPEC = registry.get(OP)
-TRAIN_BACKENDS = [_SPEC.oracle, *(n for n in _SPEC.backends if n != _SPEC.oracle)]  # the baseline first
+# the baseline first, what a user gets (backend=None) last
+TRAIN_BACKENDS = [_SPEC.oracle, *(n for n in _SPEC.backends if n != _SPEC.oracle), AUTO]
 
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
@@ -171,7 +176,8 @@ def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, recor
     dy = torch.randn_like(x)
 
     def step():
-        y = fusedpar.ops.moe_experts(x, idx, w, w13, w2, one_rank_group, backend=backend)
+        y = fusedpar.ops.moe_experts(x, idx, w, w13, w2, one_rank_group,
+                                     backend=None if backend == AUTO else backend)
         return y, torch.autograd.grad(y, (x, w, w13, w2), dy)
 
     (y, (dx, *_)), _ = or_skip(counted, step)
@@ -189,6 +195,8 @@ def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, recor
              "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{busy:.2f}", "host_ms": f"{host_ms(step):.2f}"}
     if backend != "reference" and "train reference" in _medians:
         notes["x_reference"] = f"{_medians['train reference'] / median:.2f}"
+    if backend == AUTO:
+        notes["chose"] = auto_choice(OP, ExpertsCall(x, idx, w, w13, w2, one_rank_group, None))
     shape = (1, TRAIN_TOKENS, HIDDEN, INTERMEDIATE)
     record_row(f"{OP}_train", backend, shape, DTYPE, 1, median, p20, p80,
                algo_bytes=2 * copies * HIDDEN * x.element_size(), **notes)

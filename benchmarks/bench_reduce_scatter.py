@@ -5,6 +5,8 @@
   (every simulated rank's output at once): the fused protocol's overhead over a plain sum.
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against raw NCCL ``reduce_scatter_tensor`` and torch ``symm_mem`` reduce-scatters.
+* ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
+  backend the dispatcher would run there); target: the case's best baseline (targets.py).
 * ``test_loopback_volume_is_the_lower_bound``: not a timing; runs on CPU too.
 
 ``shape`` is the per-rank output; each rank's input is ``[W * shape[0], *shape[1:]]``,
@@ -19,10 +21,11 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops import registry
+from fusedpar.ops.calls import CollectiveCall
 from fusedpar.testing.collectives import symmetric_backend_names
 
-from common import (DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, bench, counted, name, nbytes,
-                    or_skip, rel_err, run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, auto_choice, auto_label, bench,
+                    counted, name, nbytes, or_skip, rel_err, run_case, symm_mem_op)
 
 OP = "reduce_scatter"
 SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank output
@@ -40,7 +43,10 @@ def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", [*symmetric_backend_names(OP), "torch.stack.sum"])
+LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), "torch.stack.sum"]
+
+
+@pytest.mark.parametrize("backend", [*LOOPBACK_BACKENDS, AUTO])
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
@@ -50,12 +56,16 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
     def baseline():
         return torch.stack(xs).sum(0).chunk(world, 0)  # every simulated rank's output
 
-    if backend == "torch.stack.sum":
+    runs, notes = backend, {}
+    if backend == AUTO:  # the loopback case of what the dispatcher would run
+        runs, notes["chose"] = or_skip(auto_label, OP, CollectiveCall(OP, xs[0], 0, world, None, "sum"),
+                                       LOOPBACK_BACKENDS)
+    if runs == "torch.stack.sum":
         fn = baseline
         outs, bytes_moved = fn(), None
     else:
         def fn():
-            return fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=backend)
+            return fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=runs)
         outs, bytes_moved = or_skip(counted, fn)
     ref32 = torch.zeros(xs[0].shape, dtype=torch.float32, device=gpu)
     for x in xs:
@@ -72,7 +82,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
     times = gpu_times(fn)
     record_row(OP, backend, shape, DTYPE, world, *times,
                algo_bytes=world * nbytes(xs[0]), bytes_moved=bytes_moved,
-               lower_bound=world * (world - 1) * nbytes(xs[0]) // world, mode="loopback")
+               lower_bound=world * (world - 1) * nbytes(xs[0]) // world, mode="loopback", **notes)
     bench(benchmark, synced, fn, times)
 
 
@@ -92,8 +102,9 @@ def _nccl_case(x, group):
 def _case(backend, x, group):
     """``(fn, note)`` for one case; raises ``Unavailable`` with the reason it cannot run."""
     world = dist.get_world_size(group)
-    if backend in registry.get(OP).backends:
-        return (lambda: fusedpar.ops.reduce_scatter(x, "sum", 0, group, backend=backend)), "fusedpar"
+    if backend in (*registry.get(OP).backends, AUTO):
+        chosen = None if backend == AUTO else backend
+        return (lambda: fusedpar.ops.reduce_scatter(x, "sum", 0, group, backend=chosen)), "fusedpar"
     if backend == "nccl":
         return _nccl_case(x, group), f"dist.{NCCL_REDUCE_SCATTER.__name__}"
     symm_mem, op = symm_mem_op(backend)
@@ -114,7 +125,7 @@ def _case(backend, x, group):
 
 
 DIST_BACKENDS = [*registry.get(OP).backends, "nccl", "symm_mem.reduce_scatter_out",
-                 "symm_mem._low_contention_reduce_scatter"]
+                 "symm_mem._low_contention_reduce_scatter", AUTO]
 
 
 @pytest.mark.parametrize("backend", DIST_BACKENDS)
@@ -134,11 +145,13 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
     bound = max(2 * nccl_err, 1e-6) if note == "fusedpar" else max(2 * nccl_err, 1e-2)
     assert agree(err <= bound), f"{backend}: error {err:.3g} vs NCCL {nccl_err:.3g} on some rank"
     del ref32
+    notes = ({"chose": auto_choice(OP, CollectiveCall(OP, x, 0, world, group, "sum"))}
+             if backend == AUTO else {})
 
     times = gpu_times(fn)
     record_row(OP, backend, shape, DTYPE, world, *times,
                algo_bytes=nbytes(x), bytes_moved=bytes_moved,
-               lower_bound=(world - 1) * nbytes(x) // world, mode="torchrun", impl=note)
+               lower_bound=(world - 1) * nbytes(x) // world, mode="torchrun", impl=note, **notes)
     bench(benchmark, synced, fn, times)
 
 

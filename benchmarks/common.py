@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.errors import BackendNotSupportedError
-from fusedpar.ops import registry
-from targets import BASELINES
+from fusedpar.ops import registry, tuning
+from targets import AUTO, BASELINES
 
 W_LOOPBACK = 8  # simulated ranks of a single-GPU loopback case
 DTYPE = torch.bfloat16  # of every timed case ("bf16" in the benchmark groups)
@@ -134,6 +134,40 @@ def bench(benchmark, synced, fn, times, **extra_info):
     benchmark.pedantic(synced(fn), **PEDANTIC)
 
 
+# ---- the auto row: what a user gets (backend=None) ------------------------------------------
+# A suite times it last in a case, after the baselines (conftest's record_row judges it
+# against the fastest of them) and notes ``chose=<auto_choice>``.
+
+
+def auto_choice(op, call) -> str:
+    """The backend ``op``'s dispatcher runs ``call`` with where the caller names none:
+    ``Dispatcher.select`` for a call on one device or with a group (what the auto row ran;
+    with a group every rank calls this), ``tuning.explain`` (the tables alone, as ``fusedpar
+    info`` says) for a loopback call (simulated ranks, no group), which no op runs."""
+    dispatcher = registry.get(op).dispatcher
+    if getattr(call, "group", None) is None and getattr(call, "world_size", 1) > 1:
+        name, why = tuning.explain(dispatcher, call)
+        if name is None:
+            raise Unavailable(f"{AUTO}: {why}")
+        return name
+    return dispatcher.select(call).name
+
+
+def auto_label(op, call, labels) -> tuple[str, str]:
+    """``(label, backend)`` of a loopback case's auto row: the backend ``auto_choice`` names
+    for the loopback ``call`` and the case among ``labels`` (the suite's loopback rows) that
+    times it: itself, or the baseline standing for it (``defaults.LABELS``: a loopback
+    baseline is the plain-torch backend's compute). ``Unavailable`` where none does."""
+    from defaults import LABELS
+
+    name = auto_choice(op, call)
+    label = name if name in labels else next(
+        (label for label in labels if LABELS.get(op, {}).get(label) == name), None)
+    if label is None:
+        raise Unavailable(f"{AUTO}: {op} would run {name!r} here, which no loopback case times")
+    return label, name
+
+
 # ---- several GPUs: torchrun ------------------------------------------------------------------
 
 
@@ -198,29 +232,31 @@ class MatmulSuite:
     process plays (W in loopback, 1 under torchrun). ``medians``: the median ms of each case
     run so far per ``(mode, shape, world, backend)``, None where it could not run; the
     speedups are taken from them. ``loopback_extra``: more fusedpar variants to time in
-    loopback after ``triton``.
+    loopback after ``triton``. Last in each mode the ``AUTO`` row: ``backend=None`` under
+    torchrun; in loopback the row of ``loopback_labels`` that ``auto_label`` names.
     """
 
     def __init__(self, op, *, symm_mem, unfused, moved_cols, loopback_extra=()):
         self.op = op
         self.fusedpar = tuple(registry.get(op).backends)
         self.moved_cols = moved_cols
-        self.loopback_backends = ["torch.matmul", "triton", *loopback_extra]  # the baseline first
+        self.loopback_labels = ["torch.matmul", "triton", *loopback_extra]  # the baseline first
+        self.loopback_backends = [*self.loopback_labels, AUTO]
         self.ours = (*self.fusedpar, *loopback_extra)
         least = BASELINES[op]  # targets.py: the least speedup over each baseline
         self.targets = {  # per mode: {baseline: the least speedup over it (TFLOP/s ratio)}
             "loopback": {"torch.matmul": least["torch.matmul"]},
             "torchrun": {symm_mem: least[symm_mem], unfused: least[unfused]},
         }
-        self.dist_backends = [unfused, symm_mem, *self.fusedpar]  # the baselines first
+        self.dist_backends = [unfused, symm_mem, *self.fusedpar, AUTO]  # the baselines first
         self.medians: dict[tuple, float | None] = {}
 
     def run(self, benchmark, record_row, synced, roofline, report_target, mode, shape, world,
             backend, measure):
         """Check and time one case (``mode``: "loopback" or "torchrun"), then record it.
         ``measure(backend)`` checks a case once, then times it: ``(fn, (median, p20, p80),
-        bytes_moved, note)`` (note: what a torchrun case runs; None in loopback) or
-        ``Unavailable``, which this raises too. A fusedpar backend is compared with each
+        bytes_moved, note)`` (note: what a torchrun case runs, None in loopback; for
+        ``AUTO`` the backend it chose) or ``Unavailable``, which this raises too. A fusedpar backend is compared with each
         baseline of the mode, measured here where a -k selection left it out."""
         loopback = mode == "loopback"
         where = " loopback" if loopback else ""
@@ -231,7 +267,10 @@ class MatmulSuite:
         plays = world if loopback else 1  # the ranks this process plays
         m, k, n = shape
         tflops = 2 * m * k * n * plays / (median * 1e-3) / 1e12  # each rank multiplies all M rows
-        notes = dict(mode=mode) if loopback else dict(mode=mode, impl=note)
+        if backend == AUTO:
+            notes = dict(mode=mode, chose=note)
+        else:
+            notes = dict(mode=mode) if loopback else dict(mode=mode, impl=note)
         notes.update(tflops=f"{tflops:.1f}", roofline_tflops=f"{roofline:.1f}",
                      pct_roofline=f"{100 * tflops / roofline:.1f}")
         targets = self.targets[mode]

@@ -26,6 +26,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from report import CASE_NOTES  # noqa: E402 - benchmarks/ is on sys.path (pytest puts it there)
+from targets import AUTO, AUTO_TARGET, BASELINES, auto_verdict  # noqa: E402
 
 NO_GPU = "no CUDA GPU: timings of interpreted kernels mean nothing"
 RESULTS_DIR = Path(os.environ.get("FUSEDPAR_BENCH_RESULTS") or Path(__file__).parent / "results")
@@ -219,6 +221,26 @@ def _provenance() -> dict[str, str]:
             "commit": git_commit()}
 
 
+_CASE_TIMES: dict[tuple, dict[str, tuple[float, float, float]]] = {}  # this run's rows per case
+
+
+def _auto_notes(op, case, times) -> dict[str, str]:
+    """The notes judging an ``auto`` row's ``times`` against the fastest baseline of its
+    case recorded in this run (``targets.auto_verdict``; n/a where none was), the line
+    also reported as a target."""
+    rows = _CASE_TIMES.get(case, {})
+    baselines = [b for b in BASELINES.get(op, {}) if b in rows]
+    label = f"{op} {' '.join(str(part) for part in case)} {AUTO}"
+    if not baselines:
+        _report_target(f"{label}: vs the best baseline: n/a (no baseline row in this run)")
+        return {"vs_best_baseline": "n/a"}
+    best = min(baselines, key=lambda b: rows[b][0])
+    verdict = auto_verdict(times, rows[best])
+    text = f"{rows[best][0] / times[0]:.3f}x {best} (target >= {AUTO_TARGET}x within noise: {verdict})"
+    _report_target(f"{label}: {text}")
+    return {"vs_best_baseline": text}
+
+
 def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, algo_bytes,
                 bytes_moved=None, lower_bound=None, **extra) -> Path | None:
     """Append one measured row to ``results/<op>.csv`` (rank 0 only; header if the file is new).
@@ -227,7 +249,15 @@ def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, 
     (reduce_scatter) tensor times the ranks this process plays, so ``gbps`` is the
     algorithm bandwidth. ``bytes_moved``: bytes received from peers as counted by
     fusedpar.comm (same scope), blank where nothing counts them. ``extra`` goes to ``notes``.
+    The times are kept per case (shape, dtype, world, the notes of ``report.CASE_NOTES``); an
+    ``auto`` row (backend ``AUTO``, what a user gets) is judged against the case's baselines
+    recorded before it (``_auto_notes``).
     """
+    case = ("x".join(map(str, shape)), str(dtype).replace("torch.", ""), world,
+            *(f"{k}={extra[k]}" for k in CASE_NOTES if k in extra))
+    _CASE_TIMES.setdefault(case, {})[backend] = (median_ms, p20_ms, p80_ms)
+    if backend == AUTO:
+        extra = {**extra, **_auto_notes(op, case, (median_ms, p20_ms, p80_ms))}
     if _rank() != 0:
         return None
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -358,15 +388,17 @@ def matmul_roofline(_nccl) -> float:
     return tflops
 
 
+def _report_target(line: str) -> None:
+    if _rank() == 0:
+        _TARGET_LINES.append(line)
+        print(line)
+
+
 @pytest.fixture
 def report_target():
     """``report_target(line)``: print a target's outcome now (seen with ``-s``) and again in
     the terminal summary (rank 0 only); targets are recorded, never asserted."""
-    def report(line: str) -> None:
-        if _rank() == 0:
-            _TARGET_LINES.append(line)
-            print(line)
-    return report
+    return _report_target
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -22,7 +22,8 @@ import math
 import sys
 from pathlib import Path
 
-from targets import BASELINES, FAMILIES  # benchmarks/ is on sys.path: run as a script or by pytest
+# benchmarks/ is on sys.path: run as a script or by pytest
+from targets import AUTO, AUTO_OPS, AUTO_TARGET, BASELINES, FAMILIES, auto_verdict
 
 RESULTS = Path(__file__).parent / "results"
 # notes that tell cases of one op and shape apart (all other notes are measurements)
@@ -80,6 +81,28 @@ def speedups(op: str, by_backend: dict[str, dict], backend: str) -> dict[str, fl
             for b in BASELINES.get(op, {}) if b in by_backend}
 
 
+def times(row: dict) -> tuple[float, float, float]:
+    """A row's ``(median, p20, p80)`` ms (a row without quantiles: its median thrice)."""
+    median = float(row["median_ms"])
+    return median, float(row.get("p20_ms") or median), float(row.get("p80_ms") or median)
+
+
+def best_baseline(op: str, by_backend: dict[str, dict]) -> str | None:
+    """The case's fastest baseline (by median), or None without one."""
+    present = [b for b in BASELINES.get(op, {}) if b in by_backend]
+    return min(present, key=lambda b: float(by_backend[b]["median_ms"]), default=None)
+
+
+def auto_check(op: str, by_backend: dict[str, dict]) -> str | None:
+    """The auto row's verdict against the case's best baseline (``targets.auto_verdict``),
+    or None where the case has no auto row or no baseline."""
+    best = best_baseline(op, by_backend)
+    if AUTO not in by_backend or best is None:
+        return None
+    verdict = auto_verdict(times(by_backend[AUTO]), times(by_backend[best]))
+    return f">= {AUTO_TARGET}x the best baseline ({best}) within noise: {verdict}"
+
+
 def verdicts(op: str, ratios: dict[str, float]) -> list[str]:
     out = []
     for baseline, ratio in ratios.items():
@@ -93,7 +116,8 @@ def op_section(op: str, rows: list[dict]) -> list[str]:
     cases = latest(rows)
     columns = [b for b in BASELINES.get(op, {})
                if any(b in by_backend for by_backend in cases.values())]
-    judged = any(BASELINES[op][b] is not None for b in columns)  # a target column
+    judged = any(BASELINES[op][b] is not None for b in columns) or any(  # a target column
+        auto_check(op, by_backend) for by_backend in cases.values())
     head = ["shape", "case", "W", "backend", "median ms", *[f"vs {b}" for b in columns],
             *(["target"] if judged else []), "device", "torch / triton / cuda", "commit", "date (UTC)"]
     lines = [f"## {op}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -101,10 +125,12 @@ def op_section(op: str, rows: list[dict]) -> list[str]:
         for backend in ordered(op, by_backend):
             row = by_backend[backend]
             ratios = speedups(op, by_backend, backend)
+            verdict = (auto_check(op, by_backend) or "" if backend == AUTO
+                       else "; ".join(verdicts(op, ratios)))
             cells = [shape if dtype == "bfloat16" else f"{shape} {dtype}", case, str(world),
                      backend, f"{float(row['median_ms']):.3f}",
                      *[f"{ratios[b]:.2f}x" if b in ratios else "" for b in columns],
-                     *(["; ".join(verdicts(op, ratios))] if judged else []), device,
+                     *([verdict] if judged else []), device,
                      f"{row['torch']} / {row['triton']} / {row['cuda']}", row["commit"][:12],
                      row["date"][:16].replace("T", " ")]
             lines.append("| " + " | ".join(cells) + " |")
@@ -123,11 +149,17 @@ def summary(rows: dict[str, list[dict]]) -> list[str]:
             for by_backend in cases.values():
                 for backend in by_backend:
                     ratio = speedups(op, by_backend, backend).get(baseline)
-                    if ratio is not None:
+                    if ratio is not None and backend != AUTO:  # auto: its own target below
                         total += 1
                         met += ratio >= least
             lines.append(f"| {op} | {baseline} | >= {least}x | "
                          f"{f'{met} of {total}' if total else 'no row'} |")
+        if op in AUTO_OPS:
+            checks = [auto_check(op, by_backend) for by_backend in cases.values()]
+            checks = [c for c in checks if c]
+            met = sum(not c.endswith("MISSED") for c in checks)
+            lines.append(f"| {op} | the best baseline, by the {AUTO} row | >= {AUTO_TARGET}x within "
+                         f"noise | {f'{met} of {len(checks)}' if checks else 'no row'} |")
     return lines
 
 
@@ -148,6 +180,11 @@ Plots (speed-up over the case's first baseline against problem size, one line pe
 and case): `plots/<family>.png` ({plots}).
 
 ## Targets
+
+The `auto` row of a case is what a user gets (`backend=None`: the dispatcher's choice by the
+tuning table, the default table or the priority order; `chose` in its notes). Its target is
+the case's best baseline: met within noise where the median misses it but the auto row's p20
+is no later than that baseline's p80 (`auto_verdict` in `benchmarks/targets.py`).
 
 """
 

@@ -1,5 +1,6 @@
 """Each op's baselines and targets, as data: the suites (``bench_*.py``, common.py) note
-their rows' verdicts from this table and ``report.py`` judges the committed rows by it.
+their rows' verdicts from this table and ``report.py`` judges the committed rows by it;
+``auto_verdict`` judges an ``auto`` row (what a user gets) the same way in both.
 
 ``BASELINES[op]``: ``{baseline backend: the least speed-up (baseline median / fusedpar's
 median) each fusedpar backend must reach over it, or None where there is no target}``, in
@@ -27,6 +28,17 @@ BASELINES: dict[str, dict[str, float | None]] = {
     "moe_experts_train": {"reference": None},
 }
 
+# The ``auto`` row of a case: what a user gets (``backend=None``: the dispatcher's choice by
+# the tuning table, the default table or the priority order). Its target: at least
+# AUTO_TARGET x the case's best (fastest) baseline within the run's noise (``auto_verdict``).
+# The fused backends keep their own rows and the targets above.
+AUTO = "auto"
+AUTO_TARGET = 1.0
+# the ops whose suites time an auto row; the loopback-only suites of moe_dispatch,
+# moe_experts and ring_attention call loopback functions that make no choice
+AUTO_OPS = ["all_gather", "reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter",
+            "flash_attention", "grouped_mm", "moe_experts_train"]
+
 # the op families drawn together (one plot each)
 FAMILIES: dict[str, list[str]] = {
     "collectives": ["all_gather", "reduce_scatter"],
@@ -39,3 +51,12 @@ FAMILIES: dict[str, list[str]] = {
 def target(op: str, baseline: str) -> float | None:
     """The least speed-up of ``op``'s fusedpar backends over ``baseline`` (None: no target)."""
     return BASELINES.get(op, {}).get(baseline)
+
+
+def auto_verdict(auto: tuple[float, float, float], best: tuple[float, float, float]) -> str:
+    """An auto row's ``(median, p20, p80)`` ms against its case's best baseline's: ``met``
+    (median ratio >= AUTO_TARGET), ``met within noise`` (short of it, but the baseline's p80
+    over the auto row's p20 reaches it: their middle 60% overlap) or ``MISSED``."""
+    if best[0] / auto[0] >= AUTO_TARGET:
+        return "met"
+    return "met within noise" if best[2] / auto[1] >= AUTO_TARGET else "MISSED"

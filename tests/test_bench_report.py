@@ -103,6 +103,35 @@ def test_a_missed_target(report, tmp_path):
     assert "| moe_experts | unfused | >= 1.15x | 0 of 1 |" in page
 
 
+def test_the_auto_row_is_judged_against_the_best_baseline_within_noise(report, tmp_path):
+    """An auto row (what a user gets) must reach AUTO_TARGET x the case's fastest baseline;
+    one that misses it with overlapping p20..p80 passes as noise, one beyond the noise is
+    flagged. The fused backend keeps its own target; auto rows do not count towards it."""
+    def row(backend, shape, median, p20, p80):
+        return dict(op="grouped_mm", backend=backend, shape=shape, median_ms=median, p20_ms=p20,
+                    p80_ms=p80, date="2026-01-01T00:00:00+00:00", notes="routing=uniform")
+    _write(tmp_path / "grouped_mm.csv", [
+        # the loop is the best baseline (2.0 ms); auto 1.9 ms: met
+        row("torch._grouped_mm", "8x1", "3.0", "2.9", "3.1"), row("torch.mm loop", "8x1", "2.0", "1.9", "2.1"),
+        row("fusedpar.triton", "8x1", "1.9", "1.8", "2.0"), row("auto", "8x1", "1.9", "1.8", "2.0"),
+        # auto 2.05 ms, its p20 2.0 <= the loop's p80 2.1: within noise
+        row("torch.mm loop", "8x2", "2.0", "1.9", "2.1"), row("auto", "8x2", "2.05", "2.0", "2.3"),
+        # auto 2.4 ms, its p20 2.2 > the loop's p80 2.1: slower beyond noise
+        row("torch.mm loop", "8x3", "2.0", "1.9", "2.1"), row("auto", "8x3", "2.4", "2.2", "2.6"),
+    ], head=[*HEAD, "p20_ms", "p80_ms"])
+    page = report.render(report.load(tmp_path))
+    cells = {(c[0], c[3]): c for c in ([x.strip() for x in line.strip("|").split("|")]
+                                       for line in page.splitlines() if line.startswith("| 8x"))}
+    target = report.AUTO_TARGET
+    assert cells["8x1", "auto"][7] == f">= {target}x the best baseline (torch.mm loop) within noise: met"
+    assert cells["8x2", "auto"][7].endswith("within noise: met within noise")
+    assert cells["8x3", "auto"][7].endswith("within noise: MISSED")
+    assert cells["8x1", "fusedpar.triton"][7].startswith(">= 1.0x torch._grouped_mm: met")
+    assert f"| grouped_mm | the best baseline, by the auto row | >= {target}x within noise | 2 of 3 |" in page
+    assert "| grouped_mm | torch.mm loop | >= 1.3x | 0 of 1 |" in page  # fusedpar.triton's alone
+    assert report.auto_verdict((2.4, 2.2, 2.6), (2.0, 1.9, 2.1)) == "MISSED"
+
+
 def test_plots_one_png_per_family(report, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) is not installed")
     rows = report.load(BENCH / "results")
@@ -114,6 +143,8 @@ def test_plots_one_png_per_family(report, tmp_path):
 
 
 def _bench_conftest():
+    """benchmarks/conftest.py as a module (it imports report and targets: BENCH must be on
+    sys.path, as the ``report`` fixture puts it)."""
     spec = importlib.util.spec_from_file_location("bench_conftest", BENCH / "conftest.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -139,7 +170,32 @@ def test_rows_record_the_commit(tmp_path, monkeypatch, report):
                          algo_bytes=10)
 
 
-def test_commit_from_the_environment_or_git(monkeypatch):
+def test_a_recorded_auto_row_is_judged_against_the_cases_best_baseline(tmp_path, monkeypatch, report):
+    """What a suite writes: an auto row slower than the case's fastest baseline beyond noise
+    says MISSED in its notes (and in the target lines); another case's baselines do not count."""
+    conf = _bench_conftest()
+    monkeypatch.setattr(conf, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(conf, "_provenance", lambda: {
+        "device": "GPU-A", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
+        "date": "2026-01-01T00:00:00+00:00", "commit": "0123abc"})
+    lines = []
+    monkeypatch.setattr(conf, "_TARGET_LINES", lines)
+    row = dict(algo_bytes=10, mode="loopback")
+    conf._record_row("all_gather", "torch.cat", (4, 4), "torch.bfloat16", 8, 2.0, 1.9, 2.1, **row)
+    conf._record_row("all_gather", "auto", (4, 4), "torch.bfloat16", 8, 2.4, 2.2, 2.6, chose="cuda", **row)
+    conf._record_row("all_gather", "auto", (4, 4), "torch.bfloat16", 8, 2.0, 1.9, 2.1,
+                     mode="torchrun", algo_bytes=10)  # no baseline of this case (mode) yet
+    rows = report.load(tmp_path)["all_gather"]
+    notes = [report.parse_notes(r["notes"]) for r in rows]
+    assert notes[1]["chose"] == "cuda"
+    assert notes[1]["vs_best_baseline"] == "0.833x torch.cat (target >= 1.0x within noise: MISSED)"
+    assert notes[2]["vs_best_baseline"] == "n/a"
+    assert lines == ["all_gather 4x4 bfloat16 8 mode=loopback auto: 0.833x torch.cat (target >= 1.0x within noise: MISSED)",
+                     "all_gather 4x4 bfloat16 8 mode=torchrun auto: vs the best baseline: n/a (no baseline row in this run)"]
+    assert "within noise: MISSED" in report.render(report.load(tmp_path))  # the page agrees
+
+
+def test_commit_from_the_environment_or_git(monkeypatch, report):
     conf = _bench_conftest()
     monkeypatch.setenv("FUSEDPAR_COMMIT", "given")
     assert conf.git_commit() == "given"
