@@ -201,11 +201,12 @@ def format_info(info: dict) -> str:
                                               else f"no ({e['cuda_ops_unavailable_reason']})"))
     be = info["backends"]
     add("")
-    add(f"backends, for a float32 call on {be['device']} (evaluated as {be['evaluated_as']}):")
+    add(f"backends, for a float32 call on {be['device']} (evaluated as {be['evaluated_as']}; "
+        "runs: the auto choice, what the op runs without backend=, as the benchmarks' auto rows):")
     for op, entry in be["ops"].items():
         add(f"  {op}: {entry['call']}")
         if "runs" in entry:
-            add(f"    runs: {entry['runs']['backend']} ({entry['runs']['why']})")
+            add(f"    runs: {entry['runs']['backend']} (auto: {entry['runs']['why']})")
         for name, st in entry["backends"].items():
             add(f"    {name:<12} {'-' if st['available'] is None else _yes(st['available'])}"
                 + (": " + "; ".join(st["reasons"]) if st["reasons"] else ""))

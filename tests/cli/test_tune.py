@@ -76,7 +76,10 @@ def test_info_says_per_op_what_runs():
         assert runs["backend"] in spec.backends and runs["why"]
         assert ops[spec.name]["backends"][runs["backend"]]["available"]
     text = info.format_info(info.gather_info())
-    assert "    runs: " in text
+    for name, entry in ops.items():  # labelled auto, as the benchmarks' rows of backend=None
+        if "runs" in entry:
+            assert f"  {name}: " in text
+            assert f"    runs: {entry['runs']['backend']} (auto: {entry['runs']['why']})" in text
 
 
 # ---- the model form -------------------------------------------------------------------------
