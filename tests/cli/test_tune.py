@@ -3,6 +3,7 @@ refusal on CPU) and what ``fusedpar info`` says runs per op and why (``tuning.ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -104,6 +105,39 @@ def test_model_form_reads_the_model_as_plan_does(tmp_path):
     args = build_parser().parse_args(["tune", "--model", "llama", "--tp", "2", "--cp", "1",
                                       "--seq", "64", "--batch", "4"])
     assert (args.tp, args.cp, args.seq_len, args.batch_size, args.op) == (2, 1, 64, 4, None)
+
+
+def test_model_form_resolves_the_run_as_train_does(monkeypatch, capsys, tmp_path):
+    """``run_model`` under torchrun (faked: no ranks start): train's config resolution, then
+    each rank's ``tune_model_rank`` with it; bad input is a clear error."""
+    seen = {}
+
+    @contextlib.contextmanager
+    def rank(timeout):
+        yield torch.device("cpu"), "gloo"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune.launch, "under_torchrun", lambda: True)
+    monkeypatch.setattr(tune.launch, "torchrun_rank", rank)
+    monkeypatch.setattr(tune, "tune_model_rank", lambda group, device, spec: seen.update(spec)
+                        or tuning.Session())
+    monkeypatch.setattr(tune.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("FUSEDPAR_BACKEND", raising=False)
+    assert main(["tune", "--model", "mixtral", "--seq", "64", "--batch", "4"]) == 0
+    assert seen["model"] == fusedpar.models.MixtralConfig()
+    assert (seen["parallel"]["ep"], seen["parallel"]["dp_shard"]) == (2, 4)  # train's MoE default
+    assert (seen["train"]["seq_len"], seen["train"]["batch_size"], seen["train"]["steps"]) == (64, 4, 1)
+    assert "no tuned op call" in capsys.readouterr().out
+    assert main(["tune", "--model", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().out
+    assert main(["tune", "--model", "llama", "--tp", "3"]) == 2
+    assert "tp=3" in capsys.readouterr().out
+    assert main(["tune", "--model", "llama", "grouped_mm", "8x8x8x2"]) == 2
+    assert "not both" in capsys.readouterr().out
+    monkeypatch.setenv("FUSEDPAR_BACKEND", "reference")
+    assert main(["tune", "--model", "llama"]) == 2
+    assert "unset it" in capsys.readouterr().out
 
 
 def _tune_tiny_llama(cache_dir):
