@@ -8,7 +8,8 @@ per command:
   its oracle, with the bytes moved next to the lower bound.
 - ``bench`` (:mod:`.bench`): the benchmark suite (pytest-benchmark).
 - ``plan`` (:mod:`.plan`): memory per GPU and step time of every parallel config.
-- ``tune`` (:mod:`.tune`): measure each op's fastest backend for given shapes on this GPU.
+- ``tune`` (:mod:`.tune`): measure each op's fastest backend on this GPU, for given shapes
+  or one training step of a model (``--model``).
 
 Multi-rank commands launch their ranks through :mod:`.launch`. Nothing in fusedpar
 imports this package.
