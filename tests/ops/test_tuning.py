@@ -185,6 +185,29 @@ def test_autotune_measures_once_stores_and_a_new_process_reads_it(tuned_cpu, mon
     assert dispatcher().select(call(5)).name == "slow"  # 5 elements: the same bucket as 6
 
 
+def test_a_tuning_session_measures_each_signature_once_even_if_stored(tuned_cpu, monkeypatch):
+    """``fusedpar tune --model``'s path: in a session every signature is measured at its
+    first call, also one the table has (FUSEDPAR_AUTOTUNE would keep it), once per
+    session; calls one backend can take are listed; outside a session nothing is timed."""
+    class Refuses(Double):
+        def not_supported_reasons(self, call):
+            return ["never"]
+
+    _store(tuned_cpu, backend="fast")  # measured before: fast
+    timer = FakeTimer(fast=3.0, slow=1.0, reference=2.0)
+    monkeypatch.setattr(tuning, "TIMER", timer)
+    with tuning.tuning_session() as session:
+        assert dispatcher().select(call()).name == "slow"  # re-measured
+        assert dispatcher().select(call(5)).name == "slow"  # its bucket: measured already
+        assert dispatcher(Refuses("fast"), Double("reference")).select(call()).name == "reference"
+    assert timer.calls == ["fast", "slow", "reference"]
+    key = tuning.signature("tuning_toy", call()).key()
+    assert session.measured == {key: tuning.user_table().entries[key]}
+    assert session.measured[key].backend == "slow" and session.single == {key: "reference"}
+    assert tuning.Table.load(tuned_cpu).entries[key].backend == "slow"  # saved
+    assert dispatcher().select(call(100)).name == "fast" and len(timer.calls) == 3
+
+
 def test_untuned_and_default_table_choices(tuned_cpu, monkeypatch):
     monkeypatch.setattr(tuning, "TIMER", FakeTimer())  # nothing may be timed
     assert dispatcher().select(call()).name == "fast"  # no entry, no default: priority
