@@ -151,12 +151,19 @@ def _bench_conftest():
     return module
 
 
-def test_rows_record_the_commit(tmp_path, monkeypatch, report):
+@pytest.fixture
+def recorder(tmp_path, monkeypatch, report):
+    """benchmarks/conftest.py writing its rows into tmp_path, measured on a fixed machine."""
     conf = _bench_conftest()
     monkeypatch.setattr(conf, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(conf, "_provenance", lambda: {
         "device": "GPU-A", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
         "date": "2026-01-01T00:00:00+00:00", "commit": "0123abc"})
+    return conf
+
+
+def test_rows_record_the_commit(tmp_path, recorder, report):
+    conf = recorder
     conf._record_row("all_gather", "triton", (4, 4), "torch.bfloat16", 8, 1.0, 0.9, 1.1,
                      algo_bytes=10, mode="loopback")
     with (tmp_path / "all_gather.csv").open(newline="") as f:
@@ -170,14 +177,11 @@ def test_rows_record_the_commit(tmp_path, monkeypatch, report):
                          algo_bytes=10)
 
 
-def test_a_recorded_auto_row_is_judged_against_the_cases_best_baseline(tmp_path, monkeypatch, report):
+def test_a_recorded_auto_row_is_judged_against_the_cases_best_baseline(tmp_path, monkeypatch,
+                                                                        recorder, report):
     """What a suite writes: an auto row slower than the case's fastest baseline beyond noise
     says MISSED in its notes (and in the target lines); another case's baselines do not count."""
-    conf = _bench_conftest()
-    monkeypatch.setattr(conf, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(conf, "_provenance", lambda: {
-        "device": "GPU-A", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
-        "date": "2026-01-01T00:00:00+00:00", "commit": "0123abc"})
+    conf = recorder
     lines = []
     monkeypatch.setattr(conf, "_TARGET_LINES", lines)
     row = dict(algo_bytes=10, mode="loopback")
