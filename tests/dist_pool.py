@@ -4,6 +4,8 @@
 returns the per-rank results (rank order). If any rank raises, dies or overruns the
 deadline, the pool is torn down (its state can no longer be trusted) and the error,
 with each failing rank's traceback, is raised; the registry starts a new pool next time.
+A pool whose ranks hold more than ``MAX_GROUPS`` process groups is retired the same way
+after the task (see ``MAX_GROUPS``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ def leftover_shm() -> list[str]:
     from fusedpar.comm.symmetric import shm_job_prefix
 
     return glob.glob(f"/dev/shm/{shm_job_prefix(os.getpid())}*")
+
+
+#: Process groups a rank may hold before its pool is retired. Tests create groups (meshes,
+#: pipeline stages, subgroups) and cannot destroy them: torch's DTensor caches keep meshes
+#: that compare equal to later ones. Each idle gloo group costs about 1% of a core: after a
+#: few hundred tests the ranks of one pool kept the machine's two cores busy; a new pool
+#: costs seconds.
+MAX_GROUPS = 50
 
 
 class WorkerDied:
@@ -61,10 +71,17 @@ def _worker_main(rank, world_size, init_file, tasks, results, shared_gpu=False):
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
+            payload = pickle.dumps(fn(*args, **kwargs))
+            results.put((rank, True, payload, _group_count()))
         except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, False, traceback.format_exc(), _group_count()))
     dist.destroy_process_group()
+
+
+def _group_count() -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)  # torch lists its groups only privately
 
 
 class WorkerPool:
@@ -92,10 +109,11 @@ class WorkerPool:
             q.put((fn, args, kwargs))
         results: dict[int, object] = {}
         failures: list[str] = []
+        groups = 0
         deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
             try:
-                rank, ok, payload = self.results.get(timeout=0.2)
+                rank, ok, payload, count = self.results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in results]
                 for r in dead:
@@ -107,12 +125,14 @@ class WorkerPool:
                     failures.append(f"ranks {missing} did not finish within {timeout} s")
                     break
                 continue
+            groups = max(groups, count)
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
                 results[rank] = None
                 failures.append(f"rank {rank} raised:\n{payload}")
-        if failures or any(isinstance(v, WorkerDied) for v in results.values()):
+        if failures or any(isinstance(v, WorkerDied) for v in results.values()) \
+                or groups > MAX_GROUPS:
             self.close()
         if failures:
             raise PoolError(f"{fn.__qualname__} failed on a {self.world_size}-rank pool:\n"
