@@ -100,15 +100,17 @@ def tune_model_rank(group, device, spec: dict) -> tuning.Session:
     return session
 
 
+def row(key: str, entry: tuning.Entry) -> str:
+    """A stored table row as printed: the signature, the choice, every candidate's time and
+    why any was rejected."""
+    return (f"{key}: {entry.backend}  ({entry.describe()})"
+            + "".join(f"\n  {n} rejected: {r}" for n, r in entry.rejected.items()))
+
+
 def rows(session: tuning.Session) -> list[str]:
     """The table rows a session stored, then the calls only one backend can take."""
-    out = []
-    for key, entry in sorted(session.measured.items()):
-        out.append(f"{key}: {entry.backend}  ({entry.describe()})"
-                   + "".join(f"\n  {n} rejected: {r}" for n, r in entry.rejected.items()))
-    out += [f"{key}: only {name} can run it; nothing to choose"
-            for key, name in sorted(session.single.items())]
-    return out
+    return [row(key, entry) for key, entry in sorted(session.measured.items())] + [
+        f"{key}: only {name} can run it; nothing to choose" for key, name in sorted(session.single.items())]
 
 
 def parse_shape(op: str, shape: str) -> list[int]:
@@ -189,8 +191,7 @@ def run(args) -> int:
         sig = tuning.signature(args.op, call)
         entry = tuning.tune_call(dispatcher, call, candidates, sig)
         if group is None or dist.get_rank() == 0:
-            print(f"{sig.key()}: {entry.backend}  ({entry.describe()})"
-                  + "".join(f"\n  {n} rejected: {r}" for n, r in entry.rejected.items()))
+            print(row(sig.key(), entry))
     if group is None or dist.get_rank() == 0:
         print(f"stored in {tuning.cache_path()}")
     return 0
