@@ -1,4 +1,5 @@
-"""flash_attention: fusedpar's Triton kernel next to SDPA's flash backend (docs/design.md §6).
+"""flash_attention: fusedpar's Triton kernel and its ``sdpa`` backend (torch's kernel with its
+lse, through fusedpar's op) next to SDPA's flash backend (docs/design.md §6).
 
 ``test_kernel`` (one GPU): B=1, H=32, D=128, S in {4k, 8k, 16k}, causal and not, forward
 and forward+backward, bf16; each case is checked once against SDPA's output (and
@@ -23,7 +24,7 @@ OP = "flash_attention"
 B, H, D = 1, 32, 128
 SEQS = [4096, 8192, 16384]
 TARGET = BASELINES[OP]["sdpa_flash"]
-BACKENDS = ["sdpa_flash", "triton"]  # the baseline first
+BACKENDS = ["sdpa_flash", "triton", "sdpa"]  # the baseline first
 _medians: dict = {}
 
 

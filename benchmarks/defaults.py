@@ -43,7 +43,7 @@ LABELS = {
     "matmul_reduce_scatter": {"triton": "triton", "pipelined": "pipelined",
                               "torch.matmul": "reference", "matmul+nccl": "reference",
                               "symm_mem.fused_matmul_reduce_scatter": "symm_mem"},
-    "flash_attention": {"triton": "triton", "sdpa_flash": "sdpa"},
+    "flash_attention": {"triton": "triton", "sdpa": "sdpa", "sdpa_flash": "sdpa"},
     "grouped_mm": {"fusedpar.triton": "triton", "torch._grouped_mm": "torch",
                    "torch.mm loop": "reference"},
 }

@@ -15,8 +15,9 @@ What a backend implements depends on its op's kind (every backend of one op is o
 - :class:`RunBackend`: ``run(call)`` returns the op's result (the collectives, the fused
   matmuls, grouped_mm, moe_experts);
 - :class:`AttentionBackend`: ``forward(call)`` returns ``(out, lse)`` and
-  ``backward(call, lse, dout, delta)`` the input gradients (flash_attention,
-  ring_attention: the op's autograd calls the backward of the backend that ran forward);
+  ``backward(call, out, lse, dout, dlse)`` the input gradients (flash_attention,
+  ring_attention: the op's autograd calls the backward of the backend that ran forward;
+  ``dlse`` None when the lse has no gradient);
 - :class:`ExchangeBackend`: ``run(call)`` returns ``(rows, handle)`` and
   ``combine(y, handle)`` sends rows back (moe_dispatch / moe_combine: the handle carries
   the backend's layout from one to the other);
@@ -58,7 +59,7 @@ class RunBackend(Protocol):
 class AttentionBackend(Protocol):
     def forward(self, call): ...
 
-    def backward(self, call, lse, dout, delta): ...
+    def backward(self, call, out, lse, dout, dlse): ...
 
 
 @runtime_checkable

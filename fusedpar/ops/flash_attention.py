@@ -1,12 +1,16 @@
 """``fusedpar.ops.flash_attention``: softmax attention with the log-sum-exp, fused in one
-Triton kernel per direction (``kernels/flash_attention.py``), GQA without repeating K/V."""
+Triton kernel per direction (``kernels/flash_attention.py``), GQA without repeating K/V;
+beside it torch's own attention kernels with their lse (``sdpa``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
+from ..errors import BackendNotSupportedError
 from ..kernels import flash_attention as kernels
 from ..kernels.interpreter import triton_device_reasons
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
@@ -18,8 +22,8 @@ MASK_SCHEMA = ("bool causal, float softmax_scale, int window_left, int window_ri
                "bool bottom_right, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
                "int max_seqlen_k, str backend")
 SCHEMA = f"(Tensor q, Tensor k, Tensor v, {MASK_SCHEMA}) -> (Tensor, Tensor)"
-BACKWARD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tensor delta, {MASK_SCHEMA}) "
-                   "-> (Tensor, Tensor, Tensor)")
+BACKWARD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor? dlse, "
+                   f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 MASK_ALIGNS = ("top_left", "bottom_right")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,6 +47,7 @@ class AttentionCall:
     bottom_right: bool = False
     cu_seqlens_k: torch.Tensor | None = None  # None: cu_seqlens
     max_seqlen_k: int = 0
+    lse_grad: bool = False  # a backward call whose lse has a gradient
 
     def kernel_mask(self) -> dict:
         """The mask and packing arguments of the kernels' launchers."""
@@ -50,7 +55,11 @@ class AttentionCall:
                     cu_seqlens_k=self.cu_seqlens_k, max_seqlen_k=self.max_seqlen_k)
 
     def cache_key(self) -> tuple:
-        return (self.q.device.type, self.q.dtype)
+        """What the backends' reasons depend on (sdpa's: the mask, packing, head counts and
+        dim, whether the lengths are equal)."""
+        return (self.q.device.type, self.q.dtype, self.lse_grad, self.q.shape[-1], self.q.shape[-2],
+                self.k.shape[-2], self.causal, self.window, self.softcap > 0, self.bottom_right,
+                self.cu_seqlens is not None, self.q.shape[-3] == self.k.shape[-3])
 
     def bucket(self) -> tuple:
         """The tuning bucket: batch x heads, K/V heads, query and key lengths (packed: the
@@ -208,10 +217,11 @@ class Triton(Backend):
                                    call.max_seqlen, **call.kernel_mask())
         return out, lse
 
-    def backward(self, call: AttentionCall, lse, dout, delta):
+    def backward(self, call: AttentionCall, out, lse, dout, dlse):
+        delta = delta_of(out, dout, dlse)
         q, k, v, dout = (_last_dim_contiguous(t) for t in (call.q, call.k, call.v, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kernels.flash_attn_backward(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv,
+        kernels.flash_attn_backward(q, k, v, dout, lse.contiguous(), delta, dq, dk, dv,
                                     call.causal, call.scale, call.cu_seqlens, call.max_seqlen,
                                     **call.kernel_mask())
         return dq, dk, dv
@@ -266,7 +276,8 @@ class Reference(Backend):
                 lse[:, rows] = piece_lse[0]
         return out, lse
 
-    def backward(self, call: AttentionCall, lse, dout, delta):
+    def backward(self, call: AttentionCall, out, lse, dout, dlse):
+        delta = delta_of(out, dout, dlse)
         dq, dk, dv = (torch.empty_like(t) for t in (call.q, call.k, call.v))
         for q, k, v, rows, keys in self._pieces(call):
             s, kk, vv, visible, capped = self._scores(q, k, v, call)
@@ -296,6 +307,138 @@ class Reference(Backend):
         return dq, dk, dv
 
 
+# the kernels whose aten ops return the lse (CPU: its flash kernel; CUDA: the three fused ones)
+LSE_KERNELS = {"cpu": (SDPBackend.FLASH_ATTENTION,),
+               "cuda": (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION)}
+EFFICIENT_LSE_ALIGN = 32  # the memory-efficient kernel pads its lse rows to a multiple of this
+aten = torch.ops.aten
+
+
+def sdpa_choice(call: AttentionCall) -> tuple[SDPBackend, bool]:
+    """``(kernel, repeat)``: the kernel torch's SDPA picks for ``call`` (``torch._fused_sdp_choice``,
+    which honours ``torch.nn.attention.sdpa_kernel``), and whether K/V heads must be repeated
+    to reach it: with GQA, first as SDPA's ``enable_gqa`` (a kernel chosen so takes the
+    K/V heads as they are), else with the heads repeated."""
+    q, k, v = _sdpa_inputs(call, False)
+    gqa = q.shape[1] != k.shape[1]
+    kernel = SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=call.causal, scale=call.scale,
+                                                enable_gqa=gqa))
+    if not gqa or kernel in LSE_KERNELS[q.device.type]:
+        return kernel, False
+    k, v = _sdpa_inputs(call, True)[1:]
+    return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=call.causal, scale=call.scale)), True
+
+
+def _sdpa_inputs(call: AttentionCall, repeat: bool):
+    """q, k, v as ``[B, H, S, D]`` views, last dim contiguous as the fused kernels need (K/V
+    heads repeated to H when ``repeat``)."""
+    group = call.q.shape[2] // call.k.shape[2]
+    q, k, v = (_last_dim_contiguous(t).transpose(1, 2) for t in (call.q, call.k, call.v))
+    if repeat:
+        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    return q, k, v
+
+
+class Sdpa(Backend):
+    """torch's own attention kernels with their lse: on CUDA the one SDPA would pick (flash,
+    cuDNN or memory-efficient), on CPU its flash kernel; forward and backward through the
+    aten ops that return and take the lse (what torch's ``context_parallel`` calls)."""
+
+    name = "sdpa"
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        device = call.q.device.type
+        if device not in LSE_KERNELS:
+            return [f"no torch attention kernel with an lse on device type {device!r}"]
+        reasons = []
+        if call.cu_seqlens is not None:
+            reasons.append("packed documents (cu_seqlens): torch's fused attention ops take one "
+                           "dense batch")
+        if call.window != (-1, -1):
+            reasons.append(f"window_size={call.window}: torch's attention kernels have no sliding window")
+        if call.softcap:
+            reasons.append(f"softcap={call.softcap}: torch's attention kernels have no logit soft-capping")
+        if call.lse_grad:
+            # the next backend computes the same gradients; torch's backward ops take
+            # rowsum(dout * out) from out and have no input for the lse's gradient
+            reasons.append("a gradient of the lse: torch's attention backward ops take none")
+        if reasons:
+            return reasons
+        seqlen_q, seqlen_k, d = call.q.shape[1], call.k.shape[1], call.q.shape[-1]
+        if call.causal and seqlen_q != seqlen_k:
+            if call.bottom_right:
+                reasons.append(f"causal aligned bottom-right with S_q={seqlen_q} != S_k={seqlen_k}: "
+                               "torch's is_causal is top-left")
+            elif device == "cuda":
+                reasons.append(f"causal with S_q={seqlen_q} != S_k={seqlen_k} on CUDA: torch's flash "
+                               "kernel aligns that mask bottom-right (SDPA never sends it such calls)")
+        if device == "cuda" and d % 8:
+            reasons.append(f"head dim D={d} is not a multiple of 8 (SDPA pads it before its fused "
+                           "kernels)")
+        if reasons:
+            return reasons
+        kernel = sdpa_choice(call)[0]
+        if kernel not in LSE_KERNELS[device]:
+            reasons.append(f"torch's SDPA picks its {kernel.name} kernel for {call.q.dtype}, D={d} "
+                           "here, which returns no lse")
+        return reasons
+
+    def forward(self, call: AttentionCall):
+        kernel, repeat = sdpa_choice(call)
+        if kernel not in LSE_KERNELS[call.q.device.type]:  # reasons are cached per cache_key()
+            raise BackendNotSupportedError(
+                f"fusedpar.{OP}: torch's SDPA picks its {kernel.name} kernel for {call.describe()}, "
+                "which returns no lse; pass backend='triton' or 'reference'")
+        q, k, v = _sdpa_inputs(call, repeat)
+        seqlen_q, causal, scale = q.shape[2], call.causal, call.scale
+        if q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        elif kernel == SDPBackend.FLASH_ATTENTION:
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        elif kernel == SDPBackend.CUDNN_ATTENTION:  # lse [B, H, S, 1]
+            out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                scale=scale)[:2]
+        else:  # memory-efficient: lse padded to EFFICIENT_LSE_ALIGN rows
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                    scale=scale)[:2]
+        lse = lse.flatten(2)[..., :seqlen_q].float().contiguous()
+        return out.transpose(1, 2).to(call.out_dtype or call.q.dtype).contiguous(), lse
+
+    def backward(self, call: AttentionCall, out, lse, dout, dlse):
+        assert dlse is None, "not_supported_reasons declines an lse gradient"
+        kernel, repeat = sdpa_choice(call)
+        q, k, v = _sdpa_inputs(call, repeat)
+        out, dout = (t.transpose(1, 2).to(q.dtype) for t in (out, dout))
+        seqlen_q, seqlen_k, causal, scale = q.shape[2], k.shape[2], call.causal, call.scale
+        lse = lse.contiguous()  # the kernels read its rows as contiguous
+        if q.device.type == "cpu":  # its lse in the dtype it accumulates in
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse.to(torch.promote_types(q.dtype, torch.float32)), 0.0, causal,
+                scale=scale)
+        elif kernel == SDPBackend.FLASH_ATTENTION:  # its rng state as its forward gives it; unread
+            seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+            offset = torch.empty((), dtype=torch.uint64, device=q.device)
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, None, None, seqlen_q, seqlen_k, 0.0, causal, seed, offset,
+                scale=scale)
+        else:  # philox seed and offset as their forwards give them; unread without dropout
+            seed = offset = torch.empty((), dtype=torch.int64, device=q.device)
+            if kernel == SDPBackend.CUDNN_ATTENTION:
+                dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                    dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None, seqlen_q,
+                    seqlen_k, 0.0, causal, scale=scale)
+            else:
+                padded = F.pad(lse, (0, -seqlen_q % EFFICIENT_LSE_ALIGN))
+                dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
+                    dout, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False],
+                    causal, scale=scale)[:3]
+        if repeat:  # the repeated heads' gradients summed into their K/V head
+            b, _, s, d = dk.shape
+            dk, dv = (g.view(b, call.k.shape[2], -1, s, d).sum(2) for g in (dk, dv))
+        return tuple(g.transpose(1, 2).contiguous() for g in (dq, dk, dv))
+
+
 def band_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int],
               bottom_right: bool, device) -> torch.Tensor | None:
     """``[S_q, S_k]`` bool, True where query i sees key j (``flash_attention``'s rule), or
@@ -314,11 +457,25 @@ def band_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int
     return visible
 
 
-DISPATCHER = Dispatcher(OP, [Triton(), Reference()])
+# sdpa last: on CPU (nothing timed) today's order stays; on a GPU the tuning table chooses
+DISPATCHER = Dispatcher(OP, [Triton(), Reference(), Sdpa()])
+
+
+def backward_backend(dispatcher: Dispatcher, call, requested: str) -> Backend:
+    """The backend of a backward ``call`` (flash or ring attention): the forward's (the one
+    ``requested`` or the dispatcher's choice), unless a forced one declines this call
+    (``sdpa`` with an lse gradient): then the first in priority order that takes it (every
+    backend computes the same gradients)."""
+    forced = dispatcher.forced_name(requested)
+    if forced and call.lse_grad and dispatcher.backends[forced].not_supported_reasons(call):
+        for backend in dispatcher.backends.values():
+            if not backend.not_supported_reasons(call):
+                return backend
+    return dispatcher.select(call, requested)
 
 
 def _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom_right,
-          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> AttentionCall:
+          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lse_grad=False) -> AttentionCall:
     max_seqlen_q, max_seqlen_k = check_attention_inputs(OP, q, k, v, cu_seqlens_q, max_seqlen_q,
                                                         cu_seqlens_k, max_seqlen_k)
     if cu_seqlens_k is not None and torch.equal(cu_seqlens_k, cu_seqlens_q):
@@ -326,7 +483,7 @@ def _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bo
     return AttentionCall(q, k, v, causal, softmax_scale, cu_seqlens_q, max_seqlen_q,
                          window=(window_left, window_right), softcap=softcap,
                          bottom_right=bottom_right, cu_seqlens_k=cu_seqlens_k,
-                         max_seqlen_k=max_seqlen_k)
+                         max_seqlen_k=max_seqlen_k, lse_grad=lse_grad)
 
 
 @torch.library.custom_op("fusedpar::flash_attention", mutates_args=(), schema=SCHEMA)
@@ -345,16 +502,16 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom
 
 
 @torch.library.custom_op("fusedpar::flash_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
-def _flash_attention_backward_op(q, k, v, lse, dout, delta, causal, softmax_scale, window_left,
+def _flash_attention_backward_op(q, k, v, out, lse, dout, dlse, causal, softmax_scale, window_left,
                                  window_right, softcap, bottom_right, cu_seqlens_q, cu_seqlens_k,
                                  max_seqlen_q, max_seqlen_k, backend):
     call = _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bottom_right,
-                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lse_grad=dlse is not None)
+    return backward_backend(DISPATCHER, call, backend).backward(call, out, lse, dout, dlse)
 
 
 @_flash_attention_backward_op.register_fake
-def _(q, k, v, lse, dout, delta, *mask_and_backend):
+def _(q, k, v, out, lse, dout, dlse, *mask_and_backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -372,7 +529,7 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     mask = list(ctx.mask)
     mask[6:8] = cu_seqlens_q, cu_seqlens_k
-    dq, dk, dv = _flash_attention_backward_op(q, k, v, lse, dout, delta_of(out, dout, dlse), *mask)
+    dq, dk, dv = _flash_attention_backward_op(q, k, v, out, lse, dout, dlse, *mask)
     return (dq, dk, dv) + (None,) * len(mask)
 
 
@@ -424,6 +581,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     document attends within itself, masked as above with its own lengths; lse is then
     ``[H, T_q]``. Returns ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse`` (lse
     fp32, differentiable too). Backends: ``triton`` (GPU; CPU in the interpreter),
+    ``sdpa`` (torch's kernels with their lse: on CUDA the one SDPA picks, flash, cuDNN or
+    memory-efficient; CPU's flash kernel; no window, softcap, packing or bottom-right with
+    S_q != S_k; a backward with an lse gradient runs on the next backend),
     ``reference`` (the math above in fp32). fp16/bf16/fp32 in the kernels. Under
     ``torch.autocast``, q, k and v are cast to its dtype first, as SDPA's inputs are.
     """
@@ -453,9 +613,11 @@ def attend_block(q, k, v, causal: bool, scale: float, backend: str):
     return DISPATCHER.backends[backend].forward(call)
 
 
-def attend_block_backward(q, k, v, lse, dout, delta, causal: bool, scale: float, backend: str):
-    """``(dq, dk, dv)`` of one block, from the global ``lse`` and ``delta`` of its rows."""
-    return DISPATCHER.backends[backend].backward(AttentionCall(q, k, v, causal, scale), lse, dout, delta)
+def attend_block_backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str):
+    """``(dq, dk, dv)`` of one block, from the global ``out``, ``lse`` (and ``dlse``) of its
+    rows: the block's ``exp(S - lse)`` is its share of the whole softmax."""
+    call = AttentionCall(q, k, v, causal, scale, lse_grad=dlse is not None)
+    return DISPATCHER.backends[backend].backward(call, out, lse, dout, dlse)
 
 
 register(DISPATCHER, (flash_attention,), example=lambda device: AttentionCall(

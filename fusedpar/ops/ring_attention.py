@@ -7,8 +7,10 @@ so causal work is equal on every rank; ``"contiguous"``: rank ``r`` holds chunk 
 
 Backends: ``triton`` (per ring step, a copy kernel pulls the visible rows of a peer's K/V
 from symmetric memory once its flag flips, while an attention kernel folds the previous
-step's block into fp32 state), ``pipelined`` (K/V around the ring by async P2P), ``ulysses`` (all-to-all heads <->
-sequence), ``allgather_kv`` (gather K/V; packed documents across ranks).
+step's block into fp32 state), ``pipelined`` (K/V around the ring by async P2P),
+``pipelined_sdpa`` (the same ring, each step torch's attention kernel with its lse),
+``ulysses`` (all-to-all heads <-> sequence), ``allgather_kv`` (gather K/V; packed documents
+across ranks).
 
 Ring blocks: rank ``r`` attends its queries to the K/V of every source rank ``src``. For
 causal attention most blocks are either fully visible, fully masked (skipped, never
@@ -32,14 +34,15 @@ from .all_gather import all_gather
 from .reduce_scatter import reduce_scatter
 from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
-from .flash_attention import (KERNEL_DTYPES, attend_block, attend_block_backward,
-                              check_attention_inputs, check_cu_seqlens, default_scale, delta_of)
+from .flash_attention import (DISPATCHER as FLASH_DISPATCHER, KERNEL_DTYPES, AttentionCall,
+                              attend_block, attend_block_backward, backward_backend,
+                              check_attention_inputs, check_cu_seqlens, default_scale)
 
 OP = "ring_attention"
 LAYOUTS = ("zigzag", "contiguous")
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float softmax_scale, "
           "str layout, Tensor? cu_seqlens, str backend) -> (Tensor, Tensor)")
-BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor lse, Tensor dout, Tensor delta, "
+BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor? dlse, "
                    "str group_name, bool causal, float softmax_scale, str layout, Tensor? cu_seqlens, "
                    "str backend) -> (Tensor, Tensor, Tensor)")
 
@@ -51,21 +54,22 @@ class RingCall:
     op = OP
 
     def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str, world_size: int = 0,
-                 cu_seqlens: torch.Tensor | None = None):
+                 cu_seqlens: torch.Tensor | None = None, lse_grad: bool = False):
         self.q, self.k, self.v, self.group = q, k, v, group
         self.x = q  # what C.raise_on_mismatch reads
         self.causal, self.scale, self.layout = causal, scale, layout
         self.world_size = dist.get_world_size(group) if group is not None else world_size
         self.rank = dist.get_rank(group) if group is not None else 0
         self.cu_seqlens = cu_seqlens
+        self.lse_grad = lse_grad  # a backward call whose lse has a gradient
         # documents of the global sequence (packed with cu_seqlens), as [start, end) ranges
         ends = cu_seqlens.tolist() if cu_seqlens is not None else [0, self.world_size * q.shape[1]]
         self.documents = list(zip(ends, ends[1:]))
 
     def cache_key(self) -> tuple:
         name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
-        return (name, self.q.device.type, self.q.dtype, self.q.shape[2],
-                self.k.shape[2], self.layout, self.cu_seqlens is not None)
+        return (name, self.q.device.type, self.q.dtype, self.q.shape[2], self.k.shape[2],
+                self.q.shape[3], self.layout, self.cu_seqlens is not None, self.lse_grad)
 
     def describe(self) -> str:
         return (f"q {tuple(self.q.shape)}, k/v {tuple(self.k.shape)} {self.q.dtype} on "
@@ -160,6 +164,11 @@ def merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Te
     lse[:, :, rows] = new
 
 
+def _rows(stat: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The ``rows`` of an lse-layout ``[B, H, S]`` tensor, or None."""
+    return None if stat is None else stat[:, :, rows]
+
+
 def _kv_grads(dkv: torch.Tensor, dtype: torch.dtype):
     """dK, dV from a stacked ``[2, ...]`` gradient, as separate tensors (op outputs may not
     alias each other)."""
@@ -187,12 +196,17 @@ class Pipelined(Backend):
     K/V travel the ring again and each block's dK/dV accumulator travels with it, reaching
     its owner after W-1 hops; the owner's own block stays local. The accumulator travels in
     the input dtype (each rank adds its part in fp32 and rounds once per hop), so a call
-    moves the lower bound (W-1) (|K/V| + |dK/dV|) of a ring."""
+    moves the lower bound (W-1) (|K/V| + |dK/dV|) of a ring. The backward passes each step
+    the final out and lse of its rows (as ring-flash-attn does)."""
 
     name = "pipelined"
 
     def not_supported_reasons(self, call: RingCall) -> list[str]:
         return packed_reason(call)
+
+    def step(self, call: RingCall) -> str:
+        """The flash_attention backend of each ring step."""
+        return call.local
 
     def forward(self, call: RingCall):
         C.raise_on_mismatch(call)
@@ -210,14 +224,15 @@ class Pipelined(Backend):
             if block is not None:
                 rows, keys, causal = block
                 merge(out, lse, rows, *attend_block(q[:, rows], current[0][:, keys],
-                                                    current[1][:, keys], causal, call.scale, call.local))
+                                                    current[1][:, keys], causal, call.scale,
+                                                    self.step(call)))
             if step < world - 1:
                 for request in requests:
                     request.wait()
         counters.record(OP, self.name, (world - 1) * _nbytes(kv))
         return out.to(q.dtype), lse
 
-    def backward(self, call: RingCall, lse, dout, delta):
+    def backward(self, call: RingCall, out, lse, dout, dlse):
         world, rank = call.world_size, call.rank
         _, left, right = C.ring_neighbours(call.group)
         q = call.q
@@ -239,8 +254,9 @@ class Pipelined(Backend):
             if block is not None:
                 rows, keys, causal = block
                 bdq, bdk, bdv = attend_block_backward(
-                    q[:, rows], current[0][:, keys], current[1][:, keys], lse[:, :, rows],
-                    dout[:, rows], delta[:, :, rows], causal, call.scale, call.local)
+                    q[:, rows], current[0][:, keys], current[1][:, keys], out[:, rows],
+                    lse[:, :, rows], dout[:, rows], _rows(dlse, rows), causal, call.scale,
+                    self.step(call))
                 dq[:, rows] += bdq
                 acc[0][:, keys] += bdk
                 acc[1][:, keys] += bdv
@@ -256,6 +272,23 @@ class Pipelined(Backend):
             own += travelling[(world - 1) % 2]
         counters.record(OP, self.name, 2 * (world - 1) * _nbytes(kv))  # K/V, then dK/dV
         return dq.to(q.dtype), *_kv_grads(own, q.dtype)
+
+
+class PipelinedSdpa(Pipelined):
+    """The pipelined ring with torch's attention kernel per step (flash_attention's ``sdpa``:
+    flash, cuDNN or memory-efficient on CUDA, flash on CPU), merged by the same
+    online-softmax rule; what ring-flash-attn and torch's ``context_parallel`` do. A backward
+    whose lse has a gradient runs on another ring (torch's backward ops take none)."""
+
+    name = "pipelined_sdpa"
+
+    def not_supported_reasons(self, call: RingCall) -> list[str]:
+        # the own (diagonal) block stands for every step: the others differ only in lengths
+        block = AttentionCall(call.q, call.k, call.v, call.causal, call.scale, lse_grad=call.lse_grad)
+        return packed_reason(call) + FLASH_DISPATCHER.backends["sdpa"].not_supported_reasons(block)
+
+    def step(self, call: RingCall) -> str:
+        return "sdpa"
 
 
 class TritonRing(Pipelined):
@@ -388,15 +421,15 @@ class AllGatherKV(Backend):
                                                 causal, call.scale, call.local))
         return out.to(call.q.dtype), lse
 
-    def backward(self, call: RingCall, lse, dout, delta):
+    def backward(self, call: RingCall, out, lse, dout, dlse):
         kv = _global_kv(call, torch.stack([call.k, call.v]))
         q = call.q
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for rows, keys, causal in self._blocks(call):
             bdq, bdk, bdv = attend_block_backward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                                                  lse[:, :, rows], dout[:, rows], delta[:, :, rows],
-                                                  causal, call.scale, call.local)
+                                                  out[:, rows], lse[:, :, rows], dout[:, rows],
+                                                  _rows(dlse, rows), causal, call.scale, call.local)
             dq[:, rows] += bdq
             dkv[0][:, keys] += bdk
             dkv[1][:, keys] += bdv
@@ -482,11 +515,12 @@ class Ulysses(Backend):
         lse = _to_sequence(_reorder(lse.transpose(1, 2), order, inverse=True), world, call.group)
         return out, lse.transpose(1, 2).contiguous()
 
-    def backward(self, call: RingCall, lse, dout, delta):
+    def backward(self, call: RingCall, out, lse, dout, dlse):
         world, order, kv_heads = call.world_size, call.global_order(), call.k.shape[2]
-        q, k, v, do = self._heads(call, call.q, call.k, call.v, dout)
-        grads = attend_block_backward(q, k, v, self._stat_heads(call, lse), do,
-                                      self._stat_heads(call, delta), call.causal, call.scale, call.local)
+        q, k, v, do, o = self._heads(call, call.q, call.k, call.v, dout, out)
+        dlse = None if dlse is None else self._stat_heads(call, dlse)
+        grads = attend_block_backward(q, k, v, o, self._stat_heads(call, lse), do, dlse,
+                                      call.causal, call.scale, call.local)
         dq, dk, dv = (_to_sequence(_reorder(g, order, inverse=True), world, call.group) for g in grads)
         if kv_heads < world:  # sum the replicas' gradients
             b, s, _, d = dk.shape
@@ -494,13 +528,14 @@ class Ulysses(Backend):
         return dq, dk, dv
 
 
-DISPATCHER = Dispatcher(OP, [TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
+DISPATCHER = Dispatcher(OP, [TritonRing(), Pipelined(), PipelinedSdpa(), Ulysses(), AllGatherKV()])
 
 
-def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens) -> RingCall:
+def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens, lse_grad=False) -> RingCall:
     group = resolve_group(group_name_)
     check_ring_inputs(OP, q, k, v, layout, dist.get_world_size(group), cu_seqlens)
-    return RingCall(q, k, v, group, causal, softmax_scale, layout, cu_seqlens=cu_seqlens)
+    return RingCall(q, k, v, group, causal, softmax_scale, layout, cu_seqlens=cu_seqlens,
+                    lse_grad=lse_grad)
 
 
 @torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
@@ -517,15 +552,15 @@ def _(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
 
 
 @torch.library.custom_op("fusedpar::ring_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
-def _ring_attention_backward_op(q, k, v, lse, dout, delta, group_name, causal, softmax_scale,
+def _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, group_name, causal, softmax_scale,
                                 layout, cu_seqlens, backend):
-    call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
-    grads = DISPATCHER.select(call, backend).backward(call, lse, dout, delta)
+    call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, dlse is not None)
+    grads = backward_backend(DISPATCHER, call, backend).backward(call, out, lse, dout, dlse)
     return tuple(g.contiguous() for g in grads)
 
 
 @_ring_attention_backward_op.register_fake
-def _(q, k, v, lse, dout, delta, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
+def _(q, k, v, out, lse, dout, dlse, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -539,9 +574,9 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _ring_attention_backward_op(q, k, v, lse, dout, delta_of(out, dout, dlse),
-                                             ctx.group_name, ctx.causal, ctx.scale, ctx.layout,
-                                             cu_seqlens, ctx.backend)
+    dq, dk, dv = _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, ctx.group_name,
+                                             ctx.causal, ctx.scale, ctx.layout, cu_seqlens,
+                                             ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -563,7 +598,9 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     sequence in ``layout`` (``"zigzag"``: chunks ``r`` and ``2W-1-r`` of ``2W``, see
     ``fusedpar.parallel.zigzag_shard``; ``"contiguous"``: chunk ``r`` of ``W``). ``lse`` is
     fp32 ``[B, H, S_local]``; both outputs are differentiable. Backends: ``pipelined``
-    (K/V around the ring by async P2P, overlapped with the blocks), ``ulysses`` (all-to-all
+    (K/V around the ring by async P2P, overlapped with the blocks), ``pipelined_sdpa`` (that
+    ring with torch's attention kernel and its lse per step, as torch's ``context_parallel``;
+    flash_attention's ``sdpa`` limits), ``ulysses`` (all-to-all
     heads <-> sequence; needs ``H % W == 0``), ``allgather_kv`` (gather K/V, attend
     locally), ``triton`` (pulls each peer's K/V rows that this rank's queries see from
     symmetric memory once, overlapped with the blocks; its backward is the pipelined one). The local blocks run the flash-attention kernel on GPU.

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedpar
+from fusedpar.errors import BackendNotSupportedError
 from fusedpar.ops.flash_attention import DISPATCHER
 from tests.ops.attention_cases import assert_peers_rule, reference_results
 from tests.ops.collective_cases import cpu_backends, requires_cuda
@@ -14,6 +15,9 @@ pytestmark = [pytest.mark.timeout(300)]
 # (B, S, H, H_kv, D, causal): the issue's head dims (64, 96, 128) small; odd S; GQA; MQA
 CASES = [(2, 21, 4, 2, 32, True), (1, 17, 2, 1, 64, False), (1, 23, 2, 2, 96, True),
          (1, 16, 2, 1, 128, True), (1, 9, 3, 3, 24, False)]
+BACKENDS = cpu_backends("flash_attention")
+# torch's kernels (sdpa) have no window, softcap or packed documents: test_sdpa_refuses_*
+MASK_BACKENDS = [b for b in BACKENDS if b != "sdpa"]
 # (dtype, atol of out / lse, atol of the gradients)
 TOLERANCES = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 2e-2), torch.bfloat16: (3e-2, 1.5e-1)}
 
@@ -37,18 +41,21 @@ def _leaves(b, s, h, hk, d, dtype, seed=0):
             for shape in ((b, s, h, d), (b, s, hk, d), (b, s, hk, d))]
 
 
-def _check(backend, case, dtype):
+def _check(backend, case, dtype, lse_grad=True):
+    """Out, lse and the gradients against fp64; ``lse_grad``: the lse has a gradient too
+    (sdpa's backward then runs on the next backend)."""
     b, s, h, hk, d, causal = case
     q, k, v = _leaves(b, s, h, hk, d, dtype)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = sdpa64(*ref, causal)
     g = torch.Generator().manual_seed(1)
     dout = torch.randn(ref_out.shape, generator=g, dtype=torch.float64)
-    dlse = torch.randn(ref_lse.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(ref_lse.shape, generator=g, dtype=torch.float64) * lse_grad
     torch.autograd.backward((ref_out, ref_lse), (dout, dlse))
     out, lse = fusedpar.ops.flash_attention(q, k, v, causal=causal, return_lse=True, backend=backend)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, h, s)
-    torch.autograd.backward((out, lse), (dout.to(dtype), dlse.float()))
+    torch.autograd.backward((out, lse) if lse_grad else (out,),
+                            (dout.to(dtype), dlse.float()) if lse_grad else (dout.to(dtype),))
     atol, grad_atol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=atol, rtol=0)
@@ -57,17 +64,54 @@ def _check(backend, case, dtype):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
-def test_matches_fp64_sdpa_fp32(backend, case):
-    _check(backend, case, torch.float32)
+@pytest.mark.parametrize("backend,lse_grad", [(b, True) for b in BACKENDS] + [("sdpa", False)])
+def test_matches_fp64_sdpa_fp32(backend, lse_grad, case):
+    _check(backend, case, torch.float32, lse_grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_matches_fp64_sdpa_low_precision(dtype):
-    _check("triton", (2, 19, 2, 1, 32, True), dtype)
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_matches_fp64_sdpa_low_precision(backend, dtype):
+    _check(backend, (2, 19, 2, 1, 32, True), dtype, lse_grad=backend != "sdpa")
 
 
-@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
+@pytest.mark.parametrize("s_q,s_k", [(13, 30), (30, 13)])
+def test_sdpa_causal_with_unequal_lengths_is_top_left(s_q, s_k):
+    """torch's CPU kernel aligns is_causal top-left, fusedpar's default: out, lse and the
+    gradients equal the reference backend's (GQA, odd head dim)."""
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(1, s, n, 20, generator=g, requires_grad=True) for s, n in ((s_q, 4), (s_k, 2), (s_k, 2))]
+    dout = torch.randn(1, s_q, 4, 20, generator=g)
+    results = []
+    for backend in ("sdpa", "reference"):
+        out, lse = fusedpar.ops.flash_attention(*leaves, causal=True, return_lse=True, backend=backend)
+        results.append([out, lse, *torch.autograd.grad(out, leaves, dout)])
+    for name, got, want in zip(["out", "lse", "dq", "dk", "dv"], *results):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0, msg=name)
+
+
+def test_sdpa_refuses_what_torch_kernels_cannot_do():
+    """Each refusal says why (forced: BackendNotSupportedError); bottom-right with S_q ==
+    S_k is top-left and runs."""
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    fa = fusedpar.ops.flash_attention
+    cases = [
+        (lambda: fa(q, k, v, window_size=(2, -1), backend="sdpa"), "no sliding window"),
+        (lambda: fa(q, k, v, softcap=5.0, backend="sdpa"), "no logit soft-capping"),
+        (lambda: fa(q, k[:, :5], v[:, :5], causal=True, mask_align="bottom_right", backend="sdpa"),
+         "causal aligned bottom-right with S_q=8 != S_k=5: torch's is_causal is top-left"),
+        (lambda: fa(q[0], k[0], v[0], cu_seqlens=cu, backend="sdpa"), "packed documents (cu_seqlens)"),
+    ]
+    for call, words in cases:
+        with pytest.raises(BackendNotSupportedError) as info:
+            call()
+        assert words in str(info.value), (words, str(info.value))
+    square = fa(q, k, v, causal=True, mask_align="bottom_right", backend="sdpa")
+    torch.testing.assert_close(square, fa(q, k, v, causal=True, backend="reference"), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
 def test_packed_documents(backend):
     ends = [0, 7, 8, 30]
     g = torch.Generator().manual_seed(5)
@@ -107,11 +151,17 @@ def test_default_backend_and_compile():
     from fusedpar.ops.flash_attention import AttentionCall
 
     assert DISPATCHER.select(AttentionCall(q, k, v, True, 0.25)).name == "triton"
-    eager = fusedpar.ops.flash_attention(q, k, v, causal=True, backend="reference")
-    fn = torch.compile(lambda a, b, c: fusedpar.ops.flash_attention(a, b, c, causal=True,
-                                                                    backend="reference"),
-                       backend="aot_eager", fullgraph=True)
-    assert torch.equal(fn(q, k, v), eager)
+    for backend in ("reference", "sdpa"):  # forward and backward, compiled = eager
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        eager = fusedpar.ops.flash_attention(*leaves, causal=True, backend=backend)
+        fn = torch.compile(lambda a, b, c, backend=backend: fusedpar.ops.flash_attention(
+                               a, b, c, causal=True, backend=backend),
+                           backend="aot_eager", fullgraph=True)
+        compiled = fn(*leaves)
+        assert torch.equal(compiled, eager), backend
+        for got, want in zip(torch.autograd.grad(compiled.sum(), leaves),
+                             torch.autograd.grad(eager.sum(), leaves)):
+            assert torch.equal(got, want), backend
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -146,7 +196,7 @@ MASK_CASES = [(1, 19, 19, 4, 2, 24, True, (5, -1), 0.0, "top_left"),
 
 
 @pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
 def test_masks_within_twice_the_bf16_error(backend, case):
     """window_size, softcap and mask_align through the op and its autograd, bf16: within 2x
     (3x for the gradients) the error of the same math in bf16 against fp64."""
@@ -169,7 +219,7 @@ def test_masks_within_twice_the_bf16_error(backend, case):
         assert_peers_rule(name, got, lo, ex, 2 if name in ("out", "lse") else 3)
 
 
-@pytest.mark.parametrize("backend", cpu_backends("flash_attention"))
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
 def test_packed_documents_of_other_key_lengths(backend):
     """cu_seqlens_q / cu_seqlens_k: document i of q against document i of k/v, each masked
     with its own lengths (bottom-right causal, a window, softcap)."""

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.timeout(300)]
 
 BACKENDS = cpu_backends("ring_attention")
 # (B, H, H_kv, D): GQA, MQA, odd head dim
-SHAPES = [(2, 4, 2, 16), (1, 4, 1, 24)]
+SHAPES = [(2, 4, 2, 16), (1, 4, 1, 23)]
 
 
 def _shard(x, dim, layout, rank, world):
@@ -47,17 +47,24 @@ def _expected_bytes(backend, q, k, world, causal, layout):
     kv = 2 * k.numel() * 4
     if backend == "triton":  # pulls what it needs; the backward is the pipelined ring's
         return visible_kv_bytes(kv, world, dist.get_rank(), causal, layout), 2 * (world - 1) * kv
-    if backend in ("pipelined", "allgather_kv"):  # K/V once around; dK/dV once back
+    if backend in ("pipelined", "pipelined_sdpa", "allgather_kv"):  # K/V once around; dK/dV once back
         return (world - 1) * kv, 2 * (world - 1) * kv
     kv_rep = kv * max(1, world // k.shape[2])  # ulysses: K/V heads replicated to W
     lse = q.numel() // q.shape[-1] * 4
     part = (world - 1) / world
     forward = part * (2 * q.numel() * 4 + kv_rep + lse)  # q, k, v there; out, lse back
-    backward = part * (2 * q.numel() * 4 + kv_rep + 2 * lse) + part * (q.numel() * 4 + kv_rep)
+    # q, k, v, dout, out, lse, dlse there; dq, dk, dv back
+    backward = part * (3 * q.numel() * 4 + kv_rep + 2 * lse) + part * (q.numel() * 4 + kv_rep)
     return int(forward), int(backward)
 
 
-def _check_matches_full_attention(backend, shapes):
+def _check_matches_full_attention(backends, shapes):
+    for backend in backends:
+        _check_backend_matches_full_attention(backend, shapes)
+    return True
+
+
+def _check_backend_matches_full_attention(backend, shapes):
     rank, world = dist.get_rank(), dist.get_world_size()
     for i, (b, h, hk, d) in enumerate(shapes):
         s = 4 * world + 2 * world * i  # divisible by 2W; S_local even, not a power of two
@@ -67,16 +74,20 @@ def _check_matches_full_attention(backend, shapes):
         dlse = torch.randn(b, h, s, generator=g, dtype=torch.float64)
         for layout in ("zigzag", "contiguous"):
             for causal in (True, False):
+                # pipelined_sdpa: without an lse gradient (causal) its steps' backward is torch's;
+                # with one another ring's
+                lse_grad = backend != "pipelined_sdpa" or not causal
                 ref = [t.clone().requires_grad_() for t in full]
                 ref_out, ref_lse = sdpa64(*ref, causal)
-                torch.autograd.backward((ref_out, ref_lse), (dout, dlse))
+                torch.autograd.backward((ref_out, ref_lse), (dout, dlse * lse_grad))
                 q, k, v = (_shard(t, 1, layout, rank, world).float().requires_grad_() for t in full)
                 with fusedpar.comm.count_bytes() as forward:
                     out, lse = fusedpar.ops.ring_attention_with_lse(
                         q, k, v, causal=causal, layout=layout, backend=backend)
                 with fusedpar.comm.count_bytes() as backward:
-                    torch.autograd.backward((out, lse), (_shard(dout, 1, layout, rank, world).float(),
-                                                         _shard(dlse, 2, layout, rank, world).float()))
+                    grads = (_shard(dout, 1, layout, rank, world).float(),
+                             _shard(dlse, 2, layout, rank, world).float())
+                    torch.autograd.backward((out, lse)[:1 + lse_grad], grads[:1 + lse_grad])
                 where = (backend, layout, causal, b, h, hk, d)
                 torch.testing.assert_close(_unshard(out.detach(), 1, layout).double(), ref_out,
                                            atol=1e-5, rtol=0, msg=str(where))
@@ -87,17 +98,19 @@ def _check_matches_full_attention(backend, shapes):
                                                atol=1e-4, rtol=0, msg=str(where))
                 expected_forward, expected_backward = _expected_bytes(backend, q, k, world, causal, layout)
                 assert (forward.total(), backward.total()) == (expected_forward, expected_backward), where
-    return True
 
 
-# the interpreted triton kernel is slow: W <= 2 and one shape here; W=4 in test_loopback_*
-CASES = [(b, w) for b in BACKENDS for w in (1, 2, 4) if not (b == "triton" and w == 4)]
+# the interpreted triton kernel is slow: W <= 2 and one shape here; W=4 in test_loopback_*.
+# The two pipelined rings (step kernel ours or torch's) share a pool run.
+GROUPS = [("pipelined", "pipelined_sdpa") if b == "pipelined" else (b,) for b in BACKENDS
+          if b != "pipelined_sdpa"]
+CASES = [(g, w) for g in GROUPS for w in (1, 2, 4) if not (g == ("triton",) and w == 4)]
 
 
-@pytest.mark.parametrize("backend,world", CASES)
-def test_matches_full_sequence_attention(pools, world, backend):
-    shapes = SHAPES[:1] if backend == "triton" else SHAPES
-    assert pools(world).run(_check_matches_full_attention, backend, shapes) == [True] * world
+@pytest.mark.parametrize("backends,world", CASES, ids=[f"{'+'.join(g)}-{w}" for g, w in CASES])
+def test_matches_full_sequence_attention(pools, world, backends):
+    shapes = SHAPES[:1] if backends == ("triton",) else SHAPES
+    assert pools(world).run(_check_matches_full_attention, backends, shapes) == [True] * world
 
 
 @pytest.mark.parametrize("world,layout", [(2, "zigzag"), (2, "contiguous"), (4, "zigzag"),
@@ -200,26 +213,30 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "passed different inputs" in errors["ranks_differ_triton"][1], errors["ranks_differ_triton"]
 
 
-def _compiled(backend):
-    """Compiled forward and backward equal eager. The shapes are the ones that made the
-    ulysses backend's output strides differ from its fake's (K/V heads replicated to W)."""
+def _compiled(backends):
+    """Compiled forward and backward equal eager, per backend. The shapes are the ones that
+    made the ulysses backend's output strides differ from its fake's (K/V heads replicated
+    to W)."""
     name = dist.group.WORLD.group_name
     q = torch.randn(4, 16, 2, 16, requires_grad=True)
     k, v = (torch.randn(4, 16, 1, 16, requires_grad=True) for _ in range(2))
+    equal = []
+    for backend in backends:
+        def attend(q, k, v, backend=backend):
+            return fusedpar.ops.ring_attention(q, k, v, name, causal=True, backend=backend)
 
-    def attend(q, k, v):
-        return fusedpar.ops.ring_attention(q, k, v, name, causal=True, backend=backend)
-
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    out, expected = compiled(q, k, v), attend(q, k, v)
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
-    return torch.equal(out, expected) and all(
-        torch.equal(g, e) for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))))
+        compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+        out, expected = compiled(q, k, v), attend(q, k, v)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        equal.append(torch.equal(out, expected) and all(
+            torch.equal(g, e) for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)))))
+    return equal
 
 
-@pytest.mark.parametrize("backend", ["pipelined", "ulysses"])
-def test_torch_compile_fullgraph(pools, backend):
-    assert pools(2).run(_compiled, backend) == [True, True]
+@pytest.mark.parametrize("backends", [("pipelined", "pipelined_sdpa"), ("ulysses",)],
+                         ids=["pipelined+pipelined_sdpa", "ulysses"])
+def test_torch_compile_fullgraph(pools, backends):
+    assert pools(2).run(_compiled, backends) == [[True] * len(backends)] * 2
 
 
 def _layouts_match_the_fake():
@@ -273,7 +290,7 @@ def _check_bf16():
         out, lse = fusedpar.ops.ring_attention_with_lse(q, k, v, causal=True, backend=backend)
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, backend
         errors[backend] = (out.double() - expected).abs().max().item()
-        if backend in ("pipelined", "triton"):
+        if backend in ("pipelined", "pipelined_sdpa", "triton"):
             with fusedpar.comm.count_bytes() as moved:
                 out.backward(zigzag_shard(dout, 1, rank, world))
             assert moved.total() == 2 * (world - 1) * 2 * k.numel() * 2, (backend, moved.total())
