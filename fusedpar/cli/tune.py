@@ -12,6 +12,8 @@ finds it. Two forms:
   building and parallel flags): the step runs in a ``tuning.tuning_session``, so each
   distinct signature is measured at its first call (forward and backward), as
   ``FUSEDPAR_AUTOTUNE=1`` does. MODEL as ``fusedpar plan`` reads it (``model_config``).
+  Give the flags the training run uses (``--param-dtype bfloat16`` for bf16 compute): the
+  dtype and the shapes are part of each signature.
 
 Run under ``torchrun --nproc-per-node N -m fusedpar tune ...`` for the collective ops and
 the model form (every rank times every candidate; the slowest rank's time counts). On CPU
