@@ -192,9 +192,15 @@ class LlamaForCausalLM(nn.Module):
             torch.manual_seed(seed)
         self.model = LlamaModel(config, self._make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.to(device=device, dtype=dtype)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``config.tie_embeddings``, make ``lm_head`` share the embedding's weight.
+        ``__init__`` does; moving to or from the meta device (``to_empty``) gives each
+        module a new Parameter, so call it again after that (as Hugging Face models ask)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     _make_mlp = None  # MoE variants: a method returning a new MLP module
 

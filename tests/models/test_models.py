@@ -41,3 +41,16 @@ def test_mixtral_loss_adds_the_mean_layer_aux_loss():
     assert len(aux) == 3
     torch.testing.assert_close(out.aux_loss, torch.stack(aux).mean())
     torch.testing.assert_close(out.loss, causal_lm_loss(out.logits, ids) + 0.25 * out.aux_loss)
+
+
+@pytest.mark.parametrize("device", ["meta", None])
+def test_tied_embeddings_stay_tied_on_meta_and_after_to_empty(device):
+    config = LlamaConfig(tie_embeddings=True)
+    model = LlamaForCausalLM(config, device=device)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    untied = LlamaForCausalLM(LlamaConfig(), device=device)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert model.num_parameters() == untied.num_parameters() - config.vocab_size * config.hidden_size
+    model.to_empty(device="cpu")  # gives each module a new Parameter: tie again, as HF asks
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
