@@ -365,11 +365,12 @@ def test_ranks_whose_timings_disagree_pick_one_backend(pools, tmp_path):
 
 def test_real_ops_autotune_every_candidate_passing_the_oracle_check(tuned_cpu, monkeypatch):
     """grouped_mm (run kind) and flash_attention (forward and backward checked) through
-    their dispatchers: every candidate here (triton in the interpreter) matches the oracle."""
+    their dispatchers: every candidate here (triton in the interpreter, torch._grouped_mm,
+    torch's SDPA) matches the oracle."""
     from fusedpar.ops import flash_attention, grouped_mm
 
     monkeypatch.setenv("FUSEDPAR_AUTOTUNE", "1")
-    monkeypatch.setattr(tuning, "TIMER", FakeTimer(triton=3.0, reference=2.0, torch=1.0))
+    monkeypatch.setattr(tuning, "TIMER", FakeTimer(triton=3.0, reference=2.0, torch=1.0, sdpa=4.0))
     torch.manual_seed(0)
     a, b = torch.randn(32, 16), torch.randn(4, 16, 16)
     offs = torch.tensor([8, 8, 24, 32], dtype=torch.int32)
@@ -379,5 +380,6 @@ def test_real_ops_autotune_every_candidate_passing_the_oracle_check(tuned_cpu, m
     entries = {key.split("|")[0]: e for key, e in tuning.user_table().entries.items()}
     assert entries["grouped_mm"].times_ms == {"triton": 3.0, "reference": 2.0, "torch": 1.0}
     assert entries["grouped_mm"].backend == "torch"
-    assert entries["flash_attention"].times_ms == {"triton": 3.0, "reference": 2.0}
+    assert entries["flash_attention"].times_ms == {"triton": 3.0, "reference": 2.0, "sdpa": 4.0}
     assert entries["flash_attention"].backend == "reference"
+    assert entries["flash_attention"].rejected == entries["grouped_mm"].rejected == {}
