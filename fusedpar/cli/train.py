@@ -370,16 +370,25 @@ def max_rel_diff(losses: list[float], reference: list[float]) -> float:
     return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference)), default=0.0)
 
 
-def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -> int:
+def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -> int | None:
     """The peak ``fusedpar.plan`` estimates for this run (``max_memory_allocated``'s):
     fp32 parameters, ``param_dtype`` compute; on CPU ranks torch's single-tensor AdamW and
-    gloo's synchronous collectives (one FSDP unit unsharded at a time)."""
+    gloo's synchronous collectives (one FSDP unit unsharded at a time); with pp, the run's
+    microbatches and schedule (None for a schedule the planner does not model)."""
     from fusedpar.plan import Candidate, Training, estimate_memory, model_spec
+    from fusedpar.plan.memory import PP_SCHEDULES
 
     cand = Candidate(dp_replicate=pcfg.dp_replicate, dp_shard=pcfg.dp_shard, cp=pcfg.cp, tp=pcfg.tp,
-                     ep=pcfg.ep, pp=getattr(pcfg, "pp", 1))
-    train = Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, compute_dtype=pcfg.param_dtype or "float32",
-                     foreach=cuda, units_in_flight=2 if cuda else 1, fsdp_comm=pcfg.fsdp_comm)
+                     ep=pcfg.ep, pp=pcfg.pp)
+    micro = None
+    if pcfg.pp > 1:
+        if pcfg.pp_schedule not in PP_SCHEDULES or pcfg.pp_stages_per_rank > 1:
+            return None
+        micro = tcfg.batch_size // pcfg.dp // (pcfg.pp_microbatches or pcfg.pp_stages)
+    train = Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, micro_batch=micro,
+                     compute_dtype=pcfg.param_dtype or "float32", foreach=cuda,
+                     units_in_flight=2 if cuda else 1, fsdp_comm=pcfg.fsdp_comm,
+                     pp_schedule=pcfg.pp_schedule if pcfg.pp > 1 else "1F1B")
     return estimate_memory(model_spec(model_config(tcfg)), cand, train).peak
 
 
@@ -404,7 +413,9 @@ def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> li
     mem = result["state_bytes"]
     lines.append(f"model: {result['parameters']:,} parameters; memory per rank: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in mem.items()))
     measured = result.get("peak_bytes")
-    lines.append(f"peak memory per rank: planned {_fmt_bytes(planned_peak(pcfg, tcfg, measured is not None))} "
+    planned = planned_peak(pcfg, tcfg, measured is not None)
+    lines.append(f"peak memory per rank: planned "
+                 f"{_fmt_bytes(planned) if planned is not None else f'n/a ({pcfg.pp_schedule} not modelled)'} "
                  "(fusedpar.plan), measured " + (_fmt_bytes(measured) if measured is not None else
                                                   "n/a (CPU ranks: no allocator statistics)"))
     losses = result["losses"]

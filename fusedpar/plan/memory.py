@@ -11,8 +11,13 @@ What fusedpar's ``parallelize`` builds, term by term (bytes, the most loaded ran
   4-byte ``step`` per parameter.
 - **activations**, per layer and micro-batch, counted from what autograd saves in
   fusedpar's Llama block (see :func:`layer_activations`); with activation checkpointing a
-  layer keeps its input and one layer is recomputed at a time. Pipeline stages hold the
-  micro-batches in flight of a 1F1B schedule (the first stage ``pp`` of them).
+  layer keeps its input and one layer is recomputed at a time.
+- **pipeline stages** hold the activations (and, on the last stage, the loss's) of the
+  micro-batches in flight: GPipe all of them, 1F1B at most ``pp`` (the first stage ``pp``,
+  the last one). torch's schedules defer FSDP's gradient reduce-scatter to the end of the
+  last micro-batch, so a stage's whole unsharded gradients exist from its first backward
+  on; the schedule keeps a receive buffer per micro-batch for the stage's input and its
+  output's gradient, and the input gradients sent back until the next step.
 - **FSDP2 unsharded parameters**: the root unit (embedding, head, final norm) stays
   unsharded from forward to the end of backward (``reshard_after_forward=False`` for the
   root), plus ``units_in_flight`` block units (the current one and the prefetched one), the
@@ -37,11 +42,13 @@ import math
 
 from .model import ModelSpec, Tensor, parameter_shapes
 
-__all__ = ["Candidate", "Memory", "Tensor", "Training", "estimate_memory", "parameter_shapes"]
+__all__ = ["Candidate", "Memory", "Tensor", "Training", "estimate_memory", "parameter_shapes",
+           "stage_memories"]
 
 GiB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
+PP_SCHEDULES = ("1F1B", "GPipe")
 
 
 def dtype_bytes(name: str) -> int:
@@ -63,7 +70,8 @@ class Training:
     unsharded at once (2: the current and the prefetched one, on a GPU; 1 with synchronous
     collectives such as gloo's); ``fsdp_comm="fusedpar"``: FSDP2's collectives on fusedpar's
     ops (their results are copied into FSDP's buffers, and they use symmetric memory);
-    ``capacity_factor``: MoE rows a rank receives, relative to balanced routing.
+    ``capacity_factor``: MoE rows a rank receives, relative to balanced routing;
+    ``pp_schedule``: torch's pipeline schedule with ``pp > 1`` (``"1F1B"`` or ``"GPipe"``).
     """
 
     seq_len: int
@@ -77,6 +85,7 @@ class Training:
     units_in_flight: int = 2
     fsdp_comm: str = "fusedpar"
     capacity_factor: float = 1.0
+    pp_schedule: str = "1F1B"
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "reduce_dtype"):
@@ -86,6 +95,8 @@ class Training:
         for name in ("seq_len", "global_batch", "units_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}: the planner models {' and '.join(PP_SCHEDULES)}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch} must be at least 1 (or None)")
 
@@ -221,10 +232,14 @@ def estimate_memory(spec: ModelSpec, cand: Candidate, train: Training, device=No
     """:class:`Memory` of ``cand`` training ``spec`` under ``train``; with ``pp > 1`` the
     worse of the first and the last pipeline stage. ``device`` (a :class:`~fusedpar.plan.Device`)
     sets the reserve; None: no reserve."""
+    return max(stage_memories(spec, cand, train, device).values(), key=lambda m: m.total)
+
+
+def stage_memories(spec: ModelSpec, cand: Candidate, train: Training, device=None) -> dict[str, Memory]:
+    """:class:`Memory` of each pipeline stage the planner models: ``{"first": ..., "last": ...}``
+    with ``pp > 1``, else ``{"all": ...}``."""
     stages = ("first", "last") if cand.pp > 1 else ("all",)
-    worst = max((_stage_memory(spec, cand, train, device, stage) for stage in stages),
-                key=lambda m: m.total)
-    return worst
+    return {stage: _stage_memory(spec, cand, train, device, stage) for stage in stages}
 
 
 def micro_batches(cand: Candidate, train: Training) -> tuple[int, int]:
@@ -267,7 +282,13 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     params, grads = local * p, local * p
     states = _OPTIMIZER_STATES[train.optimizer]
     optimizer = states * local * p + (n_tensors * 4 if states else 0)
-    accumulated = grads if count > 1 else 0  # earlier micro-batches' gradients
+    pipelined = cand.pp > 1
+    # earlier micro-batches' gradients; under pp torch's schedules run every micro-batch's
+    # backward without FSDP's gradient sync and reduce-scatter once after the last one
+    # (PipelineStage.perform_reduce_grad): the stage's whole unsharded gradients, in the
+    # reduce dtype FSDP2 accumulates them in, exist from the first backward on instead
+    accumulated = grads if count > 1 and not pipelined else 0
+    stage_grads = sum(unsharded(u, False) for u in ("root", "layer", "experts")) * r if pipelined else 0
 
     unit = (unsharded("layer", True) + unsharded("experts", True)) * c
     root = unsharded("root", False) * c
@@ -276,7 +297,15 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
                      if t.unit == "root" and t.stage == "last" and last) * c
     gather = unit * (2 if train.fsdp_comm == "fusedpar" and cand.fsdp > 1 else 1)
 
-    in_flight = min(cand.pp, count) if first and cand.pp > 1 else 1
+    # micro-batches whose activations a stage holds at once: GPipe runs every forward before
+    # any backward; 1F1B starts backward once the first micro-batch has passed every stage
+    # (the first stage holds pp of them, the last one)
+    if not pipelined:
+        in_flight = 1
+    elif train.pp_schedule == "GPipe":
+        in_flight = count
+    else:
+        in_flight = min(cand.pp, count) if first else 1
     per_layer = layer_activations(spec, tokens, cand, c, train.capacity_factor)
     h, V = spec.hidden, spec.vocab // cand.tp
     seq_shard = tokens // cand.tp if cand.tp > 1 else tokens
@@ -291,36 +320,74 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     else:
         kept = layers_here * per_layer + rope
         recompute = 0
+    # pp: the schedule keeps each micro-batch's stage output (the last stage's logits) until
+    # its backward is done
+    stage_out = (tokens * V * c if last else seq_shard * h * c) if pipelined else 0
+    kept += stage_out
     blocks = in_flight * kept
     loss_fwd = (tokens * V * c + (tokens * V * 4 if c != 4 else 0)) if last else 0
     loss_bwd = 2 * tokens * V * 4 + (tokens * V * c if c != 4 else 0) if last else 0
     # a block's backward: the incoming gradient, the MLP's input gradients, the down
-    # projection's weight gradient (and under SP the gate/up gradients concatenated)
+    # projection's weight gradient (under pp accumulated into stage_grads, counted there),
+    # and under SP the gate/up gradients concatenated
     if spec.moe:
         I = spec.expert_intermediate
         mlp_bwd = seq_shard * spec.top_k * (3 * I + h) * c
     else:
         I = spec.intermediate // cand.tp
-        mlp_bwd = 3 * tokens * I * c + h * I * c + (2 * tokens * I * c if cand.tp > 1 else 0)
-    block_bwd = seq_shard * h * c + max(gather, mlp_bwd)
-    base = params + optimizer + accumulated
+        mlp_bwd = (3 * tokens * I * c + (h * I * c if cand.pp == 1 else 0)
+                   + (2 * tokens * I * c if cand.tp > 1 else 0))
+    # the unit's gather comes before its recomputation (AC) and the MLP's gradients: the
+    # larger of the two moments (``recompute``: the activations held at it)
+    if gather > recompute + mlp_bwd:
+        recompute, mlp_bwd = 0, gather
+    block_bwd = seq_shard * h * c + mlp_bwd
+    # pp: the schedule's receive buffers, one per micro-batch for the stage's input (not the
+    # first stage) and for its output's gradient (not the last), kept from step to step, and
+    # the input gradients already sent back (.grad of the receive buffers, kept until the
+    # next step starts)
+    hop = seq_shard * h * c
+    pp_buffers = count * hop * ((not first) + (not last)) if pipelined else 0
+    sent = (count - 1) * hop if pipelined and not first else 0
+    # a forward after a backward (1F1B's steady state) sees the gradients of the earlier ones
+    late_forward = stage_grads + sent if in_flight < count else 0
+    base = params + optimizer + accumulated + pp_buffers
+    # a backward holds ``bwd_flight`` micro-batches' activations and ``bwd_grads``: the first
+    # one under pp all in flight and none of the stage's gradients, a later one as many or
+    # fewer (GPipe: one fewer) and all of them (the larger of the two)
+    bwd_flight, bwd_grads = in_flight, 0
+    if pipelined:
+        root_grads = 0  # part of stage_grads
+        later = count - 1 if train.pp_schedule == "GPipe" else min(in_flight, count - 1)
+        if later * (kept + logits_saved + head_saved) + stage_grads + sent > blocks:
+            bwd_flight, bwd_grads = later, stage_grads + sent
+    bwd_blocks = bwd_flight * kept
+    # the forward's end: the current micro-batch's logits are counted in loss_fwd
+    fwd_held = in_flight * (kept + logits_saved + head_saved) - (stage_out if last else 0)
+    # the loss's backward: the head's input and the final norm's saved tensors wait for theirs
     moments = {
-        "forward": (base + root + blocks + (logits_saved + head_saved) + loss_fwd, loss_fwd),
-        "loss backward": (base + root + blocks + logits_saved + loss_bwd + root_grads, loss_bwd + root_grads),
-        "block backward": (base + root + root_grads + blocks + recompute + train.units_in_flight * unit
-                           + block_bwd, root_grads + block_bwd),
+        "forward": (base + late_forward + root + fwd_held + loss_fwd, loss_fwd),
+        "loss backward": (base + bwd_grads + root + bwd_flight * (kept + logits_saved + head_saved)
+                          + loss_bwd + root_grads, loss_bwd + root_grads),
+        "block backward": (base + bwd_grads + root + root_grads + bwd_blocks + (bwd_flight - 1)
+                           * (logits_saved + head_saved) + recompute
+                           + train.units_in_flight * unit + block_bwd, root_grads + block_bwd),
     }
     step_temp = (local * p if train.foreach else 2 * max(_shard(t.dim0, degree[t.unit]) * t.rest
                                                          for t in shapes if held(t)) * p) if states else 0
-    moments["optimizer step"] = (params + grads + optimizer + step_temp, step_temp)
+    moments["optimizer step"] = (params + grads + optimizer + pp_buffers + (count * hop if sent else 0)
+                                 + step_temp, step_temp)
     phase = max(moments, key=lambda k: moments[k][0])
     peak, transient = moments[phase]
     if phase == "optimizer step":
-        acts, uns, g = 0, 0, grads
+        acts, uns, g = pp_buffers + (count * hop if sent else 0), 0, grads
     else:
-        acts = blocks + (recompute if phase == "block backward" else 0) + logits_saved + (head_saved if phase == "forward" else 0)
+        forward = phase == "forward"
+        acts = pp_buffers + (fwd_held if forward else bwd_flight * (kept + logits_saved + head_saved))
+        if phase == "block backward":  # the current micro-batch's loss and head are done
+            acts += recompute - logits_saved - head_saved
         uns = root + (train.units_in_flight * unit if phase == "block backward" else 0)
-        g = accumulated
+        g = accumulated + (late_forward if forward else bwd_grads)
     symmetric = _symmetric(spec, cand, train, tokens, seq_shard, c, r, unit, root, shapes, held) if device is None or device.symmetric else 0
     reserve = device.reserve(peak) if device is not None else 0
     return Memory(params=params, grads=g, optimizer=optimizer, activations=acts, unsharded=uns,

@@ -1,6 +1,7 @@
 """fusedpar.plan's formulas and sweep on their own (no ranks): the seed case, parameter
 counts against real models, what each axis must change, the CLI."""
 
+import dataclasses
 import json
 
 import pytest
@@ -185,3 +186,51 @@ def test_cli_dry_run(capsys, tmp_path):
     assert main(["plan", "--model", str(tmp_path / "gpt2.json"), "--gpus", "2", "--seq", "64",
                  "--global-batch", "2", "--dry-run", "dp_shard=2"]) == 2
     assert "Llama / Mixtral-style" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
+def test_train_reports_the_planned_peak_of_a_pipeline(schedule):
+    """``fusedpar train --pp 2``: the plan of the run's microbatches (8 rows / dp 2 / 2
+    microbatches) and schedule; a schedule the planner does not model says so."""
+    import fusedpar
+    from fusedpar.cli import train
+
+    pcfg = fusedpar.ParallelConfig(pp=2, dp_shard=2, pp_schedule=schedule).validate(4)
+    tcfg = train.TrainConfig()
+    got = train.planned_peak(pcfg, tcfg, cuda=False)
+    result = {"comm": [{}], "lower_bounds": {}, "per_copy_bytes": {}, "state_bytes": {"params": 1},
+              "parameters": 1, "losses": [1.0], "first_step": 0}
+    line = next(x for x in train.report(result, pcfg, tcfg) if x.startswith("peak memory"))
+    if schedule == "Interleaved1F1B":
+        assert got is None and "planned n/a (Interleaved1F1B not modelled)" in line
+        return
+    want = estimate_memory(model_spec(LlamaConfig()), Candidate(pp=2, dp_shard=2),
+                           Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, micro_batch=2,
+                                    compute_dtype="float32", foreach=False, units_in_flight=1,
+                                    pp_schedule=schedule)).peak
+    assert got == want and f"planned {train._fmt_bytes(want)}" in line
+
+
+def test_pipeline_memory_terms():
+    """pp: each stage's breakdown adds up to its peak; with more microbatches than stages
+    GPipe holds more activations on the first stage than 1F1B; the first stage of 1F1B
+    holds pp microbatches, the last one; an unknown schedule is refused."""
+    from fusedpar.plan.memory import stage_memories
+
+    spec = model_spec(LlamaConfig(num_layers=4))
+    by = {}
+    for schedule in ("1F1B", "GPipe"):
+        for ac in (False, True):
+            train = Training(seq_len=256, global_batch=16, micro_batch=1, pp_schedule=schedule)
+            for stage, m in stage_memories(spec, Candidate(pp=2, dp_shard=2, activation_checkpointing=ac),
+                                           train).items():
+                parts = m.breakdown()
+                assert sum(parts.values()) - parts["symmetric"] - parts["reserve"] == m.peak, (schedule, stage)
+                by[schedule, ac, stage] = m
+    assert by["GPipe", False, "first"].phases["forward"] > by["1F1B", False, "first"].phases["forward"]
+    one = Training(seq_len=256, global_batch=16, micro_batch=1)
+    two = dataclasses.replace(one, micro_batch=2)  # half the microbatches, twice the rows
+    first = lambda t: stage_memories(spec, Candidate(pp=2, dp_shard=2), t)["first"].phases["forward"]  # noqa: E731
+    assert first(one) < first(two)
+    with pytest.raises(ValueError, match="pp_schedule='ZBV'"):
+        Training(seq_len=8, global_batch=8, pp_schedule="ZBV")
