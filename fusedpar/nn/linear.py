@@ -37,6 +37,7 @@ DDP/FSDP to fix over the tensor-parallel group.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -411,8 +412,9 @@ class SharedGather:
             raise ValueError("SharedGather: a layer is listed twice")
         self.layers = list(layers)
         # the last prepared input: layers called on it skip their own collective (kept on
-        # this object, not set on the tensor, so a compiled block has no graph break)
-        self._prepared: torch.Tensor | None = None
+        # this object, not set on the tensor, so a compiled block has no graph break; a weak
+        # reference, so it is not kept alive after the step, e.g. under checkpointing)
+        self._prepared: weakref.ref | None = None
         self._stash: dict[int, torch.Tensor] = {}
         for layer in layers:
             layer._shared_gather = self
@@ -437,7 +439,7 @@ class SharedGather:
             prepared = gathered
         else:
             prepared = copy_to_tp(x, head.group_name)
-        self._prepared = prepared
+        self._prepared = weakref.ref(prepared)
         return prepared
 
     def register_input_hook(self, module: nn.Module, arg_name: str = "hidden_states"):
@@ -455,7 +457,7 @@ class SharedGather:
 
     def _take(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's output for a prepared input, or None if ``x`` was not prepared here."""
-        if x is not self._prepared:
+        if self._prepared is None or x is not self._prepared():
             return None
         index = self.layers.index(layer)
         if index in self._stash:
