@@ -31,6 +31,7 @@ silently wrong gradient.
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -249,6 +250,10 @@ def pipeline_stages(model: nn.Module, adapter: ModelAdapter, layout: ModelLayout
                               loss_fn=loss_fn, scale_grads=False)
     model._fusedpar_pipeline = run
     run.schedule, run.roots, run.microbatches = schedule, roots, microbatches
+    # return_outputs=False where torch has it: the last stage would otherwise keep every
+    # microbatch's logits until the next step, to return them merged (step returns the loss)
+    run.step_options = ({"return_outputs": False}
+                        if "return_outputs" in inspect.signature(schedule.step).parameters else {})
     run.dp_group, run.tp_group = dp_group, tp_group
     run.cp_group = mesh["cp"].get_group().group_name if cfg.cp > 1 else None
     run.has_first, run.has_last = 0 in ids, stages_total - 1 in ids
@@ -295,7 +300,7 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     run.aux_values = []
     losses = []
     args = (input_ids,) if run.has_first else ()
-    run.schedule.step(*args, target=target if run.has_last else None, losses=losses)
+    run.schedule.step(*args, target=target if run.has_last else None, losses=losses, **run.step_options)
     total = torch.stack([l.detach().float() for l in losses]).sum() if run.has_last else \
         torch.zeros((), device=input_ids.device)
     # each last-stage rank holds its dp x cp rank's share (x dp*cp, see loss_fn), every tp
