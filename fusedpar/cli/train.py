@@ -374,9 +374,10 @@ def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -
     """The peak ``fusedpar.plan`` estimates for this run (``max_memory_allocated``'s):
     fp32 parameters, ``param_dtype`` compute; on CPU ranks torch's single-tensor AdamW and
     gloo's synchronous collectives (one FSDP unit unsharded at a time); with pp, the run's
-    microbatches and schedule (None for a schedule the planner does not model)."""
-    from fusedpar.plan import Candidate, Training, estimate_memory, model_spec
-    from fusedpar.plan.memory import PP_SCHEDULES
+    microbatches and schedule and rank 0's (the measured) first stage (None for a schedule
+    the planner does not model)."""
+    from fusedpar.plan import Candidate, Training, model_spec
+    from fusedpar.plan.memory import PP_SCHEDULES, stage_memories
 
     cand = Candidate(dp_replicate=pcfg.dp_replicate, dp_shard=pcfg.dp_shard, cp=pcfg.cp, tp=pcfg.tp,
                      ep=pcfg.ep, pp=pcfg.pp)
@@ -389,7 +390,8 @@ def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -
                      compute_dtype=pcfg.param_dtype or "float32", foreach=cuda,
                      units_in_flight=2 if cuda else 1, fsdp_comm=pcfg.fsdp_comm,
                      pp_schedule=pcfg.pp_schedule if pcfg.pp > 1 else "1F1B")
-    return estimate_memory(model_spec(model_config(tcfg)), cand, train).peak
+    stages = stage_memories(model_spec(model_config(tcfg)), cand, train)
+    return stages["first" if pcfg.pp > 1 else "all"].peak
 
 
 def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> list[str]:

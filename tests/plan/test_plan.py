@@ -191,9 +191,11 @@ def test_cli_dry_run(capsys, tmp_path):
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
 def test_train_reports_the_planned_peak_of_a_pipeline(schedule):
     """``fusedpar train --pp 2``: the plan of the run's microbatches (8 rows / dp 2 / 2
-    microbatches) and schedule; a schedule the planner does not model says so."""
+    microbatches) and schedule, for rank 0's first stage (the measured rank); a schedule
+    the planner does not model says so."""
     import fusedpar
     from fusedpar.cli import train
+    from fusedpar.plan.memory import stage_memories
 
     pcfg = fusedpar.ParallelConfig(pp=2, dp_shard=2, pp_schedule=schedule).validate(4)
     tcfg = train.TrainConfig()
@@ -204,10 +206,10 @@ def test_train_reports_the_planned_peak_of_a_pipeline(schedule):
     if schedule == "Interleaved1F1B":
         assert got is None and "planned n/a (Interleaved1F1B not modelled)" in line
         return
-    want = estimate_memory(model_spec(LlamaConfig()), Candidate(pp=2, dp_shard=2),
-                           Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, micro_batch=2,
-                                    compute_dtype="float32", foreach=False, units_in_flight=1,
-                                    pp_schedule=schedule)).peak
+    want = stage_memories(model_spec(LlamaConfig()), Candidate(pp=2, dp_shard=2),
+                          Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, micro_batch=2,
+                                   compute_dtype="float32", foreach=False, units_in_flight=1,
+                                   pp_schedule=schedule))["first"].peak
     assert got == want and f"planned {train._fmt_bytes(want)}" in line
 
 
