@@ -90,10 +90,11 @@ _RING_SM80 = {64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
               256: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1)}
 _TABLES = {"fwd": (_FWD_SM90, _FWD_SM80), "dkdv": (_DKDV_SM90, _BWD_SM80),
            "dq": (_DQ_SM90, _BWD_SM80), "ring": (_RING_SM90, _RING_SM80)}
-# Soft-capping on sm_90: the score tile's side to halve (the keys of the forward's and dQ's
-# tile, the query rows of dK/dV's, whose keys are its wgmma rows); at full size the tanh and
-# its derivative spill
-_SOFTCAP_SM90_HALVES = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
+# Soft-capping: the score tile's side to halve per (kernel, sm_90) (the keys of the forward's,
+# the ring step's and dQ's tile, the query rows of dK/dV's, whose keys are its wgmma rows); at
+# full size the tanh and its derivative spill (the ring step, with its state, on sm_80 too)
+_SOFTCAP_HALVES = {("fwd", True): "BLOCK_N", ("dq", True): "BLOCK_N", ("dkdv", True): "BLOCK_M",
+                   ("ring", True): "BLOCK_N", ("ring", False): "BLOCK_N"}
 # Variants left on mma.sync on sm_90 (head dim 256), and why
 _MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32"}
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
@@ -130,14 +131,23 @@ def _unmasked_keys(len_k, first_row, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _diagonal(diag_offset, len_q, len_k, BOTTOM_RIGHT: tl.constexpr):
+    """The key on query row 0's diagonal: ``diag_offset``, plus the document's
+    ``len_k - len_q`` with BOTTOM_RIGHT (packed documents of other key lengths)."""
+    if BOTTOM_RIGHT:
+        return diag_offset + len_k - len_q
+    else:
+        return diag_offset
+
+
+@triton.jit
 def _key_ranges(first_row, len_q, len_k, diag, win_left, win_right, CAUSAL: tl.constexpr,
-                WINDOW: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(lo, full_lo, full_hi, hi)`` for the query block of rows ``first_row`` onward: it
     sees keys in ``[lo, hi)`` only (blocks outside are never loaded), the blocks of
     ``[full_lo, full_hi)`` whole (no mask); ``lo``, ``full_lo``, ``full_hi`` are block
     starts. Row ``i``'s band is keys ``i + diag - win_left .. i + diag + win_right``
-    (WINDOW; CAUSAL: up to ``i + diag``)."""
+    (WINDOW; CAUSAL: up to ``i + diag``; rows with ``i + diag < 0`` see no key)."""
     if WINDOW:
         last_row = tl.minimum(first_row + BLOCK_M, len_q) - 1
         lo = tl.maximum(first_row + diag - win_left, 0) // BLOCK_N * BLOCK_N
@@ -151,10 +161,7 @@ def _key_ranges(first_row, len_q, len_k, diag, win_left, win_right, CAUSAL: tl.c
         hi = len_k
         if CAUSAL:
             hi = tl.minimum(len_k, first_row + diag + BLOCK_M)
-        if BOTTOM_RIGHT:  # rows before len_q - len_k see no key
-            full_hi = _unmasked_keys(len_k, tl.maximum(first_row + diag, 0), CAUSAL, BLOCK_N)
-        else:
-            full_hi = _unmasked_keys(len_k, first_row, CAUSAL, BLOCK_N)
+        full_hi = _unmasked_keys(len_k, tl.maximum(first_row + diag, 0), CAUSAL, BLOCK_N)
     return lo, full_lo, full_hi, hi
 
 
@@ -226,9 +233,9 @@ def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
         return sm_scale * 1.4426950408889634, 1.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["diag_offset"])
 def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-                     sm_scale, softcap, win_left, win_right,
+                     sm_scale, softcap, win_left, win_right, diag_offset,
                      n_heads, kv_group, seqlen_q, seqlen_k, head_dim, m_blocks,
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
@@ -258,12 +265,9 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_s
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        diag = 0  # the key on query row 0's diagonal
-        if BOTTOM_RIGHT:
-            diag = len_k - len_q
+        diag = _diagonal(diag_offset, len_q, len_k, BOTTOM_RIGHT)
         lo, full_lo, full_hi, hi = _key_ranges(m_block * BLOCK_M, len_q, len_k, diag, win_left,
-                                               win_right, CAUSAL, WINDOW, BOTTOM_RIGHT, BLOCK_M,
-                                               BLOCK_N)
+                                               win_right, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
         # key blocks that every row sees whole go without masks (most of a long sequence);
         # the window's left edge before them, the diagonal or right edge and the tail past
         # len_k after them, masked
@@ -294,10 +298,10 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_s
                     offs_d, d_ok, m_i, l_i, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["diag_offset"])
 def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                           cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale, softcap, win_left,
-                          win_right, n_kv_heads, kv_group, seqlen_q, seqlen_k, head_dim, n_blocks,
+                          win_right, diag_offset, n_kv_heads, kv_group, seqlen_q, seqlen_k, head_dim, n_blocks,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                           stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -329,16 +333,11 @@ def flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         qk_scale, cap_in = _scales(sm_scale, softcap, SOFTCAP)
         # the query rows whose band meets these keys: [lo, hi)
-        diag = 0
-        if BOTTOM_RIGHT:
-            diag = len_k - len_q
+        diag = _diagonal(diag_offset, len_q, len_k, BOTTOM_RIGHT)
         lo = 0
         hi = len_q
         if CAUSAL:  # earlier rows see none of these keys
-            if BOTTOM_RIGHT:
-                lo = tl.maximum(n_block * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-            else:
-                lo = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M
+            lo = tl.maximum(n_block * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
         if WINDOW:
             lo = tl.maximum(n_block * BLOCK_N - diag - win_right, 0) // BLOCK_M * BLOCK_M
             hi = tl.minimum(len_q, tl.minimum(n_block * BLOCK_N + BLOCK_N, len_k) - diag + win_left)
@@ -409,9 +408,10 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, cols,
     return mma(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["diag_offset"])
 def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q_ptr,
-                        cu_seqlens_k_ptr, sm_scale, softcap, win_left, win_right, n_heads, kv_group,
+                        cu_seqlens_k_ptr, sm_scale, softcap, win_left, win_right, diag_offset,
+                        n_heads, kv_group,
                         seqlen_q, seqlen_k, head_dim, m_blocks,
                         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -447,13 +447,10 @@ def flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         v_base = v_ptr + b64 * stride_vb + key0 * stride_vs + hk * stride_vh
         qk_scale, cap_in = _scales(sm_scale, softcap, SOFTCAP)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        diag = 0
-        if BOTTOM_RIGHT:
-            diag = len_k - len_q
+        diag = _diagonal(diag_offset, len_q, len_k, BOTTOM_RIGHT)
         diags = offs_m + diag
         lo, full_lo, full_hi, hi = _key_ranges(m_block * BLOCK_M, len_q, len_k, diag, win_left,
-                                               win_right, CAUSAL, WINDOW, BOTTOM_RIGHT, BLOCK_M,
-                                               BLOCK_N)
+                                               win_right, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
         # as in the forward: the window's left edge, whole key blocks without masks, then the
         # diagonal or right edge and the tail
         if WINDOW:
@@ -499,19 +496,21 @@ def ring_kv_copy_kernel(slot_ptr, pad_table, stats_ptr, rank, world_size, epoch,
             tl.atomic_add(stats_ptr, moved)
 
 
-@triton.jit(do_not_specialize=["rank", "src", "row_lo", "key_lo", "key_hi"])
+@triton.jit(do_not_specialize=["rank", "src", "row_lo", "row_hi", "key_lo", "key_hi", "diag"])
 def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_table, rank, src,
-                          row_lo, key_lo, key_hi, sm_scale, batch, n_heads, kv_group, seqlen,
-                          head_dim, m_blocks, stride_qb, stride_qs, stride_qh, stride_ob,
-                          stride_os, stride_oh, CAUSAL: tl.constexpr, FIRST: tl.constexpr,
-                          LAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                          row_lo, row_hi, key_lo, key_hi, diag, sm_scale, softcap, win_left,
+                          win_right, batch, n_heads, kv_group, seqlen, head_dim, m_blocks,
+                          stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                          FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """One ring step: fold keys ``[key_lo, key_hi)`` of ``src``'s K/V (local memory,
     ``[2, B, S_local, H_kv, D]``) into the online-softmax state of this rank's query rows
-    ``row_lo`` onward (the others see none of them), kept in fp32 between steps
-    (``acc [B, S, H, D]``, ``stat = [m, l]`` ``[2, B, H, S]``); CAUSAL: local row i sees
-    local keys up to i (the own block). FIRST starts the state, LAST writes ``out`` and the
-    natural-log ``lse`` instead."""
+    ``[row_lo, row_hi)`` (the others keep theirs), kept in fp32 between steps
+    (``acc [B, S, H, D]``, ``stat = [m, l]`` ``[2, B, H, S]``). Local row i sees local key j
+    iff ``i + diag - win_left <= j <= i + diag + win_right`` (WINDOW), ``j <= i + diag``
+    (CAUSAL), or always. FIRST starts the state, LAST writes ``out`` and the natural-log
+    ``lse`` instead."""
     pid = tl.program_id(0)  # (query block, batch, head) flattened on the long axis
     m_block = pid % m_blocks
     b = ((pid // m_blocks) // n_heads).to(tl.int64)
@@ -529,7 +528,7 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
     if src != rank:  # the copy of src's K/V gave up (recorded): never read that slot
         failed = tl.load(pad_ptr(pad_table, rank) + STATUS, volatile=True)
     first_row = m_block * BLOCK_M
-    work = (failed == 0) & (first_row + BLOCK_M > row_lo)
+    work = (failed == 0) & (first_row + BLOCK_M > row_lo) & (first_row < row_hi)
     # a middle step neither loads nor stores the state of a query block that sees none of
     # its keys (half of them in a zigzag step from a later rank); the first step writes
     # every block's, the last reads every block's
@@ -548,32 +547,44 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
         n_kv_heads = n_heads // kv_group
         stride_ks = n_kv_heads * head_dim
         stride_kb = tl.cast(seqlen, tl.int64) * stride_ks
-        k_base = kv_ptr + b * stride_kb + (h // kv_group) * head_dim
+        # keys indexed from key_lo here
+        k_base = kv_ptr + b * stride_kb + tl.cast(key_lo, tl.int64) * stride_ks + (h // kv_group) * head_dim
         v_base = k_base + batch * stride_kb  # K, then V
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                     + offs_d[None, :], mask=row_mask, other=0.0)
-        qk_scale = sm_scale * 1.4426950408889634  # exponents in base 2
-        hi = key_hi
-        if CAUSAL:
-            hi = tl.minimum(key_hi, first_row + BLOCK_M)
-        # key blocks every row sees whole go without masks (every block of a peer's visible
-        # rows but the tail); then the causal diagonal, the tail, and a query block that
-        # straddles row_lo, masked
-        full = key_lo
-        if first_row >= row_lo:
-            full += _unmasked_keys(key_hi - key_lo, first_row - key_lo, CAUSAL, BLOCK_N)
-        for start_n in range(key_lo, full, BLOCK_N):
+        qk_scale, cap_in = _scales(sm_scale, softcap, SOFTCAP)
+        len_k = key_hi - key_lo
+        lo, full_lo, full_hi, hi = _key_ranges(tl.maximum(first_row, row_lo), row_hi, len_k,
+                                               diag - key_lo, win_left, win_right, CAUSAL, WINDOW,
+                                               BLOCK_M, BLOCK_N)
+        if (first_row < row_lo) | (tl.minimum(first_row + BLOCK_M, seqlen) > row_hi):
+            full_hi = full_lo  # rows outside the range share the block: every key block masked
+        rows_in = (offs_m >= row_lo) & (offs_m < row_hi)
+        diags = offs_m + diag - key_lo
+        # as flash_fwd_kernel: the window's left edge, key blocks every row sees whole
+        # without masks (every block of a peer's visible rows but the tail), then the
+        # diagonal or right edge and the tail, masked
+        if WINDOW:
+            for start_n in range(lo, full_lo, BLOCK_N):
+                cols = start_n + offs_n
+                n_ok = cols < len_k
+                visible = _in_band(rows_in[:, None] & n_ok[None, :], cols[None, :], diags[:, None],
+                                   win_left, win_right, CAUSAL, WINDOW)
+                m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
+                                              offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST,
+                                              True, cap_in, SOFTCAP)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, start_n + offs_n,
                                           m_ok, offs_d, d_ok, m_ok, m_i, l_i, acc, qk_scale, UPCAST,
-                                          MASKED=False)
-        for start_n in range(full, hi, BLOCK_N):
+                                          False, cap_in, SOFTCAP)
+        for start_n in range(full_hi, hi, BLOCK_N):
             cols = start_n + offs_n
-            n_ok = cols < key_hi
-            visible = n_ok[None, :] & (offs_m >= row_lo)[:, None]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None])
+            n_ok = cols < len_k
+            visible = _in_band(rows_in[:, None] & n_ok[None, :], cols[None, :], diags[:, None],
+                               win_left, win_right, CAUSAL, WINDOW)
             m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
-                                          offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST)
+                                          offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST,
+                                          True, cap_in, SOFTCAP)
     if LAST:
         _store_rows(o_ptr + b * stride_ob + h * stride_oh, stride_os,
                     lse_ptr + (b * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc)
@@ -589,11 +600,11 @@ def block_d(head_dim: int) -> int:
 
 def gpu_config(kernel: str, sm90: bool, d: int, softcap: bool = False) -> dict:
     """The table's block sizes and launch options of ``kernel`` at ``BLOCK_D = d``; with
-    softcap on sm_90 the score tile's key side (dK/dV's query side) is halved, so the tanh
-    and its derivative fit the registers."""
+    softcap one side of the score tile is halved where ``_SOFTCAP_HALVES`` says, so the
+    tanh and its derivative fit the registers."""
     cfg = dict(_TABLES[kernel][0 if sm90 else 1][d])
-    if softcap and sm90 and kernel in _SOFTCAP_SM90_HALVES:
-        side = _SOFTCAP_SM90_HALVES[kernel]
+    side = _SOFTCAP_HALVES.get((kernel, sm90)) if softcap else None
+    if side:
         cfg[side] //= 2
     return cfg
 
@@ -637,47 +648,52 @@ def _geometry(q, k, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k):
 
 
 def mask_args(causal: bool, window: tuple[int, int], softcap: float, bottom_right: bool,
-              seqlen_q: int, seqlen_k: int, same_lengths: bool):
+              seqlen_q: int, seqlen_k: int, per_document: bool, diag_offset: int = 0):
     """``(constexprs, runtime args)`` of a mask: row ``i`` sees keys ``i + diag - left`` to
-    ``i + diag + right`` (``diag`` 0, or ``len_k - len_q`` bottom-right; -1 unbounded);
-    causal sets ``right = 0`` (flash-attn's rule). A side at least as long as the sequences
-    is unbounded, and the kernels get the simplest variant: none (no mask), CAUSAL
-    (``right = 0`` only) or WINDOW (a runtime band; an unbounded side there is
-    ``seqlen_q + seqlen_k``, past every key)."""
+    ``i + diag + right`` (-1 unbounded); causal sets ``right = 0`` (flash-attn's rule).
+    ``diag`` is ``diag_offset``, plus ``len_k - len_q`` bottom-right: one runtime offset,
+    except for packed documents of other key lengths (``per_document``: the kernels add
+    each document's own, BOTTOM_RIGHT). A side reaching past every key is unbounded, and
+    the kernels get the simplest variant: none (no mask), CAUSAL (``right = 0`` only) or
+    WINDOW (a runtime band; an unbounded side there is one past every key)."""
     left, right = window
     right = 0 if causal else right
-    longest = max(seqlen_q, seqlen_k)
-    left, right = (-1 if side >= longest else side for side in (left, right))
+    per_document = bool(bottom_right) and per_document
+    if bottom_right and not per_document:
+        diag_offset += seqlen_k - seqlen_q
+    reach = max(seqlen_q, seqlen_k) + abs(diag_offset)
+    left, right = (-1 if side >= reach else side for side in (left, right))
     is_causal = left < 0 and right == 0
     is_window = not is_causal and (left >= 0 or right >= 0)
-    unbounded = seqlen_q + seqlen_k
+    unbounded = seqlen_q + seqlen_k + abs(diag_offset)
     consts = dict(CAUSAL=is_causal, WINDOW=is_window,
-                  BOTTOM_RIGHT=bool(bottom_right) and (is_causal or is_window) and not same_lengths,
-                  SOFTCAP=softcap > 0)
+                  BOTTOM_RIGHT=per_document and (is_causal or is_window), SOFTCAP=softcap > 0)
     if not is_window:
         left = right = 0
     runtime = (float(softcap) if softcap > 0 else 1.0, unbounded if left < 0 else left,
-               unbounded if right < 0 else right)
+               unbounded if right < 0 else right, diag_offset)
     return consts, runtime
 
 
 def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seqlens=None,
                        max_seqlen: int = 0, config: dict | None = None, *,
                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                       bottom_right: bool = False, cu_seqlens_k=None, max_seqlen_k: int = 0) -> None:
+                       bottom_right: bool = False, cu_seqlens_k=None, max_seqlen_k: int = 0,
+                       diag_offset: int = 0) -> None:
     """Fill ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_q]``, packed ``[H, T_q]``).
 
     q: ``[B, S_q, H, D]``, k/v: ``[B, S_k, H_kv, D]`` (``H % H_kv == 0``), or packed
     ``[T, H, D]`` with ``cu_seqlens`` (int32, ``[docs + 1]``) and ``max_seqlen`` (k/v's:
     ``cu_seqlens_k`` and ``max_seqlen_k``, default q's); the last dim of every tensor
-    contiguous. ``window``, ``bottom_right``: see ``mask_args``; ``softcap > 0``: scores
+    contiguous. ``window``, ``bottom_right``, ``diag_offset`` (the key on query row 0's
+    diagonal, top-left; a block of a larger attention): see ``mask_args``; ``softcap > 0``: scores
     ``softcap * tanh(scores / softcap)``. A row that sees no key gets output 0 and lse
     -inf. Checks are the op's job."""
     batch, seqlen_q, seqlen_k, cu_q, cu_k, varlen = _geometry(q, k, cu_seqlens, max_seqlen,
                                                               cu_seqlens_k, max_seqlen_k)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     masks, mask_values = mask_args(causal, window, softcap, bottom_right, seqlen_q, seqlen_k,
-                                   cu_k is cu_q if varlen else seqlen_q == seqlen_k)
+                                   varlen and cu_k is not cu_q, diag_offset)
     cfg = attn_config(head_dim, q.device, "fwd", config, masks["SOFTCAP"])
     m_blocks = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
     grid = (m_blocks * batch * n_heads,)
@@ -694,7 +710,8 @@ def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seql
 def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_scale: float,
                         cu_seqlens=None, max_seqlen: int = 0, config: dict | None = None, *,
                         window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                        bottom_right: bool = False, cu_seqlens_k=None, max_seqlen_k: int = 0) -> None:
+                        bottom_right: bool = False, cu_seqlens_k=None, max_seqlen_k: int = 0,
+                        diag_offset: int = 0) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (shaped like q, k, v) for upstream ``do``; the mask and
     packing as in ``flash_attn_forward``.
 
@@ -704,7 +721,7 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
                                                               cu_seqlens_k, max_seqlen_k)
     n_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
     masks, mask_values = mask_args(causal, window, softcap, bottom_right, seqlen_q, seqlen_k,
-                                   cu_k is cu_q if varlen else seqlen_q == seqlen_k)
+                                   varlen and cu_k is not cu_q, diag_offset)
 
     def launch_options(kernel: str) -> dict:
         cfg = attn_config(head_dim, q.device, kernel, config, masks["SOFTCAP"])
@@ -767,24 +784,31 @@ def ring_attn_state(q):
 
 def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, src: int, rows: int,
                    keys: tuple[int, int], causal: bool, sm_scale: float, first: bool, last: bool,
-                   config: dict | None = None) -> None:
+                   config: dict | None = None, *, row_hi: int | None = None, diag: int = 0,
+                   window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> None:
     """Fold keys ``keys = (lo, hi)`` of ``src``'s K/V (local: this rank's own, or a slot
     ``ring_kv_copy`` filled; ``[2, B, S_local, H_kv, D]`` contiguous) into the attention
-    of this rank's query rows ``rows`` onward (``q [B, S_local, H, D]``; rows before it see
-    none of these keys); ``state`` from ``ring_attn_state``. ``causal``: row i sees keys up
-    to i (the own block); otherwise every key of the range. ``last`` writes ``out`` (like q)
-    and ``lse`` (fp32 ``[B, H, S_local]``, contiguous). Skips a peer's K/V if this rank
-    recorded a failure. One program per (query block, batch, head); it waits on nothing."""
+    of this rank's query rows ``rows`` to ``row_hi`` (default: the end; ``q [B, S_local, H,
+    D]``; the other rows keep their state); ``state`` from ``ring_attn_state``. The mask is
+    ``flash_attn_forward``'s in local indices with the diagonal at key ``i + diag`` for row
+    i (causal, ``window``, ``softcap``); ``causal`` at ``diag = 0`` is the own block.
+    ``last`` writes ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_local]``, contiguous).
+    Skips a peer's K/V if this rank recorded a failure. One program per (query block,
+    batch, head); it waits on nothing."""
     batch, seqlen, n_heads, head_dim = q.shape
-    cfg = attn_config(head_dim, q.device, "ring", config)
+    masks, mask_values = mask_args(causal, window, softcap, False, seqlen, seqlen, False, diag)
+    del masks["BOTTOM_RIGHT"]
+    cfg = attn_config(head_dim, q.device, "ring", config, masks["SOFTCAP"])
     m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
     acc, stat = state
+    cap, left, right, diag = mask_values
     ring_attn_step_kernel[(m_blocks * batch * n_heads,)](
-        q, kv, acc, stat, out, lse, pad_table, rank, src, rows, keys[0], keys[1], sm_scale,
-        batch, n_heads, n_heads // kv.shape[3], seqlen, head_dim, m_blocks, *_layout(q),
-        *_layout(out), CAUSAL=causal, FIRST=first, LAST=last, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d(head_dim), UPCAST=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, kv, acc, stat, out, lse, pad_table, rank, src, rows, seqlen if row_hi is None else row_hi,
+        keys[0], keys[1], diag, sm_scale, cap, left, right, batch, n_heads,
+        n_heads // kv.shape[3], seqlen, head_dim, m_blocks, *_layout(q), *_layout(out), **masks,
+        FIRST=first, LAST=last, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_D=block_d(head_dim), UPCAST=interpreting(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
 
 
 # The mask variants compiled ahead of time (of those ``mask_args`` picks): causal; a sliding
@@ -797,7 +821,8 @@ MASK_VARIANTS = [dict(CAUSAL=True), dict(WINDOW=True),
 def _aot_examples():
     i32 = "i32"
     cu_seqlens = {"cu_seqlens_q_ptr": "*i32", "cu_seqlens_k_ptr": "*i32"}
-    mask_values = {"sm_scale": "fp32", "softcap": "fp32", "win_left": i32, "win_right": i32}
+    mask_values = {"sm_scale": "fp32", "softcap": "fp32", "win_left": i32, "win_right": i32,
+                   "diag_offset": i32}
     strides4 = {f"stride_{t}{a}": i32 for t in ("q", "k", "v", "o") for a in "bsh"}
     fwd_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
                "lse_ptr": "*fp32", **cu_seqlens, **mask_values, "n_heads": i32,
@@ -817,7 +842,8 @@ def _aot_examples():
               **{f"stride_dq{a}": i32 for a in "bsh"}, "stride_lb": i32, "stride_lh": i32}
     step_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "acc_ptr": "*fp32", "stat_ptr": "*fp32",
                 "o_ptr": "*bf16", "lse_ptr": "*fp32", "pad_table": "*i64", "rank": i32,
-                "src": i32, "row_lo": i32, "key_lo": i32, "key_hi": i32, "sm_scale": "fp32",
+                "src": i32, "row_lo": i32, "row_hi": i32, "key_lo": i32, "key_hi": i32, "diag": i32,
+                "sm_scale": "fp32", "softcap": "fp32", "win_left": i32, "win_right": i32,
                 "batch": i32, "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32,
                 "m_blocks": i32,
                 **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"}}
@@ -825,7 +851,7 @@ def _aot_examples():
                 "world_size": i32, "epoch": i32, "meta": i32, "timeout_ns": "i64", "src": i32,
                 "row_lo": i32, "row_hi": i32, "segments": i32, "seqlen": i32, "row_elems": i32}
     out = []
-    for arch, table in ((90, 0), (80, 1)):
+    for arch in (90, 80):
         def options(kernel: str, d: int, softcap: bool = False) -> dict:
             cfg = gpu_config(kernel, arch == 90, d, softcap)
             mma_sync_ok = _MMA_SYNC_OK.get(kernel, "") if d == 256 else ""
@@ -843,15 +869,17 @@ def _aot_examples():
                                      VARLEN=False), **variant, "BLOCK_M": cfg["BLOCK_M"],
                               "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "UPCAST": False}
                     out.append((kernel, sig, consts, options(name, d, softcap)))
-            cfg = _TABLES["ring"][table][d]
             # the own (causal) block first, a peer's block in the middle (state in and
-            # out), a peer's block last
-            for causal, first, last in ((True, True, False), (False, False, False),
-                                        (False, False, True)):
-                out.append((ring_attn_step_kernel, step_sig,
-                            dict(CAUSAL=causal, FIRST=first, LAST=last,
-                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=d,
-                                 UPCAST=False), options("ring", d)))
+            # out), a peer's block last; a window's band in the middle, and last with softcap
+            for mask, first, last in ((dict(CAUSAL=True), True, False), ({}, False, False),
+                                      ({}, False, True), (dict(WINDOW=True), False, False),
+                                      (dict(WINDOW=True, SOFTCAP=True), False, True)):
+                softcap = mask.get("SOFTCAP", False)
+                cfg = gpu_config("ring", arch == 90, d, softcap)
+                consts = {**dict(CAUSAL=False, WINDOW=False, SOFTCAP=False), **mask, "FIRST": first,
+                          "LAST": last, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+                          "BLOCK_D": d, "UPCAST": False}
+                out.append((ring_attn_step_kernel, step_sig, consts, options("ring", d, softcap)))
         out.append((ring_kv_copy_kernel, copy_sig, dict(BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=2),
                     dict(num_warps=COPY_CONFIG["num_warps"], arch=arch)))
     return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusedpar.kernels import flash_attention as kernels
-from fusedpar.ops.ring_attention import RingCall
+from fusedpar.ops.ring_plan import ring_blocks
 from fusedpar.parallel import zigzag_shard
 from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results
 
@@ -107,45 +107,137 @@ def test_strided_inputs():
     torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
 
 
-def _ring_shard(x, layout, rank, world):
-    return zigzag_shard(x, 1, rank, world) if layout == "zigzag" else x.chunk(world, 1)[rank]
+def _ring_shard(x, layout, rank, world, dim=1):
+    return zigzag_shard(x, dim, rank, world) if layout == "zigzag" else x.chunk(world, dim)[rank]
+
+
+def _ring_steps(q, k, v, layout, world, rank, scale, mask, blocks):
+    """``(out, lse)`` of ``rank``'s ring steps as the triton ring runs them: the own K/V
+    first, then the peers' in ring order, each block of ``ring_blocks`` one launch (the
+    first starts the state, the last writes out and lse). State, out and lse start as NaN."""
+    causal, window, softcap = mask
+    s_local = q.shape[1] // world
+    mine = _ring_shard(q, layout, rank, world).contiguous()
+    steps = [(src, blk) for src in [rank] + [(rank - i) % world for i in range(1, world)]
+             for blk in ring_blocks(layout, world, rank, src, s_local, causal, window)]
+    state = [torch.full_like(t, float("nan")) for t in kernels.ring_attn_state(mine)]
+    out = torch.full_like(mine, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], s_local), float("nan"))
+    pad = torch.zeros(1024, dtype=torch.int32)  # every rank's signal pad: no failure recorded
+    pad_table = torch.full((world,), pad.data_ptr(), dtype=torch.int64)
+    for i, (src, blk) in enumerate(steps):
+        kv = torch.stack([_ring_shard(t, layout, src, world) for t in (k, v)]).contiguous()
+        kernels.ring_attn_step(mine, kv, state, out, lse, pad_table, rank, src, blk.rows[0],
+                               blk.keys, blk.causal, scale, first=i == 0, last=i == len(steps) - 1,
+                               config=blocks, row_hi=blk.rows[1], diag=blk.diag, window=blk.window,
+                               softcap=softcap)
+    return out, lse
 
 
 @pytest.mark.parametrize("blocks", BLOCK_SHAPES, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}")
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_steps_match_fp64(layout, blocks):
-    """Each rank's ring steps (own K/V first, then the peers' in ring order, as the triton
-    ring runs them) against fp64 attention of its rows to the full sequence, masked by
-    global position. Half of a zigzag rank's rows (19) is not a multiple of any block
-    size, so a query block straddles the rows that see a later rank's K/V; key tails too.
-    State, outputs and lse start as NaN."""
+    """Each rank's ring steps against fp64 attention of its rows to the full sequence.
+    Half of a zigzag rank's rows (19) is not a multiple of any block size, so a query block
+    straddles the rows that see a later rank's K/V; key tails too."""
     world, s_local, h, hk, d, scale = 3, 38, 2, 1, 24, 0.3
     q, k, v = (t.detach() for t in _inputs(2, world * s_local, world * s_local, h, hk, d, seed=4))
-    pos = torch.arange(world * s_local)[None, :, None, None]
-    pad = torch.zeros(1024, dtype=torch.int32)  # every rank's signal pad: no failure recorded
-    pad_table = torch.full((world,), pad.data_ptr(), dtype=torch.int64)
     for causal in (True, False):
+        ref_out, ref_lse = attention64(q, k, v, causal, scale)
         for rank in range(world):
-            mine = [_ring_shard(t, layout, rank, world).float().contiguous() for t in (q, k, v)]
-            q_pos = _ring_shard(pos, layout, rank, world).flatten()
-            visible = (pos.flatten()[None, :] <= q_pos[:, None]) if causal else False
-            ref_out, ref_lse = attention64(_ring_shard(q, layout, rank, world), k, v, visible, scale)
-            call = RingCall(*mine, None, causal, scale, layout, world_size=world)
-            steps = [rank] + [(rank - i) % world for i in range(1, world)]
-            steps = [src for src in steps if call.block(src, rank) is not None]
-            state = [torch.full_like(t, float("nan")) for t in kernels.ring_attn_state(mine[0])]
-            out = torch.full_like(mine[0], float("nan"))
-            lse = torch.full((2, h, s_local), float("nan"))
-            for src in steps:
-                kv = torch.stack([_ring_shard(t, layout, src, world) for t in (k, v)]).float()
-                rows, keys, block_causal = call.block(src, rank)
-                kernels.ring_attn_step(mine[0], kv.contiguous(), state, out, lse, pad_table, rank,
-                                       src, rows.indices(s_local)[0], keys.indices(s_local)[:2],
-                                       block_causal, scale, first=src == rank,
-                                       last=src == steps[-1], config=blocks)
+            out, lse = _ring_steps(q.float(), k.float(), v.float(), layout, world, rank, scale,
+                                   (causal, (-1, -1), 0.0), blocks)
             where = (causal, rank)
-            torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0, msg=str(where))
-            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=0, msg=str(where))
+            torch.testing.assert_close(out.double(), _ring_shard(ref_out, layout, rank, world),
+                                       atol=2e-6, rtol=0, msg=str(where))
+            torch.testing.assert_close(lse.double(), _ring_shard(ref_lse, layout, rank, world, 2),
+                                       atol=2e-6, rtol=0, msg=str(where))
+
+
+# (causal, window, softcap) of ring attention: a causal sliding window narrower than a
+# zigzag chunk (blocks of two ranks only) and one wider (three), a two-sided window with
+# softcap (the blocks of later ranks' keys too)
+RING_MASKS = [(True, (7, -1), 0.0), (True, (29, -1), 5.0), (False, (9, 4), 5.0)]
+
+
+@pytest.mark.parametrize("layout,world,blocks", [("zigzag", 2, SMALL_BLOCKS),
+                                                 ("contiguous", 4, BLOCK_SHAPES[2])])
+def test_ring_steps_with_windows_and_softcap(layout, world, blocks):
+    """Windowed and soft-capped ring steps in bf16, each block with its own diagonal
+    offset, rows and keys cut to what the window sees (GQA, odd head dim): within twice
+    the error of the same math in bf16 against fp64, every rank."""
+    s_local, h, hk, d, scale = 22, 4, 2, 20, 0.3
+    q, k, v = (t.detach().to(torch.bfloat16)
+               for t in _inputs(1, world * s_local, world * s_local, h, hk, d, seed=8))
+    for causal, window, softcap in RING_MASKS:
+        mask = dict(scale=scale, causal=causal, window=window, softcap=softcap)
+        exact, low = (attention_ref(q.to(dtype), k.to(dtype), v.to(dtype), **mask)
+                      for dtype in (torch.float64, torch.bfloat16))
+        for rank in range(world):
+            got = _ring_steps(q, k, v, layout, world, rank, scale, (causal, window, softcap), blocks)
+            for name, x, lo, ex, dim in zip(("out", "lse"), got, low, exact, (1, 2)):
+                assert_peers_rule(f"{name} {(causal, window, softcap, rank)}", x,
+                                  _ring_shard(lo, layout, rank, world, dim),
+                                  _ring_shard(ex, layout, rank, world, dim), 2)
+
+
+@pytest.mark.parametrize("layout,world", [("zigzag", 2), ("contiguous", 3)])
+def test_ring_blocks_through_the_flash_kernels(layout, world):
+    """The pipelined ring's use of the flash kernels: every block of ``ring_blocks`` (its
+    own diagonal offset, positive or negative, in the sliced tensors) forward, merged by
+    lse, and backward from the merged lse and delta, dK/dV summed over every rank's
+    queries. Sliding windows (one with softcap) and a two-sided window, bf16, GQA, odd
+    head dim: within twice (out, lse) or three times (gradients) the bf16 math's error."""
+    s_local, h, hk, d, scale = 14, 2, 1, 20, 0.3
+    (q, k, v), dout, dlse = _bf16_case(1, world * s_local, world * s_local, h, hk, d, seed=9)
+    for causal, window, softcap in [(True, (5, -1), 5.0), (False, (6, 3), 0.0)]:
+        mask = dict(scale=scale, causal=causal, window=window, softcap=softcap)
+        exact = reference_results((q, k, v), torch.float64, dout, dlse, **mask)
+        low = reference_results((q, k, v), torch.bfloat16, dout, dlse, **mask)
+        options = dict(window=window, softcap=softcap, config=SMALL_BLOCKS)
+        shards = [[_ring_shard(t, layout, r, world) for r in range(world)] for t in (q, k, v)]
+        plans = [[ring_blocks(layout, world, r, src, s_local, causal, window) for src in range(world)]
+                 for r in range(world)]
+        outs, lses = [], []
+        for r in range(world):
+            out = torch.zeros(1, s_local, h, d)
+            lse = torch.full((1, h, s_local), float("-inf"))
+            for src in range(world):
+                for blk in plans[r][src]:
+                    rows, keys = slice(*blk.rows), slice(*blk.keys)
+                    b_out = torch.empty(1, rows.stop - rows.start, h, d)
+                    b_lse = torch.empty(1, h, rows.stop - rows.start)
+                    kernels.flash_attn_forward(shards[0][r][:, rows], shards[1][src][:, keys],
+                                               shards[2][src][:, keys], b_out, b_lse, blk.causal,
+                                               scale, diag_offset=blk.sliced_diag(), **options)
+                    new = torch.logaddexp(lse[:, :, rows], b_lse)
+                    out[:, rows] = (out[:, rows] * torch.exp(lse[:, :, rows] - new).transpose(1, 2)[..., None]
+                                    + b_out * torch.exp(b_lse - new).transpose(1, 2)[..., None])
+                    lse[:, :, rows] = new
+            outs.append(out)
+            lses.append(lse)
+        grads = [[torch.zeros(t.shape) for t in shard] for shard in shards]
+        for r in range(world):
+            do = _ring_shard(dout, layout, r, world)
+            delta = ((do * outs[r].double()).sum(-1).transpose(1, 2)
+                     - _ring_shard(dlse, layout, r, world, 2)).float()
+            for src in range(world):
+                for blk in plans[r][src]:
+                    rows, keys = slice(*blk.rows), slice(*blk.keys)
+                    inputs = (shards[0][r][:, rows], shards[1][src][:, keys], shards[2][src][:, keys])
+                    parts = [torch.empty(x.shape) for x in inputs]  # fp32, summed over blocks
+                    kernels.flash_attn_backward(
+                        *inputs, do[:, rows].to(torch.bfloat16), lses[r][:, :, rows].contiguous(),
+                        delta[:, :, rows].contiguous(), *parts, blk.causal, scale,
+                        diag_offset=blk.sliced_diag(), **options)
+                    for grad, at, part in zip(grads, (r, src, src), parts):
+                        grad[at][:, rows if grad is grads[0] else keys] += part
+        for r in range(world):
+            got = [outs[r], lses[r]] + [g[r] for g in grads]
+            for name, x, lo, ex, dim in zip(["out", "lse", "dq", "dk", "dv"], got, low, exact,
+                                            (1, 2, 1, 1, 1)):
+                assert_peers_rule(f"{name} {(causal, window, r)}", x, _ring_shard(lo, layout, r, world, dim),
+                                  _ring_shard(ex, layout, r, world, dim), 2 if name in ("out", "lse") else 3)
 
 
 def test_gpu_configs_cover_every_head_dim():
