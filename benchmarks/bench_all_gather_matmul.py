@@ -28,8 +28,8 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.ops.calls import MatmulCall
 
-from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, MatmulSuite, Unavailable, auto_choice,
-                    auto_label, counted, name, nbytes, or_skip, rel_err, run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, MatmulSuite, auto_choice, auto_label,
+                    counted, nbytes, or_skip, rel_err, run_case, split_rows, symm_mem_op)
 
 OP = "all_gather_matmul"
 SHAPES = [(8192, 8192, 1280), (8192, 8192, 7168), (1000 * W_LOOPBACK, 1032, 1288)]  # M, K, N
@@ -90,14 +90,6 @@ def _loopback_measure(backend, shape, device, gpu_times):
     return fn, gpu_times(fn), bytes_moved, chose
 
 
-@pytest.mark.parametrize("backend", SUITE.loopback_backends)  # the baseline first
-@pytest.mark.parametrize("shape", SHAPES, ids=name)
-def test_loopback(benchmark, gpu, gpu_times, record_row, synced, matmul_roofline, report_target,
-                  shape, backend):
-    or_skip(SUITE.run, benchmark, record_row, synced, matmul_roofline, report_target, "loopback",
-            shape, W_LOOPBACK, backend, lambda b: _loopback_measure(b, shape, gpu, gpu_times))
-
-
 # ---- several GPUs: torchrun ------------------------------------------------------------------
 
 
@@ -125,11 +117,8 @@ def _case(backend, a, b, group):
 def _dist_measure(backend, shape, group, device, gpu_times, agree):
     """Check one torchrun case once, then time it: ``(fn, (median, p20, p80), bytes_moved,
     note)``; ``Unavailable`` (on every rank alike) if it cannot run."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
     m, k, n = shape
-    reason = None if m % world == 0 else f"M={m} is not divisible by the world size {world}"
-    if not agree(reason is None):
-        raise Unavailable(reason)
+    world, rank = split_rows(m, group, agree)
     a = _shard(m // world, k, rank, device)
     b = _weight(k, n, device)
     expected = torch.cat([_shard(m // world, k, r, device) for r in range(world)], 0)
@@ -147,14 +136,7 @@ def _dist_measure(backend, shape, group, device, gpu_times, agree):
     return fn, gpu_times(fn), bytes_moved, note
 
 
-@pytest.mark.parametrize("backend", SUITE.dist_backends)  # the baselines first
-@pytest.mark.parametrize("shape", SHAPES, ids=name)
-def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, matmul_roofline,
-                  report_target, shape, backend):
-    group, device = dist_gpu
-    or_skip(SUITE.run, benchmark, record_row, synced, matmul_roofline, report_target, "torchrun",
-            shape, dist.get_world_size(group), backend,
-            lambda b: _dist_measure(b, shape, group, device, gpu_times, agree))
+test_loopback, test_torchrun = SUITE.tests(SHAPES, _loopback_measure, _dist_measure)
 
 
 # ---- communication volume (no timing; CPU too) -----------------------------------------------

@@ -215,6 +215,16 @@ def run_case(backend, make_case, agree):
     return fn, note, result, bytes_moved
 
 
+def split_rows(m, group, agree) -> tuple[int, int]:
+    """``(world, rank)`` of ``group``; ``Unavailable`` on every rank alike where the ``m`` rows
+    do not split evenly over its ranks."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reason = None if m % world == 0 else f"M={m} is not divisible by the world size {world}"
+    if not agree(reason is None):
+        raise Unavailable(reason)
+    return world, rank
+
+
 # ---- the fused matmul suites -----------------------------------------------------------------
 
 
@@ -250,6 +260,31 @@ class MatmulSuite:
         }
         self.dist_backends = [unfused, symm_mem, *self.fusedpar, AUTO]  # the baselines first
         self.medians: dict[tuple, float | None] = {}
+
+    def tests(self, shapes, loopback_measure, dist_measure):
+        """The suite's ``test_loopback`` and ``test_torchrun`` over ``shapes`` (``M x K x N``),
+        each backend a case (the baselines first): ``run`` with
+        ``loopback_measure(backend, shape, device, gpu_times)`` on one GPU,
+        ``dist_measure(backend, shape, group, device, gpu_times, agree)`` under torchrun."""
+
+        @pytest.mark.parametrize("backend", self.loopback_backends)
+        @pytest.mark.parametrize("shape", shapes, ids=name)
+        def test_loopback(benchmark, gpu, gpu_times, record_row, synced, matmul_roofline,
+                          report_target, shape, backend):
+            or_skip(self.run, benchmark, record_row, synced, matmul_roofline, report_target,
+                    "loopback", shape, W_LOOPBACK, backend,
+                    lambda b: loopback_measure(b, shape, gpu, gpu_times))
+
+        @pytest.mark.parametrize("backend", self.dist_backends)
+        @pytest.mark.parametrize("shape", shapes, ids=name)
+        def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced,
+                          matmul_roofline, report_target, shape, backend):
+            group, device = dist_gpu
+            or_skip(self.run, benchmark, record_row, synced, matmul_roofline, report_target,
+                    "torchrun", shape, dist.get_world_size(group), backend,
+                    lambda b: dist_measure(b, shape, group, device, gpu_times, agree))
+
+        return test_loopback, test_torchrun
 
     def run(self, benchmark, record_row, synced, roofline, report_target, mode, shape, world,
             backend, measure):
