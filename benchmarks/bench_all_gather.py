@@ -22,8 +22,8 @@ from fusedpar.ops import registry
 from fusedpar.ops.calls import CollectiveCall
 from fusedpar.testing.collectives import symmetric_backend_names
 
-from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, auto_choice, auto_label, bench, counted,
-                    name, nbytes, or_skip, run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, auto_choice, counted, loopback_case,
+                    name, nbytes, or_skip, record_case, run_case, symm_mem_op)
 
 OP = "all_gather"
 SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank shard
@@ -46,31 +46,23 @@ LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), "torch.cat"]
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
-    benchmark.group = f"{OP} {name(shape)} bf16 loopback W={world}"
     xs = [_shard(shape, r, gpu) for r in range(world)]
     expected = torch.cat(xs, 0)
-    runs, notes = backend, {}
-    if backend == AUTO:  # the loopback case of what the dispatcher would run
-        runs, notes["chose"] = or_skip(auto_label, OP, CollectiveCall(OP, xs[0], 0, world),
-                                       LOOPBACK_BACKENDS)
-    if runs == "torch.cat":
-        def fn():
-            return [torch.cat(xs, 0) for _ in range(world)]  # one output per simulated rank
-        outs, bytes_moved = fn(), None
-    else:
-        def fn():
-            return fusedpar.ops.all_gather_loopback(xs, 0, backend=runs)
-        outs, bytes_moved = or_skip(counted, fn)
+
+    def baseline():
+        return [torch.cat(xs, 0) for _ in range(world)]  # one output per simulated rank
+
+    fn, outs, bytes_moved, notes = loopback_case(
+        OP, backend, CollectiveCall(OP, xs[0], 0, world), LOOPBACK_BACKENDS, baseline,
+        lambda runs: fusedpar.ops.all_gather_loopback(xs, 0, backend=runs))
     assert len(outs) == world
     for rank, out in enumerate(outs):
         assert torch.equal(out, expected), f"simulated rank {rank}: wrong gathered tensor"
     del outs
 
-    times = gpu_times(fn)
-    record_row(OP, backend, shape, DTYPE, world, *times,
-               algo_bytes=world * nbytes(expected), bytes_moved=bytes_moved,
-               lower_bound=world * (world - 1) * nbytes(xs[0]), mode="loopback", **notes)
-    bench(benchmark, synced, fn, times)
+    record_case(benchmark, gpu_times, record_row, synced, fn, OP, backend, shape, world,
+                "loopback", algo_bytes=world * nbytes(expected), bytes_moved=bytes_moved,
+                lower_bound=world * (world - 1) * nbytes(xs[0]), **notes)
 
 
 # ---- several GPUs: torchrun ------------------------------------------------------------------
@@ -109,18 +101,15 @@ DIST_BACKENDS = [*registry.get(OP).backends, "nccl", "symm_mem.multimem_all_gath
 def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, shape, backend):
     group, device = dist_gpu
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    benchmark.group = f"{OP} {name(shape)} bf16 W={world}"
     x = _shard(shape, rank, device)
     expected = torch.cat([_shard(shape, r, device) for r in range(world)], 0)
     fn, note, out, bytes_moved = or_skip(run_case, backend, lambda: _case(backend, x, group), agree)
     assert agree(torch.equal(out, expected)), f"{backend}: wrong gathered tensor on some rank"
     notes = {"chose": auto_choice(OP, CollectiveCall(OP, x, 0, world, group))} if backend == AUTO else {}
 
-    times = gpu_times(fn)
-    record_row(OP, backend, shape, DTYPE, world, *times,
-               algo_bytes=nbytes(expected), bytes_moved=bytes_moved,
-               lower_bound=(world - 1) * nbytes(x), mode="torchrun", impl=note, **notes)
-    bench(benchmark, synced, fn, times)
+    record_case(benchmark, gpu_times, record_row, synced, fn, OP, backend, shape, world,
+                "torchrun", algo_bytes=nbytes(expected), bytes_moved=bytes_moved,
+                lower_bound=(world - 1) * nbytes(x), impl=note, **notes)
 
 
 # ---- communication volume (no timing; CPU too) -----------------------------------------------

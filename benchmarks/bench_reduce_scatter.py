@@ -24,8 +24,9 @@ from fusedpar.ops import registry
 from fusedpar.ops.calls import CollectiveCall
 from fusedpar.testing.collectives import symmetric_backend_names
 
-from common import (AUTO, DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, auto_choice, auto_label, bench,
-                    counted, name, nbytes, or_skip, rel_err, run_case, symm_mem_op)
+from common import (AUTO, DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, auto_choice, counted,
+                    loopback_case, name, nbytes, or_skip, record_case, rel_err, run_case,
+                    symm_mem_op)
 
 OP = "reduce_scatter"
 SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank output
@@ -50,23 +51,14 @@ LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), "torch.stack.sum"]
 @pytest.mark.parametrize("shape", SHAPES, ids=name)
 def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend):
     world = W_LOOPBACK
-    benchmark.group = f"{OP} {name(shape)} bf16 loopback W={world}"
     xs = [_input(shape, world, r, gpu) for r in range(world)]
 
     def baseline():
         return torch.stack(xs).sum(0).chunk(world, 0)  # every simulated rank's output
 
-    runs, notes = backend, {}
-    if backend == AUTO:  # the loopback case of what the dispatcher would run
-        runs, notes["chose"] = or_skip(auto_label, OP, CollectiveCall(OP, xs[0], 0, world, None, "sum"),
-                                       LOOPBACK_BACKENDS)
-    if runs == "torch.stack.sum":
-        fn = baseline
-        outs, bytes_moved = fn(), None
-    else:
-        def fn():
-            return fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=runs)
-        outs, bytes_moved = or_skip(counted, fn)
+    fn, outs, bytes_moved, notes = loopback_case(
+        OP, backend, CollectiveCall(OP, xs[0], 0, world, None, "sum"), LOOPBACK_BACKENDS, baseline,
+        lambda runs: fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=runs))
     ref32 = torch.zeros(xs[0].shape, dtype=torch.float32, device=gpu)
     for x in xs:
         ref32 += x.float()
@@ -79,11 +71,9 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
         assert err <= max(2 * torch_err, 1e-6), f"rank {rank}: error {err:.3g}, torch {torch_err:.3g}"
     del ref32, torch_outs, outs
 
-    times = gpu_times(fn)
-    record_row(OP, backend, shape, DTYPE, world, *times,
-               algo_bytes=world * nbytes(xs[0]), bytes_moved=bytes_moved,
-               lower_bound=world * (world - 1) * nbytes(xs[0]) // world, mode="loopback", **notes)
-    bench(benchmark, synced, fn, times)
+    record_case(benchmark, gpu_times, record_row, synced, fn, OP, backend, shape, world,
+                "loopback", algo_bytes=world * nbytes(xs[0]), bytes_moved=bytes_moved,
+                lower_bound=world * (world - 1) * nbytes(xs[0]) // world, **notes)
 
 
 # ---- several GPUs: torchrun ------------------------------------------------------------------
@@ -133,7 +123,6 @@ DIST_BACKENDS = [*registry.get(OP).backends, "nccl", "symm_mem.reduce_scatter_ou
 def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, shape, backend):
     group, device = dist_gpu
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    benchmark.group = f"{OP} {name(shape)} bf16 W={world}"
     x = _input(shape, world, rank, device)
     ref32 = torch.zeros(shape, dtype=torch.float32, device=device)
     for r in range(world):
@@ -148,11 +137,9 @@ def test_torchrun(benchmark, dist_gpu, gpu_times, record_row, agree, synced, sha
     notes = ({"chose": auto_choice(OP, CollectiveCall(OP, x, 0, world, group, "sum"))}
              if backend == AUTO else {})
 
-    times = gpu_times(fn)
-    record_row(OP, backend, shape, DTYPE, world, *times,
-               algo_bytes=nbytes(x), bytes_moved=bytes_moved,
-               lower_bound=(world - 1) * nbytes(x) // world, mode="torchrun", impl=note, **notes)
-    bench(benchmark, synced, fn, times)
+    record_case(benchmark, gpu_times, record_row, synced, fn, OP, backend, shape, world,
+                "torchrun", algo_bytes=nbytes(x), bytes_moved=bytes_moved,
+                lower_bound=(world - 1) * nbytes(x) // world, impl=note, **notes)
 
 
 # ---- communication volume (no timing; CPU too) -----------------------------------------------

@@ -6,6 +6,7 @@ TRITON_INTERPRET (the suites import it, never conftest.py).
 """
 
 import contextlib
+import functools
 import time
 import warnings
 
@@ -134,6 +135,17 @@ def bench(benchmark, synced, fn, times, **extra_info):
     benchmark.pedantic(synced(fn), **PEDANTIC)
 
 
+def record_case(benchmark, gpu_times, record_row, synced, fn, op, backend, shape, world, mode,
+                **row):
+    """Time a checked case ``fn`` (do_bench), record its row (``row``: record_row's byte counts
+    and notes, after ``mode``) and let pytest-benchmark time it, grouped by op, shape and world."""
+    where = " loopback" if mode == "loopback" else ""
+    benchmark.group = f"{op} {name(shape)} bf16{where} W={world}"
+    times = gpu_times(fn)
+    record_row(op, backend, shape, DTYPE, world, *times, mode=mode, **row)
+    bench(benchmark, synced, fn, times)
+
+
 # ---- the auto row: what a user gets (backend=None) ------------------------------------------
 # A suite times it last in a case, after the baselines (conftest's record_row judges it
 # against the fastest of them) and notes ``chose=<auto_choice>``.
@@ -166,6 +178,22 @@ def auto_label(op, call, labels) -> tuple[str, str]:
     if label is None:
         raise Unavailable(f"{AUTO}: {op} would run {name!r} here, which no loopback case times")
     return label, name
+
+
+def loopback_case(op, backend, call, labels, baseline, fused):
+    """Run a collective's loopback case once: ``(fn, fn(), bytes_moved, notes)``. ``labels``:
+    the suite's loopback rows, the last the plain-torch ``baseline`` (a fn; no bytes counted);
+    ``fused(backend)``: runs the fusedpar loopback op with one of the others. ``AUTO`` runs the row
+    ``auto_label`` names for ``call`` (notes ``chose``); a case that cannot run here skips."""
+    __tracebackhide__ = True
+    runs, notes = backend, {}
+    if backend == AUTO:  # the loopback case of what the dispatcher would run
+        runs, notes["chose"] = or_skip(auto_label, op, call, labels)
+    if runs == labels[-1]:
+        return baseline, baseline(), None, notes
+    fn = functools.partial(fused, runs)
+    outs, bytes_moved = or_skip(counted, fn)
+    return fn, outs, bytes_moved, notes
 
 
 # ---- several GPUs: torchrun ------------------------------------------------------------------
