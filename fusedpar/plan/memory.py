@@ -314,8 +314,6 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     head_saved = (seq_shard * h * (4 + c) + tokens * h * c) if last else 0  # final norm, head input
     if cand.activation_checkpointing:
         kept = layers_here * seq_shard * h * c + rope  # each block's input
-        if cand.tp > 1:  # each SharedGather keeps its last gathered input until its next call
-            kept += layers_here * (1 if spec.moe else 2) * tokens * h * c
         recompute = per_layer
     else:
         kept = layers_here * per_layer + rope
@@ -327,16 +325,18 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     blocks = in_flight * kept
     loss_fwd = (tokens * V * c + (tokens * V * 4 if c != 4 else 0)) if last else 0
     loss_bwd = 2 * tokens * V * 4 + (tokens * V * c if c != 4 else 0) if last else 0
-    # a block's backward: the incoming gradient, the MLP's input gradients, the down
-    # projection's weight gradient (under pp accumulated into stage_grads, counted there),
-    # and under SP the gate/up gradients concatenated
+    # a block's backward: the incoming gradient and the larger of two moments of the MLP's:
+    # the down projection's (its input gradients and weight gradient; under pp the weight
+    # gradient accumulates into stage_grads, counted there) and, under SP, gate/up's (their
+    # gradients and the two concatenated)
     if spec.moe:
         I = spec.expert_intermediate
         mlp_bwd = seq_shard * spec.top_k * (3 * I + h) * c
     else:
         I = spec.intermediate // cand.tp
-        mlp_bwd = (3 * tokens * I * c + (h * I * c if cand.pp == 1 else 0)
-                   + (2 * tokens * I * c if cand.tp > 1 else 0))
+        mlp_bwd = 3 * tokens * I * c + (h * I * c if cand.pp == 1 else 0)
+        if cand.tp > 1:
+            mlp_bwd = max(mlp_bwd, 4 * tokens * I * c)
     # the unit's gather comes before its recomputation (AC) and the MLP's gradients: the
     # larger of the two moments (``recompute``: the activations held at it)
     if gather > recompute + mlp_bwd:
