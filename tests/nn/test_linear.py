@@ -28,121 +28,78 @@ def _rank_world():
     return dist.get_rank(), dist.get_world_size()
 
 
-
-
 def _full(t):
     """A DTensor's full value; a plain tensor as is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _step(module, loss):
-    loss.backward()
+def _train_step(module, x, g):
+    """``module(x)``, then one SGD step on ``(y * g).sum()``: ``(y, x's grad, {name: full
+    grad}, {name: full parameter after the step})``."""
+    x = x.clone().requires_grad_()
+    y = module(x)
+    (y * g).sum().backward()
     torch.optim.SGD(module.parameters(), lr=LR).step()
+    return (y.detach(), x.grad, {n: _full(p.grad) for n, p in module.named_parameters()},
+            {n: _full(p.detach()) for n, p in module.named_parameters()})
 
 
 # ---- the per-rank checks ---------------------------------------------------------------------
 
 
-def _check_column(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
+def _check_layer(kind: str, sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
+    """A ColumnParallelLinear (``kind="column"``) or RowParallelLinear against the single-process
+    nn.Linear and torch's ColwiseParallel / RowwiseParallel: output, input grad, and the
+    parameters' grads and values after one SGD step."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    column = kind == "column"
     rank, world = _rank_world()
-    torch.manual_seed(0)
-    full = nn.Linear(shape[-1], 24, bias=bias)
+    torch.manual_seed(0 if column else 1)
+    out_features = 24 if column else 12
+    full = nn.Linear(shape[-1], out_features, bias=bias)
     x_full = torch.randn(shape)
-    g_full = torch.randn(*shape[:-1], 24)
-    ours = ColumnParallelLinear.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
-                                            sequence_dim=sequence_dim, backend=backend)
-    dt = parallelize_module(copy.deepcopy(full), tp_mesh(), ColwiseParallel(
-        input_layouts=Shard(seq) if sp else Replicate(), use_local_output=True))
+    g_full = torch.randn(*shape[:-1], out_features)
+    layer = ColumnParallelLinear if column else RowParallelLinear
+    ours = layer.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
+                             sequence_dim=sequence_dim, backend=backend)
+    sequence = Shard(seq) if sp else Replicate()
+    style = (ColwiseParallel(input_layouts=sequence, use_local_output=True) if column
+             else RowwiseParallel(output_layouts=sequence, use_local_output=True))
+    dt = parallelize_module(copy.deepcopy(full), tp_mesh(), style)
 
-    # single process
-    x_ref = x_full.clone().requires_grad_()
-    y_ref = full(x_ref)
-    _step(full, (y_ref * g_full).sum())
+    def part(t, features: bool):
+        """This rank's part of a full input or output: its features, or its sequence chunk (SP)."""
+        if features:
+            return t.chunk(world, -1)[rank]
+        return t.chunk(world, seq)[rank] if sp else t
 
-    x_local = x_full.chunk(world, seq)[rank] if sp else x_full
-    g_local = g_full.chunk(world, -1)[rank]
-    results = {}
-    for name, module in (("fusedpar", ours), ("dtensor", dt)):
-        x = x_local.clone().requires_grad_()
-        y = module(x)
-        _step(module, (y * g_local).sum())
-        grads = {n: _full(p.grad) for n, p in module.named_parameters()}
-        params = {n: _full(p.detach()) for n, p in module.named_parameters()}
-        results[name] = (y.detach(), x.grad, grads, params)
+    # column: the input is sequence-sharded (SP), the output feature-sharded; row: the reverse
+    y_ref, x_grad_ref, grads_ref, params_ref = _train_step(full, x_full, g_full)
+    x_local, g_local = part(x_full, not column), part(g_full, column)
+    y, x_grad, grads, params = _train_step(ours, x_local, g_local)
+    y_dt, x_grad_dt, grads_dt, params_dt = _train_step(dt, x_local, g_local)
 
-    y, x_grad, grads, params = results["fusedpar"]
-    assert y.shape == (*x_full.shape[:-1], 24 // world)
-    close(y, y_ref.detach().chunk(world, -1)[rank], "column output")
-    close(x_grad, x_ref.grad.chunk(world, seq)[rank] if sp else x_ref.grad, "column input grad")
-    close(grads["weight"], full.weight.grad, "column weight grad")
-    close(params["weight"], full.weight.detach(), "column weight after SGD")
-    if bias:
-        close(grads["bias"], full.bias.grad, "column bias grad")
-        close(params["bias"], full.bias.detach(), "column bias after SGD")
+    assert y.shape == part(y_ref, column).shape
+    close(y, part(y_ref, column), f"{kind} output")
+    close(x_grad, part(x_grad_ref, not column), f"{kind} input grad")
+    for n in grads_ref:  # a row layer's bias is replicated: every rank holds the complete grad
+        close(grads[n], grads_ref[n], f"{kind} {n} grad")
+        close(params[n], params_ref[n], f"{kind} {n} after SGD")
     # DTensor: same outputs and input grads; its parameter grads/params are full tensors
-    y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
-    close(y, y_dt, "column output vs DTensor")
-    close(x_grad, x_grad_dt, "column input grad vs DTensor")
+    close(y, y_dt, f"{kind} output vs DTensor")
+    close(x_grad, x_grad_dt, f"{kind} input grad vs DTensor")
     for n in grads_dt:
-        close(grads[n], grads_dt[n], f"column {n} grad vs DTensor")
-        close(params[n], params_dt[n], f"column {n} after SGD vs DTensor")
-
-
-def _check_row(sp: bool, bias: bool, shape, sequence_dim, seq, backend) -> None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-
-    rank, world = _rank_world()
-    torch.manual_seed(1)
-    full = nn.Linear(shape[-1], 12, bias=bias)
-    x_full = torch.randn(shape)
-    g_full = torch.randn(*shape[:-1], 12)
-    ours = RowParallelLinear.from_linear(copy.deepcopy(full), None, sequence_parallel=sp,
-                                         sequence_dim=sequence_dim, backend=backend)
-    dt = parallelize_module(copy.deepcopy(full), tp_mesh(), RowwiseParallel(
-        output_layouts=Shard(seq) if sp else Replicate(), use_local_output=True))
-
-    x_ref = x_full.clone().requires_grad_()
-    y_ref = full(x_ref)
-    _step(full, (y_ref * g_full).sum())
-
-    x_local = x_full.chunk(world, -1)[rank]
-    g_local = g_full.chunk(world, seq)[rank] if sp else g_full
-    results = {}
-    for name, module in (("fusedpar", ours), ("dtensor", dt)):
-        x = x_local.clone().requires_grad_()
-        y = module(x)
-        _step(module, (y * g_local).sum())
-        grads = {n: _full(p.grad) for n, p in module.named_parameters()}
-        params = {n: _full(p.detach()) for n, p in module.named_parameters()}
-        results[name] = (y.detach(), x.grad, grads, params)
-
-    y, x_grad, grads, params = results["fusedpar"]
-    close(y, y_ref.detach().chunk(world, seq)[rank] if sp else y_ref.detach(), "row output")
-    close(x_grad, x_ref.grad.chunk(world, -1)[rank], "row input grad")
-    close(grads["weight"], full.weight.grad, "row weight grad")
-    close(params["weight"], full.weight.detach(), "row weight after SGD")
-    if bias:  # replicated: every rank holds the complete gradient
-        close(grads["bias"], full.bias.grad, "row bias grad")
-        close(params["bias"], full.bias.detach(), "row bias after SGD")
-    y_dt, x_grad_dt, grads_dt, params_dt = results["dtensor"]
-    close(y, y_dt, "row output vs DTensor")
-    close(x_grad, x_grad_dt, "row input grad vs DTensor")
-    close(grads["weight"], grads_dt["weight"], "row weight grad vs DTensor")
-    close(params["weight"], params_dt["weight"], "row weight after SGD vs DTensor")
-    if bias:
-        close(grads["bias"], grads_dt["bias"], "row bias grad vs DTensor")
-        close(params["bias"], params_dt["bias"], "row bias after SGD vs DTensor")
+        close(grads[n], grads_dt[n], f"{kind} {n} grad vs DTensor")
+        close(params[n], params_dt[n], f"{kind} {n} after SGD vs DTensor")
 
 
 def _check_layers(sp: bool, backend: str) -> bool:
     for i, (shape, sequence_dim, seq) in enumerate(LAYOUTS):
         for bias in (True, False) if i == 0 else (True,):
-            _check_column(sp, bias, shape, sequence_dim, seq, backend)
-            _check_row(sp, bias, shape, sequence_dim, seq, backend)
+            for kind in ("column", "row"):
+                _check_layer(kind, sp, bias, shape, sequence_dim, seq, backend)
     return True
 
 
