@@ -48,18 +48,21 @@ class AttentionCall:
     cu_seqlens_k: torch.Tensor | None = None  # None: cu_seqlens
     max_seqlen_k: int = 0
     lse_grad: bool = False  # a backward call whose lse has a gradient
+    diag_offset: int = 0  # top-left: query 0's diagonal key (a block of a larger attention)
 
     def kernel_mask(self) -> dict:
         """The mask and packing arguments of the kernels' launchers."""
         return dict(window=self.window, softcap=self.softcap, bottom_right=self.bottom_right,
-                    cu_seqlens_k=self.cu_seqlens_k, max_seqlen_k=self.max_seqlen_k)
+                    cu_seqlens_k=self.cu_seqlens_k, max_seqlen_k=self.max_seqlen_k,
+                    diag_offset=self.diag_offset)
 
     def cache_key(self) -> tuple:
         """What the backends' reasons depend on (sdpa's: the mask, packing, head counts and
         dim, whether the lengths are equal)."""
         return (self.q.device.type, self.q.dtype, self.lse_grad, self.q.shape[-1], self.q.shape[-2],
                 self.k.shape[-2], self.causal, self.window, self.softcap > 0, self.bottom_right,
-                self.cu_seqlens is not None, self.q.shape[-3] == self.k.shape[-3])
+                self.cu_seqlens is not None, self.q.shape[-3] == self.k.shape[-3],
+                self.diag_offset != 0)
 
     def bucket(self) -> tuple:
         """The tuning bucket: batch x heads, K/V heads, query and key lengths (packed: the
@@ -255,7 +258,7 @@ class Reference(Backend):
             capped = torch.tanh(s / call.softcap)
             s = capped * call.softcap
         visible = band_mask(q.shape[1], k.shape[1], call.causal, call.window, call.bottom_right,
-                            q.device)
+                            q.device, call.diag_offset)
         if visible is not None:
             s = s.masked_fill(~visible, float("-inf"))
         return s, kk, vv, visible, capped
@@ -359,6 +362,9 @@ class Sdpa(Backend):
             reasons.append(f"window_size={call.window}: torch's attention kernels have no sliding window")
         if call.softcap:
             reasons.append(f"softcap={call.softcap}: torch's attention kernels have no logit soft-capping")
+        if call.causal and call.diag_offset:
+            reasons.append(f"a causal diagonal moved by {call.diag_offset} keys (a block of a larger "
+                           "attention): torch's is_causal is top-left")
         if call.lse_grad:
             # the next backend computes the same gradients; torch's backward ops take
             # rowsum(dout * out) from out and have no input for the lse's gradient
@@ -440,14 +446,15 @@ class Sdpa(Backend):
 
 
 def band_mask(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int],
-              bottom_right: bool, device) -> torch.Tensor | None:
-    """``[S_q, S_k]`` bool, True where query i sees key j (``flash_attention``'s rule), or
-    None when every query sees every key."""
+              bottom_right: bool, device, diag_offset: int = 0) -> torch.Tensor | None:
+    """``[S_q, S_k]`` bool, True where query i sees key j (``flash_attention``'s rule, the
+    diagonal moved by ``diag_offset`` keys), or None when every query sees every key."""
     left, right = window
     right = 0 if causal else right
     if left < 0 and right < 0:
         return None
-    diag = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q if bottom_right else 0)
+    diag = torch.arange(seqlen_q, device=device)[:, None] + diag_offset + (
+        seqlen_k - seqlen_q if bottom_right else 0)
     j = torch.arange(seqlen_k, device=device)[None, :]
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     if left >= 0:
@@ -605,18 +612,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return (out, lse) if return_lse else out
 
 
-def attend_block(q, k, v, causal: bool, scale: float, backend: str):
+def attend_block(q, k, v, causal: bool, scale: float, backend: str, mask: dict | None = None):
     """``(out, lse)`` of one block of a larger attention (no checks, no autograd), both fp32
     (blocks are merged before the one rounding to q's dtype); ``backend`` is a name of
-    DISPATCHER. Ring attention's building block."""
-    call = AttentionCall(q, k, v, causal, scale, out_dtype=torch.float32)
+    DISPATCHER; ``mask``: AttentionCall's ``window``, ``softcap``, ``diag_offset``. Ring
+    attention's building block."""
+    call = AttentionCall(q, k, v, causal, scale, out_dtype=torch.float32, **(mask or {}))
     return DISPATCHER.backends[backend].forward(call)
 
 
-def attend_block_backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str):
+def attend_block_backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str,
+                          mask: dict | None = None):
     """``(dq, dk, dv)`` of one block, from the global ``out``, ``lse`` (and ``dlse``) of its
     rows: the block's ``exp(S - lse)`` is its share of the whole softmax."""
-    call = AttentionCall(q, k, v, causal, scale, lse_grad=dlse is not None)
+    call = AttentionCall(q, k, v, causal, scale, lse_grad=dlse is not None, **(mask or {}))
     return DISPATCHER.backends[backend].backward(call, out, lse, dout, dlse)
 
 

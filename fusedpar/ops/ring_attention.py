@@ -9,16 +9,15 @@ Backends: ``triton`` (per ring step, a copy kernel pulls the visible rows of a p
 from symmetric memory once its flag flips, while an attention kernel folds the previous
 step's block into fp32 state), ``pipelined`` (K/V around the ring by async P2P),
 ``pipelined_sdpa`` (the same ring, each step torch's attention kernel with its lse),
-``ulysses`` (all-to-all heads <-> sequence), ``allgather_kv`` (gather K/V; packed documents
-across ranks).
+``ulysses`` (all-to-all heads <-> sequence), ``allgather_kv`` (gather K/V).
 
-Ring blocks: rank ``r`` attends its queries to the K/V of every source rank ``src``. For
-causal attention most blocks are either fully visible, fully masked (skipped, never
-computed) or the diagonal (the own block: causal, top-left aligned). Zigzag, ``src < r``:
-every query sees the first chunk of ``src`` only; ``src > r``: only the second query chunk
-sees (all of) ``src``. Partial results merge in fp32 with the stable log-sum-exp update.
-Every backward recomputes the blocks from the saved (global) lse: a block's
-``P = exp(S - lse)`` is its share of the whole softmax, so its dQ/dK/dV are exact.
+Ring blocks (``ring_plan``): rank ``r`` attends its queries to the K/V of every source rank
+``src``, one flash-attention block per (query chunk, key chunk) pair with that pair's
+diagonal offset, cut to the keys its window reaches (packed documents cut further), or none.
+Without a window, most causal blocks are fully visible, fully masked (skipped) or the own
+block (causal in local indices). Partial results merge in fp32 with the stable
+log-sum-exp update. Every backward recomputes the blocks from the saved (global) lse: a
+block's ``P = exp(S - lse)`` is its share of the whole softmax, so its dQ/dK/dV are exact.
 """
 
 from __future__ import annotations
@@ -36,15 +35,17 @@ from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
 from .flash_attention import (DISPATCHER as FLASH_DISPATCHER, KERNEL_DTYPES, AttentionCall,
                               attend_block, attend_block_backward, backward_backend,
-                              check_attention_inputs, check_cu_seqlens, default_scale)
+                              check_attention_inputs, check_cu_seqlens, check_mask_args,
+                              default_scale)
+from .ring_plan import RingBlock, band_block, key_ranges, ring_blocks
 
 OP = "ring_attention"
 LAYOUTS = ("zigzag", "contiguous")
-SCHEMA = ("(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float softmax_scale, "
-          "str layout, Tensor? cu_seqlens, str backend) -> (Tensor, Tensor)")
+MASK_SCHEMA = ("str group_name, bool causal, float softmax_scale, int window_left, int window_right, "
+               "float softcap, str layout, Tensor? cu_seqlens, str backend")
+SCHEMA = f"(Tensor q, Tensor k, Tensor v, {MASK_SCHEMA}) -> (Tensor, Tensor)"
 BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, Tensor? dlse, "
-                   "str group_name, bool causal, float softmax_scale, str layout, Tensor? cu_seqlens, "
-                   "str backend) -> (Tensor, Tensor, Tensor)")
+                   f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
 class RingCall:
@@ -54,10 +55,12 @@ class RingCall:
     op = OP
 
     def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str, world_size: int = 0,
-                 cu_seqlens: torch.Tensor | None = None, lse_grad: bool = False):
+                 cu_seqlens: torch.Tensor | None = None, lse_grad: bool = False,
+                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
         self.q, self.k, self.v, self.group = q, k, v, group
         self.x = q  # what C.raise_on_mismatch reads
         self.causal, self.scale, self.layout = causal, scale, layout
+        self.window, self.softcap = tuple(window), softcap
         self.world_size = dist.get_world_size(group) if group is not None else world_size
         self.rank = dist.get_rank(group) if group is not None else 0
         self.cu_seqlens = cu_seqlens
@@ -69,7 +72,8 @@ class RingCall:
     def cache_key(self) -> tuple:
         name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
         return (name, self.q.device.type, self.q.dtype, self.q.shape[2], self.k.shape[2],
-                self.q.shape[3], self.layout, self.cu_seqlens is not None, self.lse_grad)
+                self.q.shape[3], self.layout, self.cu_seqlens is not None, self.lse_grad,
+                self.window != (-1, -1), self.softcap > 0)
 
     def describe(self) -> str:
         return (f"q {tuple(self.q.shape)}, k/v {tuple(self.k.shape)} {self.q.dtype} on "
@@ -77,7 +81,8 @@ class RingCall:
 
     def fingerprint(self) -> int:
         return symmetric.fingerprint(OP, self.q.dtype, tuple(self.q.shape), tuple(self.k.shape),
-                                     self.causal, self.layout, self.documents)
+                                     self.causal, self.layout, self.documents, self.window,
+                                     self.softcap)
 
     def description(self) -> list[int]:
         """For mismatch errors: q's shape and the K/V head count, the sequence dim."""
@@ -89,19 +94,20 @@ class RingCall:
         on CPU (the interpreter is a test tool); the same on every rank."""
         return "triton" if self.q.device.type == "cuda" else "reference"
 
-    def block(self, src: int, rank: int | None = None):
-        """``(query rows, key rows, causal)`` of ``rank``'s (default: this rank's) block
-        against ``src``'s K/V, or None when causal masking hides all of it."""
+    def blocks(self, src: int, rank: int | None = None) -> list[RingBlock]:
+        """The blocks of ``rank``'s (default: this rank's) queries against ``src``'s K/V
+        (``ring_plan.ring_blocks``); empty when no query sees any of its keys."""
         rank = self.rank if rank is None else rank
-        every = slice(None)
-        if not self.causal:
-            return every, every, False
-        if src == rank:
-            return every, every, True
-        if self.layout == "contiguous":
-            return (every, every, False) if src < rank else None
-        half = self.q.shape[1] // 2
-        return (every, slice(0, half), False) if src < rank else (slice(half, None), every, False)
+        return ring_blocks(self.layout, self.world_size, rank, src, self.q.shape[1], self.causal,
+                           self.window, self.documents if self.cu_seqlens is not None else None)
+
+    def block_mask(self, block: RingBlock) -> dict:
+        """``attend_block``'s mask of ``block`` on tensors sliced to its rows and keys."""
+        return dict(window=block.window, softcap=self.softcap, diag_offset=block.sliced_diag())
+
+    def whole_mask(self) -> dict:
+        """``attend_block``'s mask of the whole sequence in global order."""
+        return dict(window=self.window, softcap=self.softcap)
 
     def chunks(self) -> list[tuple[slice, int]]:
         """``(local rows, global chunk index)`` of this rank's chunks, chunk size
@@ -186,7 +192,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def packed_reason(call: RingCall) -> list[str]:
-    return (["packed documents (cu_seqlens) run on allgather_kv only"]
+    return (["packed documents (cu_seqlens) run on the triton, pipelined and allgather_kv backends"]
             if call.cu_seqlens is not None else [])
 
 
@@ -200,9 +206,6 @@ class Pipelined(Backend):
     the final out and lse of its rows (as ring-flash-attn does)."""
 
     name = "pipelined"
-
-    def not_supported_reasons(self, call: RingCall) -> list[str]:
-        return packed_reason(call)
 
     def step(self, call: RingCall) -> str:
         """The flash_attention backend of each ring step."""
@@ -220,12 +223,11 @@ class Pipelined(Backend):
             src, current = (rank - step) % world, bufs[step % 2]
             if step < world - 1:
                 requests = C.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
-            block = call.block(src)
-            if block is not None:
-                rows, keys, causal = block
+            for block in call.blocks(src):
+                rows, keys = slice(*block.rows), slice(*block.keys)
                 merge(out, lse, rows, *attend_block(q[:, rows], current[0][:, keys],
-                                                    current[1][:, keys], causal, call.scale,
-                                                    self.step(call)))
+                                                    current[1][:, keys], block.causal, call.scale,
+                                                    self.step(call), call.block_mask(block)))
             if step < world - 1:
                 for request in requests:
                     request.wait()
@@ -250,13 +252,12 @@ class Pipelined(Backend):
                 request.wait()
             # the partial dK/dV of src's block, added to in fp32 (in place when fp32)
             acc = own if step == 0 else travelling[(step - 1) % 2].float()
-            block = call.block(src)
-            if block is not None:
-                rows, keys, causal = block
+            for block in call.blocks(src):
+                rows, keys = slice(*block.rows), slice(*block.keys)
                 bdq, bdk, bdv = attend_block_backward(
                     q[:, rows], current[0][:, keys], current[1][:, keys], out[:, rows],
-                    lse[:, :, rows], dout[:, rows], _rows(dlse, rows), causal, call.scale,
-                    self.step(call))
+                    lse[:, :, rows], dout[:, rows], _rows(dlse, rows), block.causal, call.scale,
+                    self.step(call), call.block_mask(block))
                 dq[:, rows] += bdq
                 acc[0][:, keys] += bdk
                 acc[1][:, keys] += bdv
@@ -284,7 +285,8 @@ class PipelinedSdpa(Pipelined):
 
     def not_supported_reasons(self, call: RingCall) -> list[str]:
         # the own (diagonal) block stands for every step: the others differ only in lengths
-        block = AttentionCall(call.q, call.k, call.v, call.causal, call.scale, lse_grad=call.lse_grad)
+        block = AttentionCall(call.q, call.k, call.v, call.causal, call.scale, lse_grad=call.lse_grad,
+                              window=call.window, softcap=call.softcap)
         return packed_reason(call) + FLASH_DISPATCHER.backends["sdpa"].not_supported_reasons(block)
 
     def step(self, call: RingCall) -> str:
@@ -304,7 +306,7 @@ class TritonRing(Pipelined):
     name = "triton"
 
     def not_supported_reasons(self, call: RingCall) -> list[str]:
-        reasons = packed_reason(call) + C.triton_reasons(call)
+        reasons = C.triton_reasons(call)
         if call.q.dtype not in KERNEL_DTYPES:
             reasons.append(f"dtype {call.q.dtype} (the kernel takes float32, float16, bfloat16)")
         return reasons
@@ -333,30 +335,30 @@ class TritonRing(Pipelined):
         state = kernels.ring_attn_state(q)
         stats = C.stats_tensor(q.device)
         peers = [(rank - step) % world for step in range(1, world)]
-        blocks = {}  # per source some query sees: (first query row, (key lo, hi), causal)
-        for src in range(world):
-            block = call.block(src, rank)
-            if block is not None:
-                blocks[src] = (block[0].indices(s)[0], block[1].indices(s)[:2], block[2])
-        steps = [rank] + [src for src in peers if src in blocks]  # the attention steps, in order
+        plan = {src: call.blocks(src, rank) for src in range(world)}
+        launches = [(src, block) for src in [rank] + peers for block in plan[src]]  # in order
         slots = [torch.empty_like(own_kv) for _ in range(min(2, len(peers)))]
         side = C.side_stream(q.device) if q.is_cuda else None
 
-        def copy(i):  # peer i's visible rows into slot i % 2 (no rows: check its fingerprint)
-            keys = blocks[peers[i]][1] if peers[i] in blocks else (0, 0)
-            kernels.ring_kv_copy(slots[i % 2], buf.pad_table, rank, world, epoch, meta,
-                                 buf.timeout_ns, peers[i], keys, stats)
+        def copy(i):  # peer i's visible rows into slot i % 2 (none: check its fingerprint)
+            for rows in key_ranges(plan[peers[i]]) or [(0, 0)]:
+                kernels.ring_kv_copy(slots[i % 2], buf.pad_table, rank, world, epoch, meta,
+                                     buf.timeout_ns, peers[i], rows, stats)
 
         def attend(src, kv):
-            kernels.ring_attn_step(q, kv, state, out, lse, buf.pad_table, rank, src, *blocks[src],
-                                   call.scale, first=src == rank, last=src == steps[-1])
+            for block in plan[src]:
+                kernels.ring_attn_step(q, kv, state, out, lse, buf.pad_table, rank, src, block.rows[0],
+                                       block.keys, block.causal, call.scale,
+                                       first=(src, block) == launches[0],
+                                       last=(src, block) == launches[-1], row_hi=block.rows[1],
+                                       diag=block.diag, window=block.window, softcap=call.softcap)
 
         copied = [_after_main(side, copy, 0)] if peers else []
         attend(rank, own_kv)
         for i, src in enumerate(peers):
             if i + 1 < len(peers):  # after the attention that last read slot (i+1) % 2
                 copied.append(_after_main(side, copy, i + 1))
-            if src in blocks:
+            if plan[src]:
                 if copied[i] is not None:
                     torch.cuda.current_stream().wait_event(copied[i])
                 attend(src, slots[i % 2])
@@ -396,29 +398,29 @@ class AllGatherKV(Backend):
     name = "allgather_kv"
 
     def _blocks(self, call: RingCall):
-        """``(local query rows, key range in the global sequence, causal)`` per block."""
+        """Each local query chunk, cut at document ends, against its document's keys (in
+        global order) that the window reaches: RingBlocks of local rows and global keys."""
         c = call.chunk_len
         for rows, g in call.chunks():
             first = rows.start or 0  # local row of global position g * c
             for start, end in call.documents:
                 lo, hi = max(start, g * c), min(end, (g + 1) * c)  # queries of this document
-                if lo >= hi:
-                    continue
-                local = slice(first + lo - g * c, first + hi - g * c)
-                if not call.causal:
-                    yield local, slice(start, end), False
-                    continue
-                if lo > start:
-                    yield local, slice(start, lo), False
-                yield local, slice(lo, hi), True
+                if lo < hi:
+                    local = first + lo - g * c
+                    block = band_block((local, local + hi - lo), (start, end), lo - local,
+                                       call.causal, call.window)
+                    if block is not None:
+                        yield block
 
     def forward(self, call: RingCall):
         C.raise_on_mismatch(call)
         kv = _global_kv(call, torch.stack([call.k, call.v]))
         out, lse = _accumulators(call.q)
-        for rows, keys, causal in self._blocks(call):
+        for block in self._blocks(call):
+            rows, keys = slice(*block.rows), slice(*block.keys)
             merge(out, lse, rows, *attend_block(call.q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                                                causal, call.scale, call.local))
+                                                block.causal, call.scale, call.local,
+                                                call.block_mask(block)))
         return out.to(call.q.dtype), lse
 
     def backward(self, call: RingCall, out, lse, dout, dlse):
@@ -426,10 +428,12 @@ class AllGatherKV(Backend):
         q = call.q
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for rows, keys, causal in self._blocks(call):
+        for block in self._blocks(call):
+            rows, keys = slice(*block.rows), slice(*block.keys)
             bdq, bdk, bdv = attend_block_backward(q[:, rows], kv[0][:, keys], kv[1][:, keys],
                                                   out[:, rows], lse[:, :, rows], dout[:, rows],
-                                                  _rows(dlse, rows), causal, call.scale, call.local)
+                                                  _rows(dlse, rows), block.causal, call.scale,
+                                                  call.local, call.block_mask(block))
             dq[:, rows] += bdq
             dkv[0][:, keys] += bdk
             dkv[1][:, keys] += bdv
@@ -510,7 +514,7 @@ class Ulysses(Backend):
         C.raise_on_mismatch(call)
         world, order = call.world_size, call.global_order()
         q, k, v = self._heads(call, call.q, call.k, call.v)
-        out, lse = attend_block(q, k, v, call.causal, call.scale, call.local)
+        out, lse = attend_block(q, k, v, call.causal, call.scale, call.local, call.whole_mask())
         out = _to_sequence(_reorder(out.to(call.q.dtype), order, inverse=True), world, call.group)
         lse = _to_sequence(_reorder(lse.transpose(1, 2), order, inverse=True), world, call.group)
         return out, lse.transpose(1, 2).contiguous()
@@ -520,7 +524,7 @@ class Ulysses(Backend):
         q, k, v, do, o = self._heads(call, call.q, call.k, call.v, dout, out)
         dlse = None if dlse is None else self._stat_heads(call, dlse)
         grads = attend_block_backward(q, k, v, o, self._stat_heads(call, lse), do, dlse,
-                                      call.causal, call.scale, call.local)
+                                      call.causal, call.scale, call.local, call.whole_mask())
         dq, dk, dv = (_to_sequence(_reorder(g, order, inverse=True), world, call.group) for g in grads)
         if kv_heads < world:  # sum the replicas' gradients
             b, s, _, d = dk.shape
@@ -531,41 +535,46 @@ class Ulysses(Backend):
 DISPATCHER = Dispatcher(OP, [TritonRing(), Pipelined(), PipelinedSdpa(), Ulysses(), AllGatherKV()])
 
 
-def _call(q, k, v, group_name_, causal, softmax_scale, layout, cu_seqlens, lse_grad=False) -> RingCall:
+def _call(q, k, v, group_name_, causal, softmax_scale, window_left, window_right, softcap, layout,
+          cu_seqlens, lse_grad=False) -> RingCall:
     group = resolve_group(group_name_)
     check_ring_inputs(OP, q, k, v, layout, dist.get_world_size(group), cu_seqlens)
     return RingCall(q, k, v, group, causal, softmax_scale, layout, cu_seqlens=cu_seqlens,
-                    lse_grad=lse_grad)
+                    lse_grad=lse_grad, window=(window_left, window_right), softcap=softcap)
 
 
 @torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
-def _ring_attention_op(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
-    call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens)
-    out, lse = DISPATCHER.select(call, backend).forward(call)
+def _ring_attention_op(q, k, v, *args):
+    call = _call(q, k, v, *args[:-1])
+    out, lse = DISPATCHER.select(call, args[-1]).forward(call)
     return out.contiguous(), lse.contiguous()  # the fake's layout, whatever the backend's
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
+def _(q, k, v, *args):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedpar::ring_attention_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
-def _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, group_name, causal, softmax_scale,
-                                layout, cu_seqlens, backend):
-    call = _call(q, k, v, group_name, causal, softmax_scale, layout, cu_seqlens, dlse is not None)
-    grads = backward_backend(DISPATCHER, call, backend).backward(call, out, lse, dout, dlse)
+def _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, *args):
+    call = _call(q, k, v, *args[:-1], lse_grad=dlse is not None)
+    grads = backward_backend(DISPATCHER, call, args[-1]).backward(call, out, lse, dout, dlse)
     return tuple(g.contiguous() for g in grads)
 
 
 @_ring_attention_backward_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, group_name, causal, softmax_scale, layout, cu_seqlens, backend):
+def _(q, k, v, out, lse, dout, dlse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+CU_SEQLENS_ARG = 7  # cu_seqlens' index among the arguments after q, k, v (MASK_SCHEMA)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.group_name, ctx.causal, ctx.scale, ctx.layout, cu_seqlens, ctx.backend = inputs
+    q, k, v, *ctx.args = inputs  # MASK_SCHEMA's arguments
+    cu_seqlens = ctx.args[CU_SEQLENS_ARG]
+    ctx.args[CU_SEQLENS_ARG] = None  # saved as a tensor
     ctx.save_for_backward(q, k, v, *output, cu_seqlens)
     ctx.set_materialize_grads(False)
 
@@ -574,10 +583,10 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, ctx.group_name,
-                                             ctx.causal, ctx.scale, ctx.layout, cu_seqlens,
-                                             ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None
+    args = list(ctx.args)
+    args[CU_SEQLENS_ARG] = cu_seqlens
+    dq, dk, dv = _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, *args)
+    return (dq, dk, dv) + (None,) * len(args)
 
 
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -585,8 +594,9 @@ _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                             causal: bool = False, softmax_scale: float | None = None,
-                            layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None,
-                            backend: str | None = None):
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            mask_align: str = "top_left", layout: str = "zigzag",
+                            cu_seqlens: torch.Tensor | None = None, backend: str | None = None):
     """``(out, lse)`` of attention over the sequence split across ``group``; the same as::
 
         unshard = zigzag_unshard if layout == "zigzag" else all_gather  # along dim 1
@@ -597,37 +607,49 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     q: ``[B, S_local, H, D]``, k/v: ``[B, S_local, H_kv, D]``: this rank's part of the
     sequence in ``layout`` (``"zigzag"``: chunks ``r`` and ``2W-1-r`` of ``2W``, see
     ``fusedpar.parallel.zigzag_shard``; ``"contiguous"``: chunk ``r`` of ``W``). ``lse`` is
-    fp32 ``[B, H, S_local]``; both outputs are differentiable. Backends: ``pipelined``
+    fp32 ``[B, H, S_local]``; both outputs are differentiable. The mask is
+    ``flash_attention``'s by global position: ``window_size=(left, right)`` (query ``i``
+    sees keys ``i - left .. i + right``; -1 unbounded; ``causal``: ``right = 0``), ``softcap``
+    (Gemma 2's ``softcap * tanh(s / softcap)``); ``mask_align`` is accepted for
+    flash-attn's signature, and both alignments are one here (q and k/v are the same
+    sequence). Key blocks a rank's queries cannot see are neither moved (``triton``) nor
+    computed. Backends: ``pipelined``
     (K/V around the ring by async P2P, overlapped with the blocks), ``pipelined_sdpa`` (that
     ring with torch's attention kernel and its lse per step, as torch's ``context_parallel``;
-    flash_attention's ``sdpa`` limits), ``ulysses`` (all-to-all
+    flash_attention's ``sdpa`` limits: no window or softcap), ``ulysses`` (all-to-all
     heads <-> sequence; needs ``H % W == 0``), ``allgather_kv`` (gather K/V, attend
     locally), ``triton`` (pulls each peer's K/V rows that this rank's queries see from
-    symmetric memory once, overlapped with the blocks; its backward is the pipelined one). The local blocks run the flash-attention kernel on GPU.
-    Packed documents: ``cu_seqlens`` (int32 cumulative ends over the *global* sequence,
-    in global order, identical on every rank; B = 1) confines attention to each document,
-    also across ranks (``allgather_kv`` only). Every rank must pass the same shapes; a
-    difference raises ``ValueError`` before any K/V moves. Under ``torch.autocast``, q, k
-    and v are cast to its dtype first, as SDPA's inputs are.
+    symmetric memory once, overlapped with the blocks; its backward is the pipelined one).
+    The local blocks run the flash-attention kernel on GPU. Packed documents:
+    ``cu_seqlens`` (int32 cumulative ends over the *global* sequence, in global order,
+    identical on every rank; B = 1; the sequence sharded as ``layout`` says) confines
+    attention to each document, also across ranks (``triton``, ``pipelined``,
+    ``allgather_kv``). Every rank must pass the same shapes; a difference raises
+    ``ValueError`` before any K/V moves. Under ``torch.autocast``, q, k and v are cast to
+    its dtype first, as SDPA's inputs are.
     """
+    window, softcap, _ = check_mask_args(OP, window_size, softcap, mask_align)
     q, k, v = autocast_inputs(q, k, v)
     with autocast_off(q):
         return _ring_attention_op(q, k, v, group_name(group), bool(causal),
-                                  default_scale(q, softmax_scale), layout, cu_seqlens,
-                                  backend or "")
+                                  default_scale(q, softmax_scale), *window, softcap, layout,
+                                  cu_seqlens, backend or "")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    causal: bool = False, softmax_scale: float | None = None,
-                   layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None,
-                   backend: str | None = None) -> torch.Tensor:
+                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                   mask_align: str = "top_left", layout: str = "zigzag",
+                   cu_seqlens: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """The output of ``ring_attention_with_lse`` (same arguments)."""
     return ring_attention_with_lse(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
+                                   window_size=window_size, softcap=softcap, mask_align=mask_align,
                                    layout=layout, cu_seqlens=cu_seqlens, backend=backend)[0]
 
 
 def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], *,
                             causal: bool = False, softmax_scale: float | None = None,
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             layout: str = "zigzag"):
     """Every rank's part of ``ring_attention_with_lse`` in this process (rank r holds
     ``qs[r]``, ``ks[r]``, ``vs[r]``) over loopback symmetric buffers with the ``triton``
@@ -644,8 +666,9 @@ def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: 
                                  f"{got.dtype} on {got.device}, {name}[0] is {tuple(first.shape)} "
                                  f"{first.dtype} on {first.device}; they must match")
     check_ring_inputs(f"{OP}_loopback", qs[0], ks[0], vs[0], layout, world)
+    window, softcap, _ = check_mask_args(f"{OP}_loopback", window_size, softcap, "top_left")
     call = RingCall(qs[0], ks[0], vs[0], None, bool(causal), default_scale(qs[0], softmax_scale),
-                    layout, world_size=world)
+                    layout, world_size=world, window=window, softcap=softcap)
     backend = DISPATCHER.select(call, "triton")
     kvs = [torch.stack([k, v]) for k, v in zip(ks, vs)]
     bufs = get_loopback_buffers(world, _nbytes(kvs[0]), kvs[0].device)

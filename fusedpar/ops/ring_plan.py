@@ -55,7 +55,7 @@ def _pieces(chunks, documents):
                 yield local + lo - start, lo, hi - lo, doc
 
 
-def _block(rows, keys, diag: int, causal: bool, window: tuple[int, int]) -> RingBlock | None:
+def band_block(rows, keys, diag: int, causal: bool, window: tuple[int, int]) -> RingBlock | None:
     """The block of ``rows`` x ``keys`` cut to the rows that see a key and the keys a row
     sees; None when no row sees a key."""
     left, right = window[0], 0 if causal else window[1]
@@ -112,7 +112,7 @@ def ring_blocks(layout: str, world: int, rank: int, src: int, seqlen: int, causa
     for lq, gq, nq, dq in _pieces(rank_chunks(layout, world, rank, seqlen), docs):
         for lk, gk, nk, dk in _pieces(rank_chunks(layout, world, src, seqlen), docs):
             if dq == dk:
-                block = _block((lq, lq + nq), (lk, lk + nk), (gq - lq) - (gk - lk), causal, window)
+                block = band_block((lq, lq + nq), (lk, lk + nk), (gq - lq) - (gk - lk), causal, window)
                 if block is not None:
                     blocks.append(block)
     return _merge(blocks)

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.parallel import zigzag_shard, zigzag_unshard
+from fusedpar.ops.ring_plan import rank_chunks
+from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results, visible_keys
 from tests.ops.collective_cases import capture_errors, cpu_backends, stalled_peer_error, subgroup
 from tests.ops.test_flash_attention import sdpa64
 
@@ -42,6 +44,16 @@ def visible_kv_bytes(kv: int, world: int, rank: int, causal: bool, layout: str) 
     return rank * kv // 2 + (world - 1 - rank) * kv
 
 
+def seen_key_rows(world: int, rank: int, layout: str, seqlen: int, visible) -> int:
+    """The peers' K/V rows some query of ``rank`` sees (``visible [S, S]`` by global
+    position): what a rank that pulls K/V must receive, once (``seqlen``: S_local)."""
+    def positions(r):
+        return torch.cat([torch.arange(g, g + n) for _, g, n in rank_chunks(layout, world, r, seqlen)])
+
+    mine = positions(rank)
+    return sum(int(visible[mine][:, positions(src)].any(0).sum()) for src in range(world) if src != rank)
+
+
 def _expected_bytes(backend, q, k, world, causal, layout):
     """``(forward, backward)`` bytes this rank receives, fp32 inputs."""
     kv = 2 * k.numel() * 4
@@ -61,7 +73,49 @@ def _expected_bytes(backend, q, k, world, causal, layout):
 def _check_matches_full_attention(backends, shapes):
     for backend in backends:
         _check_backend_matches_full_attention(backend, shapes)
+        if backend != "pipelined_sdpa":  # torch's kernels have no window or softcap
+            _check_windows_and_softcap(backend, shapes)
     return True
+
+
+# (causal, window_size, softcap): a causal sliding window shorter than a zigzag chunk
+# (Mistral's), a two-sided window with Gemma 2's softcap
+RING_MASKS = [(True, (3, -1), 0.0), (False, (2, 5), 4.0)]
+
+
+def _check_windows_and_softcap(backend, shapes):
+    """Windows and softcap in bf16 on every layout: out, lse, dq, dk, dv within twice
+    (three times for gradients) the error of the same math in bf16 against fp64; the
+    triton ring's forward moves exactly the K/V rows its queries see."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b, h, hk, d = shapes[-1]
+    s = 6 * world
+    g = torch.Generator().manual_seed(5)  # the same full sequence on every rank
+    full = [torch.randn(b, s, n, d, generator=g).bfloat16() for n in (h, hk, hk)]
+    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    dlse = torch.randn(b, h, s, generator=g, dtype=torch.float64)
+    for layout in ("zigzag", "contiguous"):
+        for causal, window, softcap in RING_MASKS:
+            mask = dict(scale=d ** -0.5, causal=causal, window=window, softcap=softcap)
+            exact = reference_results(full, torch.float64, dout, dlse, **mask)
+            low = reference_results(full, torch.bfloat16, dout, dlse, **mask)
+            q, k, v = (_shard(t, 1, layout, rank, world).requires_grad_() for t in full)
+            with fusedpar.comm.count_bytes() as forward:
+                out, lse = fusedpar.ops.ring_attention_with_lse(
+                    q, k, v, causal=causal, window_size=window, softcap=softcap, layout=layout,
+                    backend=backend)
+            torch.autograd.backward((out, lse), (_shard(dout, 1, layout, rank, world).bfloat16(),
+                                                 _shard(dlse, 2, layout, rank, world).float()))
+            where = (backend, layout, causal, window, softcap, rank)
+            for name, got, lo, ex, dim in zip(["out", "lse", "dq", "dk", "dv"],
+                                              [out, lse, q.grad, k.grad, v.grad], low, exact,
+                                              (1, 2, 1, 1, 1)):
+                assert_peers_rule(f"{name} {where}", got.detach(), _shard(lo, dim, layout, rank, world),
+                                  _shard(ex, dim, layout, rank, world), 2 if name in ("out", "lse") else 3)
+            if backend == "triton":
+                rows = seen_key_rows(world, rank, layout, s // world,
+                                     visible_keys(s, s, causal, window))
+                assert forward.total() == rows * 2 * hk * d * 2 * b, (where, forward.total(), rows)
 
 
 def _check_backend_matches_full_attention(backend, shapes):
@@ -118,62 +172,88 @@ def test_matches_full_sequence_attention(pools, world, backends):
 def test_loopback_matches_full_attention_at_the_byte_lower_bound(world, layout):
     """Several query blocks (S_local = 40 > the interpreter's 32-row blocks), GQA (H=4,
     H_kv=2), B=2 at W=2: out and lse equal fp64 attention, and each peer's K/V rows that a
-    rank's queries see cross once: (W-1) x K/V bytes per rank without causal masking."""
+    rank's queries see cross once: (W-1) x K/V bytes per rank without causal masking, and a
+    causal sliding window (17 keys back, shorter than a zigzag chunk at W=4) moves only the
+    rows it reaches, less than causal."""
     s = 40 * world
     g = torch.Generator().manual_seed(world)
     q, k, v = (torch.randn(2 if world == 2 else 1, s, n, 24, generator=g) for n in (4, 2, 2))
     shard = ((lambda x, d, r: zigzag_shard(x, d, r, world)) if layout == "zigzag"
              else (lambda x, d, r: x.chunk(world, d)[r]))
     kv = 2 * k.numel() // world * 4
-    for causal in (True, False):
-        ref_out, ref_lse = sdpa64(q, k, v, causal)
+    moved = {}
+    for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (17, -1))):
+        ref_out, ref_lse = attention_ref(q.double(), k.double(), v.double(), 24 ** -0.5, causal, window)
         with fusedpar.comm.count_bytes() as counter:
             results = fusedpar.ops.ring_attention_loopback(
                 *([shard(t, 1, r) for r in range(world)] for t in (q, k, v)), causal=causal,
-                layout=layout)
+                window_size=window, layout=layout)
         for r, (out, lse) in enumerate(results):
             torch.testing.assert_close(out.double(), shard(ref_out, 1, r), atol=1e-5, rtol=0)
             torch.testing.assert_close(lse.double(), shard(ref_lse, 2, r), atol=1e-5, rtol=0)
-        expected = sum(visible_kv_bytes(kv, world, r, causal, layout) for r in range(world))
-        assert counter.total() == expected, (causal, counter.total(), expected)
-    assert expected == world * (world - 1) * kv  # the last case: not causal
+        if window == (-1, -1):
+            expected = sum(visible_kv_bytes(kv, world, r, causal, layout) for r in range(world))
+        else:  # a sliding window: the rows some query sees, fewer than causal's
+            visible = visible_keys(s, s, causal, window)
+            expected = sum(seen_key_rows(world, r, layout, s // world, visible)
+                           for r in range(world)) * kv // (s // world)
+        moved[causal, window] = counter.total()
+        assert counter.total() == expected, (causal, window, counter.total(), expected)
+    assert moved[False, (-1, -1)] == world * (world - 1) * kv
+    assert moved[True, (17, -1)] < moved[True, (-1, -1)]
 
 
-def _check_packed_documents():
+def _check_packed_documents(backends):
     """Documents that cross rank (and zigzag chunk) boundaries, against per-document fp64
-    attention of the full sequence."""
+    attention of the full sequence, on each backend that takes them, with and without a
+    sliding window; the triton ring moves only the K/V rows of its queries' documents."""
     rank, world = dist.get_rank(), dist.get_world_size()
     s = 8 * world
     ends = [0, 3, 3 + 4 * world + 1, s - 1, s]  # a long document spans ranks; a 1-token one
     cu = torch.tensor(ends, dtype=torch.int32)
+    same_doc = torch.zeros(s, s, dtype=torch.bool)
+    for a, z in zip(ends, ends[1:]):
+        same_doc[a:z, a:z] = True
     g = torch.Generator().manual_seed(7)
     full = [torch.randn(1, s, n, 16, generator=g, dtype=torch.float64) for n in (2, 1, 1)]
     dout = torch.randn(1, s, 2, 16, generator=g, dtype=torch.float64)
-    for layout in ("zigzag", "contiguous"):
-        for causal in (True, False):
-            ref = [t.clone().requires_grad_() for t in full]
-            pieces = [sdpa64(*(t[:, a:z] for t in ref), causal) for a, z in zip(ends, ends[1:])]
-            ref_out = torch.cat([o for o, _ in pieces], 1)
-            ref_lse = torch.cat([l for _, l in pieces], 2)
-            ref_out.backward(dout)
-            q, k, v = (_shard(t, 1, layout, rank, world).float().requires_grad_() for t in full)
-            out, lse = fusedpar.ops.ring_attention_with_lse(q, k, v, causal=causal, layout=layout,
-                                                            cu_seqlens=cu)
-            out.backward(_shard(dout, 1, layout, rank, world).float())
-            where = (layout, causal)
-            torch.testing.assert_close(out.detach().double(), _shard(ref_out.detach(), 1, layout, rank, world),
-                                       atol=1e-5, rtol=0, msg=str(where))
-            torch.testing.assert_close(lse.double(), _shard(ref_lse.detach(), 2, layout, rank, world),
-                                       atol=1e-5, rtol=0, msg=str(where))
-            for t, r in zip((q, k, v), ref):
-                torch.testing.assert_close(t.grad.double(), _shard(r.grad, 1, layout, rank, world),
-                                           atol=1e-4, rtol=0, msg=str(where))
+    masks = {"triton": [(True, (2, -1))], "allgather_kv": [(True, (2, -1)), (False, (-1, -1))]}
+    for backend in backends:
+        for layout in ("zigzag", "contiguous")[:4 // world]:  # W=4: zigzag only
+            for causal, window in masks.get(backend, [(True, (-1, -1)), (False, (-1, -1)), (True, (2, -1))]):
+                ref = [t.clone().requires_grad_() for t in full]
+                pieces = [attention_ref(*(t[:, a:z] for t in ref), 0.25, causal, window)
+                          for a, z in zip(ends, ends[1:])]
+                ref_out = torch.cat([o for o, _ in pieces], 1)
+                ref_lse = torch.cat([l for _, l in pieces], 2)
+                ref_out.backward(dout)
+                q, k, v = (_shard(t, 1, layout, rank, world).float().requires_grad_() for t in full)
+                with fusedpar.comm.count_bytes() as forward:
+                    out, lse = fusedpar.ops.ring_attention_with_lse(
+                        q, k, v, causal=causal, window_size=window, layout=layout, cu_seqlens=cu,
+                        backend=backend)
+                out.backward(_shard(dout, 1, layout, rank, world).float())
+                where = (backend, layout, causal, window)
+                torch.testing.assert_close(out.detach().double(), _shard(ref_out.detach(), 1, layout, rank, world),
+                                           atol=1e-5, rtol=0, msg=str(where))
+                torch.testing.assert_close(lse.double(), _shard(ref_lse.detach(), 2, layout, rank, world),
+                                           atol=1e-5, rtol=0, msg=str(where))
+                for t, r in zip((q, k, v), ref):
+                    torch.testing.assert_close(t.grad.double(), _shard(r.grad, 1, layout, rank, world),
+                                               atol=1e-4, rtol=0, msg=str(where))
+                if backend == "triton":
+                    visible = same_doc & visible_keys(s, s, causal, window)
+                    rows = seen_key_rows(world, rank, layout, s // world, visible)
+                    assert forward.total() == rows * 2 * 16 * 4, (where, forward.total(), rows)
     return True
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_documents_across_ranks(pools, world):
-    assert pools(world).run(_check_packed_documents) == [True] * world
+    """Packed documents on the rings and allgather_kv (the interpreted triton ring at W=2)."""
+    backends = [b for b in ("triton", "pipelined", "allgather_kv") if b in BACKENDS and
+                not (b == "triton" and world == 4)]
+    assert pools(world).run(_check_packed_documents, backends) == [True] * world
 
 
 def _check_errors():
@@ -189,8 +269,11 @@ def _check_errors():
                                       torch.randn(1, 6, 3, 8), backend="ulysses"),
         "dtype": lambda: ring(q, kv.double(), kv),
         "packed_total": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32)),
-        "packed_ring": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32),
-                                    backend="pipelined"),
+        "packed_ulysses": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32),
+                                       backend="ulysses"),
+        "window": lambda: ring(q, kv, kv, window_size=(3, -2)),
+        "mask_align": lambda: ring(q, kv, kv, mask_align="lower_right"),
+        "sdpa_window": lambda: ring(q, kv, kv, window_size=(3, 0), backend="pipelined_sdpa"),
         "ranks_differ": lambda: ring(torch.randn(1, 6 + 2 * rank, 4, 8), torch.randn(1, 6 + 2 * rank, 2, 8),
                                      torch.randn(1, 6 + 2 * rank, 2, 8), backend="pipelined"),
         # a failed symmetric-memory call leaves its buffer unusable: a group of its own
@@ -208,7 +291,10 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "H % W != 0" in errors["ulysses_heads"][1]
         assert "cast them to one dtype" in errors["dtype"][1]
         assert "(W * S_local) has 12 rows" in errors["packed_total"][1]
-        assert "allgather_kv only" in errors["packed_ring"][1]
+        assert "triton, pipelined and allgather_kv" in errors["packed_ulysses"][1]
+        assert "window_size=(3, -2)" in errors["window"][1] and "-1 for an unbounded side" in errors["window"][1]
+        assert "choose one of ('top_left', 'bottom_right')" in errors["mask_align"][1]
+        assert "no sliding window" in errors["sdpa_window"][1]
         assert "passed different inputs" in errors["ranks_differ"][1]
         assert "passed different inputs" in errors["ranks_differ_triton"][1], errors["ranks_differ_triton"]
 
