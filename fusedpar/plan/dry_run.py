@@ -8,6 +8,7 @@ Plain-PyTorch equivalent (torchtitan's memory estimation)::
         model = LlamaForCausalLM(config)
     with FakeTensorMode() as fake:
         model = model.to_empty(device="cpu")        # fake parameters: no memory
+    model.tie_weights()                             # to_empty unties a tied head
     model = fusedpar.parallelize(model, parallel)   # meshes and FSDP2 over the fake group
     with fake, FSDPMemTracker(model, optimizer) as tracker:
         model(ids, labels=ids).loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -126,6 +127,7 @@ def dry_run(config, parallel, world_size: int, *, seq_len: int, micro_batch: int
         fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meshes' small tensors are real
         with fake:
             model = model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives the tied head a Parameter of its own (fusedpar and HF models)
         model = fusedpar.parallelize(model, parallel, activation_checkpointing=activation_checkpointing,
                                      device_type="cpu")
         dp = model.fusedpar_config.dp

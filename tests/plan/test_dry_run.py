@@ -32,3 +32,14 @@ def test_refuses_an_initialized_process_group(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="process of its own"):
         dry_run(LlamaConfig(), {"dp_shard": 2}, 2, seq_len=8)
+
+
+def test_tied_embeddings_are_counted_once():
+    """A tied model stays tied through the dry run's meta -> fake-CPU move: its parameter,
+    gradient and optimizer bytes are the plan's, which counts the shared weight once."""
+    config = LlamaConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=48, tie_embeddings=True)
+    got = dry_run(config, {"dp_shard": 2}, 2, seq_len=16)
+    plan = estimate_memory(model_spec(config), Candidate(dp_shard=2),
+                           Training(seq_len=16, global_batch=2, foreach=False, units_in_flight=1))
+    assert (got.params, got.grads, got.optimizer) == (plan.params, plan.params, plan.optimizer)
