@@ -16,9 +16,12 @@ import pytest
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def rank_data(shape, dtype, rank, salt=0):
+def rank_data(shape, dtype, rank, salt=0, transposed=False):
     """Small integers (exact in every dtype, sums too) that encode the rank and position:
-    ``fusedpar check``'s all_gather input."""
+    ``fusedpar check``'s all_gather input. ``transposed``: a non-contiguous input of the same
+    shape (the transpose of ``shape[::-1]``'s data) where it has two dims or more."""
+    if transposed and len(shape) > 1:
+        return rank_data(shape[::-1], dtype, rank, salt).transpose(0, -1)
     return demo_input("all_gather", shape, dtype, rank, 0, salt, "cpu")  # world: unused here
 
 
@@ -55,6 +58,18 @@ def poison_symmetric(group, nbytes, device="cpu"):
     """Fill this rank's symmetric data region with NaN bytes so stale data cannot pass."""
     buf = get_buffer(group, nbytes, torch.device(device))
     buf.data(torch.uint8, buf.capacity).fill_(0xFF)
+
+
+def check_exact(group, x, call, expected, moved, case):
+    """``call()`` (a collective of ``x`` over ``group``), with this rank's symmetric region
+    and new allocations poisoned, returns exactly ``expected`` (dtype, shape and values:
+    ``case`` names the case) and counts ``moved`` bytes sent."""
+    poison_symmetric(group, 4 * x.numel() * x.element_size())
+    with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
+        out = call()
+    assert out.dtype == expected.dtype and out.shape == expected.shape, (out.shape, expected.shape)
+    assert torch.equal(out, expected), case
+    assert counter.total() == moved
 
 
 @contextlib.contextmanager

@@ -6,19 +6,9 @@ import fusedpar
 from fusedpar.testing.cases import DTYPES
 from fusedpar.testing.collectives import symmetric_backend_names
 from tests.dist_pool import leftover_shm
-from tests.ops.collective_cases import (
-    capture_errors,
-    captured,
-    chosen_backend,
-    cpu_backends,
-    env,
-    poison_symmetric,
-    poisoned_allocations,
-    rank_data,
-    requires_cuda,
-    subgroup,
-    timeout_case,
-)
+from tests.ops.collective_cases import (capture_errors, captured, check_exact, chosen_backend,
+                                        cpu_backends, env, rank_data, requires_cuda, subgroup,
+                                        timeout_case)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -36,16 +26,11 @@ def _check_exact(backend):
     for dtype in DTYPES:
         for i, (shape, dim) in enumerate(SHAPES_DIMS):
             for transposed in (False, True):
-                x = rank_data(shape, dtype, rank, salt=i)
-                if transposed and x.dim() > 1:  # a non-contiguous input
-                    x = rank_data(shape[::-1], dtype, rank, salt=i).transpose(0, -1)
+                x = rank_data(shape, dtype, rank, salt=i, transposed=transposed)
                 expected = _torch_all_gather(x, dim, group)
-                poison_symmetric(group, 4 * x.numel() * x.element_size())
-                with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
-                    out = fusedpar.ops.all_gather(x, dim, group, backend=backend)
-                assert out.dtype == dtype and out.shape == expected.shape, (out.shape, expected.shape)
-                assert torch.equal(out, expected), f"{dtype} {shape} dim={dim} transposed={transposed}"
-                assert counter.total() == (world - 1) * x.numel() * x.element_size()
+                check_exact(group, x, lambda: fusedpar.ops.all_gather(x, dim, group, backend=backend),
+                            expected, (world - 1) * x.numel() * x.element_size(),
+                            f"{dtype} {shape} dim={dim} transposed={transposed}")
     return True
 
 

@@ -6,16 +6,8 @@ import fusedpar
 from fusedpar.testing.cases import DTYPES
 from fusedpar.testing.collectives import symmetric_backend_names
 from tests.dist_pool import leftover_shm
-from tests.ops.collective_cases import (
-    capture_errors,
-    cpu_backends,
-    poison_symmetric,
-    poisoned_allocations,
-    rank_data,
-    requires_cuda,
-    subgroup,
-    stalled_peer_error,
-)
+from tests.ops.collective_cases import (capture_errors, check_exact, cpu_backends, rank_data,
+                                        requires_cuda, stalled_peer_error, subgroup)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -40,16 +32,12 @@ def _check_exact(backend):
     for dtype in DTYPES:
         for i, (shape, dim) in enumerate(_shapes_dims(world)):
             for op in ("sum", "avg"):
-                x = rank_data(shape, dtype, rank, salt=i)
-                if x.dim() > 1 and i % 2:  # a non-contiguous input
-                    x = rank_data(shape[::-1], dtype, rank, salt=i).transpose(0, -1)
+                x = rank_data(shape, dtype, rank, salt=i, transposed=i % 2 == 1)
                 expected = _torch_reduce_scatter(x, op, dim, group)
-                poison_symmetric(group, 4 * x.numel() * x.element_size())
-                with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
-                    out = fusedpar.ops.reduce_scatter(x, op, dim, group, backend=backend)
-                assert out.dtype == dtype and out.shape == expected.shape, (out.shape, expected.shape)
-                assert torch.equal(out, expected), f"{dtype} {shape} dim={dim} {op}"
-                assert counter.total() == (world - 1) * out.numel() * out.element_size()
+                check_exact(group, x,
+                            lambda: fusedpar.ops.reduce_scatter(x, op, dim, group, backend=backend),
+                            expected, (world - 1) * expected.numel() * expected.element_size(),
+                            f"{dtype} {shape} dim={dim} {op}")
     return True
 
 
