@@ -44,7 +44,10 @@ class ContextParallelAttention(nn.Module):
     ``query [B, H, S_local, D]``, ``key``/``value [B, H_kv, S_local, D]`` (after RoPE), this
     rank's part of the sequence in ``layout`` (``"zigzag"``, the default, balances causal
     work; ``"contiguous"``). ``backend``: a ``ring_attention`` backend, or None to choose
-    from the head counts (:func:`choose_backend`). Differentiable; no parameters.
+    from the head counts (:func:`choose_backend`). ``window_size`` / ``softcap``: a sliding
+    window or soft-capping as ``fusedpar.ops.flash_attention``'s (SDPA has neither; the
+    equivalent then masks and caps the scores by global position). Differentiable; no
+    parameters.
     """
 
     def __init__(self, group=None, backend: str | None = None, layout: str = "zigzag"):
@@ -57,21 +60,25 @@ class ContextParallelAttention(nn.Module):
         self.group, self.backend, self.layout = group, backend, layout
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                is_causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                is_causal: bool = True, scale: float | None = None,
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
         out = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                          is_causal, scale)
+                          is_causal, scale, window_size, softcap)
         return out.transpose(1, 2)
 
-    def attend(self, q, k, v, causal: bool, scale: float | None) -> torch.Tensor:
-        """The same on ``[B, S_local, H, D]`` tensors (flash-attn's layout)."""
+    def attend(self, q, k, v, causal: bool, scale: float | None,
+               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+        """The same on ``[B, S_local, H, D]`` tensors (flash-attn's layout); ``window_size``
+        and ``softcap`` as ``flash_attention``'s, by global position."""
         group = resolve_group(self.group)
         backend = self.backend or choose_backend(q.shape[2], k.shape[2], dist.get_world_size(group))
         # None: ring_attention picks the ring backend (the same on every rank)
         return ring_attention(q, k, v, group, causal=causal, softmax_scale=scale,
-                              layout=self.layout, backend=backend)
+                              window_size=window_size, softcap=softcap, layout=self.layout,
+                              backend=backend)
 
-    def attend_padded(self, q, k, v, padding: torch.Tensor, causal: bool,
-                      scale: float | None) -> torch.Tensor:
+    def attend_padded(self, q, k, v, padding: torch.Tensor, causal: bool, scale: float | None,
+                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
         """``attend`` with a key-padding mask ``padding [B, S_local]`` (True: a token, False:
         padding; this rank's part in ``layout``), for left- or right-padded rows: the same as
         ``attend`` on the full sequence where every token attends only to tokens. A padded
@@ -87,13 +94,14 @@ class ContextParallelAttention(nn.Module):
             chunks = full.chunk(2 * world, 1)
             full = torch.cat([chunks[i] for i in zigzag_order(world)], 1)
         seq, rows = full.shape[1], full.bool().tolist()
+        mask = dict(window_size=window_size, softcap=softcap)
         if all(all(tokens) for tokens in rows):
-            return self.attend(q, k, v, causal, scale)
+            return self.attend(q, k, v, causal, scale, **mask)
         outs = []
         for row, tokens in enumerate(rows):
             one = (q[row:row + 1], k[row:row + 1], v[row:row + 1])
             if all(tokens):
-                outs.append(self.attend(*one, causal, scale))
+                outs.append(self.attend(*one, causal, scale, **mask))
                 continue
             where = [i for i, t in enumerate(tokens) if t]
             first, end = (where[0], where[-1] + 1) if where else (0, 0)
@@ -104,7 +112,7 @@ class ContextParallelAttention(nn.Module):
                     "only left or right padding is supported: pack such sequences instead")
             ends = sorted({0, first, end, seq})
             cu = torch.tensor(ends, dtype=torch.int32, device=q.device)
-            outs.append(ring_attention(*one, group, causal=causal, softmax_scale=scale,
+            outs.append(ring_attention(*one, group, causal=causal, softmax_scale=scale, **mask,
                                        layout=self.layout, cu_seqlens=cu, backend="allgather_kv"))
         return torch.cat(outs, 0)
 
@@ -128,7 +136,10 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
                                   dropout: float = 0.0, **kwargs):
     """``transformers`` attention function (``AttentionInterface`` signature): query
     ``[B, H, S_local, D]`` in, ``(out [B, S_local, H, D], None)`` out. Causal unless the
-    layer says ``is_causal=False``. ``attention_mask``: None, or this rank's 2-D padding mask
+    layer says ``is_causal=False``. A layer's ``sliding_window`` (HF's: each token sees the
+    ``sliding_window`` keys up to itself; flash-attn's ``window_size=(sliding_window - 1,
+    sliding_window - 1)``, as transformers passes it to flash-attn) and ``softcap`` (Gemma 2's
+    attention-logit soft-capping) are applied. ``attention_mask``: None, or this rank's 2-D padding mask
     (``[B, S_local]``, what the ``"fusedpar_cp"`` mask function passes on when the model got
     a padded ``attention_mask``, sharded like the input ids): left or right padding runs
     with ``ContextParallelAttention.attend_padded``. A 4-D mask is refused: it cannot be
@@ -147,26 +158,13 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
                          "(causality is applied by the kernel)")
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     causal = bool(causal if causal is not None else True)
-    _refuse_window_and_softcap(cp, query.shape[2], kwargs.get("sliding_window"), kwargs.get("softcap"))
+    window = kwargs.get("sliding_window")
+    mask = dict(window_size=(-1, -1) if window is None else (window - 1, window - 1),
+                softcap=float(kwargs.get("softcap") or 0.0))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attention_mask is None:
-        return cp.attend(q, k, v, causal, scaling), None
-    return cp.attend_padded(q, k, v, attention_mask, causal, scaling), None
-
-
-def _refuse_window_and_softcap(cp: ContextParallelAttention, local_len: int, sliding_window,
-                               softcap) -> None:
-    """A layer's ``sliding_window`` (HF's: each token sees itself and the ``sliding_window - 1``
-    before it) shorter than the whole sequence, or its ``softcap``, raises: ring_attention
-    has neither, and ignoring them would compute another model's attention."""
-    seq = local_len * dist.get_world_size(resolve_group(cp.group))
-    used = [f"sliding_window={sliding_window} (shorter than the sequence, {seq} tokens)"] \
-        if sliding_window is not None and sliding_window < seq else []
-    used += [f"softcap={softcap}"] if softcap else []
-    if used:
-        raise NotImplementedError(f"fusedpar_cp attention: this layer uses {' and '.join(used)}, "
-                                  "which fusedpar's ring attention does not apply yet; run it "
-                                  "without context parallelism (cp=1)")
+        return cp.attend(q, k, v, causal, scaling, **mask), None
+    return cp.attend_padded(q, k, v, attention_mask, causal, scaling, **mask), None
 
 
 def padding_mask_only(*args, attention_mask=None, **kwargs):

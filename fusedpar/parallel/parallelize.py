@@ -119,7 +119,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     model._fusedpar_plan = Plan(adapter, cfg, mesh, tp_group,
                                 mesh["cp"].get_group().group_name if cfg.cp > 1 else None,
                                 dp_cp if cfg.dp * cfg.cp > 1 else None, router_aux,
-                                layout.sliding_window, hf_masks=is_hf(model) and cfg.cp == 1)
+                                # cp: the ring attention applies each layer's window itself
+                                layout.sliding_window if cfg.cp == 1 else None,
+                                hf_masks=is_hf(model) and cfg.cp == 1)
     model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
     model.forward = types.MethodType(parallel_forward, model)
     if hasattr(model, "generate"):  # Hugging Face models: refuse at once, saying what works

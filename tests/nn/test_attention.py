@@ -136,25 +136,48 @@ def test_hugging_face_padding_mask_matches_sdpa(pools):
 
 
 def _hf_window_and_softcap():
-    """A layer's sliding window shorter than the sequence, or its softcap, raises (the ring
-    would ignore them); a window covering the whole sequence changes nothing."""
+    """A layer's sliding window (Mistral / Qwen2 / Gemma 2: each token sees the
+    ``sliding_window`` keys up to itself) and softcap (Gemma 2) equal HF's eager math on the
+    whole sequence (the causal mask with the window, ``softcap * tanh(scores / softcap)``),
+    out and gradients; and with a padding mask (its packed path): the last token of the
+    sequence (rank 0's last row in zigzag) padding, the tokens' outputs unchanged."""
     from fusedpar.nn.attention import hf_context_parallel_attention, set_hf_context_parallel_group
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     set_hf_context_parallel_group(None, backend="pipelined")
-    g = torch.Generator().manual_seed(dist.get_rank())
-    q, k, v = (torch.randn(1, n, 4, 8, generator=g) for n in (2, 1, 1))  # 8 tokens on 2 ranks
+    g = torch.Generator().manual_seed(0)
+    s, scale = 6 * world, 0.4
+    full = [torch.randn(1, n, s, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2)]
     layer = torch.nn.Module().eval()
-    plain, _ = hf_context_parallel_attention(layer, q, k, v, None)
-    covering, _ = hf_context_parallel_attention(layer, q, k, v, None, sliding_window=8)
-    assert torch.equal(plain, covering)
-    for kwargs, words in ((dict(sliding_window=7), "sliding_window=7 (shorter than the sequence, 8"),
-                          (dict(softcap=50.0), "softcap=50.0")):
-        with pytest.raises(NotImplementedError, match=None) as info:
-            hf_context_parallel_attention(layer, q, k, v, None, **kwargs)
-        assert words in str(info.value), str(info.value)
+    padding = torch.ones(1, s // world, dtype=torch.long)
+    padding[0, -1] = int(rank != 0)
+    for window, softcap in ((5, None), (3, 2.0), (None, 50.0)):
+        ref = [t.clone().requires_grad_() for t in full]
+        scores = ref[0] @ ref[1].repeat_interleave(2, 1).transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        visible = (j <= i) & ((j > i - window) if window else True)
+        expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ ref[2].repeat_interleave(2, 1)
+        expected.transpose(1, 2).sum().backward()
+        local = [zigzag_shard(t, 2, rank, world).float().requires_grad_() for t in full]
+        out, _ = hf_context_parallel_attention(layer, *local, None, scaling=scale,
+                                               sliding_window=window, softcap=softcap)
+        out.sum().backward()
+        where = (window, softcap)
+        torch.testing.assert_close(out.double(), zigzag_shard(expected.transpose(1, 2).detach(), 1, rank, world),
+                                   atol=1e-5, rtol=0, msg=str(where))
+        for t, r in zip(local, ref):
+            torch.testing.assert_close(t.grad.double(), zigzag_shard(r.grad, 2, rank, world),
+                                       atol=1e-5, rtol=0, msg=str(where))
+        padded, _ = hf_context_parallel_attention(layer, *(t.detach() for t in local), padding,
+                                                  scaling=scale, sliding_window=window, softcap=softcap)
+        tokens = padding[0].bool()
+        torch.testing.assert_close(padded[:, tokens], out.detach()[:, tokens], atol=1e-5, rtol=0,
+                                   msg=str(where))
     return True
 
 
-def test_hugging_face_window_and_softcap_are_refused(pools):
+def test_hugging_face_window_and_softcap(pools):
     pytest.importorskip("transformers")
     assert pools(2).run(_hf_window_and_softcap) == [True, True]

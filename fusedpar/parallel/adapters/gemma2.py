@@ -8,8 +8,8 @@ and a forward that differs around the layers.
   (``config.final_logit_softcapping``; elementwise, so also on a tp vocabulary shard).
 - Layers alternate sliding-window and full attention (``config.layer_types``): each gets
   HF's mask for its type, and HF's own attention (eager: with the attention-logit
-  soft-capping) runs on each rank's heads under tp. fusedpar's ring attention has no
-  soft-capping or window, so cp is refused.
+  soft-capping) runs on each rank's heads under tp. Under cp the ``"fusedpar_cp"`` ring
+  attention applies each layer's window and soft-capping (HF passes both to it).
 
 Plain-PyTorch equivalent: ``Gemma2ForCausalLM.forward``.
 """
@@ -27,7 +27,7 @@ __all__ = ["Gemma2Adapter"]
 class Gemma2Adapter(HFAdapter):
     def __init__(self):
         super().__init__("Gemma2ForCausalLM (embedding scale, soft-capped logits, sliding "
-                         "windows; no cp)", ("gemma2",))
+                         "windows)", ("gemma2",))
 
     def embed(self, model, input_ids):
         embedding = self.embedding(model)
@@ -49,17 +49,6 @@ class Gemma2Adapter(HFAdapter):
         logits = self.head(model)(hidden)
         cap = model.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def parallel_problems(self, model, tp: int, cp: int) -> list[str]:
-        config = model.config
-        quirks = [f"attention-logit soft-capping (attn_logit_softcapping="
-                  f"{config.attn_logit_softcapping})"] if config.attn_logit_softcapping else []
-        if "sliding_attention" in (config.layer_types or ()):
-            quirks.append(f"sliding-window layers (sliding_window={config.sliding_window})")
-        if cp > 1 and quirks:
-            return [f"cp={cp}: fusedpar's ring attention has no {' or '.join(quirks)}, which "
-                    "Gemma 2 uses; use cp=1 (tp, dp and pp keep HF's attention)"]
-        return []
 
     def apply_vocab_parallel(self, model, tp_mesh, backend) -> None:
         """The scaled embedding becomes a plain one on the same weight (refused with a
