@@ -25,6 +25,17 @@ def _loop(a, b, offs):
     return torch.stack(out)
 
 
+def _check_exact_with_grads(a, b, out, grad, reference):
+    """``out`` (the op on ``a``, ``b``) and its gradients for ``grad`` equal exactly those of
+    ``reference(a, b)`` in fp64."""
+    out.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = reference(a64, b64)
+    ref.backward(grad.double())
+    assert torch.equal(out.double(), ref)
+    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+
+
 def _check_rows_form(offs, backend, seed):
     """``a [14, 11] x b [4, 11, 7]`` grouped by ``offs`` (ends [3, 3, 12, 13]: the last row past
     them), and its dgrad ``grouped_mm(dy, b^T)`` and wgrad ``grouped_mm(a^T, dy)`` (groups
@@ -32,13 +43,7 @@ def _check_rows_form(offs, backend, seed):
     a = _ints(14, 11, seed=seed).requires_grad_()
     b = _ints(4, 11, 7, seed=seed + 1).requires_grad_()
     out = grouped_mm(a, b, offs, backend=backend)
-    grad = _ints(14, 7, seed=seed + 2)
-    out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = _loop(a64, b64, offs)
-    ref.backward(grad.double())
-    assert torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    _check_exact_with_grads(a, b, out, _ints(14, 7, seed=seed + 2), lambda a, b: _loop(a, b, offs))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -53,13 +58,7 @@ def test_k_grouped_form_and_its_gradients(backend):
     b = _ints(13, 5, seed=4).requires_grad_()
     out = grouped_mm(a, b, offs, backend=backend)
     assert out.shape == (3, 6, 5) and torch.equal(out[1], torch.zeros(6, 5))
-    grad = _ints(3, 6, 5, seed=5)
-    out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = _loop(a64, b64, offs)
-    ref.backward(grad.double())
-    assert torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    _check_exact_with_grads(a, b, out, _ints(3, 6, 5, seed=5), lambda a, b: _loop(a, b, offs))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -71,13 +70,8 @@ def test_masked_batched_form_and_its_gradients(backend):
     b = _ints(3, 11, 7, seed=11).requires_grad_()
     out = grouped_mm(a, b, masked_m=counts, backend=backend)
     grad = _ints(3, 5, 7, seed=12)  # nonzero on the padding too: it must not leak into b's grad
-    out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
     keep = (torch.arange(5)[None, :] < counts[:, None].long())[..., None]
-    ref = torch.where(keep, a64 @ b64, 0.0)
-    ref.backward(grad.double())
-    assert torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    _check_exact_with_grads(a, b, out, grad, lambda a, b: torch.where(keep, a @ b, 0.0))
     assert torch.equal(a.grad[0], torch.zeros(5, 11)) and torch.equal(a.grad[1, 3:], torch.zeros(2, 11))
 
 
@@ -94,13 +88,8 @@ def test_masked_k_grouped_form_and_its_gradients(backend):
     a = _ints(12, 6, seed=15).t().requires_grad_()  # [6, 12]: E=3 groups of P=4
     b = _ints(12, 5, seed=16).requires_grad_()
     out = grouped_mm(a, b, masked_m=counts, backend=backend)
-    grad = _ints(3, 6, 5, seed=17)
-    out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = torch.stack([a64[:, g * 4:g * 4 + n] @ b64[g * 4:g * 4 + n] for g, n in enumerate(counts.tolist())])
-    ref.backward(grad.double())
-    assert torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    _check_exact_with_grads(a, b, out, _ints(3, 6, 5, seed=17), lambda a, b: torch.stack(
+        [a[:, g * 4:g * 4 + n] @ b[g * 4:g * 4 + n] for g, n in enumerate(counts.tolist())]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,13 +156,9 @@ def test_column_grouped_form_and_its_gradients(backend):
     a = _ints(3, 6, 11, seed=30).requires_grad_()
     b = _ints(13, 11, seed=31).t().requires_grad_()  # [11, 13], column-major like a weightᵀ
     out = grouped_mm(a, b, offs, backend=backend)
-    grad = _ints(6, 13, seed=32)
-    out.backward(grad)
-    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = torch.cat([a64[0] @ b64[:, :4], a64[2] @ b64[:, 4:12], a64.new_zeros(6, 1)], dim=1)
-    ref.backward(grad.double())
-    assert out.shape == (6, 13) and torch.equal(out.double(), ref)
-    assert torch.equal(a.grad.double(), a64.grad) and torch.equal(b.grad.double(), b64.grad)
+    assert out.shape == (6, 13)
+    _check_exact_with_grads(a, b, out, _ints(6, 13, seed=32), lambda a, b: torch.cat(
+        [a[0] @ b[:, :4], a[2] @ b[:, 4:12], a.new_zeros(6, 1)], dim=1))
     assert torch.equal(a.grad[1], torch.zeros(6, 11))  # an empty group
 
 
