@@ -3,16 +3,9 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from tests.ops.collective_cases import (
-    capture_errors,
-    cpu_backends,
-    interpreter_cast_slack,
-    poisoned_allocations,
-    rank_data,
-    requires_cuda,
-    subgroup,
-    stalled_peer_error,
-)
+from tests.ops.collective_cases import (capture_errors, cpu_backends, interpreter_cast_slack,
+                                        poisoned_allocations, rank_data, requires_cuda,
+                                        stalled_peer_error, subgroup)
 
 pytestmark = [pytest.mark.timeout(300)]
 
