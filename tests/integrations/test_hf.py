@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("transformers", reason="fusedpar[hf] extra: transformers not installed")
 pytest.importorskip("accelerate", reason="fusedpar[hf] extra: accelerate not installed")
 
+from tests.ops.collective_cases import env  # noqa: E402
 from tests.parallel.parallel_cases import make_model, reference_backends  # noqa: E402
 
 pytestmark = pytest.mark.multirank
@@ -50,18 +51,12 @@ def accelerate_env(rank: int | None = None, world: int = 1):
     too, and each loop here starts from a fresh state)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    keys = {} if rank is None else {"RANK": str(rank), "LOCAL_RANK": str(rank),
-                                    "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
+    keys = {} if rank is None else {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world,
+                                    "LOCAL_WORLD_SIZE": world}
     try:
-        yield
+        with env(**keys):
+            yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         PartialState._reset_state()
@@ -180,7 +175,7 @@ def _hf_cases(out: str):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 4 ranks share the machine's cores
-    env = (dist.get_rank(), dist.get_world_size())
+    rank_world = (dist.get_rank(), dist.get_world_size())
     results = []
     for run in (lambda: trainer_losses(out, PARALLEL),
                 lambda: trainer_losses(out, PARALLEL, resume_step=3, seed=5),
@@ -190,7 +185,7 @@ def _hf_cases(out: str):
                                        bf16=True, max_steps=2),
                 bf16_without_param_dtype,
                 generate_cases):
-        with reference_backends(), accelerate_env(*env):
+        with reference_backends(), accelerate_env(*rank_world):
             results.append(run())
     return results
 
