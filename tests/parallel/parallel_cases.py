@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 
 import torch
 import torch.distributed as dist
 
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.models.llama import IGNORE_INDEX
+from tests.ops.collective_cases import env
 
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 4, 5, 1e-2
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -23,16 +23,8 @@ def reference_backends(on: bool = True):
     """Inside (when ``on``): every fusedpar op runs its ``reference`` backend
     (``FUSEDPAR_BACKEND``). The fused backends are tested op by op in tests/ops; under the
     Triton interpreter they would make each whole-model step cost seconds."""
-    saved = os.environ.get("FUSEDPAR_BACKEND")
-    if on:
-        os.environ["FUSEDPAR_BACKEND"] = "reference"
-    try:
+    with env(FUSEDPAR_BACKEND="reference") if on else contextlib.nullcontext():
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("FUSEDPAR_BACKEND", None)
-        else:
-            os.environ["FUSEDPAR_BACKEND"] = saved
 
 
 def make_model(kind: str, seed: int = 0):
@@ -117,19 +109,25 @@ def clean_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def reference_run(model, data):
+def _whole_batch_loss(model, batch):
+    ids, labels, positions = batch
+    return model(input_ids=ids, labels=labels, position_ids=positions).loss
+
+
+def reference_run(model, data, loss=_whole_batch_loss):
     """The single process: loss and gradients of step 0, and the loss after every AdamW
     step, on the whole global batch (MoE models: the load-balancing loss of the whole batch
-    too, which the parallelized model reproduces by summing the routing statistics)."""
+    too, which the parallelized model reproduces by summing the routing statistics).
+    ``loss(model, batch)``: a step's loss, where it is not the model's own on the batch."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads0 = [], None
-    for step, (ids, labels, positions) in enumerate(data):
-        loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
-        loss.backward()
+    for step, batch in enumerate(data):
+        step_loss = loss(model, batch)
+        step_loss.backward()
         if step == 0:
             grads0 = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
-        losses.append(loss.detach())
+        losses.append(step_loss.detach())
         opt.step()
         opt.zero_grad()
     return losses, grads0

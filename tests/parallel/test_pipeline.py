@@ -56,11 +56,10 @@ def microbatched_reference(model, data, dp: int, microbatches: int):
     """The single process as the pipeline computes an MoE model: the cross-entropy over the
     whole global batch, and the aux loss as the mean over microbatches of each
     microbatch's (its rows on every data-parallel rank, routed together)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads0 = [], None
     coef = model.config.router_aux_loss_coef
-    for step, (ids, labels, _) in enumerate(data):
+
+    def loss(model, batch):
+        ids, labels, _ = batch
         # microbatch m: the m-th contiguous piece of each dp rank's rows
         rows = torch.arange(ids.shape[0]).view(dp, microbatches, -1).transpose(0, 1)
         ce_sum, count, aux = 0.0, 0, 0.0
@@ -72,14 +71,9 @@ def microbatched_reference(model, data, dp: int, microbatches: int):
             ce_sum = ce_sum + (per_row * valid if valid else 0.0)
             count += valid
             aux = aux + out.aux_loss / microbatches
-        loss = ce_sum / count + coef * aux
-        loss.backward()
-        if step == 0:
-            grads0 = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
-        losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads0
+        return ce_sum / count + coef * aux
+
+    return reference_run(model, data, loss)
 
 
 def _check_pipelines(cases: list) -> list[set]:
