@@ -81,6 +81,32 @@ void check_outer_inner(int64_t outer, int64_t inner, const char* op) {
   TORCH_CHECK(inner >= 0, "fusedpar::", op, ": 'inner' must be >= 0, got ", inner);
 }
 
+// What the flag ops share: the group, its words [word_base, word_base + world_size) of the
+// pad, the epoch.
+void check_flags(const at::Tensor& pad_table, int64_t word_base, int64_t rank,
+                 int64_t world_size, int64_t epoch, const char* op) {
+  check_group(pad_table, rank, world_size, op);
+  TORCH_CHECK(word_base >= 0 && word_base + world_size <= layout::PAD_WORDS, "fusedpar::", op,
+              ": 'word_base' must be in [0, ", layout::PAD_WORDS, " - world_size], got ",
+              word_base);
+  check_epoch(epoch, op);
+}
+
+// What the pull ops share: the group, epoch, META word, timeout and [outer, inner] layout,
+// and the 'out' and 'stats' tensors on the pad table's device.
+void check_pull(const at::Tensor& out, const at::Tensor& pad_table, int64_t rank,
+                int64_t world_size, int64_t epoch, int64_t meta, int64_t outer, int64_t inner,
+                int64_t timeout_ns, const at::Tensor& stats, const char* op) {
+  check_group(pad_table, rank, world_size, op);
+  check_epoch(epoch, op);
+  check_meta(meta, op);
+  check_timeout_ns(timeout_ns, op);
+  check_outer_inner(outer, inner, op);
+  check_cuda_tensor(out, op, "out");
+  check_same_device(out, pad_table, op, "out");
+  check_stats(stats, pad_table, op);
+}
+
 int32_t sm_count(c10::DeviceIndex device) {
   static std::mutex mu;
   static std::vector<int32_t> cache;
@@ -107,11 +133,7 @@ unsigned long long* stats_ptr(const at::Tensor& stats) {
 void cuda_wait_flags(const at::Tensor& pad_table, int64_t word_base, int64_t rank,
                      int64_t world_size, int64_t epoch, int64_t timeout_ns, int64_t code) {
   const char* op = "_cuda_wait_flags";
-  check_group(pad_table, rank, world_size, op);
-  TORCH_CHECK(word_base >= 0 && word_base + world_size <= layout::PAD_WORDS, "fusedpar::", op,
-              ": 'word_base' must be in [0, ", layout::PAD_WORDS, " - world_size], got ",
-              word_base);
-  check_epoch(epoch, op);
+  check_flags(pad_table, word_base, rank, world_size, epoch, op);
   check_timeout_ns(timeout_ns, op);
   TORCH_CHECK(code >= 1 && code <= kInt32Max, "fusedpar::", op,
               ": 'code' must be a nonzero status code, got ", code);
@@ -126,11 +148,7 @@ void cuda_wait_flags(const at::Tensor& pad_table, int64_t word_base, int64_t ran
 void cuda_signal_peers(const at::Tensor& pad_table, int64_t word_base, int64_t rank,
                        int64_t world_size, int64_t epoch, int64_t meta) {
   const char* op = "_cuda_signal_peers";
-  check_group(pad_table, rank, world_size, op);
-  TORCH_CHECK(word_base >= 0 && word_base + world_size <= layout::PAD_WORDS, "fusedpar::", op,
-              ": 'word_base' must be in [0, ", layout::PAD_WORDS, " - world_size], got ",
-              word_base);
-  check_epoch(epoch, op);
+  check_flags(pad_table, word_base, rank, world_size, epoch, op);
   check_meta(meta, op);
   const c10::cuda::CUDAGuard guard(pad_table.device());
   C10_CUDA_CHECK(launch_signal_peers(table_ptr(pad_table), static_cast<int32_t>(word_base),
@@ -145,16 +163,9 @@ void cuda_all_gather_pull(const at::Tensor& out, const at::Tensor& x, const at::
                           int64_t outer, int64_t inner, int64_t timeout_ns,
                           const at::Tensor& stats) {
   const char* op = "_cuda_all_gather_pull";
-  check_group(pad_table, rank, world_size, op);
-  check_epoch(epoch, op);
-  check_meta(meta, op);
-  check_timeout_ns(timeout_ns, op);
-  check_outer_inner(outer, inner, op);
-  check_cuda_tensor(out, op, "out");
+  check_pull(out, pad_table, rank, world_size, epoch, meta, outer, inner, timeout_ns, stats, op);
   check_cuda_tensor(x, op, "x");
-  check_same_device(out, pad_table, op, "out");
   check_same_device(x, pad_table, op, "x");
-  check_stats(stats, pad_table, op);
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "fusedpar::", op, ": 'x' has dtype ",
               x.scalar_type(), " but 'out' has dtype ", out.scalar_type());
   TORCH_CHECK(x.numel() == outer * inner, "fusedpar::", op, ": 'x' must have outer*inner = ",
@@ -176,14 +187,7 @@ void cuda_reduce_scatter_pull(const at::Tensor& out, const at::Tensor& pad_table
                               int64_t inner, int64_t timeout_ns, const at::Tensor& stats,
                               double divisor) {
   const char* op = "_cuda_reduce_scatter_pull";
-  check_group(pad_table, rank, world_size, op);
-  check_epoch(epoch, op);
-  check_meta(meta, op);
-  check_timeout_ns(timeout_ns, op);
-  check_outer_inner(outer, inner, op);
-  check_cuda_tensor(out, op, "out");
-  check_same_device(out, pad_table, op, "out");
-  check_stats(stats, pad_table, op);
+  check_pull(out, pad_table, rank, world_size, epoch, meta, outer, inner, timeout_ns, stats, op);
   ScalarKind kind;
   switch (out.scalar_type()) {
     case at::kFloat:
