@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -62,15 +63,10 @@ def _fake_world(world_size: int):
         raise RuntimeError("fusedpar.plan.dry_run: torch.distributed is already initialized; run the "
                            "dry run in a process of its own (it creates a fake process group)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    saved = os.environ.get("FUSEDPAR_BACKEND")
-    os.environ["FUSEDPAR_BACKEND"] = "reference"  # nothing touches symmetric memory
-    try:
-        yield
+    try:  # nothing touches symmetric memory
+        with mock.patch.dict(os.environ, {"FUSEDPAR_BACKEND": "reference"}):
+            yield
     finally:
-        if saved is None:
-            os.environ.pop("FUSEDPAR_BACKEND", None)
-        else:
-            os.environ["FUSEDPAR_BACKEND"] = saved
         dist.destroy_process_group()
 
 
