@@ -6,8 +6,9 @@ log-sum-exp ``lse`` (fp32, ``[B, H, S]``; packed: ``[H, T]``). GQA/MQA: query he
 reads K/V head ``h // (H // H_kv)`` in place (no repeat in memory). Masks (``mask_args``):
 causal, or a band (sliding window: key ``j`` is visible to query ``i`` iff
 ``i + diag - left <= j <= i + diag + right``), aligned top-left (``diag = 0``, as SDPA's
-``is_causal``) or bottom-right (``diag = S_k - S_q``, as flash-attn); K/V blocks a query
-block cannot see are never loaded, and a row that sees no key gets output 0 and lse -inf.
+``is_causal``), bottom-right (``diag = S_k - S_q``, as flash-attn) or at any runtime
+``diag_offset`` (a block of a larger attention: a ring block); K/V blocks a query block
+cannot see are never loaded, and a row that sees no key gets output 0 and lse -inf.
 Soft-capping (Gemma 2) caps the scaled scores at ``softcap * tanh(s / softcap)`` before the
 mask; the backward multiplies by its derivative. The forward and dQ kernels run
 the K/V blocks that every row of their query block sees whole (most blocks of a long
@@ -31,12 +32,11 @@ Ring forward (ring_attention's ``triton`` backend), two kernels per ring step:
 wall-clock bounded, fingerprint checked) and copies the K/V rows this rank's queries can
 see from the peer's symmetric data region into a local slot, counting the bytes, so each
 peer's K/V crosses the link once whatever the number of query blocks and GQA heads;
-``ring_attn_step_kernel`` folds one local K/V block into the online-softmax state
-(``m``, ``l``, ``acc`` in fp32 between steps; the last step writes out and lse). The host
-gives each step its geometry (``RingCall.block``): under causal masking, in either layout, a
-peer's block is seen whole by the query rows from some row on and not at all before it, and
-the own block is causal in local indices; so only the own block's diagonal, key tails and a
-query block straddling that row compute masks.
+``ring_attn_step_kernel`` folds one block of a local K/V into the online-softmax state
+(``m``, ``l``, ``acc`` in fp32 between steps; the last launch writes out and lse). The host
+gives each launch its geometry (``ops/ring_plan.py``): query rows, key rows and the band
+with its diagonal; key blocks every row of a query block sees whole run without masks, and
+only a band's edges, key tails and query blocks straddling the row range compute them.
 
 Every grid keeps its long axis on axis 0 (flattened query block x batch x head).
 """
@@ -214,6 +214,50 @@ def _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d, d
 
 
 @triton.jit
+def _visible_rows(rows_ok, n_ok, ROWS: tl.constexpr):
+    """``[rows, keys]``: the keys inside the range, on the rows ``rows_ok`` with ROWS."""
+    if ROWS:
+        return rows_ok[:, None] & n_ok[None, :]
+    else:
+        return n_ok[None, :]
+
+
+@triton.jit
+def _attend_keys(q, k_base, v_base, stride_ks, stride_vs, lo, full_lo, full_hi, hi, len_k, rows_ok,
+                 diags, offs_n, offs_d, d_ok, m_i, l_i, acc, qk_scale, cap_in, win_left, win_right,
+                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                 UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """Fold the key blocks of ``_key_ranges``' ``(lo, full_lo, full_hi, hi)`` into the state:
+    the blocks every row sees whole without masks (most of a long sequence); the window's
+    left edge before them, the diagonal or right edge and the tail past ``len_k`` after
+    them, masked to each row's band (``diags``: its diagonal key) and, with ROWS, to the
+    rows ``rows_ok`` (without, rows past the end are never stored: no mask for them, whose
+    registers the forward's widest variants lack)."""
+    if WINDOW:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            cols = start_n + offs_n
+            n_ok = cols < len_k
+            visible = _in_band(_visible_rows(rows_ok, n_ok, ROWS), cols[None, :], diags[:, None],
+                               win_left, win_right, CAUSAL, WINDOW)
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok,
+                                          offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST,
+                                          True, cap_in, SOFTCAP)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, start_n + offs_n,
+                                      rows_ok, offs_d, d_ok, rows_ok, m_i, l_i, acc, qk_scale,
+                                      UPCAST, False, cap_in, SOFTCAP)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n_ok = cols < len_k
+        visible = _in_band(_visible_rows(rows_ok, n_ok, ROWS), cols[None, :], diags[:, None],
+                           win_left, win_right, CAUSAL, WINDOW)
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d,
+                                      d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST, True, cap_in,
+                                      SOFTCAP)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _store_rows(o_rows, stride_os, lse_rows, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc):
     """Normalise and store the output rows and their natural-log lse (a row that saw no key:
     output 0, lse -inf)."""
@@ -268,30 +312,10 @@ def flash_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_s
         diag = _diagonal(diag_offset, len_q, len_k, BOTTOM_RIGHT)
         lo, full_lo, full_hi, hi = _key_ranges(m_block * BLOCK_M, len_q, len_k, diag, win_left,
                                                win_right, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-        # key blocks that every row sees whole go without masks (most of a long sequence);
-        # the window's left edge before them, the diagonal or right edge and the tail past
-        # len_k after them, masked
-        if WINDOW:
-            for start_n in range(lo, full_lo, BLOCK_N):
-                cols = start_n + offs_n
-                n_ok = cols < len_k
-                visible = _in_band(n_ok[None, :], cols[None, :], (offs_m + diag)[:, None],
-                                   win_left, win_right, CAUSAL, WINDOW)
-                m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok,
-                                              offs_d, d_ok, visible, m_i, l_i, acc, qk_scale,
-                                              UPCAST, True, cap_in, SOFTCAP)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, start_n + offs_n,
-                                          m_ok, offs_d, d_ok, m_ok, m_i, l_i, acc, qk_scale, UPCAST,
-                                          False, cap_in, SOFTCAP)
-        for start_n in range(full_hi, hi, BLOCK_N):
-            cols = start_n + offs_n
-            n_ok = cols < len_k
-            visible = _in_band(n_ok[None, :], cols[None, :], (offs_m + diag)[:, None], win_left,
-                               win_right, CAUSAL, WINDOW)
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_vs, cols, n_ok, offs_d,
-                                          d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST, True,
-                                          cap_in, SOFTCAP)
+        m_i, l_i, acc = _attend_keys(q, k_base, v_base, stride_ks, stride_vs, lo, full_lo, full_hi,
+                                     hi, len_k, m_ok, offs_m + diag, offs_n, offs_d, d_ok, m_i, l_i,
+                                     acc, qk_scale, cap_in, win_left, win_right, CAUSAL, WINDOW,
+                                     SOFTCAP, UPCAST, BLOCK_N, ROWS=False)
         _store_rows(o_ptr + b.to(tl.int64) * stride_ob + start_q.to(tl.int64) * stride_os
                     + h * stride_oh, stride_os,
                     lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + start_q, offs_m, m_ok,
@@ -559,32 +583,11 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
                                                BLOCK_M, BLOCK_N)
         if (first_row < row_lo) | (tl.minimum(first_row + BLOCK_M, seqlen) > row_hi):
             full_hi = full_lo  # rows outside the range share the block: every key block masked
-        rows_in = (offs_m >= row_lo) & (offs_m < row_hi)
-        diags = offs_m + diag - key_lo
-        # as flash_fwd_kernel: the window's left edge, key blocks every row sees whole
-        # without masks (every block of a peer's visible rows but the tail), then the
-        # diagonal or right edge and the tail, masked
-        if WINDOW:
-            for start_n in range(lo, full_lo, BLOCK_N):
-                cols = start_n + offs_n
-                n_ok = cols < len_k
-                visible = _in_band(rows_in[:, None] & n_ok[None, :], cols[None, :], diags[:, None],
-                                   win_left, win_right, CAUSAL, WINDOW)
-                m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
-                                              offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST,
-                                              True, cap_in, SOFTCAP)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, start_n + offs_n,
-                                          m_ok, offs_d, d_ok, m_ok, m_i, l_i, acc, qk_scale, UPCAST,
-                                          False, cap_in, SOFTCAP)
-        for start_n in range(full_hi, hi, BLOCK_N):
-            cols = start_n + offs_n
-            n_ok = cols < len_k
-            visible = _in_band(rows_in[:, None] & n_ok[None, :], cols[None, :], diags[:, None],
-                               win_left, win_right, CAUSAL, WINDOW)
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, stride_ks, stride_ks, cols, n_ok,
-                                          offs_d, d_ok, visible, m_i, l_i, acc, qk_scale, UPCAST,
-                                          True, cap_in, SOFTCAP)
+        m_i, l_i, acc = _attend_keys(q, k_base, v_base, stride_ks, stride_ks, lo, full_lo, full_hi,
+                                     hi, len_k, (offs_m >= row_lo) & (offs_m < row_hi),
+                                     offs_m + diag - key_lo, offs_n, offs_d, d_ok, m_i, l_i, acc,
+                                     qk_scale, cap_in, win_left, win_right, CAUSAL, WINDOW, SOFTCAP,
+                                     UPCAST, BLOCK_N, ROWS=True)
     if LAST:
         _store_rows(o_ptr + b * stride_ob + h * stride_oh, stride_os,
                     lse_ptr + (b * n_heads + h) * seqlen, offs_m, m_ok, offs_d, d_ok, m_i, l_i, acc)
