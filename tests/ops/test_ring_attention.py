@@ -1,7 +1,8 @@
 """``fusedpar.ops.ring_attention`` on spawned gloo ranks: every backend, both layouts,
 causal or not, GQA, B > 1; out, lse and the gradients of q, k, v equal fp64 attention on
 the full sequence (outputs compared after unsharding), and the bytes moved equal the
-K/V (and dK/dV) volume."""
+K/V (and dK/dV) volume. Sliding windows and softcap (bf16, the peers' rule), packed
+documents, and the triton ring's bytes at the lower bound: the K/V rows its queries see."""
 
 import pytest
 import torch
