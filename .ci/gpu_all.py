@@ -65,6 +65,7 @@ HEADLINE = [
     "bench_flash_attention.py::test_kernel[16384-causal-fwd-triton]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd+bwd-sdpa_flash]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd+bwd-triton]",
+    "bench_flash_attention.py::test_kernel[16384-causal-fwd+bwd-auto]",
     "bench_ring_attention.py::test_loopback[32768-causal-monolithic]",
     "bench_ring_attention.py::test_loopback[32768-causal-loopback]",
     "bench_grouped_mm.py::test_grouped_mm[torch._grouped_mm-skewed]",
