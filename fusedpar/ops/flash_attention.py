@@ -48,6 +48,7 @@ class AttentionCall:
     cu_seqlens_k: torch.Tensor | None = None  # None: cu_seqlens
     max_seqlen_k: int = 0
     lse_grad: bool = False  # a backward call whose lse has a gradient
+    delta: torch.Tensor | None = None  # a backward's rowsum(dout * out) - dlse, where the caller has it
     diag_offset: int = 0  # top-left: query 0's diagonal key (a block of a larger attention)
 
     def kernel_mask(self) -> dict:
@@ -62,7 +63,7 @@ class AttentionCall:
         return (self.q.device.type, self.q.dtype, self.lse_grad, self.q.shape[-1], self.q.shape[-2],
                 self.k.shape[-2], self.causal, self.window, self.softcap > 0, self.bottom_right,
                 self.cu_seqlens is not None, self.q.shape[-3] == self.k.shape[-3],
-                self.diag_offset != 0)
+                self.diag_offset != 0, self.delta is not None)
 
     def bucket(self) -> tuple:
         """The tuning bucket: batch x heads, K/V heads, query and key lengths (packed: the
@@ -221,7 +222,7 @@ class Triton(Backend):
         return out, lse
 
     def backward(self, call: AttentionCall, out, lse, dout, dlse):
-        delta = delta_of(out, dout, dlse)
+        delta = delta_of(out, dout, dlse) if call.delta is None else call.delta
         q, k, v, dout = (_last_dim_contiguous(t) for t in (call.q, call.k, call.v, dout))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kernels.flash_attn_backward(q, k, v, dout, lse.contiguous(), delta, dq, dk, dv,
@@ -280,7 +281,7 @@ class Reference(Backend):
         return out, lse
 
     def backward(self, call: AttentionCall, out, lse, dout, dlse):
-        delta = delta_of(out, dout, dlse)
+        delta = delta_of(out, dout, dlse) if call.delta is None else call.delta
         dq, dk, dv = (torch.empty_like(t) for t in (call.q, call.k, call.v))
         for q, k, v, rows, keys in self._pieces(call):
             s, kk, vv, visible, capped = self._scores(q, k, v, call)
@@ -369,6 +370,9 @@ class Sdpa(Backend):
             # the next backend computes the same gradients; torch's backward ops take
             # rowsum(dout * out) from out and have no input for the lse's gradient
             reasons.append("a gradient of the lse: torch's attention backward ops take none")
+        if call.delta is not None:
+            reasons.append("a backward given rowsum(dout * out) instead of out: torch's attention "
+                           "backward ops read out")
         if reasons:
             return reasons
         seqlen_q, seqlen_k, d = call.q.shape[1], call.k.shape[1], call.q.shape[-1]
@@ -622,10 +626,13 @@ def attend_block(q, k, v, causal: bool, scale: float, backend: str, mask: dict |
 
 
 def attend_block_backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str,
-                          mask: dict | None = None):
+                          mask: dict | None = None, delta: torch.Tensor | None = None):
     """``(dq, dk, dv)`` of one block, from the global ``out``, ``lse`` (and ``dlse``) of its
-    rows: the block's ``exp(S - lse)`` is its share of the whole softmax."""
-    call = AttentionCall(q, k, v, causal, scale, lse_grad=dlse is not None, **(mask or {}))
+    rows: the block's ``exp(S - lse)`` is its share of the whole softmax. ``delta``
+    (``delta_of(out, dout, dlse)``, computed by the caller) replaces ``out`` and ``dlse`` for
+    the backends that take it."""
+    call = AttentionCall(q, k, v, causal, scale, lse_grad=dlse is not None, delta=delta,
+                         **(mask or {}))
     return DISPATCHER.backends[backend].backward(call, out, lse, dout, dlse)
 
 

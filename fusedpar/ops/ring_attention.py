@@ -36,7 +36,7 @@ from .registry import EXAMPLE_WORLD, register
 from .flash_attention import (DISPATCHER as FLASH_DISPATCHER, KERNEL_DTYPES, AttentionCall,
                               attend_block, attend_block_backward, backward_backend,
                               check_attention_inputs, check_cu_seqlens, check_mask_args,
-                              default_scale)
+                              default_scale, delta_of)
 from .ring_plan import RingBlock, band_block, key_ranges, ring_blocks
 
 OP = "ring_attention"
@@ -521,10 +521,10 @@ class Ulysses(Backend):
 
     def backward(self, call: RingCall, out, lse, dout, dlse):
         world, order, kv_heads = call.world_size, call.global_order(), call.k.shape[2]
-        q, k, v, do, o = self._heads(call, call.q, call.k, call.v, dout, out)
-        dlse = None if dlse is None else self._stat_heads(call, dlse)
-        grads = attend_block_backward(q, k, v, o, self._stat_heads(call, lse), do, dlse,
-                                      call.causal, call.scale, call.local, call.whole_mask())
+        q, k, v, do = self._heads(call, call.q, call.k, call.v, dout)
+        delta = self._stat_heads(call, delta_of(out, dout, dlse))  # moves far less than out
+        grads = attend_block_backward(q, k, v, None, self._stat_heads(call, lse), do, None,
+                                      call.causal, call.scale, call.local, call.whole_mask(), delta)
         dq, dk, dv = (_to_sequence(_reorder(g, order, inverse=True), world, call.group) for g in grads)
         if kv_heads < world:  # sum the replicas' gradients
             b, s, _, d = dk.shape
@@ -532,7 +532,11 @@ class Ulysses(Backend):
         return dq, dk, dv
 
 
-DISPATCHER = Dispatcher(OP, [TritonRing(), Pipelined(), PipelinedSdpa(), Ulysses(), AllGatherKV()])
+# pipelined_sdpa first: it is plain torch's way (torch's context_parallel: a ring with SDPA's
+# kernels as its steps), and the other rings' step kernel measured slower than SDPA on the
+# H100 (benchmarks/results); the rings are not tuned (no shape bucket), so this order is
+# the choice wherever it can run (no window, softcap, packing or lse gradient)
+DISPATCHER = Dispatcher(OP, [PipelinedSdpa(), TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
 
 
 def _call(q, k, v, group_name_, causal, softmax_scale, window_left, window_right, softcap, layout,
@@ -616,7 +620,8 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     computed. Backends: ``pipelined``
     (K/V around the ring by async P2P, overlapped with the blocks), ``pipelined_sdpa`` (that
     ring with torch's attention kernel and its lse per step, as torch's ``context_parallel``;
-    flash_attention's ``sdpa`` limits: no window or softcap), ``ulysses`` (all-to-all
+    flash_attention's ``sdpa`` limits: no window or softcap; the default where it runs),
+    ``ulysses`` (all-to-all
     heads <-> sequence; needs ``H % W == 0``), ``allgather_kv`` (gather K/V, attend
     locally), ``triton`` (pulls each peer's K/V rows that this rank's queries see from
     symmetric memory once, overlapped with the blocks; its backward is the pipelined one).

@@ -82,7 +82,7 @@ def test_check_two_ranks_all_correct():
         assert _bytes(r[5]) == lower_bound and r[7] == "1.00", r
     # ring_attention (every backend) on a cp group, moe_experts on an ep group: fwd + bwd
     cp_ep_rows = sections["context / expert parallel"]
-    assert [r[:2] for r in cp_ep_rows] == [(CP_OP, b) for b in ("triton", "pipelined", "pipelined_sdpa",
+    assert [r[:2] for r in cp_ep_rows] == [(CP_OP, b) for b in ("pipelined_sdpa", "triton", "pipelined",
                                                                "ulysses", "allgather_kv")] \
         + [(EP_OP, b) for b in ("pipelined", "fused", "reference")], res.stdout
     for r in cp_ep_rows:
@@ -91,7 +91,7 @@ def test_check_two_ranks_all_correct():
         assert _bytes(r[5]) >= _bytes(r[6]) > 0, r
     kv_bytes = 2 * 1 * 8 * 2 * 16 * 4  # k and v parts [1, 8, 2, 16] fp32
     assert all(_bytes(r[6]) == 2 * kv_bytes for r in cp_ep_rows[:5])
-    assert cp_ep_rows[1][5] == f"{3 * kv_bytes:,}"  # pipelined: K/V ring again in backward
+    assert cp_ep_rows[2][5] == f"{3 * kv_bytes:,}"  # pipelined: K/V ring again in backward
     # moe_experts: there and back, forward and backward, fused and reference a row per routed
     # copy, pipelined a row per token and rank + k=2 fp32 ids and weights in, k gradients
     # back; the table shows the rank that moved the most, with its bound

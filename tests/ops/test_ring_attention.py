@@ -66,8 +66,8 @@ def _expected_bytes(backend, q, k, world, causal, layout):
     lse = q.numel() // q.shape[-1] * 4
     part = (world - 1) / world
     forward = part * (2 * q.numel() * 4 + kv_rep + lse)  # q, k, v there; out, lse back
-    # q, k, v, dout, out, lse, dlse there; dq, dk, dv back
-    backward = part * (3 * q.numel() * 4 + kv_rep + 2 * lse) + part * (q.numel() * 4 + kv_rep)
+    # q, k, v, dout, lse, delta there; dq, dk, dv back
+    backward = part * (2 * q.numel() * 4 + kv_rep + 2 * lse) + part * (q.numel() * 4 + kv_rep)
     return int(forward), int(backward)
 
 
