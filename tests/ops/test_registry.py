@@ -74,7 +74,7 @@ class _Attends(Backend):
     def forward(self, call):
         return call
 
-    def backward(self, call, lse, dout, delta):
+    def backward(self, call, out, lse, dout, dlse):
         return call
 
 
