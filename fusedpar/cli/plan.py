@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from fusedpar.plan import plan as make_plan
+from fusedpar.plan.memory import PP_SCHEDULES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
     p.add_argument("--ac", choices=("both", "on", "off"), default="both",
                    help="activation checkpointing per block (default: try both)")
+    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1F1B",
+                   help="pipeline schedule of the pp > 1 configs (default 1F1B)")
     p.add_argument("--unfused", action="store_true",
                    help="time TP/CP/EP communication as not overlapped with compute")
     p.add_argument("--limit", type=int, default=None, help="rows per table (default all)")
@@ -106,7 +109,7 @@ def run(args) -> int:
             global_batch=args.global_batch, micro_batch=args.micro_batch,
             param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
             optimizer=args.optimizer, activation_checkpointing={"both": None, "on": True, "off": False}[args.ac],
-            gpu=args.gpu, nodes=args.nodes, fused=not args.unfused)
+            gpu=args.gpu, nodes=args.nodes, fused=not args.unfused, pp_schedule=args.pp_schedule)
     except (OSError, ValueError, TypeError, KeyError) as e:
         print(f"fusedpar plan: {e}", file=sys.stderr)
         return 2

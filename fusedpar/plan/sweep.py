@@ -220,7 +220,8 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
          micro_batch: int | None = None, param_dtype: str = "float32", compute_dtype: str = "bfloat16",
          reduce_dtype: str = "float32", optimizer: str = "adamw",
          activation_checkpointing: bool | None = None, gpu: str = "H100", nodes: int = 1,
-         fused: bool = True, device: Device | None = None, max_pp: int | None = None) -> Plan:
+         fused: bool = True, device: Device | None = None, max_pp: int | None = None,
+         pp_schedule: str = "1F1B") -> Plan:
     """Estimate every parallel config of ``world`` GPUs (``nodes`` nodes) for ``model`` (a
     fusedpar or Hugging Face config, a model holding one, a config JSON path or a
     :class:`ModelSpec`) and return the :class:`Plan`.
@@ -229,6 +230,7 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
     ``gpu`` names the datasheet device (its peak replaced by a measured benchmark row when
     one exists), or pass ``device``. ``activation_checkpointing``: None tries both.
     ``fused``: fusedpar's fused ops hide TP / CP / EP communication behind compute.
+    ``pp_schedule``: the pipeline schedule of the pp > 1 configs (``"1F1B"`` or ``"GPipe"``).
 
     Plain-PyTorch equivalent: none; torchtitan's estimator runs one config under fake
     tensors (see :func:`fusedpar.plan.dry_run`), DeepSpeed's counts model states only.
@@ -243,7 +245,7 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
         device = dataclasses.replace(device, memory=parse_bytes(gpu_memory))
     train = Training(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                      param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-                     optimizer=optimizer)
+                     optimizer=optimizer, pp_schedule=pp_schedule)
     found = candidates(spec, world, train, gpus_per_node=device.gpus_per_node,
                        activation_checkpointing=activation_checkpointing, max_pp=max_pp)
     if not found:

@@ -236,3 +236,22 @@ def test_pipeline_memory_terms():
     assert first(one) < first(two)
     with pytest.raises(ValueError, match="pp_schedule='ZBV'"):
         Training(seq_len=8, global_batch=8, pp_schedule="ZBV")
+
+
+def test_pp_schedule_gpipe_holds_every_microbatch():
+    """The sweep's pp configs under GPipe (every microbatch's activations held) need more
+    memory than under 1F1B (at most pp in flight); the other configs are unchanged."""
+    from fusedpar.cli import main
+
+    kw = dict(seq_len=256, global_batch=64, micro_batch=1, max_pp=2)
+    by_schedule = {s: {e.candidate.name: e.memory.peak for e in plan(LlamaConfig(), 4, "80GiB", **kw,
+                                                                        pp_schedule=s).estimates}
+                   for s in ("1F1B", "GPipe")}
+    pp_names = [n for n in by_schedule["1F1B"] if n.startswith("pp")]
+    assert pp_names and all(by_schedule["GPipe"][n] > by_schedule["1F1B"][n] for n in pp_names)
+    assert all(by_schedule["GPipe"][n] == by_schedule["1F1B"][n] for n in by_schedule["1F1B"]
+               if n not in pp_names)
+    with pytest.raises(ValueError, match="the planner models 1F1B and GPipe"):
+        plan(LlamaConfig(), 4, "80GiB", **kw, pp_schedule="ZBVZeroBubble")
+    assert main(["plan", "--model", "llama", "--gpus", "4", "--seq", "256", "--global-batch", "64",
+                 "--pp-schedule", "GPipe", "--json"]) == 0
