@@ -55,7 +55,12 @@ def interpreter_cast_slack(exact: torch.Tensor, dtype: torch.dtype, backend: str
 
 
 def poison_symmetric(group, nbytes, device="cpu"):
-    """Fill this rank's symmetric data region with NaN bytes so stale data cannot pass."""
+    """Fill this rank's symmetric data region with NaN bytes so stale data cannot pass. The
+    barrier first: a peer may still be reading the region for the previous call (the fill
+    bypasses the protocol's wait before restaging; on a GPU, once every rank's kernels ended)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
     buf = get_buffer(group, nbytes, torch.device(device))
     buf.data(torch.uint8, buf.capacity).fill_(0xFF)
 
