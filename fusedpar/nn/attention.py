@@ -22,14 +22,16 @@ from ..ops.all_gather import all_gather
 from ..ops.ring_attention import DISPATCHER, LAYOUTS, ring_attention, zigzag_order
 
 
-def choose_backend(heads: int, kv_heads: int, world: int) -> str | None:
+def choose_backend(heads: int, kv_heads: int, world: int, packed: bool = False) -> str | None:
     """The ring_attention backend for these head counts (identical on every rank):
     with fewer K/V heads than ranks, moving K/V is cheap and a ring gains little: Ulysses
-    (all-to-all of heads) when the heads split over the ranks, else all-gather K/V;
+    (all-to-all of heads) when the heads split over the ranks and the sequence is not
+    ``packed`` documents (Ulysses runs none), else all-gather K/V;
     otherwise None: a ring, whose K/V exchange hides behind the blocks (ring_attention's
     own choice: ``triton`` where symmetric memory works, else ``pipelined``)."""
     if kv_heads < world:
-        return "ulysses" if heads % world == 0 and world % kv_heads == 0 else "allgather_kv"
+        ulysses = heads % world == 0 and world % kv_heads == 0 and not packed
+        return "ulysses" if ulysses else "allgather_kv"
     return None
 
 
@@ -67,15 +69,19 @@ class ContextParallelAttention(nn.Module):
         return out.transpose(1, 2)
 
     def attend(self, q, k, v, causal: bool, scale: float | None,
-               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The same on ``[B, S_local, H, D]`` tensors (flash-attn's layout); ``window_size``
-        and ``softcap`` as ``flash_attention``'s, by global position."""
+        and ``softcap`` as ``flash_attention``'s, by global position. ``cu_seqlens``: packed
+        documents over the global sequence (``ring_attention``'s: B = 1), each attending
+        only to itself."""
         group = resolve_group(self.group)
-        backend = self.backend or choose_backend(q.shape[2], k.shape[2], dist.get_world_size(group))
+        backend = self.backend or choose_backend(q.shape[2], k.shape[2], dist.get_world_size(group),
+                                                 packed=cu_seqlens is not None)
         # None: ring_attention picks the ring backend (the same on every rank)
         return ring_attention(q, k, v, group, causal=causal, softmax_scale=scale,
                               window_size=window_size, softcap=softcap, layout=self.layout,
-                              backend=backend)
+                              cu_seqlens=cu_seqlens, backend=backend)
 
     def attend_padded(self, q, k, v, padding: torch.Tensor, causal: bool, scale: float | None,
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
@@ -142,8 +148,10 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
     attention-logit soft-capping) are applied. ``attention_mask``: None, or this rank's 2-D padding mask
     (``[B, S_local]``, what the ``"fusedpar_cp"`` mask function passes on when the model got
     a padded ``attention_mask``, sharded like the input ids): left or right padding runs
-    with ``ContextParallelAttention.attend_padded``. A 4-D mask is refused: it cannot be
-    applied to a sequence split across ranks."""
+    with ``ContextParallelAttention.attend_padded``; or a 1-D int32 ``cu_seqlens`` of packed
+    documents over the global sequence (B = 1; what the parallelized forward passes for a
+    packed row), each document attending only to itself. A 4-D mask is refused: it cannot
+    be applied to a sequence split across ranks."""
     cp = _HF["module"]
     if cp is None:
         raise RuntimeError("fusedpar_cp attention: call fusedpar.nn.attention."
@@ -151,19 +159,20 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
     if dropout and module.training:
         raise ValueError(f"fusedpar_cp attention: attention dropout {dropout} is not supported; "
                          "set config.attention_dropout = 0")
-    if attention_mask is not None and attention_mask.dim() != 2:
+    documents = attention_mask is not None and attention_mask.dim() == 1
+    if attention_mask is not None and attention_mask.dim() != 2 and not documents:
         raise ValueError(f"fusedpar_cp attention: got a {attention_mask.dim()}-D attention mask of "
                          f"shape {tuple(attention_mask.shape)}; only a 2-D padding mask [B, S_local] "
-                         "(this rank's part) can be applied to a sequence split across ranks "
-                         "(causality is applied by the kernel)")
+                         "(this rank's part) or 1-D cu_seqlens of packed documents can be applied to "
+                         "a sequence split across ranks (causality is applied by the kernel)")
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     causal = bool(causal if causal is not None else True)
     window = kwargs.get("sliding_window")
     mask = dict(window_size=(-1, -1) if window is None else (window - 1, window - 1),
                 softcap=float(kwargs.get("softcap") or 0.0))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if attention_mask is None:
-        return cp.attend(q, k, v, causal, scaling, **mask), None
+    if attention_mask is None or documents:
+        return cp.attend(q, k, v, causal, scaling, **mask, cu_seqlens=attention_mask), None
     return cp.attend_padded(q, k, v, attention_mask, causal, scaling, **mask), None
 
 

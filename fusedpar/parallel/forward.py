@@ -72,11 +72,12 @@ class Plan:
     router_aux: object = None  # steps.RouterAuxLoss for a Hugging Face MoE model's aux loss
     sliding_window: int | None = None
     hf_masks: bool = False  # a Hugging Face model whose layers get HF's attention masks
+    documents: torch.Tensor | None = None  # cp: this call's packed row's cu_seqlens (check_batch's)
 
 
 def check_batch(model: nn.Module, args, kwargs) -> None:
     """Forward pre-hook ahead of FSDP's (which all-gathers): bad shapes fail before any
-    communication."""
+    communication. Under cp, a packed row's documents go to ``plan.documents``."""
     unknown = sorted(set(kwargs) - set(FORWARD_ARGS))
     if unknown or len(args) + len(kwargs) > len(FORWARD_ARGS):
         raise TypeError(f"parallelized forward takes {', '.join(FORWARD_ARGS)}; got "
@@ -88,18 +89,30 @@ def check_batch(model: nn.Module, args, kwargs) -> None:
     plan = model._fusedpar_plan
     sequence_checks(plan, input_ids)
     positions = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
-    if plan.cp_group is not None and is_hf(model) and positions is not None \
-            and bool((positions.diff(dim=-1) != 1).any()):  # one host read, only when passed
-        raise ValueError("parallelized forward: position_ids restart inside a row (packed "
-                         "sequences), which Hugging Face models attend to as separate "
-                         "documents; context parallelism attends over the whole row: use cp=1 "
-                         "or unpacked rows")
+    plan.documents = None
+    if plan.cp_group is not None and is_hf(model) and positions is not None:
+        restarts = (positions.diff(dim=-1) != 1).cpu()  # one host read, only when passed
+        if bool(restarts.any()):
+            if positions.shape[0] != 1:
+                raise ValueError(f"parallelized forward: position_ids restart inside a row (packed "
+                                 f"sequences) in a batch of {positions.shape[0]} rows; context "
+                                 "parallelism runs packed documents one row at a time: pass one "
+                                 "packed row per data-parallel rank (input_ids [1, T]), or use cp=1")
+            plan.documents = document_ends(restarts[0], positions.device)
     mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
     if mask is not None and not bool(mask.all()):  # one host read, only when a mask is passed
         raise ValueError("parallelized forward: attention_mask masks some positions, and the "
                          "parallelized forward runs causal attention over whole rows; pass no "
                          "attention_mask (right padding with labels = -100 at the pads gives the "
                          "same cross-entropy) or pack the sequences")
+
+
+def document_ends(restarts: torch.Tensor, device) -> torch.Tensor:
+    """The cu_seqlens (int32 ``[0, end_1, ..., T]``) of a packed row from ``restarts`` (host
+    bools, True where position i + 1 does not follow position i), as Hugging Face finds
+    packed documents from position_ids."""
+    ends = (restarts.nonzero().flatten() + 1).tolist()
+    return torch.tensor([0, *ends, restarts.numel() + 1], dtype=torch.int32, device=device)
 
 
 def sequence_checks(plan: Plan, input_ids: torch.Tensor) -> None:
@@ -128,7 +141,8 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
                      position_ids: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
     """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
-    full sequence (the same on every rank of a tp / cp group). ``attention_mask``: only all
+    full sequence (the same on every rank of a tp / cp group; under cp, a packed row's
+    documents attend alone on the ring when B = 1). ``attention_mask``: only all
     ones (checked in :func:`check_batch`). No ``**kwargs``: Hugging Face's Trainer then
     divides the loss by the gradient-accumulation steps itself instead of passing
     ``num_items_in_batch``, which this forward would not use."""
@@ -142,6 +156,8 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
     if plan.router_aux is not None:
         plan.router_aux.logits.clear()  # what a recompute in the last backward recorded
     masks = adapter.attention_masks(self, input_ids, position_ids) if plan.hf_masks else None
+    if plan.documents is not None:  # the fusedpar_cp attention takes 1-D masks as cu_seqlens
+        masks = [plan.documents] * len(adapter.layers(self))
     hidden, aux = decoder_forward(self, input_ids, position_ids, masks, adapter)
     logits = adapter.logits(self, hidden)
     loss = None

@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.timeout(300)]
 def test_backend_choice_from_head_counts():
     assert choose_backend(32, 8, 8) is None  # a ring: ring_attention's first available
     assert choose_backend(32, 2, 8) == "ulysses"
+    assert choose_backend(32, 2, 8, packed=True) == "allgather_kv"  # Ulysses runs no documents
     assert choose_backend(12, 1, 8) == "allgather_kv"  # 12 heads do not split over 8 ranks
     assert choose_backend(4, 2, 2) is None
     with pytest.raises(ValueError, match="backend='ring'"):

@@ -90,15 +90,20 @@ def make_model(kind: str, seed: int = 0):
 IGNORED_LABELS = (0, SEQ, 5, 11)
 
 
-def batches(vocab: int = 64, steps: int = STEPS, packed: bool = False):
+def batches(vocab: int = 64, steps: int = STEPS, packed: bool | tuple = False):
     """``steps`` global batches ``(input_ids, labels, position_ids)``, the same on every rank,
-    the labels ignored as :data:`IGNORED_LABELS` says; ``packed``: each row holds two
-    documents (position_ids restart halfway)."""
+    the labels ignored as the last entries of :data:`IGNORED_LABELS` say; ``packed``: True:
+    GLOBAL_BATCH rows of two documents (position_ids restart halfway), or each row's
+    document lengths (summing to SEQ)."""
     g = torch.Generator().manual_seed(1234)
-    positions = torch.arange(SEQ // 2).repeat(GLOBAL_BATCH, 2) if packed else None
-    ignored = torch.arange(SEQ) < torch.tensor(IGNORED_LABELS)[:, None]
+    if packed is True:
+        packed = ((SEQ // 2, SEQ // 2),) * GLOBAL_BATCH
+    rows = len(packed) if packed else GLOBAL_BATCH
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in packed]) \
+        if packed else None
+    ignored = torch.arange(SEQ) < torch.tensor(IGNORED_LABELS[-rows:])[:, None]
     return [(ids, ids.masked_fill(ignored, IGNORE_INDEX), positions) for ids in
-            (torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps))]
+            (torch.randint(0, vocab, (rows, SEQ), generator=g) for _ in range(steps))]
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

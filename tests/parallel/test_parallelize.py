@@ -174,11 +174,12 @@ def test_torch_compile_of_a_parallelized_moe_model(pools, kind, config):
     assert pools(4).run(_compiled_matches_eager, kind, config, timeout=500) == [True] * 4
 
 
-def _packed_matches_single_process(kind: str, configs: list[dict]) -> bool:
-    """Rows packing two documents (position_ids restart halfway): the HF model attends to
-    each document alone; so must the parallelized one (HF's own mask for its layers)."""
+def _packed_matches_single_process(kind: str, configs: list[dict], packed=True) -> bool:
+    """Rows packing documents (``packed`` as ``batches`` takes it; position_ids restart at
+    each): the HF model attends to each document alone; so must the parallelized one (HF's
+    own mask for its layers; under cp the documents' cu_seqlens on the ring)."""
     torch.set_num_threads(1)
-    data = batches(packed=True)
+    data = batches(packed=packed)
     model = make_model(kind)
     want = reference_run(model, data)
     for config in configs:
@@ -190,11 +191,14 @@ def _packed_matches_single_process(kind: str, configs: list[dict]) -> bool:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind, configs", [
-    ("hf-llama", [dict(tp=2, dp_shard=2)]), ("hf-llama-eager", [dict(dp_shard=4)]),
-    ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)])])
-def test_packed_sequences_attend_per_document(pools, kind, configs):
-    assert pools(4).run(_packed_matches_single_process, kind, configs, timeout=500) == [True] * 4
+@pytest.mark.parametrize("kind, configs, packed", [
+    ("hf-llama", [dict(tp=2, dp_shard=2)], True), ("hf-llama-eager", [dict(dp_shard=4)], True),
+    ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)], True),
+    # one packed row per data-parallel rank (B = 1), documents across the zigzag chunks
+    ("hf-llama", [dict(cp=2, dp_shard=2)], ((5, 7, 4), (9, 7)))])
+def test_packed_sequences_attend_per_document(pools, kind, configs, packed):
+    assert pools(4).run(_packed_matches_single_process, kind, configs, packed,
+                        timeout=500) == [True] * 4
 
 
 # ---- invalid configs: a clear error before any communication -------------------------------
@@ -311,7 +315,8 @@ def test_invalid_configs_fail_before_any_communication(pools):
                    "the Mixtral / Switch one the parallelized forward reproduces",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
         "padding": "attention_mask masks some positions",
-        "packed_cp": "position_ids restart inside a row (packed sequences)",
+        "packed_cp": "in a batch of 2 rows; context parallelism runs packed documents one row "
+                     "at a time: pass one packed row per data-parallel rank",
         "window": "sequence length 9 exceeds the model's sliding window 8 (config.sliding_window)",
         "outer_forward": "GraniteForCausalLM is not a supported model (its forward changes lm_head's logits",
         "tp_scaled_embedding": "GemmaTextScaledWordEmbedding.forward does more than look rows up",
