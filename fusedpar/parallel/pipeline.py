@@ -235,8 +235,9 @@ def pipeline_stages(model: nn.Module, adapter: ModelAdapter, layout: ModelLayout
         torch_stages.append(PipelineStage(stage, s, stages_total, device, group=pp_mesh.get_group()))
     microbatches = cfg.pp_microbatches or stages_total
     weight = adapter.aux_loss_weight(model)  # the mean over microbatches of the model's aux term
+    # cp: the ring attention applies each layer's window itself, as in parallelize
     run = _Run(cfg, is_hf(model) and cfg.cp == 1, None if weight is None else weight / microbatches,
-               layout.sliding_window)
+               layout.sliding_window if cfg.cp == 1 else None)
     ranks = cfg.dp * cfg.cp
 
     def loss_fn(logits, target):
