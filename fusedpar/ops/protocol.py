@@ -47,44 +47,79 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # below gives up after FUSEDPAR_TIMEOUT with a FusedparTimeoutError naming what it waited for.
 
 
+def host_staged(group, t: torch.Tensor) -> bool:
+    """Whether ``t`` travels through a host copy on ``group``: a CUDA tensor on a group whose
+    CUDA transfers are gloo's, which sends and gathers CPU tensors only (a shared-GPU world,
+    as NCCL refuses ranks sharing a GPU). Correct there, never fast."""
+    if not t.is_cuda:
+        return False
+    backend = str(dist.get_backend(group)).lower()  # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    if ":" in backend:
+        backend = dict(part.split(":") for part in backend.split(",")).get("cuda", "")
+    return backend == "gloo"
+
+
+def _collective(start, what: str, group, out: torch.Tensor, *inputs: torch.Tensor) -> None:
+    """``start(out, *inputs)``, an async collective writing ``out``, with a bounded wait;
+    through host copies where ``host_staged``."""
+    if not host_staged(group, out):
+        symmetric.bounded_wait(start(out, *inputs), what, group)
+        return
+    host = out.to("cpu", copy=True)  # a copy: an in-place collective reads it
+    symmetric.bounded_wait(start(host, *(x.to("cpu", copy=True) for x in inputs)), what, group)
+    out.copy_(host)
+
+
 def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """``dist.all_gather_single(out, x, group)``, bounded."""
-    symmetric.bounded_wait(_all_gather_single(out, x, group=group, async_op=True), "an all-gather", group)
+    _collective(lambda o, i: _all_gather_single(o, i, group=group, async_op=True),
+                "an all-gather", group, out, x)
 
 
 def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """``dist.reduce_scatter_single(out, x, group)`` (sum), bounded."""
-    symmetric.bounded_wait(_reduce_scatter_single(out, x, group=group, async_op=True),
-                           "a reduce-scatter", group)
+    _collective(lambda o, i: _reduce_scatter_single(o, i, group=group, async_op=True),
+                "a reduce-scatter", group, out, x)
 
 
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, group, out_splits=None, in_splits=None) -> None:
     """``dist.all_to_all_single(out, x, out_splits, in_splits, group)``, bounded."""
-    symmetric.bounded_wait(dist.all_to_all_single(out, x, out_splits, in_splits, group=group,
-                                                  async_op=True), "an all-to-all", group)
+    _collective(lambda o, i: dist.all_to_all_single(o, i, out_splits, in_splits, group=group,
+                                                    async_op=True),
+                "an all-to-all", group, out, x)
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     """``dist.all_reduce(t, op, group)``, bounded."""
-    symmetric.bounded_wait(dist.all_reduce(t, op=op, group=group, async_op=True), "an all-reduce", group)
+    _collective(lambda o: dist.all_reduce(o, op=op, group=group, async_op=True), "an all-reduce",
+                group, t)
 
 
 class BoundedWork:
-    """An async send or receive whose ``wait()`` is bounded as the collectives above are."""
+    """An async send or receive whose ``wait()`` is bounded as the collectives above are;
+    a staged receive copies its host buffer into ``into`` when it completes."""
 
-    def __init__(self, work, what: str, group):
-        self.work, self.what, self.group = work, what, group
+    def __init__(self, work, what: str, group, into: tuple | None = None):
+        self.work, self.what, self.group, self.into = work, what, group, into
 
     def wait(self) -> None:
         symmetric.bounded_wait(self.work, self.what, self.group)
+        if self.into is not None:
+            target, host = self.into
+            target.copy_(host)
 
 
 def p2p(ops: list, group) -> list[BoundedWork]:
-    """``dist.batch_isend_irecv(ops)``, each request's wait bounded."""
+    """``dist.batch_isend_irecv(ops)``, each request's wait bounded; tensors that
+    ``host_staged`` says so travel as host copies."""
     peers = ", ".join(f"{'send to' if op.op is dist.isend else 'receive from'} rank {op.peer}"
                       for op in ops)
-    return [BoundedWork(work, f"a point-to-point exchange ({peers})", group)
-            for work in dist.batch_isend_irecv(ops)]
+    hosts = [op.tensor.to("cpu", copy=True) if host_staged(group, op.tensor) else None for op in ops]
+    sent = [op if host is None else dist.P2POp(op.op, host, op.peer, op.group, op.tag)
+            for op, host in zip(ops, hosts)]
+    return [BoundedWork(work, f"a point-to-point exchange ({peers})", group,
+                        None if host is None or op.op is not dist.irecv else (op.tensor, host))
+            for work, op, host in zip(dist.batch_isend_irecv(sent), ops, hosts)]
 
 
 def ring_neighbours(group) -> tuple[int, int, int]:

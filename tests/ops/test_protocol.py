@@ -1,0 +1,80 @@
+"""Host staging (``protocol.host_staged``): on a group whose CUDA transfers are gloo's (the
+shared-GPU test world: NCCL refuses ranks sharing a GPU), collectives and point-to-point
+exchanges carry CUDA tensors through host copies, since gloo sends and gathers CPU tensors
+only. CPU ranks have no CUDA tensor, so here staging is forced on: every backend built on
+these transfers must give exactly its unstaged result, forward and backward."""
+
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.ops import protocol
+from fusedpar.ops.moe.routing import topk_route
+from tests.ops.collective_cases import subgroup
+
+
+def _results(group) -> list[torch.Tensor]:
+    """Outputs and input gradients of the backends whose transfers go through protocol's
+    wrappers: the pipelined fused matmuls (P2P), the pipelined and Ulysses rings (P2P,
+    all-to-all), the reference all_gather_matmul (all-gather) and the pipelined MoE experts."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7 + rank)  # rank-dependent data
+    a = torch.randn(5, 12, generator=g).requires_grad_()
+    b = torch.randn(12, 7, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out = []
+    for backend in ("pipelined", "reference"):
+        gathered, (y,) = fusedpar.ops.all_gather_matmul(a, [b], 0, group, backend=backend)
+        y.square().sum().backward()
+        out += [gathered, y, a.grad, b.grad]
+        a.grad = b.grad = None
+        z = fusedpar.ops.matmul_reduce_scatter(a, b[:, :6], "sum", 1, group, backend=backend)
+        z.square().sum().backward()
+        out += [z, a.grad, b.grad]
+        a.grad = b.grad = None
+    q, k, v = (torch.randn(1, 6, 4, 8, generator=g).requires_grad_() for _ in range(3))
+    for backend in ("pipelined", "ulysses"):
+        o = fusedpar.ops.ring_attention(q, k, v, group, causal=True, backend=backend)
+        o.square().sum().backward()
+        out += [o, q.grad, k.grad, v.grad]
+        q.grad = k.grad = v.grad = None
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(2, 8, 6).requires_grad_(), torch.randn(2, 6, 4).requires_grad_()
+    x = torch.randn(5, 6, generator=g).requires_grad_()
+    idx, weights, _ = topk_route(torch.randn(5, 2 * world, generator=g), 2)
+    y = fusedpar.ops.moe_experts(x, idx, weights, w13, w2, group, backend="pipelined")
+    y.square().sum().backward()
+    return out + [y, x.grad, w13.grad, w2.grad]
+
+
+def _staged_equals_unstaged() -> bool:
+    torch.set_num_threads(1)
+    group = subgroup()
+    plain = _results(group)
+    with mock.patch.object(protocol, "host_staged", return_value=True) as staging:
+        staged = _results(group)
+    assert staging.call_count > 20  # every transfer asked, and went through host copies
+    assert len(plain) == len(staged) == 26
+    for i, (want, got) in enumerate(zip(plain, staged)):
+        assert torch.equal(want, got), f"rank {dist.get_rank()}: result {i} differs when staged"
+    return True
+
+
+def test_staged_transfers_equal_unstaged(pools):
+    assert pools(2).run(_staged_equals_unstaged, timeout=300) == [True, True]
+
+
+def _which_are_staged() -> list[bool]:
+    cuda = SimpleNamespace(is_cuda=True)  # a stand-in: these ranks have no GPU
+    group = subgroup()
+    found = [protocol.host_staged(group, cuda), protocol.host_staged(group, torch.ones(1))]
+    for backend in ("cpu:gloo,cuda:nccl", "nccl", "cpu:gloo,cuda:gloo"):
+        with mock.patch.object(dist, "get_backend", lambda group: backend):
+            found.append(protocol.host_staged(group, cuda))
+    return found
+
+
+def test_only_cuda_tensors_on_gloo_are_staged(pools):
+    assert pools(2).run(_which_are_staged) == [[True, False, False, False, True]] * 2
