@@ -59,11 +59,11 @@ class AttentionCall:
 
     def cache_key(self) -> tuple:
         """What the backends' reasons depend on (sdpa's: the mask, packing, head counts and
-        dim, whether the lengths are equal)."""
+        dim, whether the lengths are equal, the kernels ``sdpa_kernel`` allows)."""
         return (self.q.device.type, self.q.dtype, self.lse_grad, self.q.shape[-1], self.q.shape[-2],
                 self.k.shape[-2], self.causal, self.window, self.softcap > 0, self.bottom_right,
                 self.cu_seqlens is not None, self.q.shape[-3] == self.k.shape[-3],
-                self.diag_offset != 0, self.delta is not None)
+                self.diag_offset != 0, self.delta is not None, _sdpa_allowed())
 
     def bucket(self) -> tuple:
         """The tuning bucket: batch x heads, K/V heads, query and key lengths (packed: the
@@ -326,12 +326,27 @@ def sdpa_choice(call: AttentionCall) -> tuple[SDPBackend, bool]:
     K/V heads as they are), else with the heads repeated."""
     q, k, v = _sdpa_inputs(call, False)
     gqa = q.shape[1] != k.shape[1]
-    kernel = SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=call.causal, scale=call.scale,
-                                                enable_gqa=gqa))
+    kernel = _fused_choice(call, q, k, v, enable_gqa=gqa)
     if not gqa or kernel in LSE_KERNELS[q.device.type]:
         return kernel, False
     k, v = _sdpa_inputs(call, True)[1:]
-    return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=call.causal, scale=call.scale)), True
+    return _fused_choice(call, q, k, v), True
+
+
+def _sdpa_allowed() -> tuple[bool, ...]:
+    """The torch attention kernels enabled now (``torch.nn.attention.sdpa_kernel`` sets them)."""
+    b = torch.backends.cuda
+    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
+            b.math_sdp_enabled())
+
+
+def _fused_choice(call: AttentionCall, q, k, v, **gqa) -> SDPBackend:
+    """torch's pick for these inputs, or ERROR where ``sdpa_kernel`` allows no kernel that
+    takes them (torch raises then: e.g. the memory-efficient kernel alone, which has no GQA)."""
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=call.causal, scale=call.scale, **gqa))
+    except RuntimeError:  # "No viable backend for scaled_dot_product_attention was found"
+        return SDPBackend.ERROR
 
 
 def _sdpa_inputs(call: AttentionCall, repeat: bool):
@@ -389,7 +404,11 @@ class Sdpa(Backend):
         if reasons:
             return reasons
         kernel = sdpa_choice(call)[0]
-        if kernel not in LSE_KERNELS[device]:
+        if kernel == SDPBackend.ERROR:
+            reasons.append("no attention kernel that torch.nn.attention.sdpa_kernel() allows here "
+                           f"takes this call ({call.q.dtype}, D={d}, H={call.q.shape[2]}, "
+                           f"H_kv={call.k.shape[2]})")
+        elif kernel not in LSE_KERNELS[device]:
             reasons.append(f"torch's SDPA picks its {kernel.name} kernel for {call.q.dtype}, D={d} "
                            "here, which returns no lse")
         return reasons

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.nn.functional as F
 
 import fusedpar
 from fusedpar.errors import BackendNotSupportedError
-from fusedpar.ops.flash_attention import DISPATCHER
+from fusedpar.ops.flash_attention import DISPATCHER, AttentionCall
 from tests.ops.attention_cases import assert_peers_rule, reference_results
 from tests.ops.collective_cases import cpu_backends, requires_cuda
 
@@ -107,6 +108,15 @@ def test_sdpa_refuses_what_torch_kernels_cannot_do():
         with pytest.raises(BackendNotSupportedError) as info:
             call()
         assert words in str(info.value), (words, str(info.value))
+    # sdpa_kernel() allowing no kernel that takes the call (torch's choice raises): refused
+    # with the reason, and the default dispatch runs another backend
+    outside = AttentionCall(q, k, v, True, 0.25).cache_key()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert AttentionCall(q, k, v, True, 0.25).cache_key() != outside  # choices cached apart
+        with pytest.raises(BackendNotSupportedError, match="no attention kernel that torch.nn.attention"):
+            fa(q, k, v, causal=True, backend="sdpa")
+        torch.testing.assert_close(fa(q, k, v, causal=True), fa(q, k, v, causal=True, backend="reference"),
+                                   atol=2e-5, rtol=0)
     square = fa(q, k, v, causal=True, mask_align="bottom_right", backend="sdpa")
     torch.testing.assert_close(square, fa(q, k, v, causal=True, backend="reference"), atol=2e-5, rtol=0)
 
