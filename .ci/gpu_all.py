@@ -1,26 +1,41 @@
-"""``.ci/gpu all [--dry-run]``: everything a lent GPU machine should run, from a bare checkout,
-in stages by priority, each under its own time limit, within one lease's call (9 minutes).
+"""``.ci/gpu all [--dry-run] [--only STAGE ...] [-k EXPR] [-- PYTEST_ARGS]``: everything a lent
+GPU machine should run, from a bare checkout, in stages by priority, each under its own time
+limit, within one lease's call (9 minutes):
 
-1. build the extension (where not built) and ``fusedpar info``;
-2. the GPU tests (names containing "gpu", the shared-GPU-rank tests of tests/gpu/ included)
-   and the extension's build checks against this torch;
-3. the headline rows: one case per op at its flagship shape next to its baseline
-   (``HEADLINE``), each with a profile of one call;
-4. the remaining benchmark rows, while time is left.
+1. ``build``: the extension (where not built) and ``fusedpar info``;
+2. ``tests``: the GPU tests that run in the pytest process and the extension's build checks;
+3. ``headline``: one case per op at its flagship shape next to its baseline (``HEADLINE``),
+   each with a profile of one call;
+4. ``shared``: the GPU tests on ranks spawned onto the one GPU (tests/gpu/conftest.py), slow
+   (the ranks time-slice the GPU): the time left but ``bench``'s budget;
+5. ``bench``: the remaining benchmark rows.
 
-A stage gets ``min(its budget, the time left)``; one cut at its limit is killed with its
-processes and the next stage starts. After each stage ``$OUT`` holds its log, the rows and
-profiles written so far (``results.tar.gz``) and ``summary.txt`` (each stage's wall time,
-what it ran and skipped, the Triton compiles it made), so a run cut short still returns what
-it did. The benchmark rows go to ``$WORK/results`` and are packed, since the device tool
-brings back at most 8 files. ``FUSEDPAR_COMMIT=<sha>`` names the commit measured (a copied
-tree has no git metadata). The summary gives each stage's Triton compiles and their time
-(``triton_compiles.py``). A ``.cache/triton`` folder in the checkout (carried) seeds Triton's
-cache first, and the cache hits tell whether it served the JIT. CI's ahead-of-time compiles
-cannot seed it: Triton's cache key hashes ``libtriton.so``, which differs between the
-Python 3.11 build of triton 3.6.0 that CI compiles with and the Python 3.12 build of the
-GPU image; a seed must come from the image's own wheel, with the JIT's specializations.
-``--dry-run`` runs nothing: it prints the stages, their budgets and commands.
+A stage gets ``min(its budget, the time left)``. ``INTERRUPT_S`` (at most a quarter of its
+limit) before its limit its process group gets SIGINT (pytest stops and prints its summary),
+at its limit SIGTERM (every thread's stack: .ci/lease_stage.py), then SIGKILL. Every pytest
+stage loads ``lease_stage``, which prints each failure's traceback and each slow test's
+seconds the moment they are known, splits the tests by whether they use a pool of spawned
+ranks (``--ranks``), and bounds each test (``--max-timeout``: pytest-timeout's signal method;
+a pool wait is a poll, and an interrupted one retires its pool, tests/dist_pool.py). After
+each stage ``$OUT`` holds
+its log, the rows and profiles written so far (``results.tar.gz``) and ``summary.txt`` (each
+stage's wall time, how it ended, what it ran and where it stopped, the Triton compiles it made:
+``triton_compiles.py``), so a run cut short still returns what it did: 7 files, the device
+tool brings back 8. ``FUSEDPAR_COMMIT=<sha>`` names the commit measured (a copied tree has no
+git metadata). A ``.cache/triton`` folder in the checkout (carried) seeds Triton's cache
+first, and the cache hits tell whether it served the JIT. CI's ahead-of-time compiles cannot
+seed it: Triton's cache key hashes ``libtriton.so``, which differs between the Python 3.11
+build of triton 3.6.0 that CI compiles with and the Python 3.12 build of the GPU image; a
+seed must come from the image's own wheel, with the JIT's specializations.
+
+A later lease can take another slice: ``--only`` runs the build and the stages named,
+``-k EXPR`` narrows every pytest stage's selection (and-ed with its own), and arguments after
+``--`` go to every pytest stage (last wins: ``-- --max-timeout=300``). For example::
+
+    .ci/gpu all --only shared -k 'shared_ranks and not ring_attention'
+    .ci/gpu all --only shared bench -- --deselect tests/gpu/test_gpu_pool.py
+
+``--dry-run`` runs nothing: it prints the stages, their limits and commands.
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL_S = 540  # one lease's call: 10 minutes, less the transfers and a margin
 MIN_STAGE_S = 10  # a stage with less time left than this is skipped
+INTERRUPT_S = 12  # SIGINT this long before a stage's limit (at most a quarter of it)
+KILL_AFTER_S = 3  # SIGKILL this long after the SIGTERM at its limit
 PY = shlex.quote(os.environ.get("PYTHON", "python3"))
 
 # one case per op at its flagship shape, the baseline first (benchmarks/targets.py), the
@@ -77,50 +94,70 @@ HEADLINE = [
     "bench_moe.py::test_loopback[mixtral-fused]",
 ]
 HEADLINE_IDS = " ".join(shlex.quote(f"benchmarks/{case}") for case in HEADLINE)
-PYTEST = f"{PY} -m pytest -v -rs -p no:cacheprovider -p triton_compiles"
-BENCH = f"{PYTEST} --benchmark-only --timeout=150"
+PYTEST = f"{PY} -m pytest -v -rs --tb=short -p no:cacheprovider -p triton_compiles -p lease_stage"
+BENCH = f"{PYTEST} --benchmark-only --max-timeout=45"
+# every test directory, tests/gpu first (no argument may hold another: pytest would merge
+# them and lose this order); the AOT compiles stay in CI (collecting test_aot.py starts them)
+TEST_PATHS = ("tests/test_build.py tests/gpu $(ls -d tests/*/ | grep -v -e '^tests/gpu/$' "
+              "-e __pycache__) tests/test_*.py --ignore=tests/kernels/test_aot.py")
 
 
 @dataclasses.dataclass
 class Stage:
     name: str
-    budget_s: float | None  # None: whatever is left
+    budget_s: float | None  # None: the time left less the budgets of the stages after it
     what: str
-    command: str
+    command: str  # shell; a pytest stage's ends in pytest's options and paths
+    keyword: str | None = None  # a pytest stage's own -k ("": none); None: not pytest
+
+    def shell(self, keyword: str | None = None, extra: list[str] = ()) -> str:
+        """The command; a pytest stage's narrowed to ``keyword`` (a -k expression, and-ed
+        with its own) and given ``extra`` arguments."""
+        if self.keyword is None:
+            return self.command
+        given = [k for k in (self.keyword, keyword) if k]
+        both = " and ".join(f"({k})" for k in given) if len(given) == 2 else "".join(given)
+        return " ".join([self.command] + ([f"-k {shlex.quote(both)}"] if both else [])
+                        + [shlex.quote(a) for a in extra])
 
 
 STAGES = [
-    Stage("build", 150, "build fusedpar._C (where not built) and fusedpar info",
+    Stage("build", 60, "build fusedpar._C (where not built) and fusedpar info",
           f"[ -f fusedpar/_build_info.py ] || TORCH_CUDA_ARCH_LIST=${{TORCH_CUDA_ARCH_LIST:-9.0a}} "
           f"{PY} setup.py -q build_ext --inplace && {PY} -m fusedpar info"),
-    # the build checks, then the shared-GPU-rank tests (the path never run on a GPU), then
-    # the others; no argument holds another (pytest would merge them and lose this order)
-    Stage("tests", 180, "GPU tests (shared-GPU ranks included) and build checks",
-          f"{PYTEST} --timeout=90 -k 'gpu or build' tests/test_build.py tests/gpu "
-          "$(ls -d tests/*/ | grep -v -e '^tests/gpu/$' -e __pycache__) tests/test_*.py"),
-    Stage("headline", 150, "headline rows, one per op at its flagship shape, with profiles",
-          f"FUSEDPAR_BENCH_PROFILE=1 {BENCH} {HEADLINE_IDS}"),
-    Stage("bench", None, "the remaining benchmark rows",
+    Stage("tests", 100, "GPU tests in the pytest process and the build checks",
+          f"{PYTEST} --max-timeout=60 --ranks=in-process {TEST_PATHS}", "gpu or build"),
+    Stage("headline", 100, "headline rows, one per op at its flagship shape, with profiles",
+          f"FUSEDPAR_BENCH_PROFILE=1 {BENCH} {HEADLINE_IDS}", ""),
+    Stage("shared", None, "GPU tests on ranks spawned onto the one GPU",
+          f"{PYTEST} --max-timeout=90 --ranks=spawned {TEST_PATHS}", "gpu or build"),
+    Stage("bench", 60, "the remaining benchmark rows",
           f"{BENCH} benchmarks " + " ".join(f"--deselect {shlex.quote('benchmarks/' + c)}"
-                                             for c in HEADLINE)),
+                                             for c in HEADLINE), ""),
 ]
 
 
+def stage_limit(stages: list[Stage], i: int, left: float) -> float:
+    """Stage ``i``'s limit with ``left`` seconds left."""
+    if stages[i].budget_s is not None:
+        return min(stages[i].budget_s, left)
+    return max(left - sum(s.budget_s or 0 for s in stages[i + 1:]), 0)
+
+
 def outcome(log: str) -> str:
-    """What a pytest stage ran, from its ``-v`` log: counts per outcome and the last test
-    started (where it was cut, that is where it stopped)."""
+    """What a pytest stage ran, from its ``-v`` log: counts per outcome of the tests selected
+    and the last test finished (where it was cut, the next one is where it stopped)."""
+    collected = re.search(r"collected (\d+) items?(?: / \d+ deselected)?(?: / (\d+) selected)?", log)
+    if not collected:
+        return "collected nothing: see its log"
     counts: dict[str, int] = {}
     last = None
-    collected = next((line.split()[1] for line in log.splitlines()
-                      if line.startswith("collected ")), None)
-    for line in log.splitlines():
-        for word in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL"):
-            if f" {word}" in line and "::" in line:
-                counts[word] = counts.get(word, 0) + 1
-                last = line.split(" ")[0]
-                break
+    for match in re.finditer(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", log, re.M):
+        counts[match[2]] = counts.get(match[2], 0) + 1
+        last = match[1]
     ran = ", ".join(f"{n} {word.lower()}" for word, n in counts.items()) or "no test finished"
-    return f"{ran} of {collected or '?'} collected" + (f"; last finished: {last}" if last else "")
+    return (f"{ran} of {collected[2] or collected[1]} selected"
+            + (f"; last finished: {last}" if last else ""))
 
 
 def compiles(path: Path) -> str:
@@ -145,43 +182,66 @@ def pack(results: Path, out: Path) -> None:
     tmp.replace(out / "results.tar.gz")
 
 
-def run_stage(stage: Stage, limit: float, out: Path, env: dict) -> tuple[str, float]:
-    """Run one stage under ``limit`` seconds, its output in ``out/<name>.log``; a stage past
-    its limit is killed with every process it started. ``(status, wall seconds)``."""
+def run_stage(command: str, limit: float, log: Path, env: dict) -> tuple[str, float]:
+    """Run ``command`` under ``limit`` seconds, its output in ``log``. A stage past its limit
+    gets SIGINT, SIGTERM, then SIGKILL (module docstring), its process group each time, and
+    whatever of the group is left (spawned ranks) SIGKILL. ``(status, wall seconds)``."""
     start = time.monotonic()
-    with (out / f"{stage.name}.log").open("w") as log:
-        proc = subprocess.Popen(["bash", "-c", stage.command], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            status = f"exit {proc.wait(timeout=limit)}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
+    steps = [(None, limit - min(INTERRUPT_S, limit / 4)), (signal.SIGINT, limit),
+             (signal.SIGTERM, limit + KILL_AFTER_S)]
+    code = sent = None
+    with log.open("w") as f:
+        # SIGINT's default action in the stage even where this script was started ignoring it
+        proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        for sig, until in steps:
+            if sig is not None:
+                signal_group(proc, sig)
+                sent = sig
             try:
-                proc.wait(timeout=10)
+                code = proc.wait(timeout=max(until - (time.monotonic() - start), 0))
+                break
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            status = f"cut at its limit of {limit:.0f} s"
+                continue
+        if sent is not None:
+            signal_group(proc, signal.SIGKILL)
+            if code is None:
+                sent, code = signal.SIGKILL, proc.wait()
+    status = f"exit {code}" if sent is None else \
+        f"cut at its limit of {limit:.0f} s ({sent.name} ended it)"
     return status, time.monotonic() - start
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # the whole group has exited
+        pass
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=".ci/gpu all", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the stages, budgets and commands; run nothing")
+                        help="print the stages, limits and commands; run nothing")
     parser.add_argument("--total", type=float, default=TOTAL_S, help="seconds for all stages")
-    parser.add_argument("--only", nargs="*", help="run only these stages (names)")
+    parser.add_argument("--only", nargs="+", choices=[s.name for s in STAGES[1:]],
+                        help="run the build and these stages only")
+    parser.add_argument("-k", dest="keyword", help="narrow every pytest stage to the tests "
+                        "matching this pytest -k expression (and-ed with the stage's own)")
+    parser.add_argument("pytest_args", nargs="*", help="after --: arguments for every pytest stage")
     args = parser.parse_args(argv)
-    stages = [s for s in STAGES if not args.only or s.name in args.only]
+    stages = [s for s in STAGES if s.name == "build" or not args.only or s.name in args.only]
     fixed = sum(s.budget_s or 0 for s in stages)
     print(f".ci/gpu all: {len(stages)} stages in at most {args.total:.0f} s "
-          f"({fixed:.0f} s budgeted, the last takes what is left)")
+          f"({fixed:.0f} s budgeted, the open one takes the rest)")
     if args.dry_run:
         left = args.total
-        for s in stages:
-            limit = left if s.budget_s is None else min(s.budget_s, left)
+        for i, s in enumerate(stages):
+            limit = stage_limit(stages, i, left)
             left -= limit
-            print(f"- {s.name}: up to {limit:.0f} s: {s.what}\n    $ {s.command}")
+            print(f"- {s.name}: up to {limit:.0f} s: {s.what}\n"
+                  f"    $ {s.shell(args.keyword, args.pytest_args)}")
         return 0 if fixed <= args.total else 1
 
     out = Path(os.environ.get("OUT", "/tmp/fusedpar-gpu"))
@@ -197,16 +257,17 @@ def main(argv=None) -> int:
         shutil.copytree(seed, work / "triton-cache")
     deadline = time.monotonic() + args.total
     summary: list[str] = []
-    for s in stages:
+    for i, s in enumerate(stages):
         left = deadline - time.monotonic()
-        limit = left if s.budget_s is None else min(s.budget_s, left)
+        limit = stage_limit(stages, i, left)
         if limit < MIN_STAGE_S:
             summary.append(f"{s.name}: skipped, {max(left, 0):.0f} s left ({s.what})")
         else:
             env["FUSEDPAR_TRITON_COMPILE_LOG"] = str(work / f"{s.name}.compiles.jsonl")
-            status, wall = run_stage(s, limit, out, env)
+            status, wall = run_stage(s.shell(args.keyword, args.pytest_args), limit,
+                                     out / f"{s.name}.log", env)
             log = (out / f"{s.name}.log").read_text(errors="replace")
-            ran = outcome(log) if re.search(r"^collected \d+", log, re.M) else "see its log"
+            ran = outcome(log) if s.keyword is not None else "see its log"
             summary.append(f"{s.name}: {wall:.0f} s, {status}; {ran}; "
                            f"{compiles(work / f'{s.name}.compiles.jsonl')}")
             print("\n".join(log.splitlines()[-15:]))

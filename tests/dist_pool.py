@@ -111,26 +111,31 @@ class WorkerPool:
         failures: list[str] = []
         groups = 0
         deadline = time.monotonic() + timeout
-        while len(results) < self.world_size:
-            try:
-                rank, ok, payload, count = self.results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in results]
-                for r in dead:
-                    results[r] = WorkerDied(r, self.procs[r].exitcode)
-                    if not tolerate_death:
-                        failures.append(f"rank {r} died with exit code {self.procs[r].exitcode}")
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(self.world_size) if r not in results]
-                    failures.append(f"ranks {missing} did not finish within {timeout} s")
-                    break
-                continue
-            groups = max(groups, count)
-            if ok:
-                results[rank] = pickle.loads(payload)
-            else:
-                results[rank] = None
-                failures.append(f"rank {rank} raised:\n{payload}")
+        try:
+            while len(results) < self.world_size:
+                try:
+                    rank, ok, payload, count = self.results.get(timeout=0.2)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs)
+                            if p.exitcode is not None and r not in results]
+                    for r in dead:
+                        results[r] = WorkerDied(r, self.procs[r].exitcode)
+                        if not tolerate_death:
+                            failures.append(f"rank {r} died with exit code {self.procs[r].exitcode}")
+                    if time.monotonic() > deadline:
+                        missing = [r for r in range(self.world_size) if r not in results]
+                        failures.append(f"ranks {missing} did not finish within {timeout} s")
+                        break
+                    continue
+                groups = max(groups, count)
+                if ok:
+                    results[rank] = pickle.loads(payload)
+                else:
+                    results[rank] = None
+                    failures.append(f"rank {rank} raised:\n{payload}")
+        except BaseException:  # a test's timeout (pytest-timeout's signal) or an interrupt: the
+            self.close(wait_s=0)  # ranks still run this task, whose results the next would get
+            raise
         if failures or any(isinstance(v, WorkerDied) for v in results.values()) \
                 or groups > MAX_GROUPS:
             self.close()
@@ -139,13 +144,14 @@ class WorkerPool:
                             + "\n".join(failures))
         return [results[r] for r in range(self.world_size)]
 
-    def close(self):
+    def close(self, wait_s: float = 5):
+        """Stop the ranks: each gets ``wait_s`` to exit after its task, then is killed."""
         self.broken = True
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=wait_s)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -1,10 +1,14 @@
 """``.ci/gpu all``: the staged run of a GPU lease (.ci/gpu_all.py), tested on CPU: the dry run
-of the real stages, the orchestration on stand-in stages (limits, cut-offs, skips, what $OUT
-holds after each stage), the headline cases existing, and the Triton compile log."""
+of the real stages, the orchestration on stand-in stages (limits, cut-offs in their order of
+signals, skips, what $OUT holds after each stage), the headline cases existing, the pytest
+plugin of its stages (.ci/lease_stage.py) on stand-in tests, the Triton compile log, and a
+pool wait cut by a test's timeout."""
 
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -13,6 +17,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+from tests.dist_pool import WorkerPool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,18 +36,53 @@ def gpu_all():
     return _load("gpu_all")
 
 
-def test_dry_run_walks_the_stages_within_the_lease(gpu_all):
-    run = subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), "all", "--dry-run"], cwd=ROOT,
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs a second after it was killed (a killed process
+    that init has not reaped yet is a zombie)."""
+    deadline = time.monotonic() + 1
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        except FileNotFoundError:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _dry_run(*args):
+    """The dry run's stages: ``[(name, limit, command)]``."""
+    run = subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), "all", "--dry-run", *args], cwd=ROOT,
                          env=dict(os.environ, PYTHON=sys.executable), capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    stages = [line.split(":")[0][2:] for line in run.stdout.splitlines() if line.startswith("- ")]
-    assert stages == ["build", "tests", "headline", "bench"]
-    limits = [float(line.split("up to ")[1].split(" s")[0])
-              for line in run.stdout.splitlines() if line.startswith("- ")]
-    assert sum(limits) <= 540 and all(limit > 0 for limit in limits)
-    assert "setup.py" in run.stdout and "fusedpar info" in run.stdout
-    assert "-k 'gpu or build'" in run.stdout and "FUSEDPAR_BENCH_PROFILE=1" in run.stdout
+    lines = run.stdout.splitlines()
+    return [(line.split(":")[0][2:], float(line.split("up to ")[1].split(" s")[0]),
+             lines[i + 1].strip()[2:]) for i, line in enumerate(lines) if line.startswith("- ")]
+
+
+def test_dry_run_walks_the_stages_within_the_lease(gpu_all):
+    stages = _dry_run()
+    names, limits, commands = zip(*stages)
+    assert names == ("build", "tests", "headline", "shared", "bench")
+    assert sum(limits) <= 540 and all(limit >= 60 for limit in limits)
+    assert len(names) + 2 <= 8  # a log each, summary.txt and results.tar.gz: the tool returns 8
+    build, tests, headline, shared, bench = commands
+    assert "setup.py" in build and "fusedpar info" in build
+    for command in commands[1:]:  # every pytest stage reports as it goes and bounds each test
+        assert "-p lease_stage" in command and "--max-timeout=" in command, command
+    assert "--ranks=in-process" in tests and "--ranks=spawned" in shared
+    assert "-k 'gpu or build'" in tests and "-k 'gpu or build'" in shared
+    assert "FUSEDPAR_BENCH_PROFILE=1" in headline and "--deselect" in bench
+
+
+def test_a_later_slice_of_the_spawned_rank_tests(gpu_all):
+    """--only keeps the build; -k narrows the stage's own selection; arguments after -- go to
+    pytest; the open stage with no stage after it takes every second the build leaves."""
+    stages = _dry_run("--only", "shared", "-k", "shared_ranks", "--", "--max-timeout=300")
+    assert [(name, limit) for name, limit, _ in stages] == [("build", 60), ("shared", 480)]
+    assert stages[1][2].endswith("-k '(gpu or build) and (shared_ranks)' --max-timeout=300")
+    assert "-k" not in stages[0][2]
 
 
 def test_budgets_over_the_total_fail_the_dry_run(gpu_all, capsys):
@@ -56,9 +97,9 @@ def test_stages_are_cut_skipped_and_reported(gpu_all, tmp_path, monkeypatch):
     pid = tmp_path / "child.pid"
     Stage = gpu_all.Stage
     monkeypatch.setattr(gpu_all, "STAGES", [
-        Stage("first", 5, "writes a row", f"mkdir -p {work}/results && echo row > {work}/results/x.csv"),
+        Stage("build", 5, "writes a row", f"mkdir -p {work}/results && echo row > {work}/results/x.csv"),
         Stage("stuck", 1, "hangs", f"sleep 60 & echo $! > {pid}; wait"),
-        Stage("after", 5, "runs in the time left, not its budget", "echo ran; sleep 60"),
+        Stage("after", 5, "runs in the time left, not its budget", "trap '' INT; echo ran; sleep 60"),
         Stage("last", None, "nothing left for it", "echo never"),
     ])
     monkeypatch.setattr(gpu_all, "MIN_STAGE_S", 0.5)
@@ -68,29 +109,51 @@ def test_stages_are_cut_skipped_and_reported(gpu_all, tmp_path, monkeypatch):
     assert gpu_all.main(["--total", "4"]) == 0
     assert time.monotonic() - start < 20
     summary = (out / "summary.txt").read_text().splitlines()
-    assert summary[0].startswith("first: ") and "exit 0" in summary[0]
+    assert summary[0].startswith("build: ") and "exit 0" in summary[0]
     assert summary[1].startswith("stuck: ") and "cut at its limit of 1 s" in summary[1]
     assert summary[2].startswith("after: ") and "cut at its limit of " in summary[2]
     assert float(summary[2].split("limit of ")[1].split(" s")[0]) < 4  # the time left, not its 5 s
     assert summary[3].startswith("last: skipped")
     assert (out / "after.log").read_text() == "ran\n" and not (out / "last.log").exists()
-    with pytest.raises(ProcessLookupError):  # the stuck stage's child was killed too
-        os.kill(int(pid.read_text()), 0)
+    assert not _running(int(pid.read_text()))  # the stuck stage's child was killed too
     with tarfile.open(out / "results.tar.gz") as tar:
         assert tar.extractfile("results/x.csv").read() == b"row\n"
 
 
+@pytest.mark.parametrize("traps, ended_by", [
+    ("trap 'echo got INT; exit 0' INT", "SIGINT"),                   # pytest stops, prints its summary
+    ("trap '' INT; trap 'echo got TERM; exit 0' TERM", "SIGTERM"),  # deaf to SIGINT
+    ("trap '' INT TERM", "SIGKILL"),                                 # deaf to both
+])
+def test_a_cut_stage_gets_sigint_then_sigterm_then_sigkill(gpu_all, tmp_path, monkeypatch, traps,
+                                                           ended_by):
+    """SIGINT a quarter of the limit (at most INTERRUPT_S) before it, SIGTERM at the limit,
+    SIGKILL KILL_AFTER_S later; the group's leftovers (here a background sleep) killed."""
+    monkeypatch.setattr(gpu_all, "KILL_AFTER_S", 0.3)
+    log, pid = tmp_path / "stage.log", tmp_path / "child.pid"
+    status, wall = gpu_all.run_stage(f"{traps}; sleep 30 & echo $! > {pid}; wait", 2, log,
+                                     dict(os.environ))
+    assert status == f"cut at its limit of 2 s ({ended_by} ended it)"
+    assert log.read_text() == {"SIGINT": "got INT\n", "SIGTERM": "got TERM\n", "SIGKILL": ""}[ended_by]
+    assert 1.5 <= wall < 2 + 0.3 + 1  # the SIGINT at 1.5 s; never far past the limit
+    assert not _running(int(pid.read_text()))
+
+
 def test_outcome_reads_a_verbose_pytest_log(gpu_all):
     log = "\n".join([
-        "collected 5 items",
+        "collecting ... collected 9 items / 4 deselected / 5 selected",
         "tests/gpu/test_a.py::test_one PASSED                [ 20%]",
         "tests/gpu/test_a.py::test_two SKIPPED (no CUDA)     [ 40%]",
         "tests/gpu/test_a.py::test_three FAILED              [ 60%]",
+        "LEASE FAILED tests/gpu/test_a.py::test_three (1.0 s)",  # the plugin's lines: not counted
         "tests/gpu/test_a.py::test_four PASSED               [ 80%]",
+        "LEASE SLOW 6.0 s tests/gpu/test_a.py::test_four",
+        "FAILED tests/gpu/test_a.py::test_three - AssertionError",  # nor pytest's summary
     ])
-    assert gpu_all.outcome(log) == ("2 passed, 1 skipped, 1 failed of 5 collected; "
+    assert gpu_all.outcome(log) == ("2 passed, 1 skipped, 1 failed of 5 selected; "
                                     "last finished: tests/gpu/test_a.py::test_four")
-    assert gpu_all.outcome("") == "no test finished of ? collected"
+    assert gpu_all.outcome("collected 28 items\n") == "no test finished of 28 selected"
+    assert gpu_all.outcome("ImportError while loading conftest") == "collected nothing: see its log"
 
 
 def test_headline_cases_exist_one_op_each(gpu_all):
@@ -142,3 +205,121 @@ def test_profiled_timing_writes_one_profile_per_timed_function(tmp_path, monkeyp
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
     assert files == ["test_loopback_4096x8192-triton_.txt", "test_loopback_4096x8192-triton__1.txt"]
     assert "kernel_a" in (tmp_path / "profiles" / files[0]).read_text()
+
+
+PLUGIN_TESTS = """
+import time
+
+import pytest
+
+
+def test_fails():
+    assert 1 + 1 == 3, "rank 1 saw 3"
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup broke")
+
+
+def test_errors(broken):
+    pass
+
+
+def test_slow():
+    time.sleep(0.3)
+
+
+@pytest.mark.timeout(600)
+def test_marked_for_minutes(pools):
+    time.sleep(30)
+
+
+def test_hangs(tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent / "hanging").touch()
+    time.sleep(30)
+"""
+
+
+def _plugin_pytest(tmp_path, *args, **popen):
+    """pytest with the lease_stage plugin on the stand-in tests (a ``pools`` fixture of their
+    own stands for the spawned ranks), in its own process group."""
+    (tmp_path / "conftest.py").write_text("import pytest\n\n@pytest.fixture\ndef pools():\n    return 1\n")
+    (tmp_path / "test_standin.py").write_text(PLUGIN_TESTS)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / ".ci"))
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider",
+                             "-p", "lease_stage", f"--basetemp={tmp_path / 'base'}", *args,
+                             "test_standin.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+
+
+def test_plugin_reports_failures_slow_tests_and_caps_timeouts(tmp_path):
+    """Each failure and error with its traceback, as it happens; a line per slow test; a
+    marker's 600 s timeout cut to --max-timeout; --ranks picks by the pool fixture."""
+    proc = _plugin_pytest(tmp_path, "--report-slow=0.2", "--max-timeout=1", "-k", "not hangs")
+    log = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, log
+    run = log.split("short test summary info")[0]  # printed before pytest's own summary
+    failed = run.split("LEASE FAILED test_standin.py::test_fails (")[1].split("LEASE end of")[0]
+    assert "assert 1 + 1 == 3" in failed and "AssertionError: rank 1 saw 3" in failed
+    assert "LEASE ERROR at setup of test_standin.py::test_errors" in run and "setup broke" in run
+    assert re.search(r"^LEASE SLOW 0\.[3-9] s test_standin.py::test_slow$", run, re.M), run
+    timed_out = run.split("LEASE FAILED test_standin.py::test_marked_for_minutes (")[1]
+    assert "Timeout" in timed_out.split("LEASE end of")[0]
+    assert "LEASE SLOW" not in run.split("test_slow")[0]  # the fast ones: no line
+
+    chosen = {}
+    for ranks in ("spawned", "in-process"):
+        proc = _plugin_pytest(tmp_path, "--collect-only", "-qq", f"--ranks={ranks}")
+        chosen[ranks] = [line.split("::")[1] for line in proc.communicate(timeout=60)[0].splitlines()
+                         if "::" in line]
+    assert chosen == {"spawned": ["test_marked_for_minutes"],
+                      "in-process": ["test_fails", "test_errors", "test_slow", "test_hangs"]}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_plugin_says_where_a_cut_stage_stopped(tmp_path, sig):
+    """SIGINT (the stage's first): the test it stopped and its frame, then pytest's summary of
+    the failures so far; SIGTERM: every thread's stack, the hanging test's frame in it."""
+    proc = _plugin_pytest(tmp_path, "-k", "fails or hangs")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "hanging").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, sig)
+    log = proc.communicate(timeout=60)[0]
+    assert "LEASE FAILED test_standin.py::test_fails" in log  # printed before the cut
+    if sig == signal.SIGINT:
+        assert proc.returncode == 2
+        stopped = log.split("LEASE INTERRUPTED in test_standin.py::test_hangs after ")[1]
+        assert "in test_hangs\n    time.sleep(30)\nE   KeyboardInterrupt" in stopped
+        assert "_pytest" not in stopped.split("short test summary info")[0]  # the test's frames
+        assert "FAILED test_standin.py::test_fails - AssertionError" in stopped
+    else:
+        assert proc.returncode == -signal.SIGTERM
+        assert re.search(r'File ".*test_standin.py", line \d+ in test_hangs', log), log
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_a_timeout_inside_a_pool_wait_retires_the_pool(tmp_path):
+    """pytest-timeout's signal method raises inside ``WorkerPool.run``'s wait: its ranks still
+    run the task (the next run would get its results), so the pool is closed at once."""
+    pool = WorkerPool(1, tmp_path)
+
+    def timeout(signum, frame):
+        raise TimeoutError("the test's timeout")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            pool.run(_sleep, 30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert pool.broken and not any(p.is_alive() for p in pool.procs)
+    assert time.monotonic() - start < 10  # killed, not waited for
