@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm import resolve_group
 from ..ops.all_gather import all_gather
-from ..ops.ring_attention import DISPATCHER, LAYOUTS, ring_attention, zigzag_order
+from ..ops.ring_attention import DISPATCHER, LAYOUTS, layout_positions, packed_layout, ring_attention
 
 
 def choose_backend(heads: int, kv_heads: int, world: int, packed: bool = False) -> str | None:
@@ -45,7 +45,9 @@ class ContextParallelAttention(nn.Module):
 
     ``query [B, H, S_local, D]``, ``key``/``value [B, H_kv, S_local, D]`` (after RoPE), this
     rank's part of the sequence in ``layout`` (``"zigzag"``, the default, balances causal
-    work; ``"contiguous"``). ``backend``: a ``ring_attention`` backend, or None to choose
+    work; ``"contiguous"``; ``"zigzag_docs"``: packed documents, each zigzag, which needs
+    ``cu_seqlens``, see ``fusedpar.parallel.sequence_shard``). ``cu_seqlens``: packed
+    documents over the global sequence (B = 1), each attending only to itself. ``backend``: a ``ring_attention`` backend, or None to choose
     from the head counts (:func:`choose_backend`). ``window_size`` / ``softcap``: a sliding
     window or soft-capping as ``fusedpar.ops.flash_attention``'s (SDPA has neither; the
     equivalent then masks and caps the scores by global position). Differentiable; no
@@ -63,24 +65,25 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                 is_causal: bool = True, scale: float | None = None,
-                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         out = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                          is_causal, scale, window_size, softcap)
+                          is_causal, scale, window_size, softcap, cu_seqlens)
         return out.transpose(1, 2)
 
     def attend(self, q, k, v, causal: bool, scale: float | None,
                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None = None, layout: str | None = None) -> torch.Tensor:
         """The same on ``[B, S_local, H, D]`` tensors (flash-attn's layout); ``window_size``
         and ``softcap`` as ``flash_attention``'s, by global position. ``cu_seqlens``: packed
         documents over the global sequence (``ring_attention``'s: B = 1), each attending
-        only to itself."""
+        only to itself. ``layout``: this call's, if not the module's."""
         group = resolve_group(self.group)
         backend = self.backend or choose_backend(q.shape[2], k.shape[2], dist.get_world_size(group),
                                                  packed=cu_seqlens is not None)
         # None: ring_attention picks the ring backend (the same on every rank)
         return ring_attention(q, k, v, group, causal=causal, softmax_scale=scale,
-                              window_size=window_size, softcap=softcap, layout=self.layout,
+                              window_size=window_size, softcap=softcap, layout=layout or self.layout,
                               cu_seqlens=cu_seqlens, backend=backend)
 
     def attend_padded(self, q, k, v, padding: torch.Tensor, causal: bool, scale: float | None,
@@ -91,14 +94,18 @@ class ContextParallelAttention(nn.Module):
         row runs as packed documents ``[its tokens]`` plus the padding before and after them
         (``allgather_kv``, the backend of packed documents), so tokens never see padding;
         padding positions attend among themselves (their outputs mean nothing, as in HF).
-        Rows without padding run as ``attend``. Rows with padding between tokens raise."""
+        Rows without padding run as ``attend``. Rows with padding between tokens raise, as
+        does layout ``"zigzag_docs"`` (a padded row is not packed documents)."""
+        if self.layout == "zigzag_docs":
+            raise ValueError("fusedpar_cp attention: a padding mask with layout 'zigzag_docs' (packed "
+                             "documents, each zigzag); pack the sequences without padding and pass "
+                             "their cu_seqlens, or use layout='zigzag' for padded rows")
         group = resolve_group(self.group)
         gather = None if q.is_cuda else "reference"
         world = dist.get_world_size(group)
         full = all_gather(padding.to(torch.int32), 1, group, backend=gather)  # rank order
-        if self.layout == "zigzag":  # to global order (the same on every rank)
-            chunks = full.chunk(2 * world, 1)
-            full = torch.cat([chunks[i] for i in zigzag_order(world)], 1)
+        # to global order (the same on every rank)
+        full = full.index_select(1, layout_positions(self.layout, world, q.shape[1], device=full.device).argsort())
         seq, rows = full.shape[1], full.bool().tolist()
         mask = dict(window_size=window_size, softcap=softcap)
         if all(all(tokens) for tokens in rows):
@@ -150,7 +157,10 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
     a padded ``attention_mask``, sharded like the input ids): left or right padding runs
     with ``ContextParallelAttention.attend_padded``; or a 1-D int32 ``cu_seqlens`` of packed
     documents over the global sequence (B = 1; what the parallelized forward passes for a
-    packed row), each document attending only to itself. A 4-D mask is refused: it cannot
+    packed row), each document attending only to itself; with the module's layout
+    ``"zigzag"``, the row is taken as sharded by ``packed_layout`` (each document zigzag when
+    every document is a multiple of ``2W`` long, else the whole row), as the parallelized
+    forward shards it. A 4-D mask is refused: it cannot
     be applied to a sequence split across ranks."""
     cp = _HF["module"]
     if cp is None:
@@ -171,8 +181,13 @@ def hf_context_parallel_attention(module, query, key, value, attention_mask, sca
     mask = dict(window_size=(-1, -1) if window is None else (window - 1, window - 1),
                 softcap=float(kwargs.get("softcap") or 0.0))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if attention_mask is None or documents:
-        return cp.attend(q, k, v, causal, scaling, **mask, cu_seqlens=attention_mask), None
+    if attention_mask is None:
+        return cp.attend(q, k, v, causal, scaling, **mask), None
+    if documents:
+        layout = None
+        if cp.layout == "zigzag":
+            layout = packed_layout(attention_mask, dist.get_world_size(resolve_group(cp.group)))
+        return cp.attend(q, k, v, causal, scaling, **mask, cu_seqlens=attention_mask, layout=layout), None
     return cp.attend_padded(q, k, v, attention_mask, causal, scaling, **mask), None
 
 

@@ -3,7 +3,11 @@ context-parallel group, with the K/V exchange hidden behind the blockwise attent
 
 Layouts (``layout=``): ``"zigzag"`` (default): the global sequence is cut into ``2W``
 chunks and rank ``r`` holds chunks ``r`` and ``2W-1-r`` (``fusedpar.parallel.zigzag_shard``),
-so causal work is equal on every rank; ``"contiguous"``: rank ``r`` holds chunk ``r`` of W.
+so causal work is equal on every rank; ``"contiguous"``: rank ``r`` holds chunk ``r`` of W;
+``"zigzag_docs"`` (packed documents, ``cu_seqlens``): each document is cut into ``2W``
+chunks and rank ``r`` holds chunks ``r`` and ``2W-1-r`` of every document, in document
+order (``fusedpar.parallel.sequence_shard``; ring-flash-attn's varlen zigzag), so causal
+work is equal on every rank within each document, not only over the whole row.
 
 Backends: ``triton`` (per ring step, a copy kernel pulls the visible rows of a peer's K/V
 from symmetric memory once its flag flips, while an attention kernel folds the previous
@@ -37,10 +41,10 @@ from .flash_attention import (DISPATCHER as FLASH_DISPATCHER, KERNEL_DTYPES, Att
                               attend_block, attend_block_backward, backward_backend,
                               check_attention_inputs, check_cu_seqlens, check_mask_args,
                               default_scale, delta_of)
-from .ring_plan import RingBlock, band_block, key_ranges, ring_blocks
+from .ring_plan import RingBlock, band_block, key_ranges, rank_chunks, ring_blocks
 
 OP = "ring_attention"
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "zigzag_docs")
 MASK_SCHEMA = ("str group_name, bool causal, float softmax_scale, int window_left, int window_right, "
                "float softcap, str layout, Tensor? cu_seqlens, str backend")
 SCHEMA = f"(Tensor q, Tensor k, Tensor v, {MASK_SCHEMA}) -> (Tensor, Tensor)"
@@ -99,7 +103,11 @@ class RingCall:
         (``ring_plan.ring_blocks``); empty when no query sees any of its keys."""
         rank = self.rank if rank is None else rank
         return ring_blocks(self.layout, self.world_size, rank, src, self.q.shape[1], self.causal,
-                           self.window, self.documents if self.cu_seqlens is not None else None)
+                           self.window, self.packed_documents)
+
+    @property
+    def packed_documents(self) -> list[tuple[int, int]] | None:
+        return self.documents if self.cu_seqlens is not None else None
 
     def block_mask(self, block: RingBlock) -> dict:
         """``attend_block``'s mask of ``block`` on tensors sliced to its rows and keys."""
@@ -109,22 +117,31 @@ class RingCall:
         """``attend_block``'s mask of the whole sequence in global order."""
         return dict(window=self.window, softcap=self.softcap)
 
-    def chunks(self) -> list[tuple[slice, int]]:
-        """``(local rows, global chunk index)`` of this rank's chunks, chunk size
-        ``chunk_len``."""
-        if self.layout == "contiguous":
-            return [(slice(None), self.rank)]
-        half = self.q.shape[1] // 2
-        return [(slice(0, half), self.rank), (slice(half, None), 2 * self.world_size - 1 - self.rank)]
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """``(local start, global start, length)`` of this rank's chunks."""
+        return rank_chunks(self.layout, self.world_size, self.rank, self.q.shape[1],
+                           self.packed_documents)
 
-    @property
-    def chunk_len(self) -> int:
-        return self.q.shape[1] // (2 if self.layout == "zigzag" else 1)
+    def positions(self, device) -> torch.Tensor:
+        """``layout_positions`` of this call."""
+        return layout_positions(self.layout, self.world_size, self.q.shape[1],
+                                self.packed_documents, device)
 
-    def global_order(self) -> list[int]:
-        """Chunk indices (in units of ``chunk_len``) of the rank-order concatenation of
-        every rank's part, listed in global sequence order."""
-        return zigzag_order(self.world_size) if self.layout == "zigzag" else list(range(self.world_size))
+    def to_global(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The rank-order concatenation of every rank's part (along ``dim``) in global order."""
+        return x.index_select(dim, self.positions(x.device).argsort())
+
+    def to_rank_order(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The inverse of ``to_global``."""
+        return x.index_select(dim, self.positions(x.device))
+
+
+def layout_positions(layout: str, world: int, seqlen: int, documents=None, device=None) -> torch.Tensor:
+    """The global position (int64) of each row of the rank-order concatenation of every
+    rank's ``seqlen`` rows in ``layout`` (``documents``: ``zigzag_docs``' ``[start, end)``
+    ranges); ``gathered.index_select(dim, positions.argsort())`` is the global order."""
+    return torch.cat([torch.arange(start, start + n, device=device) for rank in range(world)
+                      for _, start, n in rank_chunks(layout, world, rank, seqlen, documents)])
 
 
 def check_ring_inputs(op: str, q, k, v, layout: str, world: int, cu_seqlens=None) -> None:
@@ -137,6 +154,8 @@ def check_ring_inputs(op: str, q, k, v, layout: str, world: int, cu_seqlens=None
                          "the global sequence (W * S_local) has ")
     if layout not in LAYOUTS:
         raise ValueError(f"fusedpar.{op}: layout={layout!r}; choose one of {LAYOUTS}")
+    if layout == "zigzag_docs":
+        check_documents(op, cu_seqlens, world)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"fusedpar.{op}: q has S_local={q.shape[1]} but k/v have {k.shape[1]}; "
                          "every rank holds the same positions of q, k and v")
@@ -149,13 +168,33 @@ def check_ring_inputs(op: str, q, k, v, layout: str, world: int, cu_seqlens=None
         )
 
 
-def zigzag_order(world: int) -> list[int]:
-    """For each global chunk ``g`` (of ``2W``), its index in the rank-order concatenation of
-    every rank's zigzag part (rank ``r`` holds chunks ``r`` and ``2W-1-r``, in that order)."""
-    where = [0] * (2 * world)
-    for rank in range(world):
-        where[rank], where[2 * world - 1 - rank] = 2 * rank, 2 * rank + 1
-    return where
+def check_documents(op: str, cu_seqlens, world: int) -> None:
+    """``layout="zigzag_docs"``'s needs: ``cu_seqlens`` (checked by the caller otherwise), and
+    every document a multiple of ``2W`` long (cut into ``2W`` equal chunks)."""
+    if cu_seqlens is None:
+        raise ValueError(f"fusedpar.{op}: layout='zigzag_docs' shards each packed document; pass "
+                         "cu_seqlens (the documents' cumulative ends over the global sequence), "
+                         "or use layout='zigzag' for one sequence")
+    odd = _uneven_documents(cu_seqlens, world)
+    if odd:
+        shown = ", ".join(f"document {i}: {n}" for i, n in odd[:4]) + (", ..." if len(odd) > 4 else "")
+        raise ValueError(f"fusedpar.{op}: layout='zigzag_docs' cuts every document into 2W = "
+                         f"{2 * world} equal chunks, but cu_seqlens has document lengths that are "
+                         f"not multiples of {2 * world} ({shown}); pad each document to a multiple "
+                         f"of {2 * world}, or use layout='zigzag' (the whole packed row zigzag)")
+
+
+def packed_layout(cu_seqlens: torch.Tensor, world: int) -> str:
+    """The zigzag layout for a packed row: ``"zigzag_docs"`` when every document of
+    ``cu_seqlens`` is a multiple of ``2W`` long (each document's causal work balanced over
+    the ranks), else ``"zigzag"`` (the whole row; the same results, balanced over the row)."""
+    return "zigzag" if _uneven_documents(cu_seqlens, world) else "zigzag_docs"
+
+
+def _uneven_documents(cu_seqlens: torch.Tensor, world: int) -> list[tuple[int, int]]:
+    """``(index, length)`` of the documents of ``cu_seqlens`` not a multiple of ``2W`` long."""
+    ends = cu_seqlens.tolist()
+    return [(i, b - a) for i, (a, b) in enumerate(zip(ends, ends[1:])) if (b - a) % (2 * world)]
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
@@ -385,8 +424,7 @@ def _after_main(side, fn, *args):
 def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
     """All-gather ``[2, B, S_local, H_kv, D]`` and put the sequence in global order."""
     gathered = all_gather(kv, 2, call.group, backend=None if kv.is_cuda else "reference")
-    chunks = gathered.chunk(len(call.global_order()), 2)
-    return torch.cat([chunks[i] for i in call.global_order()], 2)
+    return call.to_global(gathered, 2)
 
 
 class AllGatherKV(Backend):
@@ -400,13 +438,11 @@ class AllGatherKV(Backend):
     def _blocks(self, call: RingCall):
         """Each local query chunk, cut at document ends, against its document's keys (in
         global order) that the window reaches: RingBlocks of local rows and global keys."""
-        c = call.chunk_len
-        for rows, g in call.chunks():
-            first = rows.start or 0  # local row of global position g * c
+        for first, g, n in call.chunks():  # local row first holds global position g
             for start, end in call.documents:
-                lo, hi = max(start, g * c), min(end, (g + 1) * c)  # queries of this document
+                lo, hi = max(start, g), min(end, g + n)  # queries of this document
                 if lo < hi:
-                    local = first + lo - g * c
+                    local = first + lo - g
                     block = band_block((local, local + hi - lo), (start, end), lo - local,
                                        call.causal, call.window)
                     if block is not None:
@@ -437,10 +473,7 @@ class AllGatherKV(Backend):
             dq[:, rows] += bdq
             dkv[0][:, keys] += bdk
             dkv[1][:, keys] += bdv
-        order = call.global_order()  # back to rank order, then to the owners
-        chunks = dkv.chunk(len(order), 2)
-        rank_order = torch.cat([chunks[order.index(i)] for i in range(len(order))], 2)
-        own = reduce_scatter(rank_order, "sum", 2, call.group,
+        own = reduce_scatter(call.to_rank_order(dkv, 2), "sum", 2, call.group,  # to the owners
                              backend=None if q.is_cuda else "reference")
         return dq.to(q.dtype), *_kv_grads(own, q.dtype)
 
@@ -468,14 +501,6 @@ def _to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
     return recv.permute(1, 2, 0, *range(3, recv.dim())).reshape(b, total // world, world * hw, *rest)
 
 
-def _reorder(x: torch.Tensor, order: list[int], inverse: bool = False) -> torch.Tensor:
-    """Chunks of dim 1 from rank order to global order (or back)."""
-    chunks = x.chunk(len(order), 1)
-    if inverse:
-        return torch.cat([chunks[order.index(i)] for i in range(len(order))], 1)
-    return torch.cat([chunks[i] for i in order], 1)
-
-
 class Ulysses(Backend):
     """All-to-all heads <-> sequence (every rank gets the whole sequence for H/W heads),
     attend locally, all-to-all back. K/V heads are replicated to W when H_kv < W."""
@@ -496,36 +521,35 @@ class Ulysses(Backend):
     @staticmethod
     def _heads(call: RingCall, *tensors):
         world, kv_heads = call.world_size, call.k.shape[2]
-        order = call.global_order()
         out = []
         for i, t in enumerate(tensors):
             if i in (1, 2) and kv_heads < world:  # K/V: one replica per rank
                 t = t.repeat_interleave(world // kv_heads, 2)
-            out.append(_reorder(_to_heads(t, world, call.group), order))
+            out.append(call.to_global(_to_heads(t, world, call.group), 1))
         return out
 
     @staticmethod
     def _stat_heads(call: RingCall, stat: torch.Tensor) -> torch.Tensor:
         """An lse-layout ``[B, H, S_local]`` tensor to ``[B, H/W, S]`` in global order."""
         full = _to_heads(stat.transpose(1, 2), call.world_size, call.group)
-        return _reorder(full, call.global_order()).transpose(1, 2).contiguous()
+        return call.to_global(full, 1).transpose(1, 2).contiguous()
 
     def forward(self, call: RingCall):
         C.raise_on_mismatch(call)
-        world, order = call.world_size, call.global_order()
+        world = call.world_size
         q, k, v = self._heads(call, call.q, call.k, call.v)
         out, lse = attend_block(q, k, v, call.causal, call.scale, call.local, call.whole_mask())
-        out = _to_sequence(_reorder(out.to(call.q.dtype), order, inverse=True), world, call.group)
-        lse = _to_sequence(_reorder(lse.transpose(1, 2), order, inverse=True), world, call.group)
+        out = _to_sequence(call.to_rank_order(out.to(call.q.dtype), 1), world, call.group)
+        lse = _to_sequence(call.to_rank_order(lse.transpose(1, 2), 1), world, call.group)
         return out, lse.transpose(1, 2).contiguous()
 
     def backward(self, call: RingCall, out, lse, dout, dlse):
-        world, order, kv_heads = call.world_size, call.global_order(), call.k.shape[2]
+        world, kv_heads = call.world_size, call.k.shape[2]
         q, k, v, do = self._heads(call, call.q, call.k, call.v, dout)
         delta = self._stat_heads(call, delta_of(out, dout, dlse))  # moves far less than out
         grads = attend_block_backward(q, k, v, None, self._stat_heads(call, lse), do, None,
                                       call.causal, call.scale, call.local, call.whole_mask(), delta)
-        dq, dk, dv = (_to_sequence(_reorder(g, order, inverse=True), world, call.group) for g in grads)
+        dq, dk, dv = (_to_sequence(call.to_rank_order(g, 1), world, call.group) for g in grads)
         if kv_heads < world:  # sum the replicas' gradients
             b, s, _, d = dk.shape
             dk, dv = (g.view(b, s, kv_heads, world // kv_heads, d).sum(3) for g in (dk, dv))
@@ -603,14 +627,16 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             cu_seqlens: torch.Tensor | None = None, backend: str | None = None):
     """``(out, lse)`` of attention over the sequence split across ``group``; the same as::
 
-        unshard = zigzag_unshard if layout == "zigzag" else all_gather  # along dim 1
+        unshard = partial(sequence_unshard, dim=1, layout=layout, cu_seqlens=cu_seqlens)
         out, lse = flash_attention(q, unshard(k), unshard(v), causal=causal, return_lse=True,
-                                   ...)  # q at its global positions
+                                   ...)  # q at its global positions, per document if packed
         # = rows of flash_attention(unshard(q), unshard(k), unshard(v)) that this rank holds
 
     q: ``[B, S_local, H, D]``, k/v: ``[B, S_local, H_kv, D]``: this rank's part of the
     sequence in ``layout`` (``"zigzag"``: chunks ``r`` and ``2W-1-r`` of ``2W``, see
-    ``fusedpar.parallel.zigzag_shard``; ``"contiguous"``: chunk ``r`` of ``W``). ``lse`` is
+    ``fusedpar.parallel.zigzag_shard``; ``"contiguous"``: chunk ``r`` of ``W``;
+    ``"zigzag_docs"``: chunks ``r`` and ``2W-1-r`` of each document of ``cu_seqlens``, every
+    document a multiple of ``2W`` long, see ``fusedpar.parallel.sequence_shard``). ``lse`` is
     fp32 ``[B, H, S_local]``; both outputs are differentiable. The mask is
     ``flash_attention``'s by global position: ``window_size=(left, right)`` (query ``i``
     sees keys ``i - left .. i + right``; -1 unbounded; ``causal``: ``right = 0``), ``softcap``
@@ -627,8 +653,9 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     symmetric memory once, overlapped with the blocks; its backward is the pipelined one).
     The local blocks run the flash-attention kernel on GPU. Packed documents:
     ``cu_seqlens`` (int32 cumulative ends over the *global* sequence, in global order,
-    identical on every rank; B = 1; the sequence sharded as ``layout`` says) confines
-    attention to each document, also across ranks (``triton``, ``pipelined``,
+    identical on every rank; B = 1; the sequence sharded as ``layout`` says: each document
+    zigzag with ``"zigzag_docs"``, which balances each document's causal work, or the whole
+    row) confines attention to each document, also across ranks (``triton``, ``pipelined``,
     ``allgather_kv``). Every rank must pass the same shapes; a difference raises
     ``ValueError`` before any K/V moves. Under ``torch.autocast``, q, k and v are cast to
     its dtype first, as SDPA's inputs are.
@@ -655,7 +682,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], *,
                             causal: bool = False, softmax_scale: float | None = None,
                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            layout: str = "zigzag"):
+                            layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None):
     """Every rank's part of ``ring_attention_with_lse`` in this process (rank r holds
     ``qs[r]``, ``ks[r]``, ``vs[r]``) over loopback symmetric buffers with the ``triton``
     kernel; returns each rank's ``(out, lse)``. Forward only: for single-device benchmarks
@@ -670,10 +697,10 @@ def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: 
                 raise ValueError(f"fusedpar.{OP}_loopback: {name}[{r}] is {tuple(got.shape)} "
                                  f"{got.dtype} on {got.device}, {name}[0] is {tuple(first.shape)} "
                                  f"{first.dtype} on {first.device}; they must match")
-    check_ring_inputs(f"{OP}_loopback", qs[0], ks[0], vs[0], layout, world)
+    check_ring_inputs(f"{OP}_loopback", qs[0], ks[0], vs[0], layout, world, cu_seqlens)
     window, softcap, _ = check_mask_args(f"{OP}_loopback", window_size, softcap, "top_left")
     call = RingCall(qs[0], ks[0], vs[0], None, bool(causal), default_scale(qs[0], softmax_scale),
-                    layout, world_size=world, window=window, softcap=softcap)
+                    layout, world_size=world, cu_seqlens=cu_seqlens, window=window, softcap=softcap)
     backend = DISPATCHER.select(call, "triton")
     kvs = [torch.stack([k, v]) for k, v in zip(ks, vs)]
     bufs = get_loopback_buffers(world, _nbytes(kvs[0]), kvs[0].device)

@@ -2,7 +2,8 @@
 key rows, each block a flash-attention mask with its own diagonal.
 
 A rank holds chunks of the global sequence (``layout``: ``"zigzag"``, chunks ``r`` and
-``2W-1-r`` of ``2W``; ``"contiguous"``, chunk ``r`` of ``W``). Query chunk at global
+``2W-1-r`` of ``2W``; ``"contiguous"``, chunk ``r`` of ``W``; ``"zigzag_docs"``, chunks ``r``
+and ``2W-1-r`` of each packed document's ``2W``, documents in order). Query chunk at global
 position ``gq`` (local row ``lq``) against key chunk at ``gk`` (local row ``lk``): global
 query ``I`` sees global key ``J`` iff ``I - left <= J <= I + right`` (causal: ``right = 0``;
 -1 unbounded), so local row ``i`` sees local key ``j`` iff the band holds with the diagonal
@@ -38,10 +39,21 @@ class RingBlock:
         return self.diag + self.rows[0] - self.keys[0]
 
 
-def rank_chunks(layout: str, world: int, rank: int, seqlen: int) -> list[tuple[int, int, int]]:
-    """``[(local start, global start, length)]`` of ``rank``'s chunks (``seqlen``: S_local)."""
+def rank_chunks(layout: str, world: int, rank: int, seqlen: int,
+                documents: list[tuple[int, int]] | None = None) -> list[tuple[int, int, int]]:
+    """``[(local start, global start, length)]`` of ``rank``'s chunks (``seqlen``: S_local;
+    ``documents``: the ``[start, end)`` ranges ``"zigzag_docs"`` shards, each a multiple of
+    ``2W`` long)."""
     if layout == "contiguous":
         return [(0, rank * seqlen, seqlen)]
+    if layout == "zigzag_docs":
+        chunks, local = [], 0
+        for start, end in documents:
+            size = (end - start) // (2 * world)
+            chunks += [(local, start + rank * size, size),
+                       (local + size, start + (2 * world - 1 - rank) * size, size)]
+            local += 2 * size
+        return chunks
     half = seqlen // 2
     return [(0, rank * half, half), (half, (2 * world - 1 - rank) * half, half)]
 
@@ -109,8 +121,8 @@ def ring_blocks(layout: str, world: int, rank: int, src: int, seqlen: int, causa
         return [RingBlock((0, seqlen), (0, seqlen), 0, True)]
     docs = documents if documents is not None else [(0, world * seqlen)]
     blocks = []
-    for lq, gq, nq, dq in _pieces(rank_chunks(layout, world, rank, seqlen), docs):
-        for lk, gk, nk, dk in _pieces(rank_chunks(layout, world, src, seqlen), docs):
+    for lq, gq, nq, dq in _pieces(rank_chunks(layout, world, rank, seqlen, documents), docs):
+        for lk, gk, nk, dk in _pieces(rank_chunks(layout, world, src, seqlen, documents), docs):
             if dq == dk:
                 block = band_block((lq, lq + nq), (lk, lk + nk), (gq - lq) - (gk - lk), causal, window)
                 if block is not None:

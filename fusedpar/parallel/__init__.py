@@ -9,7 +9,8 @@ from fusedpar.parallel.config import (
     get_submesh,
 )
 from fusedpar.parallel.adapters import ModelAdapter, find_adapter, register_adapter
-from fusedpar.parallel.cp import zigzag_positions, zigzag_shard, zigzag_unshard
+from fusedpar.parallel.cp import (sequence_shard, sequence_unshard, zigzag_positions, zigzag_shard,
+                                  zigzag_unshard)
 from fusedpar.parallel.tp import apply_tp
 from fusedpar.parallel.parallelize import parallelize, shard_batch  # noqa: E402
 
@@ -25,6 +26,8 @@ __all__ = [
     "get_submesh",
     "parallelize",
     "register_adapter",
+    "sequence_shard",
+    "sequence_unshard",
     "shard_batch",
     "zigzag_positions",
     "zigzag_shard",

@@ -2,7 +2,10 @@
 
 The global sequence is cut into ``2W`` equal chunks; rank ``r`` holds chunks ``r`` and
 ``2W - 1 - r``, concatenated in that order, so every rank gets one early and one late
-chunk and the same number of unmasked causal scores.
+chunk and the same number of unmasked causal scores. Packed documents (``cu_seqlens``) can
+be split the same way one document at a time (``layout="zigzag_docs"``), which balances
+each document's causal work; :func:`sequence_shard` and :func:`sequence_unshard` take
+every ``ring_attention`` layout.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import torch
 
 from ..comm import resolve_group
 from ..ops import all_gather
-from ..ops.ring_attention import zigzag_order
+from ..ops.ring_attention import LAYOUTS, check_documents, layout_positions
+from ..ops.ring_plan import rank_chunks
 
 
 def _check(seq_len: int, world: int, rank: int, what: str) -> int:
@@ -37,9 +41,8 @@ def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tens
         chunks = x.chunk(2 * world, dim)
         torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
     """
-    chunk = _check(x.shape[dim], world, rank, "zigzag_shard")
-    first, second = zigzag_chunks(rank, world)
-    return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim)
+    _check(x.shape[dim], world, rank, "zigzag_shard")
+    return sequence_shard(x, dim, rank, world)
 
 
 def zigzag_unshard(x_local: torch.Tensor, dim: int, group=None, *,
@@ -47,20 +50,65 @@ def zigzag_unshard(x_local: torch.Tensor, dim: int, group=None, *,
     """The full sequence from every rank's zigzag part (all-gathers over ``group``)::
 
         parts = all_gather(x_local, group)           # rank order
-        chunks = [c for p in parts for c in p.chunk(2, dim)]
-        torch.cat([chunks[zigzag_order(W)[g]] for g in range(2 * W)], dim)
+        firsts, seconds = zip(*(p.chunk(2, dim) for p in parts))
+        torch.cat([*firsts, *reversed(seconds)], dim)
 
     Differentiable (the gradient is reduce-scattered back: ``fusedpar.ops.all_gather``,
     whose ``backend`` this passes on)."""
-    pg = resolve_group(group)
-    world = pg.size()
     dim = dim % x_local.dim()
     if x_local.shape[dim] % 2:
         raise ValueError(f"fusedpar.parallel.zigzag_unshard: x_local.shape[{dim}] = "
                          f"{x_local.shape[dim]} is odd; a zigzag part holds two equal chunks")
+    return sequence_unshard(x_local, dim, group, backend=backend)
+
+
+def _documents(what: str, layout: str, cu_seqlens, total: int, world: int):
+    """``zigzag_docs``' ``[start, end)`` document ranges from ``cu_seqlens`` (None for the
+    other layouts), checked against the sequence length ``total``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"fusedpar.parallel.{what}: layout={layout!r}; choose one of {LAYOUTS}")
+    if layout != "zigzag_docs":
+        return None
+    check_documents(f"parallel.{what}", cu_seqlens, world)
+    ends = cu_seqlens.tolist()
+    if ends[0] != 0 or ends[-1] != total:
+        raise ValueError(f"fusedpar.parallel.{what}: cu_seqlens runs from {ends[0]} to {ends[-1]} "
+                         f"but the sequence has {total} positions; it must be [0, ..., {total}]")
+    return list(zip(ends, ends[1:]))
+
+
+def sequence_shard(x: torch.Tensor, dim: int, rank: int, world: int, *, layout: str = "zigzag",
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank ``rank``'s part of the full sequence ``x`` along ``dim`` in ``ring_attention``'s
+    ``layout``; ``"zigzag_docs"`` (``cu_seqlens``: the packed documents' cumulative ends,
+    each a multiple of ``2W`` long) is, per document::
+
+        torch.cat([zigzag_shard(x.narrow(dim, a, b - a), dim, rank, world)
+                   for a, b in zip(cu_seqlens, cu_seqlens[1:])], dim)
+    """
+    total = x.shape[dim]
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"fusedpar.parallel: rank {rank} is not in a world of size {world}")
+    documents = _documents("sequence_shard", layout, cu_seqlens, total, world)
+    parts = 2 * world if layout == "zigzag" else world
+    if total % parts:
+        raise ValueError(f"fusedpar.parallel.sequence_shard: sequence length {total} is not "
+                         f"divisible by {parts} (layout {layout!r}); pad it to a multiple of {parts}")
+    chunks = rank_chunks(layout, world, rank, total // world, documents)
+    return torch.cat([x.narrow(dim, start, n) for _, start, n in chunks], dim)
+
+
+def sequence_unshard(x_local: torch.Tensor, dim: int, group=None, *, layout: str = "zigzag",
+                     cu_seqlens: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """The full sequence from every rank's ``layout`` part (the inverse of
+    :func:`sequence_shard`; all-gathers over ``group``). Differentiable, as
+    :func:`zigzag_unshard`."""
+    pg = resolve_group(group)
+    world, dim = pg.size(), dim % x_local.dim()
+    documents = _documents("sequence_unshard", layout, cu_seqlens, world * x_local.shape[dim], world)
     gathered = all_gather(x_local, dim, pg, backend=backend)
-    chunks = gathered.chunk(2 * world, dim)
-    return torch.cat([chunks[i] for i in zigzag_order(world)], dim)
+    positions = layout_positions(layout, world, x_local.shape[dim], documents, x_local.device)
+    return gathered.index_select(dim, positions.argsort())
 
 
 def zigzag_positions(seq_len: int, rank: int, world: int, device=None) -> torch.Tensor:

@@ -142,7 +142,7 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
                      attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
     """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
     full sequence (the same on every rank of a tp / cp group; under cp, a packed row's
-    documents attend alone on the ring when B = 1). ``attention_mask``: only all
+    documents attend alone on the ring when B = 1, sharded as :func:`cp_shard` says). ``attention_mask``: only all
     ones (checked in :func:`check_batch`). No ``**kwargs``: Hugging Face's Trainer then
     divides the loss by the gradient-accumulation steps itself instead of passing
     ``num_items_in_batch``, which this forward would not use."""
@@ -152,7 +152,8 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     target = None if labels is None else shift_labels(labels)
     if plan.cp_group is not None:
-        input_ids, position_ids, target = cp_shard(plan.cp_group, input_ids, position_ids, target)
+        input_ids, position_ids, target = cp_shard(plan.cp_group, input_ids, position_ids, target,
+                                                   documents=plan.documents)
     if plan.router_aux is not None:
         plan.router_aux.logits.clear()  # what a recompute in the last backward recorded
     masks = adapter.attention_masks(self, input_ids, position_ids) if plan.hf_masks else None
@@ -173,9 +174,17 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
 FORWARD_ARGS = tuple(inspect.signature(parallel_forward).parameters)[1:]
 
 
-def cp_shard(cp_group: str, *tensors):
-    """This cp rank's zigzag chunks of each tensor's sequence (dim 1); None stays None."""
-    from .cp import zigzag_shard
+def cp_shard(cp_group: str, *tensors, documents: torch.Tensor | None = None):
+    """This cp rank's zigzag chunks of each tensor's sequence (dim 1); None stays None. A
+    packed row (``documents``: its cu_seqlens) whose documents are all multiples of ``2 cp``
+    long is cut per document (``layout="zigzag_docs"``: every document's causal work is
+    balanced over the cp ranks); any other row is cut whole (``"zigzag"``: the same results,
+    the work balanced over the row only, so a rank may hold more of the long documents'
+    late tokens). ``ops.ring_attention.packed_layout`` decides, as the attention does."""
+    from ..ops.ring_attention import packed_layout
+    from .cp import sequence_shard
 
     pg = dist.distributed_c10d._resolve_process_group(cp_group)
-    return tuple(None if t is None else zigzag_shard(t, 1, pg.rank(), pg.size()) for t in tensors)
+    layout = "zigzag" if documents is None else packed_layout(documents, pg.size())
+    return tuple(None if t is None else sequence_shard(t, 1, pg.rank(), pg.size(), layout=layout,
+                                                       cu_seqlens=documents) for t in tensors)

@@ -1,4 +1,5 @@
-"""ContextParallelAttention: a drop-in for SDPA over a zigzag-sharded sequence."""
+"""ContextParallelAttention: a drop-in for SDPA over a zigzag-sharded sequence (or packed
+documents, each zigzag)."""
 
 import pytest
 import torch
@@ -47,6 +48,45 @@ def _sdpa_drop_in(heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads,backend", [(4, 2, "ring"), (2, 1, "ulysses")])
 def test_matches_sdpa_on_the_full_sequence(pools, heads, kv_heads, backend):
     assert pools(2).run(_sdpa_drop_in, heads, kv_heads) == [backend] * 2
+
+
+def _documents_drop_in():
+    """``layout="zigzag_docs"``: packed documents each zigzag over the ranks (W = 2: lengths
+    12 and 4) equal SDPA on each document alone, out and gradients; the HF attention
+    function with the module's default layout takes a 1-D cu_seqlens whose documents all
+    divide by 2W as sharded so (the parallelized forward's rule); a padding mask is refused."""
+    from fusedpar.nn.attention import hf_context_parallel_attention, set_hf_context_parallel_group
+    from fusedpar.parallel import sequence_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lengths = [12, 4]
+    cu = torch.tensor([0, 12, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randn(1, n, 16, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2)]
+    ref = [t.clone().requires_grad_() for t in full]
+    expected = torch.cat([F.scaled_dot_product_attention(*(t.split(lengths, 2)[d] for t in ref),
+                                                         is_causal=True, enable_gqa=True)
+                          for d in range(2)], 2)
+    expected.sum().backward()
+    shard = lambda x: sequence_shard(x, 2, rank, world, layout="zigzag_docs", cu_seqlens=cu)  # noqa: E731
+    local = [shard(t).float().requires_grad_() for t in full]
+    cp = fusedpar.nn.ContextParallelAttention(backend="pipelined", layout="zigzag_docs")
+    out = cp(*local, cu_seqlens=cu)
+    out.sum().backward()
+    torch.testing.assert_close(out.double(), shard(expected.detach()), atol=1e-5, rtol=0)
+    for t, r in zip(local, ref):
+        torch.testing.assert_close(t.grad.double(), shard(r.grad), atol=1e-4, rtol=0)
+    set_hf_context_parallel_group(None, backend="pipelined")
+    hf, _ = hf_context_parallel_attention(torch.nn.Module(), *(t.detach() for t in local), cu)
+    torch.testing.assert_close(hf, out.detach().transpose(1, 2), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="layout 'zigzag_docs'"):
+        cp.attend_padded(*local, torch.ones(1, 8, dtype=torch.bool), True, None)
+    return True
+
+
+def test_documents_sharded_each_zigzag(pools):
+    pytest.importorskip("transformers")
+    assert pools(2).run(_documents_drop_in) == [True, True]
 
 
 def _tiny_llama(attn_implementation: str):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.parallel import zigzag_shard, zigzag_unshard
+from fusedpar.parallel import sequence_shard, sequence_unshard, zigzag_shard
 from fusedpar.ops.ring_plan import rank_chunks
 from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results, visible_keys
 from tests.ops.collective_cases import capture_errors, cpu_backends, stalled_peer_error, subgroup
@@ -22,16 +22,12 @@ BACKENDS = cpu_backends("ring_attention")
 SHAPES = [(2, 4, 2, 16), (1, 4, 1, 23)]
 
 
-def _shard(x, dim, layout, rank, world):
-    if layout == "zigzag":
-        return zigzag_shard(x, dim, rank, world)
-    return x.chunk(world, dim)[rank]
+def _shard(x, dim, layout, rank, world, cu_seqlens=None):
+    return sequence_shard(x, dim, rank, world, layout=layout, cu_seqlens=cu_seqlens)
 
 
 def _unshard(x, dim, layout):
-    if layout == "zigzag":
-        return zigzag_unshard(x, dim, backend="reference")
-    return fusedpar.ops.all_gather(x, dim, backend="reference")
+    return sequence_unshard(x, dim, layout=layout, backend="reference")
 
 
 def visible_kv_bytes(kv: int, world: int, rank: int, causal: bool, layout: str) -> int:
@@ -45,11 +41,13 @@ def visible_kv_bytes(kv: int, world: int, rank: int, causal: bool, layout: str) 
     return rank * kv // 2 + (world - 1 - rank) * kv
 
 
-def seen_key_rows(world: int, rank: int, layout: str, seqlen: int, visible) -> int:
+def seen_key_rows(world: int, rank: int, layout: str, seqlen: int, visible, documents=None) -> int:
     """The peers' K/V rows some query of ``rank`` sees (``visible [S, S]`` by global
-    position): what a rank that pulls K/V must receive, once (``seqlen``: S_local)."""
+    position): what a rank that pulls K/V must receive, once (``seqlen``: S_local;
+    ``documents``: ``zigzag_docs``' ranges)."""
     def positions(r):
-        return torch.cat([torch.arange(g, g + n) for _, g, n in rank_chunks(layout, world, r, seqlen)])
+        return torch.cat([torch.arange(g, g + n)
+                          for _, g, n in rank_chunks(layout, world, r, seqlen, documents)])
 
     mine = positions(rank)
     return sum(int(visible[mine][:, positions(src)].any(0).sum()) for src in range(world) if src != rank)
@@ -204,57 +202,120 @@ def test_loopback_matches_full_attention_at_the_byte_lower_bound(world, layout):
     assert moved[True, (17, -1)] < moved[True, (-1, -1)]
 
 
-def _check_packed_documents(backends):
-    """Documents that cross rank (and zigzag chunk) boundaries, against per-document fp64
-    attention of the full sequence, on each backend that takes them, with and without a
-    sliding window; the triton ring moves only the K/V rows of its queries' documents."""
+def per_document_ref(q, k, v, documents, scale, causal, window):
+    """``(out, lse)`` of ``attention_ref`` on each ``[start, end)`` document alone."""
+    pieces = [attention_ref(q[:, a:z], k[:, a:z], v[:, a:z], scale, causal, window)
+              for a, z in documents]
+    return torch.cat([o for o, _ in pieces], 1), torch.cat([l for _, l in pieces], 2)
+
+
+def _check_packed_documents(backends, lengths, layouts, heads):
+    """Documents of ``lengths`` that cross rank (and zigzag chunk)
+    boundaries, sharded as each of ``layouts`` says, against per-document fp64 attention of
+    the full sequence (out, lse and the gradients of q, k, v through both), on each backend
+    that takes them, with and without a sliding window; the pipelined rings move K/V once
+    around, and the triton ring only the K/V rows of its queries' documents."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    s = 8 * world
-    ends = [0, 3, 3 + 4 * world + 1, s - 1, s]  # a long document spans ranks; a 1-token one
-    cu = torch.tensor(ends, dtype=torch.int32)
+    ends = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    s, cu = ends[-1], torch.tensor(ends, dtype=torch.int32)
+    documents = list(zip(ends, ends[1:]))
     same_doc = torch.zeros(s, s, dtype=torch.bool)
-    for a, z in zip(ends, ends[1:]):
+    for a, z in documents:
         same_doc[a:z, a:z] = True
+    h, hk = heads
     g = torch.Generator().manual_seed(7)
-    full = [torch.randn(1, s, n, 16, generator=g, dtype=torch.float64) for n in (2, 1, 1)]
-    dout = torch.randn(1, s, 2, 16, generator=g, dtype=torch.float64)
+    full = [torch.randn(1, s, n, 16, generator=g, dtype=torch.float64) for n in (h, hk, hk)]
+    dout = torch.randn(1, s, h, 16, generator=g, dtype=torch.float64)
+    dlse = torch.randn(1, h, s, generator=g, dtype=torch.float64)
     masks = {"triton": [(True, (2, -1))], "allgather_kv": [(True, (2, -1)), (False, (-1, -1))]}
     for backend in backends:
-        for layout in ("zigzag", "contiguous")[:4 // world]:  # W=4: zigzag only
+        for layout in layouts:
+            def shard(x, dim):
+                return _shard(x, dim, layout, rank, world, cu)
+
             for causal, window in masks.get(backend, [(True, (-1, -1)), (False, (-1, -1)), (True, (2, -1))]):
                 ref = [t.clone().requires_grad_() for t in full]
-                pieces = [attention_ref(*(t[:, a:z] for t in ref), 0.25, causal, window)
-                          for a, z in zip(ends, ends[1:])]
-                ref_out = torch.cat([o for o, _ in pieces], 1)
-                ref_lse = torch.cat([l for _, l in pieces], 2)
-                ref_out.backward(dout)
-                q, k, v = (_shard(t, 1, layout, rank, world).float().requires_grad_() for t in full)
+                ref_out, ref_lse = per_document_ref(*ref, documents, 0.25, causal, window)
+                torch.autograd.backward((ref_out, ref_lse), (dout, dlse))
+                q, k, v = (shard(t, 1).float().requires_grad_() for t in full)
                 with fusedpar.comm.count_bytes() as forward:
                     out, lse = fusedpar.ops.ring_attention_with_lse(
                         q, k, v, causal=causal, window_size=window, layout=layout, cu_seqlens=cu,
                         backend=backend)
-                out.backward(_shard(dout, 1, layout, rank, world).float())
+                torch.autograd.backward((out, lse), (shard(dout, 1).float(), shard(dlse, 2).float()))
                 where = (backend, layout, causal, window)
-                torch.testing.assert_close(out.detach().double(), _shard(ref_out.detach(), 1, layout, rank, world),
+                torch.testing.assert_close(out.detach().double(), shard(ref_out.detach(), 1),
                                            atol=1e-5, rtol=0, msg=str(where))
-                torch.testing.assert_close(lse.double(), _shard(ref_lse.detach(), 2, layout, rank, world),
+                torch.testing.assert_close(lse.detach().double(), shard(ref_lse.detach(), 2),
                                            atol=1e-5, rtol=0, msg=str(where))
                 for t, r in zip((q, k, v), ref):
-                    torch.testing.assert_close(t.grad.double(), _shard(r.grad, 1, layout, rank, world),
+                    torch.testing.assert_close(t.grad.double(), shard(r.grad, 1),
                                                atol=1e-4, rtol=0, msg=str(where))
+                kv = 2 * k.numel() * 4
                 if backend == "triton":
                     visible = same_doc & visible_keys(s, s, causal, window)
-                    rows = seen_key_rows(world, rank, layout, s // world, visible)
-                    assert forward.total() == rows * 2 * 16 * 4, (where, forward.total(), rows)
+                    rows = seen_key_rows(world, rank, layout, s // world, visible, documents)
+                    assert forward.total() == rows * 2 * hk * 16 * 4, (where, forward.total(), rows)
+                else:
+                    assert forward.total() == (world - 1) * kv, (where, forward.total())
     return True
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_documents_across_ranks(pools, world):
-    """Packed documents on the rings and allgather_kv (the interpreted triton ring at W=2)."""
+    """Packed documents on the rings and allgather_kv (the interpreted triton ring at W=2),
+    the whole row zigzag (and contiguous at W=2): a long document spans ranks; a 1-token one."""
     backends = [b for b in ("triton", "pipelined", "allgather_kv") if b in BACKENDS and
                 not (b == "triton" and world == 4)]
-    assert pools(world).run(_check_packed_documents, backends) == [True] * world
+    lengths = [3, 4 * world + 1, 4 * world - 5, 1]
+    layouts = ("zigzag", "contiguous")[:4 // world]
+    assert pools(world).run(_check_packed_documents, backends, lengths, layouts, (2, 1)) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_documents_sharded_zigzag_each(pools, world):
+    """``layout="zigzag_docs"``: every document zigzag over the ring (ring-flash-attn's varlen
+    zigzag), documents of odd multiples of 2W (chunks of 1, 3 and 5 rows), GQA; the
+    interpreted triton ring at W=2."""
+    backends = [b for b in ("triton", "pipelined", "allgather_kv") if b in BACKENDS and
+                not (b == "triton" and world == 4)]
+    lengths = [6 * world, 2 * world, 10 * world]
+    assert pools(world).run(_check_packed_documents, backends, lengths, ("zigzag_docs",),
+                            (4, 2)) == [True] * world
+
+
+def test_loopback_documents_zigzag_each_at_the_byte_lower_bound():
+    """``zigzag_docs`` on the triton ring at W=4 (loopback): out and lse equal per-document
+    fp64 attention, and each rank receives exactly the peers' K/V rows its queries see in
+    their documents (causal: the first half of each document's rows from the ranks before
+    it, all from those after, as the whole-row zigzag moves for one document)."""
+    world, lengths = 4, [24, 8, 8]  # chunks of 3, 1 and 1 rows
+    ends = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    s, documents = ends[-1], list(zip(ends, ends[1:]))
+    cu = torch.tensor(ends, dtype=torch.int32)
+    same_doc = torch.zeros(s, s, dtype=torch.bool)
+    for a, z in documents:
+        same_doc[a:z, a:z] = True
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, s, n, 16, generator=g) for n in (4, 2, 2))
+    for causal, window in ((True, (-1, -1)),):  # a window: test_documents_sharded_zigzag_each
+        ref_out, ref_lse = per_document_ref(q.double(), k.double(), v.double(), documents, 0.25,
+                                            causal, window)
+        with fusedpar.comm.count_bytes() as counter:
+            results = fusedpar.ops.ring_attention_loopback(
+                *([_shard(t, 1, "zigzag_docs", r, world, cu) for r in range(world)] for t in (q, k, v)),
+                causal=causal, window_size=window, softmax_scale=0.25, layout="zigzag_docs",
+                cu_seqlens=cu)
+        for r, (out, lse) in enumerate(results):
+            shard = lambda x, dim: _shard(x, dim, "zigzag_docs", r, world, cu)  # noqa: E731
+            torch.testing.assert_close(out.double(), shard(ref_out, 1), atol=1e-5, rtol=0)
+            torch.testing.assert_close(lse.double(), shard(ref_lse, 2), atol=1e-5, rtol=0)
+        visible = same_doc & visible_keys(s, s, causal, window)
+        rows = sum(seen_key_rows(world, r, "zigzag_docs", s // world, visible, documents)
+                   for r in range(world))
+        assert counter.total() == rows * 2 * 2 * 16 * 4, (causal, window, counter.total(), rows)
+        kv = 2 * k.numel() // world * 4  # one rank's K/V bytes
+        assert counter.total() == sum(visible_kv_bytes(kv, world, r, True, "zigzag") for r in range(world))
 
 
 def _check_errors():
@@ -272,6 +333,13 @@ def _check_errors():
         "packed_total": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32)),
         "packed_ulysses": lambda: ring(q, kv, kv, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32),
                                        backend="ulysses"),
+        "docs_without_cu": lambda: ring(q, kv, kv, layout="zigzag_docs"),
+        "docs_not_2w": lambda: ring(q, kv, kv, layout="zigzag_docs",
+                                    cu_seqlens=torch.tensor([0, 6, 12], dtype=torch.int32)),
+        "docs_ulysses": lambda: ring(q, kv, kv, layout="zigzag_docs", backend="ulysses",
+                                     cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32)),
+        "docs_sdpa": lambda: ring(q, kv, kv, layout="zigzag_docs", backend="pipelined_sdpa",
+                                  cu_seqlens=torch.tensor([0, 4, 12], dtype=torch.int32)),
         "window": lambda: ring(q, kv, kv, window_size=(3, -2)),
         "mask_align": lambda: ring(q, kv, kv, mask_align="lower_right"),
         "sdpa_window": lambda: ring(q, kv, kv, window_size=(3, 0), backend="pipelined_sdpa"),
@@ -293,6 +361,12 @@ def test_bad_inputs_raise_clear_errors(pools):
         assert "cast them to one dtype" in errors["dtype"][1]
         assert "(W * S_local) has 12 rows" in errors["packed_total"][1]
         assert "triton, pipelined and allgather_kv" in errors["packed_ulysses"][1]
+        assert "pass cu_seqlens" in errors["docs_without_cu"][1], errors["docs_without_cu"]
+        assert ("document 0: 6, document 1: 6" in errors["docs_not_2w"][1] and "pad each document to a "
+                "multiple of 4, or use layout='zigzag'" in errors["docs_not_2w"][1]), errors["docs_not_2w"]
+        for name in ("docs_ulysses", "docs_sdpa"):
+            assert errors[name][0] == "BackendNotSupportedError", errors[name]
+            assert "triton, pipelined and allgather_kv" in errors[name][1], errors[name]
         assert "window_size=(3, -2)" in errors["window"][1] and "-1 for an unbounded side" in errors["window"][1]
         assert "choose one of ('top_left', 'bottom_right')" in errors["mask_align"][1]
         assert "no sliding window" in errors["sdpa_window"][1]

@@ -194,8 +194,9 @@ def _packed_matches_single_process(kind: str, configs: list[dict], packed=True) 
 @pytest.mark.parametrize("kind, configs, packed", [
     ("hf-llama", [dict(tp=2, dp_shard=2)], True), ("hf-llama-eager", [dict(dp_shard=4)], True),
     ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)], True),
-    # one packed row per data-parallel rank (B = 1), documents across the zigzag chunks
-    ("hf-llama", [dict(cp=2, dp_shard=2)], ((5, 7, 4), (9, 7)))])
+    # one packed row per data-parallel rank (B = 1), documents across the zigzag chunks: the
+    # first row whole-row zigzag, the second's documents multiples of 2 cp, each zigzag
+    ("hf-llama", [dict(cp=2, dp_shard=2)], ((5, 7, 4), (12, 4)))])
 def test_packed_sequences_attend_per_document(pools, kind, configs, packed):
     assert pools(4).run(_packed_matches_single_process, kind, configs, packed,
                         timeout=500) == [True] * 4
