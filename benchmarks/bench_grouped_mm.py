@@ -1,5 +1,8 @@
 """grouped_mm: fusedpar's persistent Triton grouped GEMM next to ``torch._grouped_mm`` and a
-loop of ``torch.mm`` (docs/design.md §6), on one GPU.
+loop of ``torch.mm`` (docs/design.md §6), on one GPU. ``fusedpar.torch``: the op's ``torch``
+backend (``torch._grouped_mm`` and the zeroing of the rows past ``offs[-1]``; with masked
+counts ``torch.bmm`` and the zeroing of the rows past each count), so its cost over the raw
+baseline shows.
 
 The MoE up-projection of tgale96/grouped_gemm#37: 128 experts, K=2048, N=1536, 65,536
 routed tokens, bf16, with uniform routing (512 tokens per expert) and skewed routing
@@ -18,14 +21,18 @@ import torch
 
 import fusedpar
 
-from fusedpar.ops.grouped_mm import GroupedCall
+from fusedpar.ops.grouped_mm import DISPATCHER, GroupedCall
 
 from common import AUTO, DTYPE, Unavailable, auto_choice, name, or_skip, rel_err
 from targets import BASELINES
 
 OP = "grouped_mm"
 EXPERTS, K, N, TOKENS = 128, 2048, 1536, 65536
-BACKENDS = ["torch._grouped_mm", "torch.mm loop", "fusedpar.triton", AUTO]  # baselines first
+BACKENDS = ["torch._grouped_mm", "torch.mm loop",  # baselines first
+            "fusedpar.triton", "fusedpar.torch", AUTO]
+# the backend= of each fusedpar row
+FORCED = {"fusedpar.triton": "triton", "fusedpar.torch": "torch", "fusedpar.triton masked": "triton",
+          "fusedpar.torch masked": "torch", AUTO: None}
 TARGETS = {b: least for b, least in BASELINES[OP].items() if least is not None}
 _medians: dict = {}
 
@@ -50,10 +57,20 @@ def _case(routing, device):
     return a, b, offs
 
 
+def _fusedpar(backend, a, b, offs=None, masked_m=None):
+    """``fusedpar.ops.grouped_mm`` as the row ``backend`` runs it (``Unavailable`` where the
+    forced backend cannot take the call)."""
+    chosen = FORCED[backend]
+    if chosen:
+        reasons = DISPATCHER.backends[chosen].not_supported_reasons(GroupedCall(a, b, offs, masked_m))
+        if reasons:
+            raise Unavailable("; ".join(reasons))
+    return lambda: fusedpar.ops.grouped_mm(a, b, offs, masked_m=masked_m, backend=chosen)
+
+
 def _fn(backend, a, b, offs):
-    if backend in ("fusedpar.triton", AUTO):
-        chosen = None if backend == AUTO else "triton"
-        return lambda: fusedpar.ops.grouped_mm(a, b, offs, backend=chosen)
+    if backend in FORCED:
+        return _fusedpar(backend, a, b, offs)
     if backend == "torch._grouped_mm":
         if not hasattr(torch, "_grouped_mm"):
             raise Unavailable(f"torch {torch.__version__} has no torch._grouped_mm")
@@ -101,7 +118,8 @@ def test_grouped_mm(benchmark, gpu, gpu_times, record_row, report_target, synced
 # routed (a decode step): the masked kernel multiplies only each block's first rows; the
 # baselines multiply the whole padding (torch.bmm, or grouped_mm's offs over full blocks).
 MASKED_EXPERTS, MASKED_P = 32, 1024
-MASKED_BACKENDS = ["torch.bmm", "fusedpar.triton full blocks", "fusedpar.triton masked", AUTO]
+MASKED_BACKENDS = ["torch.bmm", "fusedpar.triton full blocks", "fusedpar.triton masked",
+                   "fusedpar.torch masked", AUTO]
 
 
 def _masked_case(device):
@@ -119,9 +137,8 @@ def test_grouped_mm_masked(benchmark, gpu, gpu_times, record_row, synced, backen
     notes = {}
     if backend == "torch.bmm":
         fn = lambda: torch.bmm(a, b)  # noqa: E731
-    elif backend in ("fusedpar.triton masked", AUTO):
-        chosen = None if backend == AUTO else "triton"
-        fn = lambda: fusedpar.ops.grouped_mm(a, b, masked_m=counts, backend=chosen)  # noqa: E731
+    elif backend in FORCED:
+        fn = or_skip(_fusedpar, backend, a, b, masked_m=counts)
         if backend == AUTO:
             notes["chose"] = auto_choice(OP, GroupedCall(a, b, None, counts))
     else:

@@ -11,9 +11,14 @@ device, so there is no host loop and no device-to-host sync).
 - ``grouped_mm_k_kernel`` (wgrad): ``a [M, K_total]`` times ``b [K_total, N]`` with groups
   along K: ``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]``; an empty group gives
   zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
+- ``zero_rows_past_kernel``: zeros in the rows that another GEMM (``torch._grouped_mm``,
+  ``torch.bmm``) leaves unwritten or computes over padding: the rows past ``offs[-1]``, or
+  past each count of the masked layout. The bound is read on the device; a program (a block
+  of rows, all columns) whose block lies before it returns at once, so the rows it covers
+  are never touched.
 
-Neither waits on anything: their grid is capped at NUM_PROGRAMS (the SM count) only because
-they are persistent.
+None waits on anything: the GEMMs' grids are capped at NUM_PROGRAMS (the SM count) only
+because they are persistent.
 """
 
 import torch
@@ -23,6 +28,7 @@ import triton.language as tl
 from .gemm import (EPILOGUES, GPU_CONFIG_SM80, POINTER_CONFIG_SM90, B_UNIT, add_tile_product, aot_example,
                    gemm_operands, gpu_config, grouped_config, grouped_tile, launch_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_pair, tile_pair_tma, tile_product,
                    tile_product_tma)
+from .moe_permute import ROW_BLOCK_GPU, row_blocks
 
 
 @triton.jit
@@ -129,6 +135,37 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows, source
                    stride_cn, BLOCK_M, BLOCK_N)
 
 
+@triton.jit(do_not_specialize=["first", "R"])
+def zero_rows_past_kernel(c_ptr, ends_ptr, first, R, C, stride_cg, stride_cr, stride_cc,
+                          BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``c[g, ends[first + g]:, :] = 0`` for ``c [G, R, C]``; program ``g * r_tiles + i``
+    owns block i of the rows of ``c[g]`` (all its columns)."""
+    r_tiles = tl.cdiv(R, BLOCK_R)
+    g = tl.program_id(0) // r_tiles
+    r0 = (tl.program_id(0) % r_tiles) * BLOCK_R
+    end = tl.minimum(tl.maximum(tl.load(ends_ptr + first + g), 0), R)
+    if r0 + BLOCK_R > end:  # else the block holds products: nothing to do
+        r = r0 + tl.arange(0, BLOCK_R)
+        rows = c_ptr + tl.cast(g, tl.int64) * stride_cg + r.to(tl.int64)[:, None] * stride_cr
+        past = ((r >= end) & (r < R))[:, None]
+        for h0 in range(0, C, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(rows + h.to(tl.int64)[None, :] * stride_cc,
+                     tl.zeros([BLOCK_R, BLOCK_H], c_ptr.dtype.element_ty), mask=past & (h < C)[None, :])
+
+
+def zero_rows_past(c: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
+    """``c[g, ends[first + g]:] = 0`` for every g (each bound clamped to ``[0, R]``), read
+    on the device: ``c [G, R, C]`` with unit stride along C (vector stores; any other
+    strides), ``ends`` int32 contiguous. The rows past ``offs[-1]`` of a ``[T, N]`` output
+    are ``zero_rows_past(out[None], offs, E - 1)``."""
+    G, R, C = c.shape
+    if G and R and C:
+        cfg = row_blocks()
+        zero_rows_past_kernel[(G * triton.cdiv(R, cfg["BLOCK_R"]),)](
+            c, ends, first, R, C, c.stride(0), c.stride(1), c.stride(2), **cfg)
+
+
 def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
                     config: dict | None = None, *, pad_rows: int | None = None,
                     epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
@@ -218,6 +255,8 @@ def _rows_epilogue_example(mode: dict, epilogue: str, kmajor: bool, tma: bool, m
 ROWS_KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs), 16 B"
 
 
+_ZERO_SIG = {"c_ptr": "*bf16", "ends_ptr": "*i32", "first": "i32", "R": "i32", "C": "i32",
+             "stride_cg": "i32", "stride_cr": "i32"}
 _NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
 AOT_EXAMPLES = (
     [aot_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
@@ -236,4 +275,6 @@ AOT_EXAMPLES = (
                    dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE), gpu_config(major, tma), major * 10)
        for major, tma in ((9, True), (9, False), (8, False)) for masked in (False, True)]
     + [aot_example(grouped_mm_k_kernel, dict(_K_SIG, c_ptr="*fp32"), dict(_K_UNIT, MASKED=masked), cfg, arch)
-       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)])
+       for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
+    + [(zero_rows_past_kernel, dict(_ZERO_SIG, c_ptr=c), dict(ROW_BLOCK_GPU, stride_cc=1))
+       for c in ("*bf16", "*fp32")])

@@ -220,20 +220,27 @@ class Triton(Backend):
 
 
 class Torch(Backend):
-    """``torch._grouped_mm``, torch's own grouped GEMM, with what it leaves unwritten (rows or
-    columns past ``offs[-1]``) zeroed on the device (no host sync)."""
+    """torch's own GEMMs. With ``offs``: ``torch._grouped_mm``, then zeros in the rows (or
+    columns) past ``offs[-1]``, which it leaves unwritten. With ``masked_m``: ``torch.bmm``
+    of the whole blocks, then zeros in each block's rows past its count (the batched form),
+    or of copies of a and b with the K past each count zeroed (groups along K; the padding
+    may hold NaN). Every bound is read on the device (no host sync); the zeroing touches
+    only the rows past the bounds (columns: a masked fill of the output)."""
 
     name = "torch"
 
     def not_supported_reasons(self, call: GroupedCall) -> list[str]:
+        device = call.a.device
+        if call.masked_m is not None:  # torch.bmm: any device, dtype and strides
+            if call.out_dtype != call.a.dtype and device.type != "cuda":
+                return [f"torch.bmm takes out_dtype={call.out_dtype} for {call.a.dtype} inputs "
+                        f"only on CUDA, not {device.type}"]
+            return []
         if not hasattr(torch, "_grouped_mm"):
             return [f"torch {torch.__version__} has no torch._grouped_mm"]
         reasons = []
-        if call.masked_m is not None:
-            reasons.append("torch._grouped_mm takes offs, not masked_m")
         if call.groups == 0:
             reasons.append("no groups")
-        device = call.a.device
         if device.type == "cpu" and call.out_dtype != call.a.dtype:
             reasons.append(f"torch._grouped_mm on CPU needs out_dtype == the inputs' dtype "
                            f"({call.a.dtype}), not {call.out_dtype}")
@@ -254,13 +261,47 @@ class Torch(Backend):
         return reasons
 
     def run(self, call: GroupedCall) -> torch.Tensor:
+        if call.masked_m is not None:
+            return _bmm_masked(call)
         out = torch._grouped_mm(call.a, call.b, call.offs,
                                 out_dtype=None if call.out_dtype == call.a.dtype else call.out_dtype)
-        if call.n_grouped or not call.k_grouped:  # columns / rows past offs[-1]: zeros
-            dim = 1 if call.n_grouped else 0
-            past = torch.arange(out.shape[dim], device=out.device) >= call.offs[-1]
-            out.masked_fill_(past[None, :] if dim else past[:, None], 0)
+        if not call.k_grouped:  # the rows (columns: of the transpose) past offs[-1]
+            _zero_rows_past((out.t() if call.n_grouped else out)[None], call.offs.contiguous(),
+                            call.groups - 1)
         return out
+
+
+def _bmm_masked(call: GroupedCall) -> torch.Tensor:
+    """The masked layout through ``torch.bmm`` (see ``Torch``)."""
+    counts = call.masked_m.contiguous()
+    bmm = lambda x, y: torch.bmm(x, y) if call.out_dtype == x.dtype else torch.bmm(x, y, call.out_dtype)
+    if call.batched:
+        out = bmm(call.a, call.b)
+        _zero_rows_past(out, counts)
+        return out
+    groups, size = call.groups, pad_rows(call)
+    a = _valid_rows(call.a.unflatten(1, (groups, size)).permute(1, 2, 0), counts)  # [E, P, M]
+    b = _valid_rows(call.b.unflatten(0, (groups, size)), counts)  # [E, P, N]
+    return bmm(a.transpose(1, 2), b)
+
+
+def _valid_rows(t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t [E, P, X]`` with rows ``counts[g]:`` of ``t[g]`` zero."""
+    keep = torch.arange(t.shape[1], device=t.device) < counts[:, None]
+    return torch.where(keep[..., None], t, 0)
+
+
+def _zero_rows_past(out: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
+    """``out[g, ends[first + g]:] = 0`` for ``out [G, R, C]``, without a host read: the
+    Triton kernel where Triton runs and rows are contiguous (it touches only those rows),
+    else a masked fill over ``out`` (columns past a bound start mid-row: a kernel would
+    store them one element at a time)."""
+    if triton_device_reasons(out.device) or out.stride(2) != 1:
+        bounds = ends[first:first + out.shape[0]]
+        past = torch.arange(out.shape[1], device=out.device) >= bounds[:, None]
+        out.masked_fill_(past[..., None], 0)
+    else:
+        kernels.zero_rows_past(out, ends, first)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -375,7 +416,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     either way); None: ``a``'s dtype.
     Backends: ``triton`` (one persistent launch over every group's tiles, reading ``offs``
     / ``masked_m`` on the device: no host sync), ``reference`` and ``torch``
-    (``torch._grouped_mm`` itself, where it takes the call). Bad values raise on CPU;
+    (``torch._grouped_mm`` where it takes the call; with ``masked_m``, ``torch.bmm`` of the
+    whole blocks). Bad values raise on CPU;
     on CUDA they trip a device-side assert (checking on the host would sync). Under
     ``torch.autocast``, a and b are cast to its dtype first, as ``torch.matmul``'s inputs are.
     """

@@ -1,10 +1,14 @@
-"""grouped_mm's ``torch`` backend (``torch._grouped_mm``) against the reference where it
-runs on CPU, and its reasons where it does not."""
+"""grouped_mm's ``torch`` backend (``torch._grouped_mm``; ``torch.bmm`` for ``masked_m``)
+against the reference where it runs on CPU, its reasons where it does not, and the kernel
+that zeroes what those GEMMs leave (tests/ops/test_grouped_mm.py: the masked forms exactly)."""
+
+import importlib
 
 import pytest
 import torch
 
 from fusedpar.errors import BackendNotSupportedError
+from fusedpar.kernels.grouped_mm import zero_rows_past
 from fusedpar.ops import grouped_mm
 from fusedpar.ops.grouped_mm import DISPATCHER, check_inputs
 
@@ -23,9 +27,19 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["kernel", "masked fill"])
+def zeroing(request, monkeypatch):
+    """How the backend zeroes the rows past the bounds: the Triton kernel (the interpreter
+    here), or the masked fill of devices without Triton."""
+    if request.param == "masked fill":
+        module = importlib.import_module("fusedpar.ops.grouped_mm")  # the package's name is the op
+        monkeypatch.setattr(module, "triton_device_reasons", lambda device: ["no Triton"])
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_equals_the_reference(case, dtype):
+def test_torch_backend_equals_the_reference(case, dtype, zeroing):
     torch.manual_seed(0)
     a, b, offs = (t.to(dtype) if t.is_floating_point() else t for t in CASES[case]())
     a.requires_grad_(), b.requires_grad_()
@@ -48,10 +62,10 @@ def test_torch_backend_says_why_not():
     odd = check_inputs(torch.randn(14, 11), torch.randn(4, 11, 7), _offs(3, 6, 9, 14))
     reasons = DISPATCHER.backends["torch"].not_supported_reasons(odd)
     assert any("strides of a multiple of 16 bytes; a has strides (11, 1)" in r for r in reasons)
-    masked = check_inputs(torch.randn(2, 4, 8), torch.randn(2, 8, 4), None,
-                          torch.tensor([4, 2], dtype=torch.int32))
-    assert "torch._grouped_mm takes offs, not masked_m" in \
-        DISPATCHER.backends["torch"].not_supported_reasons(masked)
+    masked_fp32_out = check_inputs(torch.randn(2, 4, 8).bfloat16(), torch.randn(2, 8, 4).bfloat16(),
+                                   None, torch.tensor([4, 2], dtype=torch.int32), torch.float32)
+    assert DISPATCHER.backends["torch"].not_supported_reasons(masked_fp32_out) == [
+        "torch.bmm takes out_dtype=torch.float32 for torch.bfloat16 inputs only on CUDA, not cpu"]
     fp32_out = check_inputs(torch.randn(8, 8).bfloat16(), torch.randn(2, 8, 8).bfloat16(),
                             _offs(4, 8), out_dtype=torch.float32)
     assert any("on CPU needs out_dtype == the inputs' dtype" in r
@@ -64,3 +78,34 @@ def test_torch_comes_after_fusedpars_backends():
     assert DISPATCHER.names[-1] == "torch"
     a, b, offs = CASES["rows"]()
     assert DISPATCHER.select(check_inputs(a, b, offs)).name != "torch"  # CPU: priority order
+
+
+@pytest.mark.parametrize("form", ["offs", "counts"])
+def test_zero_rows_past_touches_only_the_rows_past_each_bound(form):
+    """``c[g, ends[first + g]:] = 0`` on a strided view of a NaN-filled buffer: the rows
+    past each bound (clamped to [0, R]) are zeros, every other element is left as it was.
+    Odd sizes over several blocks of rows and columns."""
+    G, R, C = (1, 70, 67) if form == "offs" else (5, 9, 67)
+    buf = torch.full((G, R + 1, C + 3), float("nan"))
+    c = buf[:, 1:, 2:-1]  # row stride C + 3, unit column stride
+    if form == "offs":  # the rows past offs[-1] = 37 (first = E - 1)
+        ends, first, bounds = torch.tensor([5, 20, 37], dtype=torch.int32), 2, [37]
+    else:  # counts 0, P, between, and out of range (clamped)
+        ends, first, bounds = torch.tensor([0, 9, 4, -2, 12], dtype=torch.int32), 0, [0, 9, 4, 0, 9]
+    zero_rows_past(c, ends, first)
+    for g, end in enumerate(bounds):
+        assert torch.equal(c[g, end:], torch.zeros(R - end, C))
+        assert c[g, :end].isnan().all()
+    assert buf[:, 0].isnan().all() and buf[:, :, :2].isnan().all() and buf[:, :, -1].isnan().all()
+
+
+def test_masked_batched_form_with_empty_or_strided_counts(zeroing):
+    """No groups at all, and counts given as a strided view (the kernel reads them with
+    stride 1); the products of the batch's rows in fp32 against the reference."""
+    a, b = torch.randn(0, 4, 8), torch.randn(0, 8, 3)
+    assert grouped_mm(a, b, masked_m=torch.zeros(0, dtype=torch.int32), backend="torch").shape == (0, 4, 3)
+    counts = torch.tensor([5, 77, 0, -1, 2], dtype=torch.int32)[::2]
+    a, b = torch.randn(3, 5, 7), torch.randn(3, 7, 6)
+    out = grouped_mm(a, b, masked_m=counts, backend="torch")
+    torch.testing.assert_close(out, grouped_mm(a, b, masked_m=counts, backend="reference"))
+    assert torch.equal(out[1], torch.zeros(5, 6)) and torch.equal(out[2, 2:], torch.zeros(3, 6))
