@@ -152,7 +152,7 @@ def outcome(log: str) -> str:
         return "collected nothing: see its log"
     counts: dict[str, int] = {}
     last = None
-    for match in re.finditer(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", log, re.M):
+    for match in re.finditer(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", log, re.MULTILINE):
         counts[match[2]] = counts.get(match[2], 0) + 1
         last = match[1]
     ran = ", ".join(f"{n} {word.lower()}" for word, n in counts.items()) or "no test finished"

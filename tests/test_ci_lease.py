@@ -263,7 +263,7 @@ def test_plugin_reports_failures_slow_tests_and_caps_timeouts(tmp_path):
     failed = run.split("LEASE FAILED test_standin.py::test_fails (")[1].split("LEASE end of")[0]
     assert "assert 1 + 1 == 3" in failed and "AssertionError: rank 1 saw 3" in failed
     assert "LEASE ERROR at setup of test_standin.py::test_errors" in run and "setup broke" in run
-    assert re.search(r"^LEASE SLOW 0\.[3-9] s test_standin.py::test_slow$", run, re.M), run
+    assert re.search(r"^LEASE SLOW 0\.[3-9] s test_standin.py::test_slow$", run, re.MULTILINE), run
     timed_out = run.split("LEASE FAILED test_standin.py::test_marked_for_minutes (")[1]
     assert "Timeout" in timed_out.split("LEASE end of")[0]
     assert "LEASE SLOW" not in run.split("test_slow")[0]  # the fast ones: no line
