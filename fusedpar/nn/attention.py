@@ -47,11 +47,11 @@ class ContextParallelAttention(nn.Module):
     rank's part of the sequence in ``layout`` (``"zigzag"``, the default, balances causal
     work; ``"contiguous"``; ``"zigzag_docs"``: packed documents, each zigzag, which needs
     ``cu_seqlens``, see ``fusedpar.parallel.sequence_shard``). ``cu_seqlens``: packed
-    documents over the global sequence (B = 1), each attending only to itself. ``backend``: a ``ring_attention`` backend, or None to choose
-    from the head counts (:func:`choose_backend`). ``window_size`` / ``softcap``: a sliding
-    window or soft-capping as ``fusedpar.ops.flash_attention``'s (SDPA has neither; the
-    equivalent then masks and caps the scores by global position). Differentiable; no
-    parameters.
+    documents over the global sequence (B = 1), each attending only to itself. ``backend``:
+    a ``ring_attention`` backend, or None to choose from the head counts
+    (:func:`choose_backend`). ``window_size`` / ``softcap``: a sliding window or
+    soft-capping as ``fusedpar.ops.flash_attention``'s (SDPA has neither; the equivalent
+    then masks and caps the scores by global position). Differentiable; no parameters.
     """
 
     def __init__(self, group=None, backend: str | None = None, layout: str = "zigzag"):

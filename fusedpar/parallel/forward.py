@@ -77,7 +77,8 @@ class Plan:
 
 def check_batch(model: nn.Module, args, kwargs) -> None:
     """Forward pre-hook ahead of FSDP's (which all-gathers): bad shapes fail before any
-    communication. Under cp, a packed row's documents go to ``plan.documents``."""
+    communication. Under cp, packed rows' documents go to ``plan.documents``: the rows'
+    documents one after another (a row's end ends a document), as the forward flattens them."""
     unknown = sorted(set(kwargs) - set(FORWARD_ARGS))
     if unknown or len(args) + len(kwargs) > len(FORWARD_ARGS):
         raise TypeError(f"parallelized forward takes {', '.join(FORWARD_ARGS)}; got "
@@ -91,14 +92,11 @@ def check_batch(model: nn.Module, args, kwargs) -> None:
     positions = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
     plan.documents = None
     if plan.cp_group is not None and is_hf(model) and positions is not None:
-        restarts = (positions.diff(dim=-1) != 1).cpu()  # one host read, only when passed
+        restarts = (positions.expand_as(input_ids).diff(dim=-1) != 1).cpu()  # one host read
         if bool(restarts.any()):
-            if positions.shape[0] != 1:
-                raise ValueError(f"parallelized forward: position_ids restart inside a row (packed "
-                                 f"sequences) in a batch of {positions.shape[0]} rows; context "
-                                 "parallelism runs packed documents one row at a time: pass one "
-                                 "packed row per data-parallel rank (input_ids [1, T]), or use cp=1")
-            plan.documents = document_ends(restarts[0], positions.device)
+            rows_end = torch.ones(restarts.shape[0], 1, dtype=torch.bool)
+            plan.documents = document_ends(torch.cat([restarts, rows_end], 1).flatten()[:-1],
+                                           positions.device)
     mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
     if mask is not None and not bool(mask.all()):  # one host read, only when a mask is passed
         raise ValueError("parallelized forward: attention_mask masks some positions, and the "
@@ -141,8 +139,10 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
                      position_ids: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
     """``input_ids`` / ``labels`` / ``position_ids``: this data-parallel rank's batch, the
-    full sequence (the same on every rank of a tp / cp group; under cp, a packed row's
-    documents attend alone on the ring when B = 1, sharded as :func:`cp_shard` says). ``attention_mask``: only all
+    full sequence (the same on every rank of a tp / cp group). Under cp, packed rows
+    (``position_ids`` restarting) run as one packed row of the B rows' documents, each
+    document attending alone on the ring, sharded as :func:`cp_shard` says (the logits are
+    then this cp rank's part of that row, ``[1, B*T/cp, V]``). ``attention_mask``: only all
     ones (checked in :func:`check_batch`). No ``**kwargs``: Hugging Face's Trainer then
     divides the loss by the gradient-accumulation steps itself instead of passing
     ``num_items_in_batch``, which this forward would not use."""
@@ -151,6 +151,9 @@ def parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None 
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     target = None if labels is None else shift_labels(labels)
+    if plan.documents is not None:  # the rows' documents as one packed row (ring_attention's B = 1)
+        input_ids, position_ids, target = (None if t is None else t.reshape(1, -1)
+                                           for t in (input_ids, position_ids.expand_as(input_ids), target))
     if plan.cp_group is not None:
         input_ids, position_ids, target = cp_shard(plan.cp_group, input_ids, position_ids, target,
                                                    documents=plan.documents)

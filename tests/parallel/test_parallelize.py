@@ -194,9 +194,10 @@ def _packed_matches_single_process(kind: str, configs: list[dict], packed=True) 
 @pytest.mark.parametrize("kind, configs, packed", [
     ("hf-llama", [dict(tp=2, dp_shard=2)], True), ("hf-llama-eager", [dict(dp_shard=4)], True),
     ("hf-qwen3-moe", [dict(dp_shard=4, ep=2)], True),
-    # one packed row per data-parallel rank (B = 1), documents across the zigzag chunks: the
-    # first row whole-row zigzag, the second's documents multiples of 2 cp, each zigzag
-    ("hf-llama", [dict(cp=2, dp_shard=2)], ((5, 7, 4), (12, 4)))])
+    # two packed rows per data-parallel rank, run as one row of their documents (across the
+    # zigzag chunks): dp rank 0's row zigzag as a whole, dp rank 1's documents all multiples
+    # of 2 cp, each zigzag
+    ("hf-llama", [dict(cp=2, dp_shard=2)], ((5, 7, 4), (12, 4), (8, 8), (4, 12)))])
 def test_packed_sequences_attend_per_document(pools, kind, configs, packed):
     assert pools(4).run(_packed_matches_single_process, kind, configs, packed,
                         timeout=500) == [True] * 4
@@ -279,9 +280,6 @@ def _invalid_configs() -> dict:
     padded[1, 5:] = 0
     calls["padding"] = lambda: cp_model(input_ids=ids8, labels=ids8, attention_mask=padded)
     calls["loss_kwargs"] = lambda: cp_model(input_ids=ids8, labels=ids8, num_items_in_batch=9)
-    hf_cp = fusedpar.parallelize(make_model("hf-llama"), {"cp": 2, "dp_shard": 2}, backend="reference")
-    packed = torch.arange(4).repeat(2, 2)
-    calls["packed_cp"] = lambda: hf_cp(input_ids=ids8, labels=ids8, position_ids=packed)
     windowed = fusedpar.parallelize(make_model("hf-mistral"), {"dp_shard": 4}, backend="reference")
     calls["window_fits"] = lambda: windowed(input_ids=ids8, labels=ids8)  # runs: 8 <= the window
     long_ids = torch.zeros(2, 9, dtype=torch.long)
@@ -316,8 +314,6 @@ def test_invalid_configs_fail_before_any_communication(pools):
                    "the Mixtral / Switch one the parallelized forward reproduces",
         "sequence_cp": "sequence length 6 is not divisible by 2*cp = 4",
         "padding": "attention_mask masks some positions",
-        "packed_cp": "in a batch of 2 rows; context parallelism runs packed documents one row "
-                     "at a time: pass one packed row per data-parallel rank",
         "window": "sequence length 9 exceeds the model's sliding window 8 (config.sliding_window)",
         "outer_forward": "GraniteForCausalLM is not a supported model (its forward changes lm_head's logits",
         "tp_scaled_embedding": "GemmaTextScaledWordEmbedding.forward does more than look rows up",
