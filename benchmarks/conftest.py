@@ -347,10 +347,16 @@ def _profiled(name: str):
 @pytest.fixture
 def gpu_times(request):
     """``_gpu_times``; with ``FUSEDPAR_BENCH_PROFILE=1`` (``.ci/gpu all``'s headline rows), in
-    suites that write no profile of their own, ``_profiled`` by the test's name."""
+    suites that write no profile of their own, ``_profiled`` by ``profile_name``."""
     if os.environ.get("FUSEDPAR_BENCH_PROFILE") != "1" or "record_profile" in request.fixturenames:
         return _gpu_times
-    return _profiled(request.node.name)
+    return _profiled(profile_name(request.node))
+
+
+def profile_name(node) -> str:
+    """``<op>_<test id>`` of a benchmark test: suites share test names (``test_loopback[...]``
+    in bench_all_gather.py and bench_reduce_scatter.py), so the suite's op comes first."""
+    return f"{Path(str(node.fspath)).stem.removeprefix('bench_')}_{node.name}"
 
 
 @pytest.fixture

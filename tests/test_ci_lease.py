@@ -205,6 +205,9 @@ def test_profiled_timing_writes_one_profile_per_timed_function(tmp_path, monkeyp
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
     assert files == ["test_loopback_4096x8192-triton_.txt", "test_loopback_4096x8192-triton__1.txt"]
     assert "kernel_a" in (tmp_path / "profiles" / files[0]).read_text()
+    node = types.SimpleNamespace(fspath=ROOT / "benchmarks" / "bench_reduce_scatter.py",
+                           name="test_loopback[4096x8192-triton]")
+    assert conf.profile_name(node) == "reduce_scatter_test_loopback[4096x8192-triton]"
 
 
 PLUGIN_TESTS = """
