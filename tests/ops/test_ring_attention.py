@@ -230,7 +230,7 @@ def _check_packed_documents(backends, lengths, layouts, heads):
     masks = {"triton": [(True, (2, -1))], "allgather_kv": [(True, (2, -1)), (False, (-1, -1))]}
     for backend in backends:
         for layout in layouts:
-            def shard(x, dim):
+            def shard(x, dim, layout=layout):
                 return _shard(x, dim, layout, rank, world, cu)
 
             for causal, window in masks.get(backend, [(True, (-1, -1)), (False, (-1, -1)), (True, (2, -1))]):
@@ -307,9 +307,10 @@ def test_loopback_documents_zigzag_each_at_the_byte_lower_bound():
                 causal=causal, window_size=window, softmax_scale=0.25, layout="zigzag_docs",
                 cu_seqlens=cu)
         for r, (out, lse) in enumerate(results):
-            shard = lambda x, dim: _shard(x, dim, "zigzag_docs", r, world, cu)  # noqa: E731
-            torch.testing.assert_close(out.double(), shard(ref_out, 1), atol=1e-5, rtol=0)
-            torch.testing.assert_close(lse.double(), shard(ref_lse, 2), atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.double(), _shard(ref_out, 1, "zigzag_docs", r, world, cu),
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(lse.double(), _shard(ref_lse, 2, "zigzag_docs", r, world, cu),
+                                       atol=1e-5, rtol=0)
         visible = same_doc & visible_keys(s, s, causal, window)
         rows = sum(seen_key_rows(world, r, "zigzag_docs", s // world, visible, documents)
                    for r in range(world))
