@@ -11,6 +11,7 @@ from fusedpar.errors import BackendNotSupportedError
 from fusedpar.kernels.grouped_mm import zero_rows_past
 from fusedpar.ops import grouped_mm
 from fusedpar.ops.grouped_mm import DISPATCHER, check_inputs
+from tests.ops.collective_cases import captured, requires_cuda
 
 
 def _offs(*ends):
@@ -109,3 +110,71 @@ def test_masked_batched_form_with_empty_or_strided_counts(zeroing):
     out = grouped_mm(a, b, masked_m=counts, backend="torch")
     torch.testing.assert_close(out, grouped_mm(a, b, masked_m=counts, backend="reference"))
     assert torch.equal(out[1], torch.zeros(5, 6)) and torch.equal(out[2, 2:], torch.zeros(3, 6))
+
+
+# ---- on CUDA: torch's CUDA GEMMs and the compiled zeroing kernel (skipped without a GPU) ----
+
+def _masked_case(device, dtype=torch.bfloat16):
+    """a [5, 40, 24] with NaN in the rows past each count (counts 0, P, between), b [5, 24, 16],
+    counts, and the fp32 reference's output and gradients for a random output gradient."""
+    torch.manual_seed(0)
+    counts = torch.tensor([0, 40, 13, 39, 1], dtype=torch.int32)
+    a, b, grad = torch.randn(5, 40, 24).to(dtype), torch.randn(5, 24, 16).to(dtype), torch.randn(5, 40, 16)
+    a[torch.arange(40)[None, :] >= counts[:, None]] = float("nan")
+    a32, b32 = a.float().requires_grad_(), b.float().requires_grad_()
+    ref = grouped_mm(a32, b32, masked_m=counts, backend="reference")
+    ref_grads = torch.autograd.grad(ref, (a32, b32), grad)
+    on = lambda t: t.to(device)  # noqa: E731
+    return on(a), on(b), on(counts), on(grad), ref.detach(), ref_grads
+
+
+def _check_masked_torch_backend(device, out_dtype):
+    """The batched masked form on the torch backend: rows past each count exactly zero (NaN
+    rows of a included), the rest and both gradients the fp32 reference's within bf16's
+    rounding."""
+    a, b, counts, grad, ref, (ref_a, ref_b) = _masked_case(device)
+    a.requires_grad_(), b.requires_grad_()
+    out = grouped_mm(a, b, masked_m=counts, out_dtype=out_dtype, backend="torch")
+    assert out.dtype == (out_dtype or a.dtype)
+    ga, gb = torch.autograd.grad(out, (a, b), grad.to(out.dtype))
+    tol = dict(atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float().cpu(), ref, **tol)  # zeros included: exactly 0 there
+    torch.testing.assert_close(ga.float().cpu(), ref_a, **tol)
+    torch.testing.assert_close(gb.float().cpu(), ref_b, **tol)
+    past = torch.arange(40)[None, :] >= counts.cpu()[:, None]
+    assert not out.cpu()[past].any() and not ga.cpu()[past].any()
+
+
+@requires_cuda
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_gpu_masked_batched_form_on_the_torch_backend(out_dtype):
+    _check_masked_torch_backend("cuda", out_dtype)
+
+
+@requires_cuda
+def test_gpu_rows_past_offs_are_zeros_in_reused_memory():
+    """torch._grouped_mm leaves the rows past offs[-1] unwritten: the output's block, just
+    freed full of NaN (the caching allocator hands it out again), reads zeros there."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's CUDA kernels need compute capability 9.0+")
+    torch.manual_seed(0)
+    a, b = torch.randn(1000, 64).bfloat16(), torch.randn(3, 64, 200).bfloat16()
+    offs = torch.tensor([100, 100, 700], dtype=torch.int32)
+    ref = grouped_mm(a.float(), b.float(), offs, backend="reference")
+    torch.full((1000, 200), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed at once
+    out = grouped_mm(a.cuda(), b.cuda(), offs.cuda(), backend="torch").cpu()
+    assert torch.equal(out[700:], torch.zeros(300, 200, dtype=torch.bfloat16))
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=2e-2)
+
+
+@requires_cuda
+def test_gpu_masked_form_on_the_torch_backend_replays_in_a_cuda_graph():
+    """No host read of the counts: captured once, replayed with new counts."""
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 40, 24, device="cuda"), torch.randn(3, 24, 16, device="cuda")
+    counts = torch.tensor([40, 0, 7], dtype=torch.int32, device="cuda")
+    graph, out = captured(lambda: grouped_mm(a, b, masked_m=counts, backend="torch"))
+    for new in ([1, 40, 0], [13, 22, 39]):
+        counts.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.testing.assert_close(out, grouped_mm(a, b, masked_m=counts, backend="reference"))
