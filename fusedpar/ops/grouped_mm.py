@@ -233,8 +233,8 @@ class Torch(Backend):
         device = call.a.device
         if call.masked_m is not None:  # torch.bmm: any device, dtype and strides
             if call.out_dtype != call.a.dtype and device.type != "cuda":
-                return [f"torch.bmm takes out_dtype={call.out_dtype} for {call.a.dtype} inputs "
-                        f"only on CUDA, not {device.type}"]
+                return [(f"torch.bmm takes out_dtype={call.out_dtype} for {call.a.dtype} inputs "
+                         f"only on CUDA, not {device.type}")]
             return []
         if not hasattr(torch, "_grouped_mm"):
             return [f"torch {torch.__version__} has no torch._grouped_mm"]
