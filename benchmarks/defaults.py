@@ -31,6 +31,7 @@ from targets import BASELINES
 
 from fusedpar.cli import tune
 from fusedpar.ops import registry, tuning
+from fusedpar.ops.grouped_mm import GroupedCall
 
 OUT = Path(tuning.DEFAULTS_PATH)
 # {op: {row label: backend}}: a baseline label names the plain-torch backend it stands for
@@ -44,8 +45,9 @@ LABELS = {
                               "torch.matmul": "reference", "matmul+nccl": "reference",
                               "symm_mem.fused_matmul_reduce_scatter": "symm_mem"},
     "flash_attention": {"triton": "triton", "sdpa": "sdpa", "sdpa_flash": "sdpa"},
-    "grouped_mm": {"fusedpar.triton": "triton", "torch._grouped_mm": "torch",
-                   "torch.mm loop": "reference"},
+    "grouped_mm": {"fusedpar.triton": "triton", "fusedpar.torch": "torch", "torch._grouped_mm": "torch",
+                   "torch.mm loop": "reference", "fusedpar.triton masked": "triton",
+                   "fusedpar.torch masked": "torch", "torch.bmm": "torch"},
 }
 
 
@@ -58,6 +60,10 @@ def call_of(op: str, shape: str, world: int, notes: dict):
     is ``fusedpar tune``'s), or None for a row that is not one call of a tuned op."""
     if op not in tune.OPS or (op == "flash_attention" and notes.get("mode") != "fwd+bwd"):
         return None  # attention: the choice serves forward and backward
+    if op == "grouped_mm" and notes.get("routing") == "masked":  # ExPxKxN, the batched form
+        e, p, k, n = map(int, shape.split("x"))
+        return GroupedCall(_meta(e, p, k), _meta(e, k, n), None,
+                           torch.empty(e, dtype=torch.int32, device="meta"))
     return tune.call_of(op, tune.parse_shape(op, shape), world, None, _meta,
                         causal=notes.get("causal") == "True")
 

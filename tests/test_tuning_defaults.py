@@ -73,3 +73,24 @@ def test_without_rows_the_table_is_empty(defaults, tmp_path):
     assert defaults.generate(tmp_path) == {
         "generated_by": "python benchmarks/defaults.py (from benchmarks/results/*.csv)",
         "entries": {}, "fallback": {}}
+
+
+def test_masked_grouped_mm_rows_tune_the_batched_masked_call(defaults, tmp_path):
+    """routing=masked rows (shape ExPxKxN) name the batched call with masked_m, whose bucket
+    a user's call of that form looks up: here torch.bmm (standing for the torch backend)
+    beats the masked triton kernel."""
+    import torch
+
+    from fusedpar.ops.grouped_mm import GroupedCall
+
+    _rows(tmp_path / "rows.csv", [
+        ("grouped_mm", "torch.bmm", "32x1024x2048x1536", 0.3, "routing=masked;routed_rows=3200"),
+        ("grouped_mm", "fusedpar.triton masked", "32x1024x2048x1536", 0.6, "routing=masked;routed_rows=3200"),
+    ])
+    table = defaults.generate(tmp_path)
+    meta = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    call = GroupedCall(meta(32, 1000, 2048), meta(32, 2048, 1500), None,
+                       torch.empty(32, dtype=torch.int32, device="meta"))
+    sig = tuning.Signature("grouped_mm", "GPU-A", 8, "bfloat16", tuple(call.bucket()), "")
+    row = table["entries"][sig.key(with_placement=False)]
+    assert row["backend"] == "torch" and "not the default: fusedpar.triton masked" in row["why"]
