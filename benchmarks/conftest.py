@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from report import CASE_NOTES  # noqa: E402 - benchmarks/ is on sys.path (pytest puts it there)
-from targets import AUTO, AUTO_TARGET, BASELINES, auto_verdict  # noqa: E402
+from targets import AUTO, AUTO_TARGET, BASELINES, auto_verdict, runs_baseline  # noqa: E402
 
 NO_GPU = "no CUDA GPU: timings of interpreted kernels mean nothing"
 RESULTS_DIR = Path(os.environ.get("FUSEDPAR_BENCH_RESULTS") or Path(__file__).parent / "results")
@@ -224,10 +224,10 @@ def _provenance() -> dict[str, str]:
 _CASE_TIMES: dict[tuple, dict[str, tuple[float, float, float]]] = {}  # this run's rows per case
 
 
-def _auto_notes(op, case, times) -> dict[str, str]:
-    """The notes judging an ``auto`` row's ``times`` against the fastest baseline of its
-    case recorded in this run (``targets.auto_verdict``; n/a where none was), the line
-    also reported as a target."""
+def _auto_notes(op, case, times, notes) -> dict[str, str]:
+    """The notes judging an ``auto`` row's ``times`` (its ``notes``: what it chose) against
+    the fastest baseline of its case recorded in this run (``targets.auto_verdict``; n/a
+    where none was), the line also reported as a target."""
     rows = _CASE_TIMES.get(case, {})
     baselines = [b for b in BASELINES.get(op, {}) if b in rows]
     label = f"{op} {' '.join(str(part) for part in case)} {AUTO}"
@@ -235,7 +235,7 @@ def _auto_notes(op, case, times) -> dict[str, str]:
         _report_target(f"{label}: vs the best baseline: n/a (no baseline row in this run)")
         return {"vs_best_baseline": "n/a"}
     best = min(baselines, key=lambda b: rows[b][0])
-    verdict = auto_verdict(times, rows[best])
+    verdict = auto_verdict(times, rows[best], runs_baseline(op, notes, best))
     text = f"{rows[best][0] / times[0]:.3f}x {best} (target >= {AUTO_TARGET}x within noise: {verdict})"
     _report_target(f"{label}: {text}")
     return {"vs_best_baseline": text}
@@ -257,7 +257,7 @@ def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, 
             *(f"{k}={extra[k]}" for k in CASE_NOTES if k in extra))
     _CASE_TIMES.setdefault(case, {})[backend] = (median_ms, p20_ms, p80_ms)
     if backend == AUTO:
-        extra = {**extra, **_auto_notes(op, case, (median_ms, p20_ms, p80_ms))}
+        extra = {**extra, **_auto_notes(op, case, (median_ms, p20_ms, p80_ms), extra)}
     if _rank() != 0:
         return None
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

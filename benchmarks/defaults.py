@@ -27,28 +27,13 @@ from pathlib import Path
 import torch
 
 from report import RESULTS, load, latest, parse_notes  # benchmarks/ is on sys.path
-from targets import BASELINES
+from targets import BASELINES, LABELS
 
 from fusedpar.cli import tune
 from fusedpar.ops import registry, tuning
 from fusedpar.ops.grouped_mm import GroupedCall
 
 OUT = Path(tuning.DEFAULTS_PATH)
-# {op: {row label: backend}}: a baseline label names the plain-torch backend it stands for
-LABELS = {
-    "all_gather": {"triton": "triton", "cuda": "cuda", "torch.cat": "reference", "nccl": "reference"},
-    "reduce_scatter": {"triton": "triton", "cuda": "cuda", "torch.stack.sum": "reference",
-                       "nccl": "reference"},
-    "all_gather_matmul": {"triton": "triton", "pipelined": "pipelined", "torch.matmul": "reference",
-                          "nccl+matmul": "reference", "symm_mem.fused_all_gather_matmul": "symm_mem"},
-    "matmul_reduce_scatter": {"triton": "triton", "pipelined": "pipelined",
-                              "torch.matmul": "reference", "matmul+nccl": "reference",
-                              "symm_mem.fused_matmul_reduce_scatter": "symm_mem"},
-    "flash_attention": {"triton": "triton", "sdpa": "sdpa", "sdpa_flash": "sdpa"},
-    "grouped_mm": {"fusedpar.triton": "triton", "fusedpar.torch": "torch", "torch._grouped_mm": "torch",
-                   "torch.mm loop": "reference", "fusedpar.triton masked": "triton",
-                   "fusedpar.torch masked": "torch", "torch.bmm": "torch"},
-}
 
 
 def _meta(*shape):

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 # benchmarks/ is on sys.path: run as a script or by pytest
-from targets import AUTO, AUTO_OPS, AUTO_TARGET, BASELINES, FAMILIES, auto_verdict
+from targets import AUTO, AUTO_OPS, AUTO_TARGET, BASELINES, FAMILIES, auto_verdict, runs_baseline
 
 RESULTS = Path(__file__).parent / "results"
 # notes that tell cases of one op and shape apart (all other notes are measurements)
@@ -99,7 +99,8 @@ def auto_check(op: str, by_backend: dict[str, dict]) -> str | None:
     best = best_baseline(op, by_backend)
     if AUTO not in by_backend or best is None:
         return None
-    verdict = auto_verdict(times(by_backend[AUTO]), times(by_backend[best]))
+    same = runs_baseline(op, parse_notes(by_backend[AUTO].get("notes", "")), best)
+    verdict = auto_verdict(times(by_backend[AUTO]), times(by_backend[best]), same)
     return f">= {AUTO_TARGET}x the best baseline ({best}) within noise: {verdict}"
 
 

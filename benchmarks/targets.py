@@ -28,6 +28,23 @@ BASELINES: dict[str, dict[str, float | None]] = {
     "moe_experts_train": {"reference": None},
 }
 
+# {op: {row label: the dispatcher backend it measures}}: a baseline label names the plain-torch
+# backend it stands for (a loopback baseline is that backend's compute; benchmarks/defaults.py)
+LABELS = {
+    "all_gather": {"triton": "triton", "cuda": "cuda", "torch.cat": "reference", "nccl": "reference"},
+    "reduce_scatter": {"triton": "triton", "cuda": "cuda", "torch.stack.sum": "reference",
+                       "nccl": "reference"},
+    "all_gather_matmul": {"triton": "triton", "pipelined": "pipelined", "torch.matmul": "reference",
+                          "nccl+matmul": "reference", "symm_mem.fused_all_gather_matmul": "symm_mem"},
+    "matmul_reduce_scatter": {"triton": "triton", "pipelined": "pipelined",
+                              "torch.matmul": "reference", "matmul+nccl": "reference",
+                              "symm_mem.fused_matmul_reduce_scatter": "symm_mem"},
+    "flash_attention": {"triton": "triton", "sdpa": "sdpa", "sdpa_flash": "sdpa"},
+    "grouped_mm": {"fusedpar.triton": "triton", "fusedpar.torch": "torch", "torch._grouped_mm": "torch",
+                   "torch.mm loop": "reference", "fusedpar.triton masked": "triton",
+                   "fusedpar.torch masked": "torch", "torch.bmm": "torch"},
+}
+
 # The ``auto`` row of a case: what a user gets (``backend=None``: the dispatcher's choice by
 # the tuning table, the default table or the priority order). Its target: at least
 # AUTO_TARGET x the case's best (fastest) baseline within the run's noise (``auto_verdict``).
@@ -53,10 +70,21 @@ def target(op: str, baseline: str) -> float | None:
     return BASELINES.get(op, {}).get(baseline)
 
 
-def auto_verdict(auto: tuple[float, float, float], best: tuple[float, float, float]) -> str:
+def auto_verdict(auto: tuple[float, float, float], best: tuple[float, float, float],
+                 same_code: bool = False) -> str:
     """An auto row's ``(median, p20, p80)`` ms against its case's best baseline's: ``met``
     (median ratio >= AUTO_TARGET), ``met within noise`` (short of it, but the baseline's p80
-    over the auto row's p20 reaches it: their middle 60% overlap) or ``MISSED``."""
+    over the auto row's p20 reaches it: their middle 60% overlap) or ``MISSED``.
+    ``same_code``: the auto row timed the baseline's own function (``runs_baseline``), so
+    their ratio is the drift between two timings of one function, not a verdict."""
+    if same_code:
+        return "met (the baseline's own code: the ratio is run-to-run drift)"
     if best[0] / auto[0] >= AUTO_TARGET:
         return "met"
     return "met within noise" if best[2] / auto[1] >= AUTO_TARGET else "MISSED"
+
+
+def runs_baseline(op: str, notes: dict, baseline: str) -> bool:
+    """Whether an auto row with these ``notes`` timed ``baseline``'s own function: a loopback
+    case whose chosen backend (``chose``) the baseline stands for (``LABELS``)."""
+    return notes.get("mode") == "loopback" and LABELS.get(op, {}).get(baseline) == notes.get("chose")

@@ -199,6 +199,26 @@ def test_a_recorded_auto_row_is_judged_against_the_cases_best_baseline(tmp_path,
     assert "within noise: MISSED" in report.render(report.load(tmp_path))  # the page agrees
 
 
+def test_an_auto_row_timing_the_baselines_own_code_is_not_judged_by_drift(tmp_path, monkeypatch,
+                                                                            recorder, report):
+    """A loopback auto row whose choice the baseline stands for (chose=reference: torch.cat)
+    timed the baseline's own function: a slower median is drift between two timings, said so
+    in its notes and on the page; a torchrun auto row is still judged."""
+    conf = recorder
+    monkeypatch.setattr(conf, "_TARGET_LINES", [])
+    conf._record_row("all_gather", "torch.cat", (4, 4), "torch.bfloat16", 8, 2.0, 1.9, 2.1,
+                     algo_bytes=10, mode="loopback")
+    conf._record_row("all_gather", "auto", (4, 4), "torch.bfloat16", 8, 2.4, 2.2, 2.6,
+                     algo_bytes=10, mode="loopback", chose="reference")
+    drift = "met (the baseline's own code: the ratio is run-to-run drift)"
+    notes = report.parse_notes(report.load(tmp_path)["all_gather"][1]["notes"])
+    assert notes["vs_best_baseline"] == f"0.833x torch.cat (target >= 1.0x within noise: {drift})"
+    assert drift in report.render(report.load(tmp_path))
+    assert report.runs_baseline("all_gather", {"mode": "loopback", "chose": "reference"}, "torch.cat")
+    assert not report.runs_baseline("all_gather", {"mode": "torchrun", "chose": "reference"}, "nccl")
+    assert not report.runs_baseline("all_gather", {"mode": "loopback", "chose": "cuda"}, "torch.cat")
+
+
 def test_commit_from_the_environment_or_git(monkeypatch, report):
     conf = _bench_conftest()
     monkeypatch.setenv("FUSEDPAR_COMMIT", "given")
