@@ -17,8 +17,10 @@ along dim 0), B ``[K, N]``, bf16; the Llama-3-70B TP=8 projections (qkv: N=1280,
 N=7168) and one odd small shape. Each case checks its result once before it is timed
 (A_gathered exactly; the product's error against fp64 at most 2x that of torch.matmul in
 bf16); do_bench quantiles go to ``results/all_gather_matmul.csv`` with TFLOP/s, % of the
-session's ``matmul_roofline`` and the speedups over the baselines in ``notes``. Targets are
-printed and recorded, never asserted.
+session's ``matmul_roofline``, the speedups over the baselines and, in loopback,
+``gpu_busy_ms`` (one profiled call) and ``host_ms`` (the host's time in a call: near or
+above the busy time, the call is host-bound) in ``notes``. Targets are printed and
+recorded, never asserted.
 """
 
 import pytest

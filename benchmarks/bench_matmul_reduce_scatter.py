@@ -23,8 +23,9 @@ scattered along dim 0, bf16; the Llama-3-70B TP=8 projections (attention out: K=
 down: K=3584) and one odd small shape. Each case checks its result once before it is timed
 (error against an fp64 sum at most 2x that of the same-dtype torch baseline); do_bench
 quantiles go to ``results/matmul_reduce_scatter.csv`` with TFLOP/s, % of the session's
-``matmul_roofline`` and the speedups over the baselines in ``notes``. Targets are printed
-and recorded, never asserted.
+``matmul_roofline``, the speedups over the baselines and, in loopback, ``gpu_busy_ms`` (one
+profiled call) and ``host_ms`` (the host's time in a call: near or above the busy time, the
+call is host-bound) in ``notes``. Targets are printed and recorded, never asserted.
 """
 
 import pytest

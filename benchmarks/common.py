@@ -261,8 +261,9 @@ class MatmulSuite:
     bench_matmul_reduce_scatter.py), with the backends and targets they share: fusedpar's
     backends against ``torch.matmul`` in loopback, against torch's async-TP op ``symm_mem``
     and the ``unfused`` collective + cuBLAS under torchrun (targets: targets.py).
-    A row per case carries its TFLOP/s, % of the session's ``matmul_roofline`` and, for
-    fusedpar's backends, the speedups over the baselines in ``notes``.
+    A row per case carries its TFLOP/s, % of the session's ``matmul_roofline``, in loopback
+    ``gpu_busy_ms`` and ``host_ms`` (``gpu_profile``, ``host_ms``) and, for fusedpar's
+    backends, the speedups over the baselines in ``notes``.
 
     ``moved_cols(m, k, n)``: the columns of the ``[M, cols]`` tensor that crosses ranks (the
     gathered A, the product that is reduce-scattered): a row's ``algo_bytes`` is all of it,
@@ -336,6 +337,9 @@ class MatmulSuite:
             notes = dict(mode=mode) if loopback else dict(mode=mode, impl=note)
         notes.update(tflops=f"{tflops:.1f}", roofline_tflops=f"{roofline:.1f}",
                      pct_roofline=f"{100 * tflops / roofline:.1f}")
+        if loopback:  # a median well above the busy time: the GPU waited for the host
+            busy, _ = gpu_profile(fn)
+            notes.update(gpu_busy_ms=f"{busy:.2f}", host_ms=f"{host_ms(fn):.2f}")
         targets = self.targets[mode]
         if backend in self.ours:
             for baseline in targets:  # a -k selection may have left a baseline out

@@ -95,6 +95,12 @@ def mismatch_message(op: str, rank: int, src: int, group_name: str, mine: list[i
             "every rank must call the op with the same shape, dtype and dim")
 
 
+def host_words(words: list[int], device: torch.device) -> torch.Tensor:
+    """``words`` as an int32 host tensor to copy to ``device`` without a host wait: pinned
+    for a CUDA device (a ``non_blocking`` copy from pageable memory is synchronous)."""
+    return torch.tensor(words, dtype=torch.int32, pin_memory=device.type == "cuda")
+
+
 class SymmetricBuffer:
     """One rank's handle on a group's symmetric segments.
 
@@ -128,6 +134,10 @@ class SymmetricBuffer:
         self.in_call = False  # between next_epoch and finish
         self.device_epochs = False  # see use_device_epochs
         self._captured_op: str | None = None  # the last op finished under CUDA-graph capture
+        # the DESC words this pad holds (None: unknown); a graph replay writes UNRECORDED
+        # there behind the host's back, so after a capture the words are always rewritten
+        self._desc_words: list[int] | None = None
+        self._desc_captured = False
         self._watchdog: threading.Timer | None = None
 
     @property
@@ -255,7 +265,11 @@ class SymmetricBuffer:
         before its READY signal, so peers can check the second and explain with the first.
         ``meta`` None: the READY signal that follows publishes it (``signal_peers``' ``meta``,
         one launch less). Under CUDA-graph capture the description is marked unrecorded
-        instead (a copy from host memory would be read at every replay)."""
+        instead (a copy from host memory would be read at every replay).
+
+        The words are copied only when they differ from the last ones this pad got (calls
+        of one shape in a row publish them once), and on CUDA from pinned memory: a copy
+        from pageable memory makes the host wait for the stream."""
         pad = self.pad()
         if meta is not None:
             # fill_ (a kernel taking the scalar), not item assignment (a host-to-device copy,
@@ -263,9 +277,14 @@ class SymmetricBuffer:
             pad[layout.META : layout.META + 1].fill_(meta)
         if capturing(self.device):
             pad[layout.DESC : layout.DESC + 1].fill_(UNRECORDED)
+            self._desc_words, self._desc_captured = None, True
             return
-        pad[layout.DESC : layout.DESC + layout.DESC_WORDS].copy_(
-            torch.tensor(desc, dtype=torch.int32), non_blocking=True)
+        if desc == self._desc_words:
+            return
+        pad[layout.DESC : layout.DESC + layout.DESC_WORDS].copy_(host_words(desc, self.device),
+                                                                 non_blocking=True)
+        if not self._desc_captured:
+            self._desc_words = list(desc)
 
     def finish(self, op: str) -> None:
         """Surface a timeout or mismatch the kernels recorded in this rank's status words.

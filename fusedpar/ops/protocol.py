@@ -281,8 +281,6 @@ def gathering(buf, blocks, epoch: int, meta: int, copy_engine: bool):
         dst.copy_(rows)
         if copy_engine:
             write_flag(buf.pad(), layout.GATHERED + src, epoch)
-        else:
-            buf.pad()[layout.GATHERED + src:][:1].fill_(epoch)
 
     own = [block for block in blocks if block[0] == buf.rank]
     for block in own:
@@ -297,6 +295,9 @@ def gathering(buf, blocks, epoch: int, meta: int, copy_engine: bool):
         for block in blocks:
             if block[0] != buf.rank:
                 copy(*block)
+    if not copy_engine:  # the copies precede the body in stream order: one fill raises every
+        # flag (that of a source without a block is never waited for)
+        buf.pad()[layout.GATHERED : layout.GATHERED + buf.world_size].fill_(epoch)
     try:
         yield
     finally:  # also when the body raises: the copies write into tensors the caller frees

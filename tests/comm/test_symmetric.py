@@ -172,6 +172,46 @@ def test_under_capture_only_graphable_calls_run_and_they_switch_to_device_epochs
         buf.synchronize()
 
 
+def test_a_description_is_copied_only_when_it_changes_and_always_after_a_capture(monkeypatch):
+    """Calls of one shape in a row copy their ``DESC`` words once (a host-to-device copy per
+    call costs the host, and from pageable memory waits for the stream); a changed shape is
+    copied. After a CUDA-graph capture (faked on CPU), whose replays mark the words
+    unrecorded behind the host's back, every eager call copies them again."""
+    buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
+                                    0, "shm", "g")
+    staged = []
+    real = symmetric.host_words
+    monkeypatch.setattr(symmetric, "host_words", lambda words, device: staged.append(words) or
+                        real(words, device))
+    desc = lambda shape: symmetric.describe_words(0, torch.float32, shape, 0)
+    words = lambda: buf.pad()[layout.DESC : layout.DESC + layout.DESC_WORDS].tolist()
+    for shape in [(4, 8), (4, 8), (4, 8), (5, 8), (5, 8), (4, 8)]:
+        buf.publish(desc(shape))
+        assert words() == desc(shape)
+    assert staged == [desc((4, 8)), desc((5, 8)), desc((4, 8))]
+
+    with monkeypatch.context() as capture:
+        capture.setattr(symmetric, "capturing", lambda device: True)
+        buf.publish(desc((4, 8)))
+    assert words()[0] == symmetric.UNRECORDED
+    for _ in range(2):
+        buf.publish(desc((4, 8)))
+        assert words() == desc((4, 8))
+        buf.pad()[layout.DESC] = symmetric.UNRECORDED  # a replay
+    assert len(staged) == 5
+
+
+def test_description_staging_is_pinned_for_cuda():
+    """The host copy ``publish`` stages: int32, pinned where it goes to a GPU (a
+    ``non_blocking`` copy from pageable memory makes the host wait for the stream)."""
+    words = symmetric.describe_words(1, torch.bfloat16, (3, 5), 0)
+    cpu = symmetric.host_words(words, torch.device("cpu"))
+    assert cpu.dtype == torch.int32 and cpu.tolist() == words and not cpu.is_pinned()
+    if torch.cuda.is_available():
+        cuda = symmetric.host_words(words, torch.device("cuda"))
+        assert cuda.is_pinned() and cuda.tolist() == words
+
+
 def test_buffers_a_graph_may_use_stay_allocated_until_released():
     """A replay writes to the addresses it was captured with: a grown buffer that ran on
     device-held epochs is kept (not one that never did) until release_buffers()."""
