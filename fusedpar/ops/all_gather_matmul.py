@@ -147,7 +147,8 @@ class Triton(Backend):
         return (call.unflatten(gathered, call.world_size) if call.return_a else None), outs
 
     def run_views(self, bufs, a_rows, call: MatmulCall, copy_engine: bool):
-        """``[(gathered, [outs])]`` per rank view, rows in gathered order (not unflattened)."""
+        """``[(gathered or None, [outs])]`` per rank view, rows in gathered order (not
+        unflattened); gathered None without ``call.return_a`` (no NaN-fill launch for it)."""
         world, bs = call.world_size, call.bs
         meta = call.fingerprint()
 
@@ -167,7 +168,7 @@ class Triton(Backend):
             counters.record(OP, self.name, (world - 1) * staged.numel() * staged.element_size())
             for b, out in zip(bs[1:], outs[1:]):
                 torch.matmul(gathered, b, out=out)
-            return gathered, outs
+            return (gathered if call.return_a else None), outs
 
         return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, call.description(), gemm)
 

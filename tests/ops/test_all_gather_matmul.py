@@ -186,6 +186,34 @@ def test_torch_schema_drop_in_and_float64(pools):
     assert pools(2).run(_torch_schema_and_fp64) == [True, True]
 
 
+def test_loopback_repeats_stage_no_description_and_poison_only_what_returns(monkeypatch):
+    """Host work per call (CPU loopback, W=2): a call of the shape of the last one copies no
+    description words to the pads; the NaN-fill of a failed call's outputs covers the
+    gathered A only where it is returned. Results stay exact either way."""
+    from fusedpar.comm import symmetric
+    from fusedpar.kernels import signal
+
+    staged, poisoned = [], []
+    real_words, real_poison = symmetric.host_words, signal.poison_if_failed
+    monkeypatch.setattr(symmetric, "host_words",
+                        lambda words, device: staged.append(words) or real_words(words, device))
+    monkeypatch.setattr(signal, "poison_if_failed",
+                        lambda pad, t: poisoned.append(tuple(t.shape)) or real_poison(pad, t))
+    shards = [rank_data((5, 7), torch.float32, r) - 20 for r in range(2)]
+    bs = [rank_data((7, n), torch.float32, 0) / 8 for n in (3, 4)]
+    expected_a = torch.cat(shards)
+    for call, return_a in enumerate((True, True, False)):
+        staged.clear(), poisoned.clear()
+        results = fusedpar.ops.all_gather_matmul_loopback(shards, bs, return_A=return_a)
+        for gathered, outs in results:
+            assert torch.equal(gathered, expected_a) if return_a else gathered is None
+            for out, b in zip(outs, bs):
+                assert torch.equal(out, (expected_a.double() @ b.double()).float())
+        assert poisoned == 2 * [*([(10, 7)] if return_a else []), (10, 3), (10, 4)]
+        if call > 0:  # the first may follow other shapes on these cached buffers
+            assert staged == []
+
+
 # ---- GPU: skipped without CUDA ----------------------------------------------------------
 
 
