@@ -289,11 +289,12 @@ def _record_row(op, backend, shape, dtype, world, median_ms, p20_ms, p80_ms, *, 
     return path
 
 
-def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 15) -> Path | None:
+def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 15,
+                    host: list[str] | None = None) -> Path | None:
     """Write where one call's GPU time goes (``common.gpu_profile``: its busy ms and the
     ``(name, ms, count)`` per kernel or copy) to ``results/profiles/<op>_<backend>_<shape>.txt``
     (rank 0 only; replaced each run): the ``top`` largest, each with its share of the busy
-    time, next to the row's median."""
+    time, next to the row's median; then ``host`` (``host_profile``'s lines), if given."""
     if _rank() != 0:
         return None
     stem = "_".join(part for part in (op, backend, "x".join(map(str, shape))) if part)
@@ -312,8 +313,31 @@ def _record_profile(op, backend, shape, median_ms, busy_ms, kernels, top: int = 
         rest = kernels[top:]
         lines.append(f"{sum(ms for _, ms, _ in rest):9.3f} {sum(n for *_, n in rest):6d} "
                      f"{'':>7}  ({len(rest)} more names)")
+    if host:
+        lines += ["# host: one call's Python functions by their own time (cProfile)",
+                  f"{'ms':>9} {'calls':>6}  function", *host]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def host_profile(fn, top: int = 12) -> list[str]:
+    """Where one call of ``fn`` spends its host time: the ``top`` functions by their own time
+    under cProfile, the device synchronized before and after (a host sync inside ``fn``
+    shows as the time of the call that waits). Finds what keeps the GPU waiting where a
+    row's median is far above its GPU busy time."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    torch.cuda.synchronize()
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (prim calls, calls, own s, cum s, callers)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [f"{own * 1e3:9.3f} {calls:6d}  {Path(file).name}:{line}({name})"
+            for (file, line, name), (_, calls, own, _, _) in rows]
 
 
 @pytest.fixture
@@ -327,7 +351,8 @@ def record_profile():
 
 
 def _profiled(name: str):
-    """``_gpu_times`` that also profiles each function it times once (``common.gpu_profile``)
+    """``_gpu_times`` that also profiles each function it times once (``common.gpu_profile``
+    on the device, ``host_profile`` on the host)
     into ``results/profiles/<name>[_<n>].txt``."""
     from common import gpu_profile
 
@@ -338,7 +363,8 @@ def _profiled(name: str):
         nonlocal count
         times = _gpu_times(fn, *args, **kwargs)
         busy, kernels = gpu_profile(fn)
-        _record_profile(stem + (f"_{count}" if count else ""), "", (), times[0], busy, kernels)
+        _record_profile(stem + (f"_{count}" if count else ""), "", (), times[0], busy, kernels,
+                        host=host_profile(fn))
         count += 1
         return times
     return timed

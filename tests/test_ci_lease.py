@@ -187,7 +187,8 @@ def test_triton_compile_log(gpu_all, tmp_path):
 
 def test_profiled_timing_writes_one_profile_per_timed_function(tmp_path, monkeypatch):
     """FUSEDPAR_BENCH_PROFILE=1 (the headline stage): each function a suite times is also
-    profiled once, into results/profiles/<test>[_<n>].txt. GPU calls stood in for on CPU."""
+    profiled once, device and host, into results/profiles/<test>[_<n>].txt. GPU calls stood in
+    for on CPU."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_conftest", ROOT / "benchmarks" / "conftest.py")
     conf = importlib.util.module_from_spec(spec)
@@ -199,12 +200,20 @@ def test_profiled_timing_writes_one_profile_per_timed_function(tmp_path, monkeyp
     monkeypatch.setattr(conf, "_provenance", lambda: dict(device="GPU-A", torch="t", triton="tr",
                                                           date="d", commit="c"))
     monkeypatch.setattr(common, "gpu_profile", lambda fn: (0.4, [("kernel_a", 0.3, 2)]))
+    monkeypatch.setattr(conf.torch.cuda, "synchronize", lambda: None)
+
+    def host_work():  # the host side of a call: a named function the host profile must show
+        return sum(range(20000))
+
     timed = conf._profiled("test_loopback[4096x8192-triton]")
-    assert timed(lambda: None) == (0.5, 1.5, 2.0)
-    timed(lambda: None)
+    assert timed(host_work) == (0.5, 1.5, 2.0)
+    timed(host_work)
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
     assert files == ["test_loopback_4096x8192-triton_.txt", "test_loopback_4096x8192-triton__1.txt"]
-    assert "kernel_a" in (tmp_path / "profiles" / files[0]).read_text()
+    text = (tmp_path / "profiles" / files[0]).read_text()
+    assert "kernel_a" in text
+    host = text.split("# host: one call's Python functions by their own time (cProfile)\n")[1]
+    assert "test_ci_lease.py:" in host and "(host_work)" in host
     node = types.SimpleNamespace(fspath=ROOT / "benchmarks" / "bench_reduce_scatter.py",
                            name="test_loopback[4096x8192-triton]")
     assert conf.profile_name(node) == "reduce_scatter_test_loopback[4096x8192-triton]"
