@@ -188,6 +188,7 @@ def cp_shard(cp_group: str, *tensors, documents: torch.Tensor | None = None):
     from .cp import sequence_shard
 
     pg = dist.distributed_c10d._resolve_process_group(cp_group)
+    documents = None if documents is None else documents.cpu()  # one host read, not one per tensor
     layout = "zigzag" if documents is None else packed_layout(documents, pg.size())
     return tuple(None if t is None else sequence_shard(t, 1, pg.rank(), pg.size(), layout=layout,
                                                        cu_seqlens=documents) for t in tensors)
