@@ -274,10 +274,12 @@ def _device(mesh) -> torch.device:
 
 def _no_forward(self, *args, **kwargs):
     raise TypeError("a pipeline-parallel model (pp > 1) runs a whole training step at once: "
-                    "loss = model.step(input_ids, labels), then optimizer.step()")
+                    "loss = model.step(input_ids, labels), then optimizer.step() (packed rows, "
+                    "position_ids restarting inside a row, are not taken under pp yet)")
 
 
-def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+         position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One pipelined forward and backward over this data-parallel rank's batch
     (``input_ids`` / ``labels`` ``[batch, seq]``, the same on every rank of a pp / tp / cp
     group); returns the mean token loss over the valid labels of the whole global batch
@@ -285,10 +287,11 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     (accumulated over the microbatches: call ``optimizer.zero_grad()`` after the step).
 
     Plain-PyTorch equivalent on one process: ``model(input_ids, labels=labels).loss.backward()``
-    on the global batch."""
+    on the global batch. ``position_ids``: only ``0 .. seq-1`` in every row (packed
+    documents are refused, see :func:`_check_step`)."""
     run: _Run = self._fusedpar_pipeline
     cfg = run.cfg
-    _check_step(run, input_ids, labels)
+    _check_step(run, input_ids, labels, position_ids)
     target = shift_labels(labels)
     count = (target != IGNORE_INDEX).sum().to(torch.float32)
     if run.dp_group is not None:
@@ -312,8 +315,9 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _check_step(run: _Run, input_ids, labels) -> None:
-    """Shapes the schedule would only trip over mid-step, checked first."""
+def _check_step(run: _Run, input_ids, labels, position_ids) -> None:
+    """Shapes the schedule would only trip over mid-step, checked first. Packed rows are
+    refused: the stages attend over whole rows, so documents would see each other."""
     cfg = run.cfg
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -328,3 +332,10 @@ def _check_step(run: _Run, input_ids, labels) -> None:
                          f"split into pp_microbatches={run.microbatches}; pass a multiple of "
                          f"{run.microbatches} rows (or set pp_microbatches)")
     check_sequence_length(seq, cfg, run.sliding_window)
+    if position_ids is not None:  # one host read, only when passed
+        plain = torch.arange(seq, device=position_ids.device)
+        if position_ids.shape[-1] != seq or not bool((position_ids == plain).all()):
+            raise ValueError("model.step: position_ids other than 0 .. seq-1 in every row (packed "
+                             "documents restarting at 0 inside a row), and pipeline_parallel_size "
+                             "> 1 does not take packed documents yet: unpack the rows (one "
+                             "document per row, padded with labels = -100), or run without pp")

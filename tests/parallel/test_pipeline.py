@@ -215,6 +215,8 @@ def _invalid_pipelines() -> dict:
     ids = torch.zeros(3, 8, dtype=torch.long)
     calls["step_rows"] = lambda: par.step(ids, ids)
     calls["step_shapes"] = lambda: par.step(ids, ids[:, :4])
+    packed = torch.arange(8) % 4  # two documents per row
+    calls["step_packed"] = lambda: par.step(ids[:2], ids[:2], position_ids=packed.expand(2, -1))
     calls["forward"] = lambda: par(ids)
     with _NoCommunication():
         errors = capture_errors(calls)
@@ -241,6 +243,7 @@ def test_invalid_pipelines_fail_before_any_communication(pools):
         "hf_router_aux": "config.output_router_logits=True: the router aux loss spans every layer",
         "step_rows": "this data-parallel rank's batch of 3 rows does not split into pp_microbatches=2",
         "step_shapes": "labels (3, 4) and input_ids (3, 8) differ in shape",
+        "step_packed": "pipeline_parallel_size > 1 does not take packed documents yet: unpack the rows",
         "forward": "loss = model.step(input_ids, labels)",
     }
     for errors in pools(4).run(_invalid_pipelines, timeout=250):
