@@ -13,7 +13,11 @@ path). Per (op, device, world, dtype, shape bucket): the latest row of each labe
 among the eligible backends measured in every case, the least total median wins (ties: the
 dispatcher's priority order). Per op and device, and over all devices (``"*"``), the
 fallback is the backend chosen in most buckets. Rows of a backend the op does not have
-(yet) are left out; so are ops whose calls have no bucket (ring_attention, the MoE ops).
+(yet) are left out; so are rows that time something other than the dispatcher's choice:
+ops whose calls have no bucket (ring_attention; moe_dispatch, an exchange the tuning does
+not time), and forward-only rows of ops whose choice serves the backward too
+(flash_attention's forward rows; moe_experts' loopback rows, where ``moe_experts_train``'s
+forward + backward rows tune ``moe_experts``: ``TUNES``).
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from pathlib import Path
 import torch
 
 from report import RESULTS, load, latest, parse_notes  # benchmarks/ is on sys.path
-from targets import BASELINES, LABELS
+from targets import BASELINES, LABELS, TUNES
 
 from fusedpar.cli import tune
 from fusedpar.ops import registry, tuning
 from fusedpar.ops.grouped_mm import GroupedCall
+from fusedpar.ops.moe.experts_call import ExpertsCall
 
 OUT = Path(tuning.DEFAULTS_PATH)
 
@@ -43,6 +48,11 @@ def _meta(*shape):
 def call_of(op: str, shape: str, world: int, notes: dict):
     """The call a row measured (meta tensors: only its bucket is asked; the shape notation
     is ``fusedpar tune``'s), or None for a row that is not one call of a tuned op."""
+    if op == "moe_experts_train":  # W x T x H x I, the experts over all W ranks in the notes
+        w, t, h, i = map(int, shape.split("x"))
+        local, k = int(notes["experts"]) // w, int(notes["top_k"])
+        return ExpertsCall(_meta(t, h), _meta(t, k), _meta(t, k), _meta(local, 2 * i, h),
+                           _meta(local, h, i), None)
     if op not in tune.OPS or (op == "flash_attention" and notes.get("mode") != "fwd+bwd"):
         return None  # attention: the choice serves forward and backward
     if op == "grouped_mm" and notes.get("routing") == "masked":  # ExPxKxN, the batched form
@@ -57,23 +67,25 @@ def _key(op: str, device: str, world: int, dtype: str, call) -> str:
     return tuning.Signature(op, device, world, dtype, tuple(call.bucket()), "").key(with_placement=False)
 
 
-def cases_by_key(rows: dict[str, list[dict]]) -> dict[str, list[dict[str, float]]]:
-    """``{signature key: [{backend label: latest median ms} per case]}`` of the tuned ops."""
-    found: dict[str, list[dict[str, float]]] = {}
+def cases_by_key(rows: dict[str, list[dict]]) -> dict[str, tuple[str, list[dict[str, float]]]]:
+    """``{signature key: (the rows' op, [{backend label: latest median ms} per case])}`` of
+    the tuned ops; a key names the op the rows tune (``TUNES``)."""
+    found: dict[str, tuple[str, list[dict[str, float]]]] = {}
     for op in LABELS:
         for (shape, dtype, world, device, _), by_label in latest(rows.get(op, [])).items():
             notes = parse_notes(next(iter(by_label.values()))["notes"])
             call = call_of(op, shape, world, notes)
             if call is not None:
-                found.setdefault(_key(op, device, world, dtype, call), []).append(
+                key = _key(TUNES.get(op, op), device, world, dtype, call)
+                found.setdefault(key, (op, []))[1].append(
                     {label: float(row["median_ms"]) for label, row in by_label.items()})
     return found
 
 
 def choose(op: str, cases: list[dict[str, float]]) -> dict | None:
-    """The default row of one key (see the module docstring), or None if no backend the op
-    has was measured in every case."""
-    names = registry.get(op).backends
+    """The default row of one key from ``op``'s rows (see the module docstring), or None if
+    no backend the op tuned has was measured in every case."""
+    names = registry.get(TUNES.get(op, op)).backends
     labels = {label: b for label, b in LABELS[op].items() if b in names}
     baselines = [label for label in labels if label in BASELINES.get(op, {})]
     measured = [label for label in labels if all(label in case for case in cases)]
@@ -95,8 +107,8 @@ def choose(op: str, cases: list[dict[str, float]]) -> dict | None:
 
 def generate(results: Path = RESULTS) -> dict:
     entries = {}
-    for key, cases in sorted(cases_by_key(load(results)).items()):
-        row = choose(key.split("|")[0], cases)
+    for key, (op, cases) in sorted(cases_by_key(load(results)).items()):
+        row = choose(op, cases)
         if row is not None:
             entries[key] = row
     fallback: dict[str, dict[str, dict]] = {}

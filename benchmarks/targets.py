@@ -43,7 +43,11 @@ LABELS = {
     "grouped_mm": {"fusedpar.triton": "triton", "fusedpar.torch": "torch", "torch._grouped_mm": "torch",
                    "torch.mm loop": "reference", "fusedpar.triton masked": "triton",
                    "fusedpar.torch masked": "torch", "torch.bmm": "torch"},
+    "moe_experts_train": {"reference": "reference", "pipelined": "pipelined", "fused": "fused"},
 }
+
+# {row op: the dispatcher op whose choice its rows measure}, where the two names differ
+TUNES = {"moe_experts_train": "moe_experts"}
 
 # The ``auto`` row of a case: what a user gets (``backend=None``: the dispatcher's choice by
 # the tuning table, the default table or the priority order). Its target: at least

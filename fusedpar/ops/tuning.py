@@ -12,8 +12,8 @@ group). The choice, in order:
    under other versions of torch / triton / fusedpar / the driver, or unreadable, is
    ignored with one warning;
 2. the default table shipped in the package (``tuning_defaults.json``, generated from the
-   committed benchmark rows by ``python -m fusedpar tune --defaults``): the row of this
-   device name, world size, dtype and bucket, else the op's fallback for this device;
+   committed benchmark rows by ``benchmarks/defaults.py``): the row of this device name,
+   world size, dtype and bucket, else the op's fallback for this device;
 3. the priority order (the dispatcher's list).
 
 Measuring: each candidate is first checked against the op's oracle (the reference

@@ -363,6 +363,60 @@ def test_ranks_whose_timings_disagree_pick_one_backend(pools, tmp_path):
         assert placement == "1x2"
 
 
+def _moe_choices(cache_dir):
+    """On each of 2 ranks: moe_experts calls (rank 0 passes 5 tokens, rank 1 7) of three
+    buckets (hidden 8, 16, 32), the default table holding a row for the first and a
+    fallback of moe_experts; then without the fallback. Selection only: nothing runs."""
+    import torch.distributed as dist
+
+    from fusedpar.ops import registry
+    from fusedpar.ops.moe.experts_call import ExpertsCall
+
+    rank = dist.get_rank()
+    os.environ["FUSEDPAR_TUNE_CACHE"] = os.path.join(cache_dir, f"tune{rank}.json")  # none there
+    saved = tuning.TUNED_DEVICES, tuning.TIMER, tuning._defaults
+    tuning.TUNED_DEVICES, tuning.TIMER = ("cpu",), None  # nothing may be timed
+    tuning._tables.clear()
+    registered = registry.get("moe_experts").dispatcher
+
+    def fresh():  # the op's backends, no cached choice
+        return Dispatcher(registered.op, list(registered.backends.values()))
+
+    def call(hidden, tokens=5 + 2 * rank):
+        idx = torch.zeros(tokens, 2, dtype=torch.long)
+        return ExpertsCall(torch.zeros(tokens, hidden), idx, torch.ones(tokens, 2),
+                           torch.zeros(2, 12, hidden), torch.zeros(2, hidden, 6), dist.group.WORLD)
+
+    try:
+        sig = tuning.signature("moe_experts", call(8))
+        tuning._defaults = {
+            "entries": {sig.key(with_placement=False): {"backend": "reference", "why": "row"}},
+            "fallback": {"moe_experts": {"cpu": {"backend": "fused", "why": "fallback"}}}}
+        d = fresh()
+        candidates = [n for n, reasons in d.availability(call(8)).items() if not reasons]
+        chosen = [d.select(call(h)).name for h in (8, 16, 32)]
+        tuning._defaults = {"entries": tuning._defaults["entries"], "fallback": {}}
+        untuned = fresh().select(call(16)).name
+        return sig.key(), candidates, chosen, untuned
+    finally:
+        tuning.TUNED_DEVICES, tuning.TIMER, tuning._defaults = saved
+        tuning._tables.clear()
+
+
+@pytest.mark.multirank
+def test_moe_experts_choose_by_the_default_table_then_fallback_then_priority(pools, tmp_path):
+    """An ExpertsCall's bucket is the sizes every rank shares (hidden, intermediate, experts
+    per rank, k), so ranks passing different token counts share one signature and choose
+    together: the row of its bucket, else the op's fallback, else the priority order."""
+    (key0, candidates, chosen, untuned), (key1, *rest) = pools(2).run(_moe_choices, str(tmp_path),
+                                                                      timeout=120)
+    assert key0 == key1 == "moe_experts|cpu|2|float32|8x8x2x2|1x2"
+    assert candidates == ["pipelined", "fused", "reference"]
+    assert chosen == ["reference", "fused", "fused"]  # the row, then the fallback (16, 32)
+    assert untuned == "pipelined"  # no row, no fallback: the priority order
+    assert rest == [candidates, chosen, untuned]
+
+
 def test_real_ops_autotune_every_candidate_passing_the_oracle_check(tuned_cpu, monkeypatch):
     """grouped_mm (run kind) and flash_attention (forward and backward checked) through
     their dispatchers: every candidate here (triton in the interpreter, torch._grouped_mm,

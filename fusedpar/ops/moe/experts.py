@@ -1,12 +1,12 @@
 """``moe_experts``: the expert-parallel SwiGLU expert MLP, dispatch -> grouped GEMM ->
 SwiGLU -> grouped GEMM -> combine, and ``moe_experts_loopback`` (every rank in one process).
 
-Backends, in the order the dispatcher tries them:
+Backends, in priority order (on a GPU the tuning tables choose among the ones that can take
+a call, by ``ExpertsCall.bucket()``: ``fusedpar.ops.tuning``):
 - ``pipelined`` (``experts_pipelined``): the exchange split by source rank with async P2P,
   overlapping the expert GEMMs; a row per token and rank holding its experts.
 - ``fused`` (``experts_fused``): symmetric memory, both grouped GEMMs fused with the
-  exchange. Tried after ``pipelined``, so it runs when asked for (``backend=`` or
-  ``FUSEDPAR_BACKEND``), or on a group without point-to-point sends.
+  exchange.
 - ``reference`` (``Reference`` here): the unfused ops, ``moe_dispatch`` -> ``grouped_mm``
   -> ``swiglu`` -> ``grouped_mm`` -> ``moe_combine``. The only backend that takes
   ``max_tokens_per_rank``: the padded dispatch and ``grouped_mm(..., masked_m=)``, no host
@@ -78,10 +78,11 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 
     Backends: ``fused`` (symmetric memory: the first grouped GEMM multiplies each source's
     rows as soon as the copy engine has brought them, own rank first; the second writes
-    straight into the source ranks' buffers; the backward the same over the gradients; only
-    when asked for), ``pipelined`` (the default: the exchange split by source rank, async
+    straight into the source ranks' buffers; the backward the same over the gradients),
+    ``pipelined`` (first in the priority order: the exchange split by source rank, async
     P2P overlapping the expert GEMMs, own tokens first) and ``reference`` (the unfused ops
-    above; the default with ``max_tokens_per_rank``).
+    above; the only one with ``max_tokens_per_rank``). On a GPU the tuning tables choose
+    (``fusedpar.ops.tuning``); ``backend=`` or ``FUSEDPAR_BACKEND`` force one.
     Under ``torch.autocast``, x, w13 and w2 are cast to its dtype first, as ``torch.matmul``'s
     inputs are (``topk_weights`` keep theirs).
     """

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ...comm import symmetric
 from .. import protocol
+from ..tuning import pow2
 from .exchange import check_same_everywhere, host_to_device
 
 OP = "moe_experts"
@@ -53,6 +54,18 @@ class ExpertsCall:
     def cache_key(self) -> tuple:
         return (self.group.group_name, self.x.device.type, self.x.dtype,
                 self.max_tokens_per_rank is None)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def bucket(self) -> tuple:
+        """The tuning bucket (``tuning``): hidden size, intermediate size, experts per rank
+        and k, as powers of two. The sizes ``agree()`` checks are the same on every rank;
+        tokens are not (T may differ), and a bucket that differed between ranks would send
+        one rank into the tuning agreement alone."""
+        return (pow2(self.x.shape[1]), pow2(self.w13.shape[1] // 2), pow2(self.w13.shape[0]),
+                pow2(self.topk_idx.shape[1]))
 
     def agree(self) -> tuple[int, int, int, int]:
         """Check (one tiny all-gather) that every rank passed the same sizes and dtype;
