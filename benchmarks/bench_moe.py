@@ -33,15 +33,23 @@ runs ``fused``, the fused row).
 
 ``test_loopback_volume`` (no timing; CPU too, W=4): the rows crossing ranks are exactly
 the routed copies whose expert lives on another rank, there and back (the lower bound).
+
+A loopback case bounds its waits at ``LOOPBACK_TIMEOUT_S`` and raises a failed wait at the
+end of its first call with every simulated rank's flags (``first_call``): a stuck flag fails
+the case in seconds and says which flag, instead of running into the stage's time limit.
 """
+
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import fusedpar
-from fusedpar.ops import registry
-from fusedpar.ops.moe import experts_dense, swiglu, topk_route
+from fusedpar import FusedparTimeoutError
+from fusedpar.comm import get_loopback_buffers, layout
+from fusedpar.ops import protocol, registry
+from fusedpar.ops.moe import dispatch, experts_dense, experts_fused, swiglu, topk_route
 from fusedpar.ops.moe.experts_call import ExpertsCall
 from fusedpar.ops.moe.experts_fused import first_gemm_blocks
 
@@ -56,6 +64,10 @@ _, HIDDEN, INTERMEDIATE, _, TOP_K = SHAPES["mixtral"]  # the train rows' sizes
 TILE_ROWS = 128  # BLOCK_M of both backends' first GEMM on sm_90 and sm_80
 BACKENDS = ["unfused", "fused"]  # the baseline first
 TARGET = BASELINES[OP]["unfused"]
+# One process issues every simulated rank's work to one GPU in stream order, so a flag that is
+# not up within seconds never will be; FUSEDPAR_TIMEOUT's default (60 s) would cost a minute
+# per simulated rank before a stuck case fails.
+LOOPBACK_TIMEOUT_S = 2
 _medians: dict = {}
 
 
@@ -91,6 +103,38 @@ def _fn(backend, case):
     return lambda: fusedpar.ops.moe_experts_loopback(*case, backend=backend)
 
 
+def _flags(views) -> str:
+    """Each simulated rank's host epoch and the flags its signal pad holds."""
+    world, lines = len(views), []
+    for view in views:
+        pad = view.pad().tolist()
+        flags = ", ".join(f"{word} {pad[at:at + world]}" for word, at in
+                          (("READY", layout.READY), ("DONE", layout.DONE), ("GATHERED", layout.GATHERED)))
+        lines.append(f"rank {view.rank}: epoch {view.epoch} (EPOCH word {pad[layout.EPOCH]}), "
+                     f"STATUS {pad[layout.STATUS:layout.STATUS + 3]}, {flags}")
+    return "\n".join(lines)
+
+
+def first_call(fn, monkeypatch):
+    """``counted(fn)`` with a failed wait raised at the end of this call
+    (``FUSEDPAR_SYNC_ERRORS=1``; on a GPU it would surface at the next call), the error
+    followed by every simulated rank's flags (``_flags``) as the call left them."""
+    views = []
+
+    def recording(world, nbytes, device):
+        views[:] = get_loopback_buffers(world, nbytes, device)
+        return views[:]
+
+    with monkeypatch.context() as patch:
+        for module in (dispatch, experts_fused):
+            patch.setattr(module, "get_loopback_buffers", recording)
+        patch.setenv("FUSEDPAR_SYNC_ERRORS", "1")
+        try:
+            return counted(fn)
+        except FusedparTimeoutError as e:
+            raise FusedparTimeoutError(f"{e}\nflags after the call:\n{_flags(views)}") from e
+
+
 def _lower_bound(idxs, local, hidden, element_size) -> int:
     """Bytes received from peers over all simulated ranks: every copy routed to an expert of
     another rank crosses once there and once back."""
@@ -120,12 +164,13 @@ def _m_tiles(backend, idxs, local) -> int:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape_name", SHAPES)
 def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, report_target, synced,
-                  shape_name, backend):
+                  monkeypatch, shape_name, backend):
     world = W_LOOPBACK
     tokens, hidden, inter, local, k = SHAPES[shape_name]
+    monkeypatch.setenv("FUSEDPAR_TIMEOUT", str(LOOPBACK_TIMEOUT_S))
     case = _case(world, tokens, hidden, inter, local, k, DTYPE, gpu)
     fn = _fn(backend, case)
-    outs, moved = or_skip(counted, fn)
+    outs, moved = or_skip(first_call, fn, monkeypatch)
     err = _check(outs, case)
     assert err < 2e-2, f"{backend}: relative error {err}"
     median, p20, p80 = gpu_times(fn)
@@ -220,6 +265,26 @@ def test_loopback_volume(local_device, backend):
     assert _check(outs, case) < 1e-5
     rows = sum(n for (op, _), n in counter.by_op().items() if op != "all_gather")  # not the counts
     assert rows == _lower_bound(case[1], local, 16, 4), counter.by_op()
+
+
+def test_a_stuck_loopback_wait_fails_fast_with_every_ranks_flags(local_device, monkeypatch):
+    """Simulated rank 1 never stages its rows (its READY flag stays down): the fused case
+    fails within seconds, not a minute per simulated rank, naming the flag, with each
+    rank's flags."""
+    monkeypatch.setenv("FUSEDPAR_TIMEOUT", str(LOOPBACK_TIMEOUT_S))
+    stage = protocol.stage
+    monkeypatch.setattr(protocol, "stage",
+                        lambda launchers, buf, *args: None if buf.rank == 1 else stage(launchers, buf, *args))
+    case = _case(2, 3, 16, 8, 1, 2, torch.float32, local_device, seed=1)
+    start = time.monotonic()
+    with pytest.raises(FusedparTimeoutError) as failure:
+        first_call(_fn("fused", case), monkeypatch)
+    message = str(failure.value)
+    assert time.monotonic() - start < 15, message
+    assert "rank 0 of group 'loopback2'" in message and "flag READY[1]" in message, message
+    ranks = [line for line in message.splitlines() if line.startswith("rank ")]
+    assert [line.split(":")[0] for line in ranks] == ["rank 0", "rank 1"], message
+    assert "STATUS [1, 1, " in ranks[0] and "READY [" in ranks[1], message
 
 
 def test_busy_ms_counts_overlaps_once_and_gaps_not_at_all():
