@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import BackendNotSupportedError
 from ..kernels import flash_attention as kernels
@@ -172,6 +173,29 @@ def check_mask_args(op: str, window_size, softcap, mask_align: str) -> tuple[tup
     return (int(window_size[0]), int(window_size[1])), float(softcap), mask_align == "bottom_right"
 
 
+# host_list's copies: tensor -> ((version, data pointer, dtype, shape, strides), values); an
+# entry goes when its tensor dies
+_HOST_LISTS = WeakIdKeyDictionary()
+
+
+def host_list(t: torch.Tensor) -> list:
+    """``t.tolist()``, read from the device once per tensor and contents: every layer's
+    attention of a packed row reads the same cu_seqlens, and on a GPU each read is a
+    device-to-host sync that stalls the CPU until the stream drains. A copy is reused only
+    for the same tensor object with the same ``_version`` (an in-place write reads again),
+    data pointer, dtype, shape and strides; a new tensor of equal values is read. Writes torch
+    does not count (through ``.data``, or a numpy or DLPack alias) are not seen. Fake, meta
+    and inference tensors and code under ``torch.compile`` read every time."""
+    if (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.device.type == "meta"
+            or t.is_inference()):  # no version counter, or no values to keep
+        return t.tolist()
+    key = (t._version, t.data_ptr(), t.dtype, t.shape, t.stride())
+    held = _HOST_LISTS.get(t)
+    if held is None or held[0] != key:
+        held = _HOST_LISTS[t] = (key, t.tolist())
+    return list(held[1])  # the caller's own list, as tolist's
+
+
 def check_cu_seqlens(op: str, cu_seqlens, total: int, device, total_is: str,
                      name: str = "cu_seqlens") -> int:
     """int32 ``[0, end_1, ..., total]``, strictly increasing, on ``device``; returns the
@@ -187,7 +211,7 @@ def check_cu_seqlens(op: str, cu_seqlens, total: int, device, total_is: str,
                          "[0, end_1, ..., T] (one more than the number of documents)")
     if cu_seqlens.device != device:
         raise ValueError(f"fusedpar.{op}: {name} is on {cu_seqlens.device}, q on {device}")
-    ends = cu_seqlens.tolist()  # host values: checked once, before any kernel reads them
+    ends = host_list(cu_seqlens)  # host values: checked once, before any kernel reads them
     lengths = [b - a for a, b in zip(ends, ends[1:])]
     if ends[0] != 0 or min(lengths) <= 0:
         raise ValueError(f"fusedpar.{op}: {name} = {ends[:8]}{'...' if len(ends) > 8 else ''} "
@@ -241,8 +265,8 @@ class Reference(Backend):
         """``[(q, k, v, q rows, k rows)]``: batched tensors per document (or the whole batch)."""
         if call.cu_seqlens is None:
             return [(call.q, call.k, call.v, slice(None), slice(None))]
-        ends = call.cu_seqlens.tolist()
-        ends_k = ends if call.cu_seqlens_k is None else call.cu_seqlens_k.tolist()
+        ends = host_list(call.cu_seqlens)
+        ends_k = ends if call.cu_seqlens_k is None else host_list(call.cu_seqlens_k)
         return [(call.q[a:b][None], call.k[c:d][None], call.v[c:d][None], slice(a, b), slice(c, d))
                 for a, b, c, d in zip(ends, ends[1:], ends_k, ends_k[1:])]
 

@@ -40,7 +40,7 @@ from .registry import EXAMPLE_WORLD, register
 from .flash_attention import (DISPATCHER as FLASH_DISPATCHER, KERNEL_DTYPES, AttentionCall,
                               attend_block, attend_block_backward, backward_backend,
                               check_attention_inputs, check_cu_seqlens, check_mask_args,
-                              default_scale, delta_of)
+                              default_scale, delta_of, host_list)
 from .ring_plan import RingBlock, band_block, key_ranges, rank_chunks, ring_blocks
 
 OP = "ring_attention"
@@ -70,7 +70,7 @@ class RingCall:
         self.cu_seqlens = cu_seqlens
         self.lse_grad = lse_grad  # a backward call whose lse has a gradient
         # documents of the global sequence (packed with cu_seqlens), as [start, end) ranges
-        ends = cu_seqlens.tolist() if cu_seqlens is not None else [0, self.world_size * q.shape[1]]
+        ends = host_list(cu_seqlens) if cu_seqlens is not None else [0, self.world_size * q.shape[1]]
         self.documents = list(zip(ends, ends[1:]))
 
     def cache_key(self) -> tuple:
@@ -193,7 +193,7 @@ def packed_layout(cu_seqlens: torch.Tensor, world: int) -> str:
 
 def _uneven_documents(cu_seqlens: torch.Tensor, world: int) -> list[tuple[int, int]]:
     """``(index, length)`` of the documents of ``cu_seqlens`` not a multiple of ``2W`` long."""
-    ends = cu_seqlens.tolist()
+    ends = host_list(cu_seqlens)
     return [(i, b - a) for i, (a, b) in enumerate(zip(ends, ends[1:])) if (b - a) % (2 * world)]
 
 

@@ -184,11 +184,13 @@ def cp_shard(cp_group: str, *tensors, documents: torch.Tensor | None = None):
     balanced over the cp ranks); any other row is cut whole (``"zigzag"``: the same results,
     the work balanced over the row only, so a rank may hold more of the long documents'
     late tokens). ``ops.ring_attention.packed_layout`` decides, as the attention does."""
+    from ..ops.flash_attention import host_list
     from ..ops.ring_attention import packed_layout
     from .cp import sequence_shard
 
     pg = dist.distributed_c10d._resolve_process_group(cp_group)
-    documents = None if documents is None else documents.cpu()  # one host read, not one per tensor
+    if documents is not None:  # read to the host once; the layers' attention reuses the copy
+        documents = torch.tensor(host_list(documents), dtype=torch.int32)
     layout = "zigzag" if documents is None else packed_layout(documents, pg.size())
     return tuple(None if t is None else sequence_shard(t, 1, pg.rank(), pg.size(), layout=layout,
                                                        cu_seqlens=documents) for t in tensors)

@@ -4,11 +4,17 @@ the full sequence (outputs compared after unsharding), and the bytes moved equal
 K/V (and dK/dV) volume. Sliding windows and softcap (bf16, the peers' rule), packed
 documents, and the triton ring's bytes at the lower bound: the K/V rows its queries see."""
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import fusedpar
+from fusedpar.ops.flash_attention import host_list
+from fusedpar.ops.ring_attention import packed_layout
 from fusedpar.parallel import sequence_shard, sequence_unshard, zigzag_shard
 from fusedpar.ops.ring_plan import rank_chunks
 from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results, visible_keys
@@ -317,6 +323,93 @@ def test_loopback_documents_zigzag_each_at_the_byte_lower_bound():
         assert counter.total() == rows * 2 * 2 * 16 * 4, (causal, window, counter.total(), rows)
         kv = 2 * k.numel() // world * 4  # one rank's K/V bytes
         assert counter.total() == sum(visible_kv_bytes(kv, world, r, True, "zigzag") for r in range(world))
+
+
+@contextlib.contextmanager
+def counted_reads(*watched):
+    """``reads[i]``: how many times ``watched[i]`` was read to the host (``tolist``) inside."""
+    tolist, reads = torch.Tensor.tolist, [0] * len(watched)
+
+    def counting(self):
+        reads[:] = [n + (t is self) for n, t in zip(reads, watched)]
+        return tolist(self)
+
+    torch.Tensor.tolist = counting
+    try:
+        yield reads
+    finally:
+        torch.Tensor.tolist = tolist
+
+
+def test_host_list_reads_a_tensor_once_per_contents():
+    """``host_list`` reads a tensor again only after an in-place write (also through a view);
+    a new tensor of equal values is read; fake and meta tensors behave as ``tolist``; the
+    copy keeps no tensor alive."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    fresh = cu.clone()
+    with counted_reads(cu, fresh) as reads:
+        assert [host_list(cu) for _ in range(3)] == [[0, 4, 12]] * 3 and reads == [1, 0]
+        host_list(cu).append(99)  # the caller's own list
+        assert host_list(cu) == [0, 4, 12] and reads == [1, 0]
+        cu[1] = 8
+        assert host_list(cu) == [0, 8, 12] and reads == [2, 0]
+        cu[1:2].fill_(6)
+        assert host_list(cu) == [0, 6, 12] and reads == [3, 0]
+        assert host_list(fresh) == [0, 4, 12] and host_list(fresh) == [0, 4, 12] and reads == [3, 1]
+    with torch.inference_mode():  # no version counter: read every time
+        frozen = torch.tensor([0, 3], dtype=torch.int32)
+    with counted_reads(frozen) as reads:
+        assert host_list(frozen) == host_list(frozen) == [0, 3] and reads == [2]
+    meta = torch.empty(3, dtype=torch.int32, device="meta")
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(cu)
+    for t in (meta, fake):
+        with pytest.raises(Exception) as by_torch:
+            t.tolist()
+        with pytest.raises(by_torch.type):
+            host_list(t)
+    gone = weakref.ref(cu)
+    del cu
+    gc.collect()
+    assert gone() is None
+
+
+def _count_reads_across_layers():
+    """One step of a 3-layer packed-row model under cp: ``cp_shard`` and every layer's
+    ``packed_layout`` and ring attention, forward and backward, read cu_seqlens to the host
+    once; an in-place write is read again (the new documents: the whole row zigzag, and the
+    same outputs as a new tensor of those values)."""
+    from fusedpar.parallel.forward import cp_shard
+
+    world, name = dist.get_world_size(), dist.group.WORLD.group_name
+    g = torch.Generator().manual_seed(5)
+    full = [torch.randn(1, 32, 2, 8, generator=g) for _ in range(3)]
+
+    def step(cu):
+        q, k, v = (t.requires_grad_() for t in cp_shard(name, *full, documents=cu))
+        x, layouts = q, []
+        for _ in range(3):
+            layouts.append(packed_layout(cu, world))
+            x = fusedpar.ops.ring_attention(x, k, v, causal=True, layout=layouts[-1], cu_seqlens=cu,
+                                            backend="pipelined")
+        x.sum().backward()
+        return x.detach(), set(layouts)
+
+    cu = torch.tensor([0, 8, 20, 32], dtype=torch.int32)  # multiples of 2W: each document zigzag
+    with counted_reads(cu) as reads:
+        _, layouts = step(cu)
+        assert (reads, layouts) == ([1], {"zigzag_docs"}), (reads, layouts)
+        cu[1] = 10  # 10 rows: the whole row zigzag
+        out, layouts = step(cu)
+        assert (reads, layouts) == ([2], {"zigzag"}), (reads, layouts)
+    assert torch.equal(out, step(cu.clone())[0])
+    return True
+
+
+def test_packed_row_read_to_the_host_once_per_step(pools):
+    assert pools(2).run(_count_reads_across_layers) == [True, True]
 
 
 def _check_errors():
