@@ -223,9 +223,9 @@ class Torch(Backend):
     """torch's own GEMMs. With ``offs``: ``torch._grouped_mm``, then zeros in the rows (or
     columns) past ``offs[-1]``, which it leaves unwritten. With ``masked_m``: ``torch.bmm``
     of the whole blocks, then zeros in each block's rows past its count (the batched form),
-    or of copies of a and b with the K past each count zeroed (groups along K; the padding
-    may hold NaN). Every bound is read on the device (no host sync); the zeroing touches
-    only the rows past the bounds (columns: a masked fill of the output)."""
+    or of copies of a and b with the K past each count zeroed (groups along K; see
+    ``_bmm_masked``). Every bound is read on the device (no host sync); the zeroing writes
+    only what lies past the bounds."""
 
     name = "torch"
 
@@ -265,9 +265,8 @@ class Torch(Backend):
             return _bmm_masked(call)
         out = torch._grouped_mm(call.a, call.b, call.offs,
                                 out_dtype=None if call.out_dtype == call.a.dtype else call.out_dtype)
-        if not call.k_grouped:  # the rows (columns: of the transpose) past offs[-1]
-            _zero_rows_past((out.t() if call.n_grouped else out)[None], call.offs.contiguous(),
-                            call.groups - 1)
+        if not call.k_grouped:  # the rows (columns) past offs[-1]
+            _zero_past(out[None], call.offs.contiguous(), call.groups - 1, columns=call.n_grouped)
         return out
 
 
@@ -277,9 +276,13 @@ def _bmm_masked(call: GroupedCall) -> torch.Tensor:
     bmm = lambda x, y: torch.bmm(x, y) if call.out_dtype == x.dtype else torch.bmm(x, y, call.out_dtype)
     if call.batched:
         out = bmm(call.a, call.b)
-        _zero_rows_past(out, counts)
+        _zero_past(out, counts)
         return out
     groups, size = call.groups, pad_rows(call)
+    # copies of a's and b's blocks with the K past each count zeroed, on both sides since
+    # the padding may hold NaN (0 * NaN is NaN): no torch GEMM takes a K bound per batch read
+    # on the device, and torch._grouped_mm's groups along K are contiguous (the padding would
+    # be E - 1 more groups: E - 1 more [M, N] products written and held)
     a = _valid_rows(call.a.unflatten(1, (groups, size)).permute(1, 2, 0), counts)  # [E, P, M]
     b = _valid_rows(call.b.unflatten(0, (groups, size)), counts)  # [E, P, N]
     return bmm(a.transpose(1, 2), b)
@@ -291,17 +294,17 @@ def _valid_rows(t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.where(keep[..., None], t, 0)
 
 
-def _zero_rows_past(out: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
-    """``out[g, ends[first + g]:] = 0`` for ``out [G, R, C]``, without a host read: the
-    Triton kernel where Triton runs and rows are contiguous (it touches only those rows),
-    else a masked fill over ``out`` (columns past a bound start mid-row: a kernel would
-    store them one element at a time)."""
+def _zero_past(out: torch.Tensor, ends: torch.Tensor, first: int = 0, columns: bool = False) -> None:
+    """``out[g, ends[first + g]:] = 0`` (``columns``: ``out[g, :, ends[first + g]:] = 0``) for
+    ``out [G, R, C]``, without a host read: the Triton kernel where Triton runs and C has
+    unit stride (it writes only what lies past the bounds, and for columns the rest of the
+    bound's 16-byte vector as it was), else a masked fill over ``out``."""
     if triton_device_reasons(out.device) or out.stride(2) != 1:
         bounds = ends[first:first + out.shape[0]]
-        past = torch.arange(out.shape[1], device=out.device) >= bounds[:, None]
-        out.masked_fill_(past[..., None], 0)
+        past = torch.arange(out.shape[2 if columns else 1], device=out.device) >= bounds[:, None]
+        out.masked_fill_(past[:, None, :] if columns else past[..., None], 0)
     else:
-        kernels.zero_rows_past(out, ends, first)
+        (kernels.zero_columns_past if columns else kernels.zero_rows_past)(out, ends, first)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -348,7 +351,11 @@ def _backward(ctx, grad):
     batch = lambda x, y: _grouped_mm_op(x, y, None, masked_m, None, ctx.backend)
     grad_a = grad_b = None
     if a.dim() == 3 and b.dim() == 2:  # out[:, cols g] = a[g] @ b[:, cols g]
-        if need_a:  # groups along K = the columns; the layouts the K-grouped kernel is built for
+        # dgrad: groups along K = the columns, on a column-major dy and a row-major bᵀ (copied
+        # when not so): the layouts the K-grouped Triton kernel is built for, and those
+        # torch._grouped_mm's CUDA kernels take for any group sizes (along a unit-stride K they
+        # must be multiples of 16 bytes)
+        if need_a:
             grad_a = op(grad.t().contiguous().t(), b.t().contiguous())
         if need_b:
             grad_b = op(a.transpose(1, 2), grad)

@@ -1,5 +1,7 @@
 """fusedpar.ops.grouped_mm: backends vs a loop of matmuls, autograd, errors."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -115,6 +117,44 @@ def test_matches_torch_grouped_mm_where_available():
     offs = torch.tensor([8, 8, 24], dtype=torch.int32)  # K, N multiples of 4: 16-byte strides
     a, b = _ints(24, 16, seed=6), _ints(3, 16, 8, seed=7)
     assert torch.equal(grouped_mm(a, b, offs, backend="triton"), torch._grouped_mm(a, b, offs))
+
+
+@pytest.mark.parametrize("zeroing", ["kernel", "masked fill"])
+@pytest.mark.parametrize("form", ["rows", "columns"])
+@pytest.mark.parametrize("ends", [[3, 3, 10], [0, 0, 0], [4, 8, 12], [5, 13, 13]],
+                         ids=["mid-vector", "all-empty", "vector-edge", "none-past"])
+def test_torch_backend_zeroes_what_torch_grouped_mm_leaves(form, ends, zeroing, monkeypatch):
+    """torch._grouped_mm leaves the rows (columns) past offs[-1] unwritten: made NaN here, the
+    torch backend's output and both gradients still equal the fp64 loop's exactly, zeroed by
+    the Triton kernel or by the masked fill of devices without Triton. 13 rows (columns) of
+    4-element (16-byte fp32) vectors, ending mid-vector, at an edge, at 13."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm does not exist in this torch")
+    if zeroing == "masked fill":
+        module = importlib.import_module("fusedpar.ops.grouped_mm")  # the package's name is the op
+        monkeypatch.setattr(module, "triton_device_reasons", lambda device: ["no Triton"])
+    real = torch._grouped_mm
+
+    def leaves_nan_past_offs(a, b, offs, **kwargs):
+        out = real(a, b, offs, **kwargs)
+        if a.dim() != b.dim():
+            (out if b.dim() == 3 else out.t())[int(offs[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", leaves_nan_past_offs)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    grad = torch.empty(13, 16)[:, :12] if form == "rows" else torch.empty(8, 16)[:, :13]
+    grad.copy_(_ints(*grad.shape, seed=52))  # 16-byte row strides, as torch._grouped_mm takes
+    if form == "rows":  # a [13, 12] x b [3, 12, 12]
+        a, b = _ints(13, 12, seed=50).requires_grad_(), _ints(3, 12, 12, seed=51).requires_grad_()
+        reference = lambda a, b: _loop(a, b, offs)
+    else:  # a [3, 8, 12] x b [12, 13], column-major like a weightᵀ
+        a, b = _ints(3, 8, 12, seed=50).requires_grad_(), _ints(13, 12, seed=51).t().requires_grad_()
+        reference = lambda a, b: torch.cat(
+            [a[g] @ b[:, s:e] for g, (s, e) in enumerate(zip([0] + ends[:-1], ends))]
+            + [a.new_zeros(8, 13 - ends[-1])], dim=1)
+    out = grouped_mm(a, b, offs, backend="torch")
+    _check_exact_with_grads(a, b, out, grad, reference)
 
 
 def test_bad_inputs_raise_clear_errors():
