@@ -7,9 +7,10 @@ loss with the last), keeps this rank's stages in ``model`` (the others' layers a
 dropped; parameter names are unchanged, so DCP checkpoints load across pp degrees), gives
 each stage TP/SP, CP, EP, activation checkpointing and FSDP2 as without pp, and wraps it
 in a ``PipelineStage`` run by the config's schedule. One training step is
-``loss = model.step(input_ids, labels)`` (this data-parallel rank's rows, as
-:func:`~fusedpar.parallel.shard_batch` gives them), which returns the global batch's mean
-token loss on every rank; then ``optimizer.step()`` as usual.
+``loss = model.step(input_ids, labels, position_ids=None)`` (this data-parallel rank's rows,
+as :func:`~fusedpar.parallel.shard_batch` gives them; ``position_ids`` restarting inside a
+row pack documents, as without pp), which returns the global batch's mean token loss on
+every rank; then ``optimizer.step()`` as usual.
 
 Plain-PyTorch (torchtitan-style) equivalent on a pp rank holding stage ``s`` of ``S``::
 
@@ -18,7 +19,8 @@ Plain-PyTorch (torchtitan-style) equivalent on a pp rank holding stage ``s`` of 
     stage = PipelineStage(part, s, S, device, group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches, loss_fn=sum of token losses / global
                             count of valid labels, scale_grads=False)
-    schedule.step(input_ids if s == 0 else None, target=shifted labels if s == S-1)
+    schedule.step(input_ids if s == 0 else None, target=shifted labels if s == S-1,
+                  position_ids=position_ids)  # keyword inputs reach every stage
 
 Zero-bubble schedules (``ZBVZeroBubble``, ``InterleavedZeroBubble``) split each backward
 into an input-gradient and a weight-gradient pass, which torch cannot do through a custom
@@ -147,13 +149,15 @@ class _Stage(nn.Module):
         self.norm = adapter.final_norm(owner) if last else None
         self.head = adapter.head(owner) if last else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``position_ids``: this microbatch's, given to every stage by the schedule (a
+        keyword input reaches every stage; ``x`` only the first): where they restart inside
+        a row, a Hugging Face model's mask keeps each packed document to itself."""
         owner, adapter, run = self.owner, self.adapter, self.owner._fusedpar_pipeline
         hidden = adapter.embed(owner, x) if self.is_first else x
-        positions = run.positions.expand(hidden.shape[0], -1)
-        masks = adapter.attention_masks(owner, positions, positions) if run.hf_masks else None
-        hidden, aux = run_layers(adapter, owner, list(self.layers.values()), hidden, positions, masks,
-                                 self.first_layer)
+        masks = adapter.attention_masks(owner, position_ids, position_ids) if run.hf_masks else None
+        hidden, aux = run_layers(adapter, owner, list(self.layers.values()), hidden, position_ids,
+                                 masks, self.first_layer)
         if aux is not None:
             hidden = run.attach_aux(hidden, aux)
         if not self.is_last:
@@ -179,14 +183,14 @@ class _AuxToBackward(torch.autograd.Function):
 
 
 class _Run:
-    """What one ``model.step`` shares with its stages: the positions of this rank's
-    (cp-sharded) sequence, the global count of valid labels, the MoE aux loss."""
+    """What one ``model.step`` shares with its stages: the global count of valid labels,
+    the MoE aux loss."""
 
     def __init__(self, cfg: ParallelConfig, hf_masks: bool, aux_scale: float | None,
                  sliding_window: int | None):
         self.cfg, self.hf_masks, self.aux_scale = cfg, hf_masks, aux_scale
         self.sliding_window = sliding_window
-        self.positions = self.count = None
+        self.count = None
         self.aux_values: list[torch.Tensor] = []
         self.aux_calls = 0  # per step: microbatches x this rank's stages with MoE layers
 
@@ -274,8 +278,8 @@ def _device(mesh) -> torch.device:
 
 def _no_forward(self, *args, **kwargs):
     raise TypeError("a pipeline-parallel model (pp > 1) runs a whole training step at once: "
-                    "loss = model.step(input_ids, labels), then optimizer.step() (packed rows, "
-                    "position_ids restarting inside a row, are not taken under pp yet)")
+                    "loss = model.step(input_ids, labels, position_ids=None), then "
+                    "optimizer.step()")
 
 
 def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -287,8 +291,10 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
     (accumulated over the microbatches: call ``optimizer.zero_grad()`` after the step).
 
     Plain-PyTorch equivalent on one process: ``model(input_ids, labels=labels).loss.backward()``
-    on the global batch. ``position_ids``: only ``0 .. seq-1`` in every row (packed
-    documents are refused, see :func:`_check_step`)."""
+    on the global batch. ``position_ids`` (default ``0 .. seq-1`` in every row) go to every
+    stage as without pp: where they restart at 0 inside a row (packed documents, Hugging
+    Face's ``DataCollatorWithFlattening``), a Hugging Face model attends to each document
+    alone. Packed rows under cp > 1 are refused (see :func:`_check_step`)."""
     run: _Run = self._fusedpar_pipeline
     cfg = run.cfg
     _check_step(run, input_ids, labels, position_ids)
@@ -297,14 +303,16 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
     if run.dp_group is not None:
         dist.all_reduce(count, group=run.dp_group)
     run.count = count
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None \
+        else position_ids
+    positions = positions.expand_as(input_ids)
     if run.cp_group is not None:
         input_ids, positions, target = cp_shard(run.cp_group, input_ids, positions, target)
-    run.positions = positions
     run.aux_values = []
     losses = []
     args = (input_ids,) if run.has_first else ()
-    run.schedule.step(*args, target=target if run.has_last else None, losses=losses, **run.step_options)
+    run.schedule.step(*args, target=target if run.has_last else None, losses=losses,
+                      position_ids=positions, **run.step_options)
     total = torch.stack([l.detach().float() for l in losses]).sum() if run.has_last else \
         torch.zeros((), device=input_ids.device)
     # each last-stage rank holds its dp x cp rank's share (x dp*cp, see loss_fn), every tp
@@ -316,8 +324,8 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
 
 
 def _check_step(run: _Run, input_ids, labels, position_ids) -> None:
-    """Shapes the schedule would only trip over mid-step, checked first. Packed rows are
-    refused: the stages attend over whole rows, so documents would see each other."""
+    """Shapes the schedule would only trip over mid-step, checked first; packed rows under
+    cp (whose documents would have to travel on the ring per microbatch)."""
     cfg = run.cfg
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -332,10 +340,17 @@ def _check_step(run: _Run, input_ids, labels, position_ids) -> None:
                          f"split into pp_microbatches={run.microbatches}; pass a multiple of "
                          f"{run.microbatches} rows (or set pp_microbatches)")
     check_sequence_length(seq, cfg, run.sliding_window)
-    if position_ids is not None:  # one host read, only when passed
-        plain = torch.arange(seq, device=position_ids.device)
-        if position_ids.shape[-1] != seq or not bool((position_ids == plain).all()):
-            raise ValueError("model.step: position_ids other than 0 .. seq-1 in every row (packed "
-                             "documents restarting at 0 inside a row), and pipeline_parallel_size "
-                             "> 1 does not take packed documents yet: unpack the rows (one "
-                             "document per row, padded with labels = -100), or run without pp")
+    if position_ids is None:
+        return
+    shape = getattr(position_ids, "shape", None)
+    if not isinstance(position_ids, torch.Tensor) or len(shape) not in (1, 2) or shape[-1] != seq \
+            or len(shape) == 2 and shape[0] not in (1, batch):
+        raise ValueError(f"model.step: position_ids must be a tensor of input_ids' shape "
+                         f"{tuple(input_ids.shape)} (or broadcast to it), got "
+                         f"{type(position_ids).__name__ if shape is None else shape}")
+    # one host read, only under cp
+    if cfg.cp > 1 and bool((position_ids.expand_as(input_ids).diff(dim=-1) != 1).any()):
+        raise ValueError(f"model.step: position_ids restart inside a row (packed documents), and "
+                         f"pipeline_parallel_size > 1 with cp={cfg.cp} does not take packed "
+                         "documents yet: unpack the rows (one document per row, padded with "
+                         "labels = -100), or use cp=1 (pp takes packed rows there) or pp=1")

@@ -1,9 +1,10 @@
 """Pipeline parallelism on 4 CPU ranks against the single-process model: ``model.step``'s
 loss and every gradient after one step and the loss after 5 AdamW steps (fp32: rtol 1e-5,
-atol 1e-6), for each schedule and pp with every other axis; the zero-bubble schedules'
-refusal where a fusedpar op computes a weight gradient; invalid pipeline configs fail
-before any communication; a DCP checkpoint saved at pp=2 x dp_shard=2 loads at
-dp_shard=4 and training continues with the same losses."""
+atol 1e-6), for each schedule and pp with every other axis, and packed rows (each document
+attending alone, as the Hugging Face model's own forward does); the zero-bubble schedules'
+refusal where a fusedpar op computes a weight gradient; invalid pipeline configs and packed
+rows under pp x cp fail before any communication; a DCP checkpoint saved at pp=2 x
+dp_shard=2 loads at dp_shard=4 and training continues with the same losses."""
 
 import copy
 
@@ -43,8 +44,8 @@ def pipeline_run(model, data):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads0 = [], None
     for step, batch in enumerate(data):
-        ids, labels, _ = shard_batch(batch, model.fusedpar_mesh)
-        losses.append(model.step(ids, labels).detach().clone())
+        ids, labels, positions = shard_batch(batch, model.fusedpar_mesh)
+        losses.append(model.step(ids, labels, position_ids=positions).detach().clone())
         if step == 0:
             grads0 = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
         opt.step()
@@ -77,12 +78,13 @@ def microbatched_reference(model, data, dp: int, microbatches: int):
 
 
 def _check_pipelines(cases: list) -> list[set]:
-    """Each ``(kind, layers, config)`` against the single process; returns, per case, the
-    parameter names this rank checked (the test checks that the pp ranks cover them all)."""
+    """Each ``(kind, layers, config[, packed])`` against the single process (``packed``: rows
+    of documents, as ``batches`` takes it); returns, per case, the parameter names this rank
+    checked (the test checks that the pp ranks cover them all)."""
     torch.set_num_threads(1)
-    data = batches()
     checked = []
-    for kind, layers, config in cases:
+    for kind, layers, config, *packed in cases:
+        data = batches(packed=packed[0] if packed else False)
         model = _model(kind, layers)
         cfg = fusedpar.ParallelConfig(**config).validate(dist.get_world_size())
         if kind == "mixtral":
@@ -119,11 +121,13 @@ def test_pipelines_match_single_process(pools):
 @pytest.mark.timeout(600)
 def test_hugging_face_pipelines_match_single_process(pools):
     pytest.importorskip("transformers")
-    # hf-mistral: 16 tokens against its window of 8, which the ring applies under cp
-    cases = [("hf-llama", 2, dict(pp=2, dp_shard=2)), ("hf-gemma2", 2, dict(pp=2, dp_shard=2)),
-             ("hf-mistral", 2, dict(pp=2, cp=2))]
+    # hf-llama: packed rows, each microbatch (one row) its own documents on every stage (dp
+    # rank 0's second row one document: sdpa's causal path); hf-mistral: 16 tokens against
+    # its window of 8, which the ring applies under cp
+    cases = [("hf-llama", 2, dict(pp=2, dp_shard=2), ((5, 7, 4), (16,), (8, 8), (4, 12))),
+             ("hf-gemma2", 2, dict(pp=2, dp_shard=2)), ("hf-mistral", 2, dict(pp=2, cp=2))]
     checked = pools(4).run(_check_pipelines, cases, timeout=550)
-    for i, (kind, layers, _) in enumerate(cases):
+    for i, (kind, layers, *_) in enumerate(cases):
         names = set(_model(kind, layers).state_dict())
         assert set().union(*(rank[i] for rank in checked)) == names, cases[i]
 
@@ -210,13 +214,14 @@ def _invalid_pipelines() -> dict:
     }
     calls = {name: (lambda m=m, c=c: fusedpar.parallelize(copy.deepcopy(m), c))
              for name, (m, c) in cases.items()}
-    with reference_backends():
-        par = fusedpar.parallelize(copy.deepcopy(llama4), {"pp": 2, "dp_shard": 2})
+    with reference_backends():  # cp: packed rows are refused under pp x cp
+        par = fusedpar.parallelize(copy.deepcopy(llama4), {"pp": 2, "cp": 2})
     ids = torch.zeros(3, 8, dtype=torch.long)
     calls["step_rows"] = lambda: par.step(ids, ids)
     calls["step_shapes"] = lambda: par.step(ids, ids[:, :4])
-    packed = torch.arange(8) % 4  # two documents per row
-    calls["step_packed"] = lambda: par.step(ids[:2], ids[:2], position_ids=packed.expand(2, -1))
+    calls["step_positions"] = lambda: par.step(ids[:2], ids[:2], position_ids=torch.arange(4))
+    packed = (torch.arange(8) % 4).expand(2, -1)  # two documents per row
+    calls["step_packed_cp"] = lambda: par.step(ids[:2], ids[:2], position_ids=packed)
     calls["forward"] = lambda: par(ids)
     with _NoCommunication():
         errors = capture_errors(calls)
@@ -243,8 +248,11 @@ def test_invalid_pipelines_fail_before_any_communication(pools):
         "hf_router_aux": "config.output_router_logits=True: the router aux loss spans every layer",
         "step_rows": "this data-parallel rank's batch of 3 rows does not split into pp_microbatches=2",
         "step_shapes": "labels (3, 4) and input_ids (3, 8) differ in shape",
-        "step_packed": "pipeline_parallel_size > 1 does not take packed documents yet: unpack the rows",
-        "forward": "loss = model.step(input_ids, labels)",
+        "step_positions": "position_ids must be a tensor of input_ids' shape (2, 8) (or broadcast "
+                          "to it), got torch.Size([4])",
+        "step_packed_cp": "pipeline_parallel_size > 1 with cp=2 does not take packed documents yet: "
+                          "unpack the rows",
+        "forward": "loss = model.step(input_ids, labels, position_ids=None)",
     }
     for errors in pools(4).run(_invalid_pipelines, timeout=250):
         for name, fragment in expected.items():
