@@ -44,9 +44,10 @@ class GroupedCall:
         return (self.masked_m if self.offs is None else self.offs).shape[0]
 
     def cache_key(self) -> tuple:
-        # with what the torch backend's reasons read: masked_m, group count, alignment
+        # with what the torch backend's reasons read: masked_m, group count, alignment, layout
         return (self.a.device.type, self.a.dtype, self.a.dim(), self.b.dim(), self.out_dtype,
-                self.masked_m is None, self.groups == 0, _aligned(self.a), _aligned(self.b))
+                self.masked_m is None, self.groups == 0, _aligned(self.a), _aligned(self.b),
+                _asserted_operands(self))
 
     def bucket(self) -> tuple:
         """The tuning bucket: the form (``a.dim(), b.dim()``), then a's and b's sizes and
@@ -225,7 +226,8 @@ class Torch(Backend):
     of the whole blocks, then zeros in each block's rows past its count (the batched form),
     or of copies of a and b with the K past each count zeroed (groups along K; see
     ``_bmm_masked``). Every bound is read on the device (no host sync); the zeroing writes
-    only what lies past the bounds."""
+    only what lies past the bounds. On CUDA it declines the layouts where a group's size could
+    fail ``torch._grouped_mm``'s device-side assert (``torch_layout_reasons``)."""
 
     name = "torch"
 
@@ -258,6 +260,8 @@ class Torch(Backend):
                 reasons.append(f"torch._grouped_mm needs {name} row- or column-major with strides "
                                f"of a multiple of 16 bytes; {name} has strides {t.stride()} of "
                                f"{t.element_size()}-byte elements")
+        if device.type == "cuda":
+            reasons += torch_layout_reasons(call)
         return reasons
 
     def run(self, call: GroupedCall) -> torch.Tensor:
@@ -268,6 +272,62 @@ class Torch(Backend):
         if not call.k_grouped:  # the rows (columns) past offs[-1]
             _zero_past(out[None], call.offs.contiguous(), call.groups - 1, columns=call.n_grouped)
         return out
+
+
+# torch._grouped_mm's CUDA kernels read offs on the device and CUDA_KERNEL_ASSERT (fatal to
+# the CUDA context), for every group but the last, that its size along the grouped dimension
+# times that dimension's stride is a multiple of 16 bytes, in a, b and the output: CUTLASS in
+# prepare_grouped_gemm_data (aten/src/ATen/native/cuda/GroupMMCommon.cuh), which checks an
+# operand when the grouped dim is unit-stride by major order (GroupMM.cu: a_row_major =
+# a.stride(-1) == 1), and cuBLASLt (CUDA >= 13.3 builds) in populate_cublas_grouped_args_kernel
+# (CublasGroupedArgs.cu), which checks the grouped dim's stride. The host only TORCH_CHECKs the
+# strides (GroupedMMUtils.h, check_valid_strides_and_return_transposed). So a layout whose
+# grouped dims have strides of a multiple of 16 bytes takes any group sizes; older torch's
+# CUTLASS also asserts non-empty groups along K unless a is column-major and b row-major, the
+# layout that is. The output, torch's own, is row-major: a 3-D a x 2-D b's grouped columns are
+# unit-stride in every layout. Other layouts are declined rather than copied: the Triton backend
+# ahead of this one takes them as they are, where a copy would be one more pass over the operand.
+_GROUPED_DIMS = {  # form: (operand, its grouped dim, the layout that takes any group sizes)
+    "rows": (("a", 0, "row-major (a.contiguous())"),),
+    "k": (("a", 1, "column-major (a.t().contiguous().t())"), ("b", 0, "row-major (b.contiguous())")),
+    "columns": (),  # the output's columns: no layout of a or b helps
+}
+
+
+def _form(call: GroupedCall) -> str:
+    return "k" if call.k_grouped else "columns" if call.n_grouped else "rows"
+
+
+def _asserted_operands(call: GroupedCall) -> tuple[str, ...]:
+    """The inputs whose group sizes torch._grouped_mm's CUDA kernels may assert on the device
+    (see above); none with ``masked_m`` (``torch.bmm``)."""
+    if call.offs is None:
+        return ()
+    return tuple(name for name, dim, _ in _GROUPED_DIMS[_form(call)]
+                 if not _takes_any_groups(getattr(call, name), dim))
+
+
+def _takes_any_groups(t: torch.Tensor, dim: int) -> bool:
+    """Whether a 2-D ``t``'s groups along ``dim`` pass both CUDA kernels' checks whatever their
+    sizes: ``dim``'s stride a multiple of 16 bytes (cuBLASLt), and ``dim`` not the unit-stride
+    one by major order (CUTLASS: rows grouped need ``stride(-1) == 1``)."""
+    return (t.stride(dim) * t.element_size()) % 16 == 0 and (dim == 1 or t.stride(1) == 1)
+
+
+def torch_layout_reasons(call: GroupedCall) -> list[str]:
+    """Why the ``torch`` backend declines ``call`` on CUDA by its layout alone: a group whose
+    size along a unit-stride grouped dimension is not a multiple of 16 bytes fails a
+    device-side assert in ``torch._grouped_mm``, fatal to the process's CUDA context, and the
+    group sizes are on the device (reading them is a host sync)."""
+    if call.n_grouped:
+        return [("torch._grouped_mm's output is row-major, so each group of its columns (a 3-D a "
+                 "x 2-D b) must span a multiple of 16 bytes, asserted on the device (fatal to the "
+                 "CUDA context) for group sizes fusedpar does not read (a host sync)")]
+    layouts = {name: layout for name, _, layout in _GROUPED_DIMS[_form(call)]}
+    return [f"torch._grouped_mm asserts on the device (fatal to the CUDA context) that each group "
+            f"spans a multiple of 16 bytes along a unit-stride grouped dimension; {name} "
+            f"{tuple(getattr(call, name).shape)} has strides {getattr(call, name).stride()}: give "
+            f"{name} {layouts[name]} for any group sizes" for name in _asserted_operands(call)]
 
 
 def _bmm_masked(call: GroupedCall) -> torch.Tensor:

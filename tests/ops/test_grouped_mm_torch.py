@@ -3,6 +3,9 @@ against the reference where it runs on CPU, its reasons where it does not, and t
 that zeroes what those GEMMs leave (tests/ops/test_grouped_mm.py: the masked forms exactly)."""
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 from fusedpar.errors import BackendNotSupportedError
 from fusedpar.kernels.grouped_mm import zero_rows_past
 from fusedpar.ops import grouped_mm
-from fusedpar.ops.grouped_mm import DISPATCHER, check_inputs
+from fusedpar.ops.grouped_mm import DISPATCHER, check_inputs, torch_layout_reasons
 from tests.ops.collective_cases import captured, requires_cuda
 
 
@@ -79,6 +82,102 @@ def test_torch_comes_after_fusedpars_backends():
     assert DISPATCHER.names[-1] == "torch"
     a, b, offs = CASES["rows"]()
     assert DISPATCHER.select(check_inputs(a, b, offs)).name != "torch"  # CPU: priority order
+
+
+def _major(t, order):
+    """A copy of ``t`` (its last two dims) row-major ("row") or column-major ("col")."""
+    return t.contiguous() if order == "row" else t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# (form, a's major order, b's major order): the inputs whose group sizes torch._grouped_mm's
+# CUDA kernels assert on the device ("out": its row-major output's grouped columns). Sizes are
+# multiples of 8 (16 bytes of bf16); the groups (5, 0, 12 or 15) are not
+LAYOUTS = {
+    ("rows", "row", "row"): [], ("rows", "row", "col"): [],  # b [E, K, N] is not grouped
+    ("rows", "col", "row"): ["a"], ("rows", "col", "col"): ["a"],
+    ("k", "col", "row"): [], ("k", "row", "row"): ["a"], ("k", "col", "col"): ["b"],
+    ("k", "row", "col"): ["a", "b"],
+    ("columns", "row", "row"): ["out"], ("columns", "row", "col"): ["out"],
+    ("columns", "col", "col"): ["out"],
+}
+
+
+def _layout_case(form, a_order, b_order, dtype=torch.bfloat16):
+    """Integer-valued a, b in the given major orders and offs with an empty group and groups
+    not a multiple of 16 bytes."""
+    g = torch.Generator().manual_seed(len(form) + 2 * (a_order == "row") + (b_order == "row"))
+    ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).to(dtype)
+    a_shape, b_shape, offs = {"rows": ((24, 16), (3, 16, 16), _offs(5, 5, 17)),
+                              "k": ((16, 24), (24, 16), _offs(5, 5, 20)),
+                              "columns": ((3, 16, 16), (16, 24), _offs(5, 5, 20))}[form]
+    return _major(ints(*a_shape), a_order), _major(ints(*b_shape), b_order), offs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+def test_layouts_torch_grouped_mm_would_assert_on_are_declined(layout):
+    """The torch backend's layout reasons (applied on CUDA): one per asserted input, naming
+    it, its strides and the layout that takes any group sizes; the column-grouped form always
+    (torch's output is row-major)."""
+    a, b, offs = _layout_case(*layout)
+    reasons = torch_layout_reasons(check_inputs(a, b, offs))
+    expected = LAYOUTS[layout]
+    assert len(reasons) == len(expected)
+    fixes = {("rows", "a"): "row-major (a.contiguous())",
+             ("k", "a"): "column-major (a.t().contiguous().t())", ("k", "b"): "row-major (b.contiguous())"}
+    for name, reason in zip(expected, reasons):
+        if name == "out":
+            assert reason.startswith("torch._grouped_mm's output is row-major, so each group of its columns")
+        else:
+            t = a if name == "a" else b
+            fix = fixes[layout[0], name]
+            assert f"; {name} {tuple(t.shape)} has strides {t.stride()}: give {name} {fix}" in reason
+            assert "asserts on the device (fatal to the CUDA context)" in reason
+
+
+def test_layout_decision_edge_cases():
+    """A 1-column a (rows form) or 1-row a (groups along K) has both strides 1: torch's
+    CUTLASS kernel sees it row-major, cuBLASLt sees the grouped dim unit-stride, so one of
+    them asserts group sizes either way. The masked forms (torch.bmm) take any layout. The
+    layout decision is part of the dispatcher's cache key."""
+    rows = check_inputs(torch.randn(24, 1).bfloat16(), torch.randn(3, 1, 8).bfloat16(), _offs(5, 5, 17))
+    k = check_inputs(torch.randn(24, 1).bfloat16().t(), torch.randn(24, 8).bfloat16(), _offs(5, 5, 20))
+    for call, shape in ((rows, "(24, 1)"), (k, "(1, 24)")):
+        (reason,) = torch_layout_reasons(call)
+        assert f"; a {shape} has strides (1, 1): give a" in reason
+    counts = torch.tensor([3, 8], dtype=torch.int32)
+    batched = check_inputs(_major(torch.randn(2, 16, 8), "col"), torch.randn(2, 8, 8), None, counts)
+    along_k = check_inputs(_major(torch.randn(8, 32), "row"), _major(torch.randn(32, 8), "col"), None, counts)
+    assert torch_layout_reasons(batched) == torch_layout_reasons(along_k) == []
+    a, b, offs = _layout_case("rows", "row", "row")
+    assert check_inputs(a, b, offs).cache_key() != check_inputs(_major(a, "col"), b, offs).cache_key()
+
+
+def _fp64_loop(a, b, ends):
+    """The contract as a loop of matmuls (zeros past ``ends[-1]``)."""
+    starts, parts = [0] + ends[:-1], []
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        parts.append(a[s:e] @ b[g] if b.dim() == 3 else
+                     a[:, s:e] @ b[s:e] if a.dim() == 2 else a[g] @ b[:, s:e])
+    if a.dim() == 2 and b.dim() == 2:
+        return torch.stack(parts)
+    if b.dim() == 3:
+        return torch.cat(parts + [a.new_zeros(a.shape[0] - ends[-1], b.shape[2])])
+    return torch.cat(parts + [a.new_zeros(a.shape[1], b.shape[1] - ends[-1])], dim=1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+def test_torch_backend_equals_the_fp64_loop_in_every_layout(layout):
+    """Where torch._grouped_mm runs whatever the layout (CPU): output and both gradients
+    exactly the fp64 reference's (integer values, fp32)."""
+    a, b, offs = (t.requires_grad_() if t.is_floating_point() else t
+                  for t in _layout_case(*layout, dtype=torch.float32))
+    out = grouped_mm(a, b, offs, backend="torch")
+    grad = torch.randint(-3, 4, out.shape, generator=torch.Generator().manual_seed(9)).float()
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = _fp64_loop(a64, b64, offs.tolist())
+    assert torch.equal(out.double(), ref)
+    got, want = torch.autograd.grad(out, (a, b), grad), torch.autograd.grad(ref, (a64, b64), grad.double())
+    assert all(torch.equal(x.double(), y) for x, y in zip(got, want))
 
 
 @pytest.mark.parametrize("form", ["offs", "counts"])
@@ -178,3 +277,44 @@ def test_gpu_masked_form_on_the_torch_backend_replays_in_a_cuda_graph():
         counts.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         torch.testing.assert_close(out, grouped_mm(a, b, masked_m=counts, backend="reference"))
+
+
+def _needs_grouped_mm_kernels():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's CUDA kernels need compute capability 9.0+")
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", [k for k, asserted in LAYOUTS.items() if not asserted], ids="-".join)
+def test_gpu_layouts_the_torch_backend_takes_run_any_group_sizes(layout):
+    """The layouts the torch backend keeps, on torch._grouped_mm's CUDA kernels with an empty
+    group and groups not a multiple of 16 bytes: exactly the fp64 loop's (integer values)."""
+    _needs_grouped_mm_kernels()
+    a, b, offs = _layout_case(*layout)
+    call = check_inputs(a.cuda(), b.cuda(), offs.cuda())
+    assert DISPATCHER.backends["torch"].not_supported_reasons(call) == []
+    out = grouped_mm(call.a, call.b, call.offs, backend="torch").cpu()
+    assert torch.equal(out.double(), _fp64_loop(a.double(), b.double(), offs.tolist()))
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", [("rows", "col", "row"), ("k", "row", "row"), ("k", "col", "col"),
+                                    ("columns", "row", "col")], ids="-".join)
+def test_gpu_layouts_the_torch_backend_declines_do_fail_torchs_device_assert(layout):
+    """One layout per asserted input (a along rows, a and b along K, the output's columns with
+    b not asserted): declined with the reason, and torch._grouped_mm itself, in a process of
+    its own (the assert kills the CUDA context), fails the device-side assert."""
+    _needs_grouped_mm_kernels()
+    a, b, offs = _layout_case(*layout)
+    call = check_inputs(a.cuda(), b.cuda(), offs.cuda())
+    assert torch_layout_reasons(call)
+    with pytest.raises(BackendNotSupportedError, match="asserts on the device|output is row-major"):
+        grouped_mm(call.a, call.b, call.offs, backend="torch")
+    code = ("import torch; from tests.ops.test_grouped_mm_torch import _layout_case; "
+            f"a, b, offs = _layout_case(*{layout!r}); "
+            "torch._grouped_mm(a.cuda(), b.cuda(), offs.cuda()); torch.cuda.synchronize(); print('ran')")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", code], check=False, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "ran" not in run.stdout, run.stdout
+    assert "device-side assert" in run.stderr, run.stderr[-2000:]
