@@ -11,11 +11,11 @@ device, so there is no host loop and no device-to-host sync).
 - ``grouped_mm_k_kernel`` (wgrad): ``a [M, K_total]`` times ``b [K_total, N]`` with groups
   along K: ``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]``; an empty group gives
   zeros. Its tile count ``E * m_tiles * n_tiles`` is known on the host.
-- ``zero_past_kernel``: zeros in the rows (or columns) that another GEMM
-  (``torch._grouped_mm``, ``torch.bmm``) leaves unwritten or computes over padding: the rows
-  past ``offs[-1]`` or past each count of the masked layout, the columns past ``offs[-1]``
-  of the column-grouped form. The bound is read on the device and only what lies past it is
-  written (columns: with the rest of the 16-byte vector the bound falls in, unchanged).
+- ``zero_rows_past_kernel``: zeros in the rows that another GEMM (``torch._grouped_mm``,
+  ``torch.bmm``) leaves unwritten or computes over padding: the rows past ``offs[-1]``, or
+  past each count of the masked layout. The bound is read on the device; a program (a block
+  of rows, all columns) whose block lies before it returns at once, so the rows it covers
+  are never touched.
 
 None waits on anything: the GEMMs' grids are capped at NUM_PROGRAMS (the SM count) only
 because they are persistent.
@@ -136,47 +136,22 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows, source
 
 
 @triton.jit(do_not_specialize=["first", "R"])
-def zero_past_kernel(c_ptr, ends_ptr, first, R, C, stride_cg, stride_cr, stride_cc,
-                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, COLUMNS: tl.constexpr,
-                     VEC: tl.constexpr):
-    """``c[g, ends[first + g]:, :] = 0`` (``COLUMNS``: ``c[g, :, ends[first + g]:] = 0``) for
-    ``c [G, R, C]``; program ``g * r_tiles + i`` owns block i of the rows of ``c[g]``. Rows:
-    a block wholly before its bound returns at once. Columns: each row is walked from the
-    VEC-element (16-byte) vector holding the bound, whose elements before the bound are
-    stored back as loaded, so every access is a whole vector."""
+def zero_rows_past_kernel(c_ptr, ends_ptr, first, R, C, stride_cg, stride_cr, stride_cc,
+                          BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``c[g, ends[first + g]:, :] = 0`` for ``c [G, R, C]``; program ``g * r_tiles + i``
+    owns block i of the rows of ``c[g]`` (all its columns)."""
     r_tiles = tl.cdiv(R, BLOCK_R)
     g = tl.program_id(0) // r_tiles
     r0 = (tl.program_id(0) % r_tiles) * BLOCK_R
-    end = tl.maximum(tl.load(ends_ptr + first + g), 0)
-    if COLUMNS:
-        row_end = 0
-        col_end = tl.minimum(end, C)
-        h_lo = tl.multiple_of(col_end // VEC * VEC, VEC)  # the vector holding the bound
-    else:
-        row_end = tl.minimum(end, R)
-        h_lo = 0
-    if r0 + BLOCK_R > row_end:  # else the block holds products: nothing to do
+    end = tl.minimum(tl.maximum(tl.load(ends_ptr + first + g), 0), R)
+    if r0 + BLOCK_R > end:  # else the block holds products: nothing to do
         r = r0 + tl.arange(0, BLOCK_R)
         rows = c_ptr + tl.cast(g, tl.int64) * stride_cg + r.to(tl.int64)[:, None] * stride_cr
-        past = ((r >= row_end) & (r < R))[:, None]
-        for h0 in range(0, C - h_lo, BLOCK_H):
-            h = h_lo + h0 + tl.arange(0, BLOCK_H)
-            ptrs = rows + h.to(tl.int64)[None, :] * stride_cc
-            mask = past & (h < C)[None, :]
-            value = tl.zeros([BLOCK_R, BLOCK_H], c_ptr.dtype.element_ty)
-            if COLUMNS:
-                kept = tl.load(ptrs, mask=mask & (h < h_lo + VEC)[None, :], other=0)
-                value = tl.where((h < col_end)[None, :], kept, value)
-            tl.store(ptrs, value, mask=mask)
-
-
-def _launch_zero_past(c: torch.Tensor, ends: torch.Tensor, first: int, columns: bool) -> None:
-    G, R, C = c.shape
-    if G and R and C:
-        cfg = row_blocks()
-        zero_past_kernel[(G * triton.cdiv(R, cfg["BLOCK_R"]),)](
-            c, ends, first, R, C, c.stride(0), c.stride(1), c.stride(2), COLUMNS=columns,
-            VEC=16 // c.element_size(), **cfg)
+        past = ((r >= end) & (r < R))[:, None]
+        for h0 in range(0, C, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(rows + h.to(tl.int64)[None, :] * stride_cc,
+                     tl.zeros([BLOCK_R, BLOCK_H], c_ptr.dtype.element_ty), mask=past & (h < C)[None, :])
 
 
 def zero_rows_past(c: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
@@ -184,16 +159,11 @@ def zero_rows_past(c: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
     on the device: ``c [G, R, C]`` with unit stride along C (vector stores; any other
     strides), ``ends`` int32 contiguous. The rows past ``offs[-1]`` of a ``[T, N]`` output
     are ``zero_rows_past(out[None], offs, E - 1)``."""
-    _launch_zero_past(c, ends, first, columns=False)
-
-
-def zero_columns_past(c: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
-    """``c[g, :, ends[first + g]:] = 0`` for every g (each bound clamped to ``[0, C]``),
-    read on the device, writing only those columns and the up to 15 bytes of each row
-    before the bound that share its 16-byte vector (stored back unchanged); ``c`` and
-    ``ends`` as in ``zero_rows_past``. The columns past ``offs[-1]`` of an ``[M, N]`` output
-    are ``zero_columns_past(out[None], offs, E - 1)``."""
-    _launch_zero_past(c, ends, first, columns=True)
+    G, R, C = c.shape
+    if G and R and C:
+        cfg = row_blocks()
+        zero_rows_past_kernel[(G * triton.cdiv(R, cfg["BLOCK_R"]),)](
+            c, ends, first, R, C, c.stride(0), c.stride(1), c.stride(2), **cfg)
 
 
 def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
@@ -306,6 +276,5 @@ AOT_EXAMPLES = (
        for major, tma in ((9, True), (9, False), (8, False)) for masked in (False, True)]
     + [aot_example(grouped_mm_k_kernel, dict(_K_SIG, c_ptr="*fp32"), dict(_K_UNIT, MASKED=masked), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
-    + [(zero_past_kernel, dict(_ZERO_SIG, c_ptr=f"*{dtype}"),
-        dict(ROW_BLOCK_GPU, stride_cc=1, COLUMNS=columns, VEC=16 // size))
-       for dtype, size in (("bf16", 2), ("fp32", 4)) for columns in (False, True)])
+    + [(zero_rows_past_kernel, dict(_ZERO_SIG, c_ptr=c), dict(ROW_BLOCK_GPU, stride_cc=1))
+       for c in ("*bf16", "*fp32")])

@@ -226,7 +226,7 @@ class Torch(Backend):
     of the whole blocks, then zeros in each block's rows past its count (the batched form),
     or of copies of a and b with the K past each count zeroed (groups along K; see
     ``_bmm_masked``). Every bound is read on the device (no host sync); the zeroing writes
-    only what lies past the bounds. On CUDA it declines the layouts where a group's size could
+    only the rows past the bounds (columns: a masked fill, off CUDA). On CUDA it declines the layouts where a group's size could
     fail ``torch._grouped_mm``'s device-side assert (``torch_layout_reasons``)."""
 
     name = "torch"
@@ -356,15 +356,16 @@ def _valid_rows(t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def _zero_past(out: torch.Tensor, ends: torch.Tensor, first: int = 0, columns: bool = False) -> None:
     """``out[g, ends[first + g]:] = 0`` (``columns``: ``out[g, :, ends[first + g]:] = 0``) for
-    ``out [G, R, C]``, without a host read: the Triton kernel where Triton runs and C has
-    unit stride (it writes only what lies past the bounds, and for columns the rest of the
-    bound's 16-byte vector as it was), else a masked fill over ``out``."""
-    if triton_device_reasons(out.device) or out.stride(2) != 1:
+    ``out [G, R, C]``, without a host read: the Triton kernel for rows where Triton runs and
+    rows are contiguous (it writes only the rows past the bounds), else a masked fill over
+    ``out`` (columns: only on devices without Triton, since ``torch_layout_reasons`` keeps
+    the column form off torch._grouped_mm on CUDA)."""
+    if columns or triton_device_reasons(out.device) or out.stride(2) != 1:
         bounds = ends[first:first + out.shape[0]]
         past = torch.arange(out.shape[2 if columns else 1], device=out.device) >= bounds[:, None]
         out.masked_fill_(past[:, None, :] if columns else past[..., None], 0)
     else:
-        (kernels.zero_columns_past if columns else kernels.zero_rows_past)(out, ends, first)
+        kernels.zero_rows_past(out, ends, first)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ import torch
 from fusedpar.comm import layout
 from fusedpar.kernels.gemm import gemm_operands
 from fusedpar.kernels.gemm_peers import block_runs, grouped_mm_peers
-from fusedpar.kernels.grouped_mm import grouped_mm_k, grouped_mm_rows, zero_columns_past
+from fusedpar.kernels.grouped_mm import grouped_mm_k, grouped_mm_rows
 from fusedpar.ops.moe import swiglu
 
 
@@ -180,25 +180,6 @@ def test_k_masked(counts, P, M, N):
     for g, n in enumerate(counts):
         rows = slice(g * P, g * P + n)
         assert torch.equal(c[g].double(), x[rows].double().t() @ dy[rows].double())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero_columns_past_writes_only_the_columns_past_each_bound(dtype):
-    """``c[g, :, ends[first + g]:] = 0`` on a strided view of a random buffer: zeros past each
-    bound (clamped to [0, C]), every other element bit for bit as it was (the part of the
-    bound's vector before it is stored back). Bounds at 0, C, a vector edge, mid-vector, past
-    a column block (64 in the interpreter), and out of range; C = 67 over two blocks."""
-    G, R, C = 7, 5, 67
-    buf = torch.randn(G, R + 1, C + 3).to(dtype)
-    before = buf.clone()
-    c = buf[:, 1:, 2:-1]  # row stride C + 3, unit column stride
-    ends = torch.tensor([99, 0, 67, 8, 13, 65, -3, 70], dtype=torch.int32)  # ends[0]: first = 1
-    zero_columns_past(c, ends, 1)
-    expected = before.clone()
-    for g, end in enumerate([0, 67, 8, 13, 65, 0, 67]):
-        expected[g, 1:, 2 + end:-1] = 0
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    assert torch.equal(buf.view(bits), expected.view(bits))
 
 
 def test_fp16_within_torch_error():
