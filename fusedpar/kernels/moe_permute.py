@@ -2,19 +2,22 @@
 rank-major, so this is also the order by destination rank), gather them into one
 contiguous buffer, and the inverse: a weighted sum of each token's k rows.
 
-- ``sort_by_expert_kernel``: a counting sort in one program. Pass 1 builds the histogram
-  of expert ids, an exclusive prefix sum turns it into bucket starts, pass 2 gives each
-  copy ``start[e] + (copies of e before it)`` (a cumulative sum of one-hot rows, block by
-  block, carrying per-expert running counts), so the sort is stable: within an expert,
-  copies stay in token order. Copies with expert ``-1`` (dropped) get position ``-1``.
-  Pass 1 also flags ids outside ``[-1, E)`` in the slot after the counts, which the MoE
-  exchanges send along with them (the ids are never read on the host).
+- the sort, a stable counting sort over ``cdiv(T*k, SORT_BLOCK)`` blocks of copies in three
+  launches, so that no program's work grows with ``T*k * E``: ``expert_ranks_kernel`` (one
+  program per block) gives each copy its rank among the block's earlier copies of its expert
+  (a ``[SORT_BLOCK, SORT_BLOCK]`` comparison, whatever E) and the block's copies per expert;
+  ``expert_offsets_kernel`` (one program, ``blocks x E`` counts) sums them into the histogram
+  and turns each block's counts into where its copies of each expert start (the bucket start
+  plus the copies in earlier blocks); ``expert_positions_kernel`` (one program per block)
+  adds that start to each copy's rank. Within an expert copies stay in token order. Copies
+  with expert ``-1`` (dropped) get position ``-1``. Ids outside ``[-1, E)`` are flagged in the
+  slot after the counts, which the MoE exchanges send along with them (the ids are never read
+  on the host).
 - ``gather_rows_kernel``: ``out[pos[i]] = x[i // k] (* w[i])`` for every kept copy ``i``.
 - ``combine_rows_kernel``: ``out[t] = sum_j w[t, j] * y[pos[t*k + j]]`` in fp32: each
   program owns its output tile, so no atomics and a deterministic sum.
 The row kernels take a 2-D grid (row blocks x column blocks of BLOCK_H): a decode-sized
-batch (32 tokens of H=7168) still spreads over dozens of SMs. No program waits on another;
-the sort is a single program (its cost is T*k*E/BLOCK steps).
+batch (32 tokens of H=7168) still spreads over dozens of SMs. No program waits on another.
 """
 
 import torch
@@ -26,8 +29,9 @@ from .interpreter import interpreting
 # the flag slot of a sort whose ids are not all in [-1, E) (ops.moe raises on it)
 INVALID_IDS = 2**31 - 1
 INVALID_IDS_FLAG = tl.constexpr(INVALID_IDS)
-SORT_BLOCK = 64  # copies per step of the sort ([SORT_BLOCK, E_PAD] one-hot tiles)
+SORT_BLOCK = 64  # copies per program of the sort ([SORT_BLOCK, SORT_BLOCK] comparisons)
 SORT_WARPS = 8
+SCAN_TILE = 4096  # counts per step of the sort's one-program scan ([rows, E_PAD] tiles)
 ROW_BLOCK_GPU = dict(BLOCK_R=16, BLOCK_H=256)
 ROW_BLOCK_INTERPRETER = dict(BLOCK_R=64, BLOCK_H=64)
 
@@ -43,29 +47,65 @@ def rows_grid(rows: int, H: int, cfg: dict) -> tuple[int, int]:
     return max(1, triton.cdiv(rows, cfg["BLOCK_R"])), max(1, triton.cdiv(H, cfg["BLOCK_H"]))
 
 
+@triton.jit
+def expert_ranks_kernel(idx_ptr, rank_ptr, counts_ptr, bad_ptr, n, E, BLOCK: tl.constexpr):
+    """Block ``b`` of the copies: ``rank[i]`` = the block's copies of ``i``'s expert before
+    ``i``; ``counts[b, e]`` = the block's copies of expert ``e`` (``counts`` zeroed: only
+    experts present are written); ``bad[b]`` = the block's ids outside ``[-1, E)``."""
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    i = b * BLOCK + j
+    e = tl.load(idx_ptr + i, mask=i < n, other=-1)  # int32 or int64, compared as loaded
+    same = e[:, None] == e[None, :]
+    before = tl.sum((same & (j[None, :] < j[:, None])).to(tl.int32), axis=1)
+    total = tl.sum(same.to(tl.int32), axis=1)
+    tl.store(rank_ptr + i, before, mask=i < n)
+    # the block's last copy of each expert writes its count: one store per (block, expert)
+    last = (before + 1 == total) & (e >= 0) & (e < E)
+    tl.store(counts_ptr + b.to(tl.int64) * E + e, total, mask=last)
+    tl.store(bad_ptr + b, tl.sum(((e < -1) | (e >= E)).to(tl.int32)))
+
+
 @triton.jit(do_not_specialize=["flag_value"])
-def sort_by_expert_kernel(idx_ptr, pos_ptr, counts_ptr, n, E, flag_value,
-                          BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+def expert_offsets_kernel(counts_ptr, bad_ptr, header_ptr, blocks, E, flag_value,
+                          E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """One program over ``counts [blocks, E]``: ``header`` = the copies per expert, then
+    ``flag_value`` (``INVALID_IDS`` if a block saw a bad id); then, in place,
+    ``counts[b, e]`` = bucket start of ``e`` + copies of ``e`` in blocks before ``b``."""
     experts = tl.arange(0, E_PAD)
-    hist = tl.zeros([E_PAD], dtype=tl.int32)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for b in range(0, tl.cdiv(n, BLOCK)):
-        i = b * BLOCK + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + i, mask=i < n, other=-1)  # int32 or int64, compared as loaded
-        hist += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        bad += ((e < -1) | (e >= E)).to(tl.int32)
-    tl.store(counts_ptr + experts, hist, mask=experts < E)
-    tl.store(counts_ptr + E, tl.where(tl.sum(bad) > 0, INVALID_IDS_FLAG, flag_value))
-    running = tl.cumsum(hist, axis=0) - hist  # bucket starts, then advanced per block
-    for b in range(0, tl.cdiv(n, BLOCK)):
-        i = b * BLOCK + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + i, mask=i < n, other=-1)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot  # copies of the same expert earlier in the block
-        pos = tl.sum(onehot * (before + running[None, :]), axis=1)
-        pos = tl.where(e >= 0, pos, -1)
-        tl.store(pos_ptr + i, pos, mask=i < n)
-        running += tl.sum(onehot, axis=0)
+    rows = tl.arange(0, ROWS)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    bad = tl.zeros([ROWS], dtype=tl.int32)
+    for r in range(0, blocks, ROWS):
+        b = r + rows
+        tile = counts_ptr + b.to(tl.int64)[:, None] * E + experts[None, :]
+        total += tl.sum(tl.load(tile, mask=(b < blocks)[:, None] & (experts < E)[None, :], other=0), axis=0)
+        bad += tl.load(bad_ptr + b, mask=b < blocks, other=0)
+    tl.store(header_ptr + experts, total, mask=experts < E)
+    tl.store(header_ptr + E, tl.where(tl.sum(bad) > 0, INVALID_IDS_FLAG, flag_value))
+    running = tl.cumsum(total, axis=0) - total  # bucket starts, then advanced per row tile
+    for r in range(0, blocks, ROWS):
+        b = r + rows
+        tile = counts_ptr + b.to(tl.int64)[:, None] * E + experts[None, :]
+        mask = (b < blocks)[:, None] & (experts < E)[None, :]
+        c = tl.load(tile, mask=mask, other=0)
+        tl.store(tile, tl.cumsum(c, axis=0) - c + running[None, :], mask=mask)
+        running += tl.sum(c, axis=0)
+
+
+@triton.jit
+def expert_positions_kernel(idx_ptr, pos_ptr, starts_ptr, n, E, BLOCK: tl.constexpr):
+    """Block ``b``: ``pos[i]`` (holding ``i``'s rank in the block) += where block ``b``'s copies
+    of ``i``'s expert start; ``-1`` for a dropped copy; an id ``>= E`` keeps ``i`` (in
+    bounds; the call raises on the flag)."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(idx_ptr + i, mask=i < n, other=-1)
+    valid = (e >= 0) & (e < E)
+    start = tl.load(starts_ptr + b.to(tl.int64) * E + e, mask=valid & (i < n), other=0)
+    rank = tl.load(pos_ptr + i, mask=i < n, other=0)
+    pos = tl.where(valid, start + rank, tl.where(e < 0, -1, i))
+    tl.store(pos_ptr + i, pos, mask=i < n)
 
 
 @triton.jit
@@ -113,12 +153,18 @@ def sort_by_expert(topk_idx: torch.Tensor, num_experts: int,
     ``[-1, num_experts)``. Such an id counts nowhere and gets a position in ``[0, T*k)``, or
     ``-1`` if negative: memory-safe (the callers send the flag with the counts, and the call
     raises)."""
-    flat = topk_idx.reshape(-1).contiguous()  # reshape may keep a stride; the kernel reads 1
-    pos = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
-    header = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
-    sort_by_expert_kernel[(1,)](flat, pos, header, flat.numel(), num_experts, flag_value,
-                                BLOCK=SORT_BLOCK, E_PAD=triton.next_power_of_2(max(num_experts, 2)),
-                                num_warps=SORT_WARPS)
+    flat = topk_idx.reshape(-1).contiguous()  # reshape may keep a stride; the kernels read 1
+    n, E = flat.numel(), num_experts
+    blocks = max(1, triton.cdiv(n, SORT_BLOCK))
+    pos = torch.empty(n, dtype=torch.int32, device=flat.device)
+    header = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(blocks, E, dtype=torch.int32, device=flat.device)
+    bad = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    expert_ranks_kernel[(blocks,)](flat, pos, counts, bad, n, E, BLOCK=SORT_BLOCK, num_warps=SORT_WARPS)
+    e_pad = triton.next_power_of_2(max(E, 2))
+    expert_offsets_kernel[(1,)](counts, bad, header, blocks, E, flag_value, E_PAD=e_pad,
+                                ROWS=max(1, SCAN_TILE // e_pad), num_warps=SORT_WARPS)
+    expert_positions_kernel[(blocks,)](flat, pos, counts, n, E, BLOCK=SORT_BLOCK, num_warps=SORT_WARPS)
     return pos, header
 
 
@@ -159,9 +205,14 @@ _COMBINE_SIG = {"y_ptr": "*bf16", "pos_ptr": "*i32", "w_ptr": "*fp32", "out_ptr"
                 "H": "i32", "k": "i32"}
 
 AOT_EXAMPLES = [
-    *[(sort_by_expert_kernel, {"idx_ptr": f"*{t}", "pos_ptr": "*i32", "counts_ptr": "*i32", "n": "i32",
-                               "E": "i32", "flag_value": "i32"}, {"BLOCK": SORT_BLOCK, "E_PAD": 128},
-       {"num_warps": SORT_WARPS}) for t in ("i32", "i64")],
+    *[entry for t in ("i32", "i64") for entry in (
+        (expert_ranks_kernel, {"idx_ptr": f"*{t}", "rank_ptr": "*i32", "counts_ptr": "*i32", "bad_ptr": "*i32",
+                               "n": "i32", "E": "i32"}, {"BLOCK": SORT_BLOCK}, {"num_warps": SORT_WARPS}),
+        (expert_positions_kernel, {"idx_ptr": f"*{t}", "pos_ptr": "*i32", "starts_ptr": "*i32", "n": "i32",
+                                   "E": "i32"}, {"BLOCK": SORT_BLOCK}, {"num_warps": SORT_WARPS}))],
+    *[(expert_offsets_kernel, {"counts_ptr": "*i32", "bad_ptr": "*i32", "header_ptr": "*i32", "blocks": "i32",
+                               "E": "i32", "flag_value": "i32"}, {"E_PAD": e_pad, "ROWS": SCAN_TILE // e_pad},
+       {"num_warps": SORT_WARPS}) for e_pad in (8, 128, 256)],
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=False)),
     (combine_rows_kernel, _COMBINE_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),

@@ -2,33 +2,75 @@
 
 import pytest
 import torch
+import triton
 
-from fusedpar.kernels.moe_permute import INVALID_IDS, combine_rows, gather_rows, sort_by_expert
+from fusedpar.kernels import moe_permute
+from fusedpar.kernels.moe_permute import INVALID_IDS, SORT_BLOCK, combine_rows, gather_rows, sort_by_expert
 
 
-def _routing(T, k, E, seed, dropped=()):
+def _routing(T, k, E, seed, dropped=(), dtype=torch.int64):
     g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)] or [torch.zeros(0, k)]).long()
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)] or [torch.zeros(0, k)]).to(dtype)
     idx = idx.view(T, k)
     for t, j in dropped:
         idx[t, j] = -1
     return idx
 
 
-# (T, k, E, dropped copies): more copies than one sort block; everything on one expert
-@pytest.mark.parametrize("T, k, E, dropped", [(37, 2, 8, [(3, 1), (0, 0)]), (70, 1, 4, []),
-                                              (5, 4, 4, []), (0, 2, 4, [])])
-def test_sort_is_stable_by_expert(T, k, E, dropped):
-    idx = _routing(T, k, E, seed=T, dropped=dropped)
+# (T, k, E, dropped copies, ids' dtype): one block and several (SORT_BLOCK copies each); more
+# blocks than one tile of the scan holds (600 x 8 copies of 128 experts); E not a power of
+# two with most experts empty; no copies
+@pytest.mark.parametrize("T, k, E, dropped, dtype", [
+    (37, 2, 8, [(3, 1), (0, 0)], torch.int64), (70, 1, 4, [], torch.int32), (5, 4, 4, [], torch.int64),
+    (0, 2, 4, [], torch.int64), (301, 3, 8, [(300, 2), (150, 0)], torch.int32), (600, 8, 128, [(7, 7)], torch.int64),
+    (9, 3, 100, [(8, 2)], torch.int32)])
+def test_sort_is_stable_by_expert(T, k, E, dropped, dtype):
+    idx = _routing(T, k, E, seed=T, dropped=dropped, dtype=dtype)
     pos, header = sort_by_expert(idx, E, flag_value=T)
     counts, flag = header[:E], int(header[E])
-    flat = idx.reshape(-1)
+    flat = idx.reshape(-1).long()
     order = torch.argsort(torch.where(flat < 0, E, flat), stable=True)
     expected = torch.empty_like(flat)
     expected[order] = torch.arange(flat.numel())
     assert torch.equal(pos.long(), torch.where(flat < 0, -1, expected))
-    assert torch.equal(counts.long(), torch.bincount(flat[flat >= 0], minlength=E))
+    assert torch.equal(counts.long(), torch.bincount(flat[flat >= 0].long(), minlength=E))
     assert flag == T  # every id in range: the flag slot holds flag_value
+
+
+class _Launches:
+    """A kernel whose launches are recorded: ``(name, programs, args, constexprs)``."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.kernel.fn.__name__, grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_sort_work_per_program_does_not_grow_with_copies_times_experts(monkeypatch):
+    """No program of the sort walks every copy: launches of several programs give each at
+    most SORT_BLOCK copies, and a one-program launch gets a count of blocks, never the copy
+    count (a one-program counting sort steps through all T*k copies against all E experts)."""
+    log = []
+    for name, value in vars(moe_permute).items():
+        if isinstance(value, type(moe_permute.gather_rows_kernel)):
+            monkeypatch.setattr(moe_permute, name, _Launches(value, log))
+    T, k, E = 300, 8, 128
+    idx = _routing(T, k, E, seed=2)
+    n, blocks = T * k, triton.cdiv(T * k, SORT_BLOCK)
+    pos, header = sort_by_expert(idx, E)
+    assert torch.equal(header[:E].long(), torch.bincount(idx.reshape(-1), minlength=E))
+    assert sorted(pos.tolist()) == list(range(n))
+    assert log
+    for name, grid, args, kwargs in log:
+        ints = [a for a in args if isinstance(a, int)]
+        if grid == (1,):
+            assert n not in ints and blocks in ints, (name, ints)
+        else:
+            assert grid == (blocks,) and kwargs["BLOCK"] == SORT_BLOCK and n in ints, (name, grid, kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -62,9 +104,10 @@ def test_sort_reads_strided_ids_by_value():
 
 
 def test_all_copies_on_one_expert():
-    idx = torch.full((33, 1), 2)
+    n = 2 * SORT_BLOCK + 33  # over several blocks
+    idx = torch.full((n, 1), 2)
     pos, header = sort_by_expert(idx, 4)
-    assert torch.equal(pos.long(), torch.arange(33)) and header.tolist() == [0, 0, 33, 0, 0]
+    assert torch.equal(pos.long(), torch.arange(n)) and header.tolist() == [0, 0, n, 0, 0]
 
 
 def test_gather_then_combine_is_exact_on_integers():
