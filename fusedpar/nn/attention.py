@@ -19,6 +19,7 @@ from torch import nn
 
 from ..comm import resolve_group
 from ..ops.all_gather import all_gather
+from ..ops.flash_attention import from_host_list
 from ..ops.ring_attention import DISPATCHER, LAYOUTS, layout_positions, packed_layout, ring_attention
 
 
@@ -124,7 +125,7 @@ class ContextParallelAttention(nn.Module):
                     f"tokens (tokens at global positions {first}..{end - 1}, {len(where)} of them); "
                     "only left or right padding is supported: pack such sequences instead")
             ends = sorted({0, first, end, seq})
-            cu = torch.tensor(ends, dtype=torch.int32, device=q.device)
+            cu = from_host_list(ends, q.device)  # ring_attention reads it: no read back
             outs.append(ring_attention(*one, group, causal=causal, softmax_scale=scale, **mask,
                                        layout=self.layout, cu_seqlens=cu, backend="allgather_kv"))
         return torch.cat(outs, 0)

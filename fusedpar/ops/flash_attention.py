@@ -186,14 +186,35 @@ def host_list(t: torch.Tensor) -> list:
     data pointer, dtype, shape and strides; a new tensor of equal values is read. Writes torch
     does not count (through ``.data``, or a numpy or DLPack alias) are not seen. Fake, meta
     and inference tensors and code under ``torch.compile`` read every time."""
-    if (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.device.type == "meta"
-            or t.is_inference()):  # no version counter, or no values to keep
+    if not _keepable(t):
         return t.tolist()
-    key = (t._version, t.data_ptr(), t.dtype, t.shape, t.stride())
+    key = _contents(t)
     held = _HOST_LISTS.get(t)
     if held is None or held[0] != key:
         held = _HOST_LISTS[t] = (key, t.tolist())
     return list(held[1])  # the caller's own list, as tolist's
+
+
+def from_host_list(values: list[int], device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int32, device=device)`` whose :func:`host_list` is
+    ``values`` from the start: int32 values made on the host (a packed row's cu_seqlens) are
+    never read back from the device."""
+    t = torch.tensor(values, dtype=torch.int32, device=device)  # raises if an int does not fit
+    if _keepable(t):
+        _HOST_LISTS[t] = (_contents(t), [int(x) for x in values])
+    return t
+
+
+def _keepable(t: torch.Tensor) -> bool:
+    """Whether ``host_list`` may keep ``t``'s values: a plain tensor with values and a version
+    counter (not fake, meta or inference), outside ``torch.compile``."""
+    return not (torch.compiler.is_compiling() or type(t) is not torch.Tensor
+                or t.device.type == "meta" or t.is_inference())
+
+
+def _contents(t: torch.Tensor) -> tuple:
+    """What must be unchanged for ``host_list`` to reuse a tensor's values."""
+    return t._version, t.data_ptr(), t.dtype, t.shape, t.stride()
 
 
 def check_cu_seqlens(op: str, cu_seqlens, total: int, device, total_is: str,
@@ -532,7 +553,9 @@ def _call(q, k, v, causal, softmax_scale, window_left, window_right, softcap, bo
           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lse_grad=False) -> AttentionCall:
     max_seqlen_q, max_seqlen_k = check_attention_inputs(OP, q, k, v, cu_seqlens_q, max_seqlen_q,
                                                         cu_seqlens_k, max_seqlen_k)
-    if cu_seqlens_k is not None and torch.equal(cu_seqlens_k, cu_seqlens_q):
+    # the host values check_attention_inputs read (no second device read, as torch.equal's)
+    if cu_seqlens_k is not None and (cu_seqlens_k is cu_seqlens_q
+                                     or host_list(cu_seqlens_k) == host_list(cu_seqlens_q)):
         cu_seqlens_k = None  # q's documents: the kernels' variant for equal lengths
     return AttentionCall(q, k, v, causal, softmax_scale, cu_seqlens_q, max_seqlen_q,
                          window=(window_left, window_right), softcap=softcap,

@@ -14,6 +14,7 @@ import torch
 
 from ..comm import resolve_group
 from ..ops import all_gather
+from ..ops.flash_attention import host_list
 from ..ops.ring_attention import LAYOUTS, check_documents, layout_positions
 from ..ops.ring_plan import rank_chunks
 
@@ -70,7 +71,7 @@ def _documents(what: str, layout: str, cu_seqlens, total: int, world: int):
     if layout != "zigzag_docs":
         return None
     check_documents(f"parallel.{what}", cu_seqlens, world)
-    ends = cu_seqlens.tolist()
+    ends = host_list(cu_seqlens)  # the copy check_documents read: no second device read
     if ends[0] != 0 or ends[-1] != total:
         raise ValueError(f"fusedpar.parallel.{what}: cu_seqlens runs from {ends[0]} to {ends[-1]} "
                          f"but the sequence has {total} positions; it must be [0, ..., {total}]")

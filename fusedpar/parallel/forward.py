@@ -109,8 +109,11 @@ def document_ends(restarts: torch.Tensor, device) -> torch.Tensor:
     """The cu_seqlens (int32 ``[0, end_1, ..., T]``) of a packed row from ``restarts`` (host
     bools, True where position i + 1 does not follow position i), as Hugging Face finds
     packed documents from position_ids."""
+    from ..ops.flash_attention import from_host_list
+
     ends = (restarts.nonzero().flatten() + 1).tolist()
-    return torch.tensor([0, *ends, restarts.numel() + 1], dtype=torch.int32, device=device)
+    # made from host values, so cp_shard's and every layer's attention's reads are free
+    return from_host_list([0, *ends, restarts.numel() + 1], device)
 
 
 def sequence_checks(plan: Plan, input_ids: torch.Tensor) -> None:
@@ -184,13 +187,11 @@ def cp_shard(cp_group: str, *tensors, documents: torch.Tensor | None = None):
     balanced over the cp ranks); any other row is cut whole (``"zigzag"``: the same results,
     the work balanced over the row only, so a rank may hold more of the long documents'
     late tokens). ``ops.ring_attention.packed_layout`` decides, as the attention does."""
-    from ..ops.flash_attention import host_list
     from ..ops.ring_attention import packed_layout
     from .cp import sequence_shard
 
     pg = dist.distributed_c10d._resolve_process_group(cp_group)
-    if documents is not None:  # read to the host once; the layers' attention reuses the copy
-        documents = torch.tensor(host_list(documents), dtype=torch.int32)
+    # documents: read to the host once (host_list), here and by every layer's attention
     layout = "zigzag" if documents is None else packed_layout(documents, pg.size())
     return tuple(None if t is None else sequence_shard(t, 1, pg.rank(), pg.size(), layout=layout,
                                                        cu_seqlens=documents) for t in tensors)
