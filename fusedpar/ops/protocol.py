@@ -335,9 +335,23 @@ def symmetric_backends(cls) -> list[SymmetricBackend]:
     return [cls("triton", TRITON_LAUNCHERS, triton_reasons), cls("cuda", CUDA_LAUNCHERS, cuda_reasons)]
 
 
+# (op, group name) pairs whose inputs every rank has been seen to agree on
+_checked: set[tuple[str, str]] = set()
+
+
 def raise_on_mismatch(call: CollectiveCall) -> None:
-    """Reference backends: all-gather fingerprints and descriptions (one tiny collective)
-    and compare."""
+    """Reference and pipelined backends: all-gather fingerprints and descriptions (one tiny
+    collective and a host read) and raise a ValueError naming what differs across ranks.
+
+    It runs on the first call of each op on each group, and on every call under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (as torch checks its own collectives' shapes across
+    ranks only then): a check per call would stall the host on every layer. The decision
+    depends only on what every rank of an SPMD program shares (the call count, the debug
+    level), never on local inputs, so every rank runs the collective or none does.
+    """
+    key = (call.op, call.group.group_name)
+    if key in _checked and dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return
     x, world = call.x, call.world_size
     words = [call.fingerprint(), *call.description()]
     mine = torch.tensor(words, dtype=torch.int64, device=x.device)
@@ -348,6 +362,7 @@ def raise_on_mismatch(call: CollectiveCall) -> None:
         if theirs[0] != words[0]:
             raise ValueError(symmetric.mismatch_message(call.op, rank, r, call.group.group_name,
                                                         words[1:], theirs[1:]))
+    _checked.add(key)  # after the check: a failed one fails on every rank, which all retry it
 
 
 def run_loopback(dispatcher, xs, dim: int, backend: str, dtypes, **extra) -> list[torch.Tensor]:

@@ -101,6 +101,19 @@ def env(**values):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def debug_level(level=dist.DebugLevel.DETAIL):
+    """torch.distributed's debug level (what ``TORCH_DISTRIBUTED_DEBUG`` sets when torch is
+    imported) at ``level``; at DETAIL the reference and pipelined backends check every call's
+    inputs across ranks (``protocol.raise_on_mismatch``)."""
+    old = dist.get_debug_level()
+    dist.set_debug_level(level)
+    try:
+        yield
+    finally:
+        dist.set_debug_level(old)
+
+
 def chosen_backend(op, x, dim, group, **extra):
     """The backend op ``op``'s dispatcher picks for this call."""
     from fusedpar.ops.calls import CollectiveCall

@@ -1,8 +1,13 @@
-"""Host staging (``protocol.host_staged``): on a group whose CUDA transfers are gloo's (the
+"""What the reference and pipelined backends share in ``protocol``.
+
+Host staging (``protocol.host_staged``): on a group whose CUDA transfers are gloo's (the
 shared-GPU test world: NCCL refuses ranks sharing a GPU), collectives and point-to-point
 exchanges carry CUDA tensors through host copies, since gloo sends and gathers CPU tensors
 only. CPU ranks have no CUDA tensor, so here staging is forced on: every backend built on
-these transfers must give exactly its unstaged result, forward and backward."""
+these transfers must give exactly its unstaged result, forward and backward.
+
+The input check across ranks (``protocol.raise_on_mismatch``): one all-gather on the first
+call of an op on a group, on every call at torch's DETAIL debug level."""
 
 from types import SimpleNamespace
 from unittest import mock
@@ -13,7 +18,7 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.ops import protocol
 from fusedpar.ops.moe.routing import topk_route
-from tests.ops.collective_cases import subgroup
+from tests.ops.collective_cases import capture_errors, debug_level, subgroup
 
 
 def _results(group) -> list[torch.Tensor]:
@@ -78,3 +83,36 @@ def _which_are_staged() -> list[bool]:
 
 def test_only_cuda_tensors_on_gloo_are_staged(pools):
     assert pools(2).run(_which_are_staged) == [[True, False, False, False, True]] * 2
+
+
+def _input_checks() -> tuple[dict, tuple | None]:
+    """All-gathers (the check's collective) per op over 3 calls, at the OFF then the DETAIL
+    debug level, on a fresh group; then a call whose shapes differ across ranks, at DETAIL.
+    Neither op moves its data by all-gather (reduce-scatter, ring P2P)."""
+    rank, group = dist.get_rank(), subgroup()
+    a, b = torch.full((4, 3), rank + 1.0), torch.ones(3, 2)
+    calls = {
+        "reduce_scatter": lambda: fusedpar.ops.reduce_scatter(a, "sum", 0, group, backend="reference"),
+        "all_gather_matmul": lambda: fusedpar.ops.all_gather_matmul(a, [b], 0, group,
+                                                                    backend="pipelined"),
+    }
+    counts = {name: [] for name in calls}
+    with mock.patch.object(protocol, "all_gather_single", wraps=protocol.all_gather_single) as gathers:
+        for level in (dist.DebugLevel.OFF, dist.DebugLevel.DETAIL):
+            with debug_level(level):
+                for name, call in calls.items():
+                    gathers.reset_mock()
+                    for _ in range(3):
+                        call()
+                    counts[name].append(gathers.call_count)
+    with debug_level(dist.DebugLevel.DETAIL):
+        later = capture_errors({"later": lambda: fusedpar.ops.reduce_scatter(
+            torch.ones(4 + 2 * rank, 3), "sum", 0, group, backend="reference")})["later"]
+    return counts, later
+
+
+def test_inputs_are_checked_on_the_first_call_and_every_call_at_detail(pools):
+    for counts, later in pools(2).run(_input_checks):
+        assert counts == {"reduce_scatter": [1, 3], "all_gather_matmul": [1, 3]}
+        assert later[0] == "ValueError" and "passed different inputs" in later[1], later
+        assert "(4, 3)" in later[1] and "(6, 3)" in later[1], later
