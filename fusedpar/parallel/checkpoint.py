@@ -19,10 +19,7 @@ the model's own names, which load into the plain (Hugging Face) model.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
-from ..comm.symmetric import bounded_wait
 
 __all__ = ["full_state_dict", "load", "save"]
 
@@ -36,18 +33,6 @@ def _states(model: nn.Module, optimizer):
     return state
 
 
-def _settle_gloo_workers() -> None:
-    """One barrier after DCP's last collective on a gloo default group. A gloo worker thread
-    releases a finished collective's tensors after ``wait()`` has returned; if that is DCP's
-    final broadcast and the script exits right after (save, then destroy_process_group, as
-    the README's loop does), the release can fall into interpreter shutdown, where taking the
-    GIL kills the thread and the process aborts ("terminate called without an active
-    exception"). Waiting here, with the GIL released, lets the worker finish first."""
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        bounded_wait(dist.barrier(async_op=True), "the barrier after a checkpoint",
-                     dist.group.WORLD)
-
-
 def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          extra: dict | None = None) -> None:
     """Save the model (and optimizer) state to the directory ``path`` (every rank calls
@@ -58,7 +43,6 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     state = _states(model, optimizer)
     state.update(extra or {})
     dcp.save(state, checkpoint_id=str(path))
-    _settle_gloo_workers()
 
 
 def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -71,7 +55,6 @@ def load(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     state = _states(model, optimizer)
     state.update(extra or {})
     dcp.load(state, checkpoint_id=str(path))
-    _settle_gloo_workers()
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
