@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
+import glob
+import os
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,3 +78,39 @@ def host_collective_device(group: dist.ProcessGroup) -> torch.device:
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the OS name of ProcessGroupGloo's worker threads
+GLOO_SETTLE_S = 0.2
+
+
+@functools.cache
+def settle_gloo_workers_at_exit() -> None:
+    """Run :func:`settle_gloo_workers` at interpreter exit (registered once).
+
+    A gloo worker thread drops a finished collective only after ``wait()`` has returned; if
+    the collective's tensors were made in Python, dropping them takes the GIL. When that
+    falls into interpreter shutdown (a script ending with ``dcp.save`` then
+    ``destroy_process_group``, whose groups a parallelized model still holds, so their
+    workers are never joined), the thread is killed inside a noexcept frame and the process
+    aborts: "terminate called without an active exception" (torch's gloo, see
+    pytorch/pytorch#179291). ``atexit`` handlers run before shutdown begins."""
+    atexit.register(settle_gloo_workers)
+
+
+def settle_gloo_workers() -> None:
+    """Sleep ``GLOO_SETTLE_S`` with the GIL released if gloo worker threads are alive in this
+    process (Linux: named in /proc), so one still dropping a collective's Python tensors does
+    it before shutdown; nothing when there are none or /proc is absent."""
+    names = glob.glob(f"/proc/{os.getpid()}/task/*/comm")
+    if any(_read(name) == GLOO_WORKER_THREAD for name in names):
+        time.sleep(GLOO_SETTLE_S)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:  # the thread ended meanwhile
+        return ""

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.groups import settle_gloo_workers_at_exit
 from .adapters import find_adapter, is_hf
 from .adapters.hf import adds_router_aux_loss
 from .config import ParallelConfig, get_submesh
@@ -102,6 +103,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     # ---- communication starts here
     if mesh is None:
         mesh = cfg.build_mesh(device_type)
+    if mesh.device_type == "cpu":
+        settle_gloo_workers_at_exit()  # the model holds gloo groups past destroy_process_group
     ep_mesh = cfg.build_ep_mesh(device_type) if cfg.ep > 1 else None
     tp_group = mesh["tp"].get_group().group_name if cfg.tp > 1 else None
     if cfg.pp > 1:

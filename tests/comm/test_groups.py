@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,3 +65,26 @@ def test_host_collectives_run_where_the_group_takes_tensors(monkeypatch, backend
     monkeypatch.setattr(dist, "get_backend", lambda group: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert host_collective_device(object()).type == device
+
+
+def test_settle_gloo_workers_sleeps_only_while_a_worker_thread_lives(monkeypatch):
+    """At exit, a process with gloo worker threads sleeps GLOO_SETTLE_S (the GIL released) so
+    a worker still dropping a collective's Python tensors does it before interpreter shutdown;
+    one without them does not wait. The hook is registered once however often it is asked."""
+    from fusedpar.comm import groups
+
+    slept, registered = [], []
+    monkeypatch.setattr(groups.time, "sleep", slept.append)
+    with open(f"/proc/{os.getpid()}/comm") as f:  # this process's main thread stands in
+        monkeypatch.setattr(groups, "GLOO_WORKER_THREAD", f.read().strip())
+    groups.settle_gloo_workers()
+    monkeypatch.setattr(groups, "GLOO_WORKER_THREAD", "no-such-thread")
+    groups.settle_gloo_workers()
+    assert slept == [groups.GLOO_SETTLE_S]
+
+    monkeypatch.setattr(groups.atexit, "register", registered.append)
+    groups.settle_gloo_workers_at_exit.cache_clear()
+    groups.settle_gloo_workers_at_exit()
+    groups.settle_gloo_workers_at_exit()
+    groups.settle_gloo_workers_at_exit.cache_clear()  # later callers register for real
+    assert registered == [groups.settle_gloo_workers]
