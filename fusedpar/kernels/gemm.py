@@ -15,7 +15,15 @@ past its group's end then hold the next group's rows (the store masks them) and 
 reads as zeros. Elsewhere (sm_80, odd strides) pointer loads. The interpreter takes the TMA
 path wherever the layouts allow, so CPU tests cover both. Accumulation is fp32 (fp32 inputs
 use exact fp32 products, no TF32).
+
+Tile shapes: a launcher that knows its GEMM's shape (rows x N) may pass it (``shape=`` of
+``gemm_operands`` / ``grouped_config``): on sm_90 the 16-bit TMA config is then the tile
+candidate (``TILE_CANDIDATES_SM90``) whose tiles fill the GPU's waves best (``choose_tile``),
+else the one config of today.
 """
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,6 +48,39 @@ GPU_CONFIG_FP32 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=
 # The interpreter's cost grows with programs x loop iterations: big blocks, few programs.
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1,
                           NUM_PROGRAMS=4)
+
+# sm_90 16-bit TMA tile candidates for a GEMM whose shape the launcher knows (all_gather_matmul's
+# gather, matmul_reduce_scatter), in order of preference: the first is GPU_CONFIG_SM90, what
+# every other launch takes. ``CTAS_PER_SM``: the CTAs one SM holds at once (absent: 1), so a
+# persistent grid takes SMs x that programs. An H100 SM has 228 KB of shared memory (at most
+# 227 KB a block, 1 KB reserved per block) and 64K registers; a stage holds (BLOCK_M +
+# BLOCK_N) x BLOCK_K x 2 B. ptxas (triton 3.8 and 3.6, sm_90a, the peers kernel's plain
+# gather and matmul_reduce_scatter's GEMM, B row-major or K-major):
+#   128x256: 4 x 48 KB = 192 KB, 226-255 registers x 256 threads: 1 CTA/SM
+#   128x128: 4 x 32 KB = 128 KB (two need 256), 116-140 registers: 1 CTA/SM; half the
+#            tile: twice the waves where 128x256 leaves a wave mostly empty (N = 1280)
+#   64x256:  4 x 40 KB = 160 KB, 116-144 registers: 1 CTA/SM (on 4 warps the 64x256 fp32
+#            accumulator in 128 threads spills); the same waves as 128x128, other edges
+#   2x128x128: 3 x 32 KB = 96 KB (two: 194 KB), 200-240 registers x 128 threads (two: 61K):
+#            2 CTAs/SM, one's epilogue under the other's mainloop; the waves of 128x256, so
+#            never more efficient than 128x128 by ``tile_fit``: choose_tile never takes it
+#            (the benchmark times it; on 8 warps two CTAs need <= 128 registers a thread,
+#            and the peers kernel takes 134)
+# Which runs faster at a shape is for benchmarks/bench_gemm_tiles.py's GPU rows to say.
+TILE_CANDIDATES_SM90 = {
+    "128x256": GPU_CONFIG_SM90,
+    "128x128": dict(GPU_CONFIG_SM90, BLOCK_N=128),
+    "64x256": dict(GPU_CONFIG_SM90, BLOCK_M=64),
+    "2x128x128": dict(GPU_CONFIG_SM90, BLOCK_N=128, num_warps=4, num_stages=3, CTAS_PER_SM=2),
+}
+DEFAULT_TILE = "128x256"
+# A candidate later in the list (smaller tiles: more bytes loaded and more epilogues per
+# product) is taken only where no earlier one comes within this fraction of its efficiency
+# (``choose_tile``): a guess at what a smaller tile costs, not a measurement; the GPU rows of
+# benchmarks/bench_gemm_tiles.py should set it.
+TILE_MARGIN = 0.1
+# config keys with which a caller picks the tiles itself (no choice is made)
+TILE_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "CTAS_PER_SM"})
 
 
 @triton.jit
@@ -76,18 +117,83 @@ def gpu_gemm_config(dtype: torch.dtype, arch_major: int) -> dict:
     return dict(POINTER_CONFIG_SM90 if arch_major >= 9 else GPU_CONFIG_SM80)
 
 
-def gemm_config(dtype: torch.dtype, device: torch.device, config: dict | None = None) -> dict:
+def gemm_config(dtype: torch.dtype, device: torch.device, config: dict | None = None,
+                sms: int | None = None) -> dict:
     """Block sizes and launch options: ``config`` entries override the defaults for this
-    dtype, GPU generation and mode. NUM_PROGRAMS defaults to the SM count. The GPU is
-    queried here, at launch, never at import."""
+    dtype, GPU generation and mode. NUM_PROGRAMS defaults to ``sms`` (the SMs the grid may
+    use; default: the device's) times the config's ``CTAS_PER_SM`` (1 if absent). The GPU
+    is queried here, at launch, never at import."""
     if interpreting():
         cfg = dict(INTERPRETER_CONFIG)
     else:
         cfg = gpu_gemm_config(dtype, torch.cuda.get_device_capability(device)[0])
     cfg.update(config or {})
     if "NUM_PROGRAMS" not in cfg:
-        cfg["NUM_PROGRAMS"] = torch.cuda.get_device_properties(device).multi_processor_count
+        cfg["NUM_PROGRAMS"] = (sms or _sm_count(device)) * cfg.get("CTAS_PER_SM", 1)
     return cfg
+
+
+_sm_counts: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device (asked once, at a launch)."""
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
+
+
+class TileFit(NamedTuple):
+    """How the tiles of a GEMM fill a GPU (``tile_fit``). ``slots``: the CTAs resident at
+    once (SMs x CTAs per SM); ``waves``: tiles / slots; ``rounds``: the tiles the busiest
+    slot computes, ceil(waves); ``wave_efficiency``: tiles / (rounds x slots), the busy
+    share of the slots' rounds; ``efficiency``: rows x N / (rounds x slots x BLOCK_M x
+    BLOCK_N), the share of the SMs' tile work that is the product's (the wave efficiency
+    times the tiles' fill: an edge tile costs a whole tile's MMAs). At 1 CTA/SM the time
+    of a persistent GEMM goes as rounds x BLOCK_M x BLOCK_N, at k CTAs/SM (sharing the SM)
+    as k x that: efficiency ranks the candidates by it."""
+    tiles: int
+    slots: int
+    waves: float
+    rounds: int
+    wave_efficiency: float
+    efficiency: float
+
+
+def _runs(rows) -> tuple[int, ...]:
+    return (int(rows),) if isinstance(rows, int) else tuple(int(r) for r in rows)
+
+
+def tile_fit(rows, n: int, cfg: dict, sms: int) -> TileFit:
+    """The tiles of an ``M x n`` product with ``cfg``'s blocks on ``sms`` SMs. ``rows``: M,
+    or the row counts of the runs or chunks the kernel tiles apart (a tile never spans two:
+    the peers kernel's runs, matmul_reduce_scatter's W chunks of M / W rows)."""
+    runs = _runs(rows)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tiles = sum(-(-r // bm) for r in runs) * -(-n // bn)
+    slots = sms * cfg.get("CTAS_PER_SM", 1)
+    rounds = -(-tiles // slots)
+    if tiles == 0:
+        return TileFit(0, slots, 0.0, 0, 1.0, 1.0)
+    return TileFit(tiles, slots, tiles / slots, rounds, tiles / (rounds * slots),
+                   sum(runs) * n / (rounds * slots * bm * bn))
+
+
+def choose_tile(rows, n: int, sms: int) -> str:
+    """The name of the sm_90 16-bit TMA tile candidate (``TILE_CANDIDATES_SM90``) for an
+    ``M x n`` product (``rows``: as ``tile_fit`` takes them) on ``sms`` SMs: the first, in the
+    list's order (larger tiles first), whose ``tile_fit`` efficiency is within ``TILE_MARGIN``
+    of the best candidate's; ``DEFAULT_TILE`` for an empty product. Cached (host path)."""
+    return _choose_tile(_runs(rows), int(n), int(sms))
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose_tile(runs: tuple[int, ...], n: int, sms: int) -> str:
+    fits = {name: tile_fit(runs, n, cfg, sms) for name, cfg in TILE_CANDIDATES_SM90.items()}
+    if fits[DEFAULT_TILE].tiles == 0:
+        return DEFAULT_TILE
+    best = max(fit.efficiency for fit in fits.values())
+    return next(name for name, fit in fits.items() if fit.efficiency >= best * (1 - TILE_MARGIN))
 
 
 def persistent_grid(num_tiles: int, cfg: dict) -> tuple[int]:
@@ -118,13 +224,20 @@ def aot_variants(kernel, signature: dict, **consts):
     return out
 
 
-def gpu_config(major: int, tma: bool, epilogue: str | None = None) -> dict:
+def gpu_config(major: int, tma: bool, epilogue: str | None = None, shape: tuple | None = None,
+               sms: int | None = None) -> dict:
     """The 16-bit launch config on a GPU of compute capability ``major``: TMA loads where the
     GPU has them and ``tma``; ``epilogue``: the peers kernel's gather's, on half the columns
     (SwiGLU's two accumulators, gate and up, or the VJP's two tiles of the forward's
-    products). The push takes the same configs."""
+    products). The push takes the same configs. ``shape``: ``(rows, N)`` of the product
+    (rows as ``tile_fit`` takes them): on sm_90 with TMA and no epilogue, the tile
+    candidate ``choose_tile`` picks for ``sms`` SMs (default: an H100's)."""
     cfg = GPU_CONFIG_SM80 if major < 9 else GPU_CONFIG_SM90 if tma else POINTER_CONFIG_SM90
-    return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if epilogue else cfg
+    if epilogue:
+        return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
+    if shape is not None and major == 9 and tma:
+        return TILE_CANDIDATES_SM90[choose_tile(shape[0], shape[1], sms or SM_COUNT[90])]
+    return cfg
 
 
 @triton.jit
@@ -298,15 +411,24 @@ EPILOGUES = ("swiglu", "swiglu_vjp")  # the gather's; the push has none
 
 
 def grouped_config(a: torch.Tensor, config: dict | None = None, *, tma: bool = True,
-                   epilogue: str | None = None) -> dict:
+                   epilogue: str | None = None, shape: tuple | None = None,
+                   sms: int | None = None) -> dict:
     """Blocks and launch options for ``a``'s dtype and GPU (queried at launch): the TMA
     config where the GPU has TMA and ``tma``, else the pointer-load one; ``epilogue``: the
     peers kernel's gather variants (``gpu_config``). The interpreter takes the TMA
-    path when ``tma``."""
+    path when ``tma`` (and its one config). ``shape``: ``(rows, N)`` of the product (rows:
+    M, or the row counts of the runs or chunks the kernel tiles apart): on sm_90 the tile
+    candidate that fills the waves of ``sms`` SMs best (``choose_tile``; ``sms``: the SMs
+    the kernel's grid may use, default the device's; it also sets NUM_PROGRAMS' default),
+    unless ``config`` sets tiles itself (``TILE_KEYS``)."""
     base = {"TMA": tma and interpreting()}
     if not interpreting() and a.dtype != torch.float32:
-        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, epilogue)
-    return gemm_config(a.dtype, a.device, dict(base, **(config or {})))
+        if shape is not None and not (config and TILE_KEYS & config.keys()):
+            sms = sms or _sm_count(a.device)
+        else:
+            shape = None
+        base = gpu_config(torch.cuda.get_device_capability(a.device)[0], tma, epilogue, shape, sms)
+    return gemm_config(a.dtype, a.device, dict(base, **(config or {})), sms)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -318,18 +440,20 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def gemm_operands(a: torch.Tensor, b: torch.Tensor, config: dict | None = None, *,
-                  epilogue: str | None = None) -> tuple[dict, object, object, bool]:
+                  epilogue: str | None = None, shape: tuple | None = None,
+                  sms: int | None = None) -> tuple[dict, object, object, bool]:
     """``(config, a, b, b_kmajor)`` for the rows and peers kernels (and ``matmul_reduce_scatter``'s, with
     one group): TMA descriptors over
     ``a [rows, K]`` and ``b [E, K, N]`` (or, ``b_kmajor``, over its transpose ``[E, N, K]``,
     as the expert MLP passes ``w.transpose(1, 2)`` of row-major weights) where the config
-    has TMA and the layouts allow, else the tensors themselves and the pointer-load config."""
+    has TMA and the layouts allow, else the tensors themselves and the pointer-load config.
+    ``shape``, ``sms``: the product's tiling, for the tile choice (``grouped_config``)."""
     kmajor = b.stride(2) != 1
     b_view = b.transpose(1, 2) if kmajor else b
     # swiglu reads b's up half from column N: a TMA box must start 16-byte aligned
     up_aligned = kmajor or epilogue != "swiglu" or b.shape[2] // 2 * b.element_size() % 16 == 0
     cfg = grouped_config(a, config, tma=_tma_ready(a) and _tma_ready(b_view) and up_aligned,
-                         epilogue=epilogue)
+                         epilogue=epilogue, shape=shape, sms=sms)
     if not cfg["TMA"]:
         return cfg, a, b, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -355,8 +479,29 @@ def aot_example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         sig = dict(sig, a=f"tensordesc<bf16[{bm},{bk}]>",
                    b=f"tensordesc<bf16[1,{bn},{bk}]>" if kmajor else f"tensordesc<bf16[1,{bk},{bn}]>")
-    consts = dict({k: v for k, v in cfg.items() if k.isupper() and k != "TMA"}, UPCAST=False, **consts)
+    consts = dict({k: v for k, v in cfg.items() if k.isupper() and k not in ("TMA", "CTAS_PER_SM")},
+                  UPCAST=False, **consts)
     if "TMA" in kernel.arg_names:  # the kernels that take descriptors
         consts.update(TMA=cfg["TMA"], B_KMAJOR=kmajor and cfg["TMA"])
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "arch": arch}
     return kernel, sig, consts, dict(options, spills_ok=spills_ok) if spills_ok else options
+
+
+def tile_candidate_examples(kernel, sig: dict, consts: dict, *, num_programs: int | None = None) -> list:
+    """``AOT_EXAMPLES`` entries of a GEMM kernel that takes TMA descriptors (``aot_example``)
+    for every sm_90 tile candidate but ``DEFAULT_TILE`` (the module's own entries compile
+    that), with B row-major (``stride_bn`` = 1) and K-major (a Linear's weightᵀ, ``stride_bk``
+    = 1). ``sig``: bf16 pointers (a unit stride it lists becomes a constexpr);
+    ``num_programs``: the SMs of a kernel whose NUM_PROGRAMS is a constexpr (times the
+    candidate's ``CTAS_PER_SM``)."""
+    out = []
+    for name, cfg in TILE_CANDIDATES_SM90.items():
+        if name == DEFAULT_TILE:
+            continue
+        if num_programs is not None:
+            cfg = dict(cfg, NUM_PROGRAMS=num_programs * cfg.get("CTAS_PER_SM", 1))
+        for kmajor in (False, True):
+            unit, other = B_UNIT[kmajor]
+            out.append(aot_example(kernel, dict(sig, **{other: "i32"}), dict(consts, **{unit: 1}),
+                                   cfg, 90, kmajor))
+    return out
