@@ -47,7 +47,7 @@ import torch
 
 import fusedpar
 from fusedpar import FusedparTimeoutError
-from fusedpar.comm import get_loopback_buffers, layout
+from fusedpar.comm import get_loopback_buffers, layout, settings
 from fusedpar.ops import protocol, registry
 from fusedpar.ops.moe import dispatch, experts_dense, experts_fused, swiglu, topk_route
 from fusedpar.ops.moe.experts_call import ExpertsCall
@@ -125,14 +125,18 @@ def first_call(fn, monkeypatch):
         views[:] = get_loopback_buffers(world, nbytes, device)
         return views[:]
 
-    with monkeypatch.context() as patch:
-        for module in (dispatch, experts_fused):
-            patch.setattr(module, "get_loopback_buffers", recording)
-        patch.setenv("FUSEDPAR_SYNC_ERRORS", "1")
-        try:
-            return counted(fn)
-        except FusedparTimeoutError as e:
-            raise FusedparTimeoutError(f"{e}\nflags after the call:\n{_flags(views)}") from e
+    try:
+        with monkeypatch.context() as patch:
+            for module in (dispatch, experts_fused):
+                patch.setattr(module, "get_loopback_buffers", recording)
+            patch.setenv("FUSEDPAR_SYNC_ERRORS", "1")
+            settings.refresh()
+            try:
+                return counted(fn)
+            except FusedparTimeoutError as e:
+                raise FusedparTimeoutError(f"{e}\nflags after the call:\n{_flags(views)}") from e
+    finally:
+        settings.refresh()  # the context put the environment back
 
 
 def _lower_bound(idxs, local, hidden, element_size) -> int:
@@ -168,6 +172,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, report_
     world = W_LOOPBACK
     tokens, hidden, inter, local, k = SHAPES[shape_name]
     monkeypatch.setenv("FUSEDPAR_TIMEOUT", str(LOOPBACK_TIMEOUT_S))
+    settings.refresh()
     case = _case(world, tokens, hidden, inter, local, k, DTYPE, gpu)
     fn = _fn(backend, case)
     outs, moved = or_skip(first_call, fn, monkeypatch)
@@ -272,9 +277,11 @@ def test_a_stuck_loopback_wait_fails_fast_with_every_ranks_flags(local_device, m
     fails within seconds, not a minute per simulated rank, naming the flag, with each
     rank's flags."""
     monkeypatch.setenv("FUSEDPAR_TIMEOUT", str(LOOPBACK_TIMEOUT_S))
+    settings.refresh()
     stage = protocol.stage
     monkeypatch.setattr(protocol, "stage",
-                        lambda launchers, buf, *args: None if buf.rank == 1 else stage(launchers, buf, *args))
+                        lambda launchers, buf, *args, **kwargs: None if buf.rank == 1
+                        else stage(launchers, buf, *args, **kwargs))
     case = _case(2, 3, 16, 8, 1, 2, torch.float32, local_device, seed=1)
     start = time.monotonic()
     with pytest.raises(FusedparTimeoutError) as failure:

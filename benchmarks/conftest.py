@@ -60,6 +60,16 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
+@pytest.fixture(autouse=True)
+def _fresh_settings():
+    """fusedpar's environment settings read again around each case (as tests/conftest.py)."""
+    from fusedpar.comm import settings
+
+    settings.refresh()
+    yield
+    settings.refresh()
+
+
 @pytest.fixture(scope="session")
 def _nccl():
     """The NCCL world of a torchrun launch, or None; torn down at the end of the session."""

@@ -12,6 +12,7 @@ os.environ.setdefault("FUSEDPAR_TIMEOUT", "30")
 
 import pytest  # noqa: E402
 
+from fusedpar.comm import settings  # noqa: E402
 from fusedpar.comm.symmetric import shm_job_prefix  # noqa: E402
 from tests.dist_pool import PoolRegistry  # noqa: E402
 
@@ -32,6 +33,16 @@ def pytest_sessionfinish(session):
     from tests.kernels import test_aot
 
     test_aot.stop_compiles()  # an aborted or deselected run leaves none behind
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings():
+    """fusedpar reads its environment settings once (``fusedpar.comm.settings``): each test
+    starts and ends with them read again, after what an earlier test or this one's
+    monkeypatch set or put back."""
+    settings.refresh()
+    yield
+    settings.refresh()
 
 
 @pytest.fixture(scope="session")

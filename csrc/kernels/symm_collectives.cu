@@ -14,6 +14,7 @@ namespace {
 using layout::EPOCH;
 using layout::META;
 using layout::META_MISMATCH;
+using layout::MIRROR;
 using layout::PAD_BYTES;
 using layout::READY;
 using layout::STATUS;
@@ -64,12 +65,22 @@ __device__ __forceinline__ bool status_set(const uint32_t* own_pad) {
   return ld_relaxed_sys(own_pad + STATUS) != 0u;
 }
 
-// First failure wins: CAS STATUS+0 from 0 to `code`; the winner fills in src and epoch.
+// First failure wins: CAS STATUS+0 from 0 to `code`; the winner fills in src and epoch, and
+// copies the three words to the host's status mirror (pinned host memory) where it has one.
 __device__ void record_status(uint32_t* own_pad, uint32_t code, uint32_t src, uint32_t epoch) {
   const uint32_t old = atomicCAS_system(own_pad + STATUS, 0u, code);
   if (old == 0u) {
     atomicExch_system(own_pad + STATUS + 1, src);
     atomicExch_system(own_pad + STATUS + 2, epoch);
+    const uint64_t host = *reinterpret_cast<const volatile uint64_t*>(own_pad + MIRROR);
+    if (host != 0u) {
+      // plain stores: atomics on host memory are not atomic over PCIe, and only we write it
+      volatile uint32_t* mirror = reinterpret_cast<volatile uint32_t*>(static_cast<uintptr_t>(host));
+      mirror[1] = src;
+      mirror[2] = epoch;
+      __threadfence_system();
+      mirror[0] = code;  // last: the host reads the code first
+    }
     __threadfence_system();
   }
 }

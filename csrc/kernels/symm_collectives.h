@@ -34,9 +34,12 @@ constexpr int32_t DONE = 256;
 constexpr int32_t META = 512;
 constexpr int32_t STATUS = 516;
 constexpr int32_t DEADLINE = 520;      // local: epoch whose time ran out (interpreter watchdog only)
-constexpr int32_t EPOCH = 524;         // local: device-held epoch (CUDA graphs)
+constexpr int32_t EPOCH = 524;         // local: the epoch of this rank's latest call
 constexpr int32_t DESC = 528;          // owner's input description, read after a META mismatch
 constexpr int32_t DESC_WORDS = 16;
+constexpr int32_t MIRROR = 560;        // local: int64 address of the host's status mirror, or 0
+constexpr int32_t STAGE_TICKET = 564;  // local: finished programs of a Triton stage kernel
+constexpr int32_t END_TICKET = 565;    // local: finished programs of a Triton kernel's end
 constexpr int32_t GATHERED = 768;      // local flags of the fused all-gather + matmul
 constexpr int32_t CHUNK_TILES = 1024;  // local tile counters of the fused matmul + reduce-scatter
 constexpr int32_t PAD_WORDS = 2048;
@@ -55,7 +58,9 @@ static_assert(STATUS == 2 * MAX_WORLD + 4, "STATUS = 2 * MAX_WORLD + 4");
 static_assert(PAD_BYTES == 4 * PAD_WORDS, "PAD_BYTES = 4 * PAD_WORDS");
 static_assert(STATUS + 4 <= DEADLINE && DEADLINE < EPOCH && EPOCH < DESC,
               "STATUS, DEADLINE, EPOCH, DESC overlap");
-static_assert(DESC + DESC_WORDS <= GATHERED, "DESC overlaps GATHERED");
+static_assert(DESC + DESC_WORDS <= MIRROR && MIRROR % 2 == 0 && MIRROR + 2 <= STAGE_TICKET,
+              "DESC, MIRROR (an aligned int64), STAGE_TICKET overlap");
+static_assert(END_TICKET < GATHERED, "END_TICKET overlaps GATHERED");
 
 }  // namespace layout
 

@@ -64,9 +64,11 @@ def resolve_group(group) -> dist.ProcessGroup:
 
 
 def group_name(group) -> str:
-    """The name that crosses the op boundary (schema-legal and traceable)."""
-    if isinstance(group, str):
-        return group
+    """The name that crosses the op boundary (schema-legal and traceable). A ProcessGroup is
+    its name (dist.new_group hands non-members a sentinel, not a group), checked no further:
+    every op call asks."""
+    if isinstance(group, (str, dist.ProcessGroup)):
+        return group if isinstance(group, str) else group.group_name
     return resolve_group(group).group_name
 
 

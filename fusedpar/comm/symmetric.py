@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import FusedparError, FusedparTimeoutError
-from . import layout
+from . import layout, settings
 from .groups import host_collective_device
 
 SHM_DIR = "/dev/shm"
@@ -39,13 +39,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def timeout_seconds() -> float:
     """Every wait on a peer gives up after this long (``FUSEDPAR_TIMEOUT``, default 60 s)."""
-    return float(os.environ.get("FUSEDPAR_TIMEOUT", "60"))
-
-
-def sync_errors() -> bool:
-    """``FUSEDPAR_SYNC_ERRORS=1``: a CUDA call waits for its kernels and raises its own
-    failure before returning (see ``SymmetricBuffer.finish``)."""
-    return os.environ.get("FUSEDPAR_SYNC_ERRORS", "0") not in ("", "0")
+    return settings.get().timeout_s
 
 
 def fingerprint(*parts) -> int:
@@ -101,12 +95,52 @@ def host_words(words: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
+class _Watchdog:
+    """The interpreter's clock (see ``kernels.signal``): one daemon thread for the process
+    writes a call's epoch into its rank's ``DEADLINE`` word once ``FUSEDPAR_TIMEOUT`` has
+    passed since the call began; a wait that sees it gives up. Arming and disarming a call
+    are a dict write each (CPU only: compiled kernels read the GPU's clock)."""
+
+    POLL_S = 0.01
+
+    def __init__(self):
+        self.armed: dict = {}  # buffer view -> (deadline, its DEADLINE word, epoch)
+        self.thread: threading.Thread | None = None
+
+    def arm(self, view, word: torch.Tensor, epoch: int, timeout_s: float) -> None:
+        self.armed[view] = (time.monotonic() + timeout_s, word, epoch)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="fusedpar-watchdog", daemon=True)
+            self.thread.start()
+
+    def disarm(self, view) -> None:
+        self.armed.pop(view, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            now = time.monotonic()
+            for view, (deadline, word, epoch) in list(self.armed.items()):
+                if now > deadline and self.armed.get(view, (None,))[0] == deadline:
+                    word.fill_(epoch)
+                    self.armed.pop(view, None)
+
+
+_WATCHDOG = _Watchdog()
+_RECENT_OPS = 64  # how many calls' op names a buffer keeps, to name the one that failed
+
+
 class SymmetricBuffer:
     """One rank's handle on a group's symmetric segments.
 
     ``pad_table[r]`` / ``data_table[r]`` hold the addresses of rank r's signal pad and data
-    region. ``epoch`` counts the collective calls made on this buffer; it is the same on
-    every rank because every rank calls the same ops in the same order.
+    region. Epochs live on the device (``layout.EPOCH``: every call adds one there), so a
+    call replayed from a CUDA graph takes a new one; ``epoch`` counts this rank's eager calls
+    (for messages and the interpreter's watchdog: on CPU, where nothing replays, it equals
+    the device word). Failures reach the host through a status mirror the kernels write
+    (``layout.MIRROR``): read at once on CPU, at the next call on CUDA.
+    A buffer replaced by a larger one is no longer ``live``; ``follow`` finds its successor
+    (what the ops' plans do, so a plan made before the growth stays good).
     """
 
     def __init__(self, segments, rank, backend, group_name, keepalive=None):
@@ -118,6 +152,7 @@ class SymmetricBuffer:
         self.backend = backend
         self.group_name = group_name
         self.device = segments[0].device
+        self._cuda = self.device.type == "cuda"
         self.capacity = segments[0].numel() - layout.PAD_BYTES
         misaligned = [r for r, s in enumerate(segments) if (s.data_ptr() + layout.PAD_BYTES) % 16]
         if misaligned:  # the kernels access data regions 16 bytes at a time (signal.data_ptr)
@@ -128,23 +163,33 @@ class SymmetricBuffer:
         )
         self.epoch = 0
         self.failure: str | None = None
+        self.live = True  # False once replaced or released
+        self.successor: SymmetricBuffer | None = None  # the buffer that replaced it
+        self.captured = False  # a call on it was captured in a CUDA graph
         self._keepalive = keepalive  # torch symm_mem handle: owns the mappings
-        self._pending_status = None  # (op, event, pinned host copy) on CUDA
-        self._last_end = None  # (stream, event): where the last call ended, on CUDA
+        self._ops = [""] * _RECENT_OPS  # the op of the call at epoch e, at e % _RECENT_OPS
+        self._stream = None  # (raw id, Stream) of the last call, on CUDA
         self.in_call = False  # between next_epoch and finish
-        self.device_epochs = False  # see use_device_epochs
-        self._captured_op: str | None = None  # the last op finished under CUDA-graph capture
         # the DESC words this pad holds (None: unknown); a graph replay writes UNRECORDED
         # there behind the host's back, so after a capture the words are always rewritten
         self._desc_words: list[int] | None = None
         self._desc_captured = False
-        self._watchdog: threading.Timer | None = None
+        # the status mirror of each rank this process plays (every rank of a loopback)
+        ranks = range(self.world_size) if backend == "loopback" else [rank]
+        self._mirror = torch.zeros(self.world_size, 4, dtype=torch.int32, pin_memory=self._cuda)
+        for r in ranks:
+            address = torch.tensor([self._mirror[r].data_ptr()], dtype=torch.int64)
+            self._pads[r].view(torch.int64)[layout.MIRROR // 2 : layout.MIRROR // 2 + 1].copy_(address)
+        self._status = self._mirror.numpy()[rank]
+        # each rank's EPOCH and DEADLINE words, made once: every call takes one of each
+        self._epoch_words = [p[layout.EPOCH : layout.EPOCH + 1] for p in self._pads]
+        self._deadline_words = [p[layout.DEADLINE : layout.DEADLINE + 1] for p in self._pads]
 
     @property
     def timeout_ns(self) -> int:
         """How long every kernel-side wait may take (``FUSEDPAR_TIMEOUT``), for the kernels'
         ``%globaltimer`` bound; the interpreter's bound is the watchdog of ``next_epoch``."""
-        return int(timeout_seconds() * 1e9)
+        return settings.get().timeout_ns
 
     # ---- views ----------------------------------------------------------------------
     def pad(self, rank: int | None = None) -> torch.Tensor:
@@ -167,37 +212,41 @@ class SymmetricBuffer:
             raise FusedparError("as_rank() is only meaningful for a loopback buffer")
         view = copy.copy(self)
         view.rank = rank
+        view._status = self._mirror.numpy()[rank]
         return view
 
     # ---- protocol -------------------------------------------------------------------
-    def next_epoch(self, graphable: bool = False) -> int:
-        """Start a call and return the epoch its kernels take. On CPU this also arms the
-        watchdog that writes the epoch into ``DEADLINE`` when ``FUSEDPAR_TIMEOUT`` has passed
-        (the interpreter's clock); ``finish`` disarms it.
+    def next_epoch(self, graphable: bool = False, *, kernel_advances: bool = False) -> int:
+        """Start a call; returns 0, the epoch offset its kernels take (``kernels.signal``:
+        0 is this call's epoch, -1 the last one's). The device's EPOCH word goes up by one
+        before the call's other kernels run: ``kernel_advances`` says the call's first kernel
+        does it (``signal.stage_kernel``), else this enqueues the add. On CPU this also arms
+        the watchdog; ``finish`` disarms it.
 
-        ``graphable``: every kernel of the call reads a relative epoch (``<= 0``, see
-        ``kernels.signal``). Only such a call may be captured in a CUDA graph: capturing one
-        moves the buffer to device-held epochs (``use_device_epochs``), as a replay cannot
-        take a new epoch from the host. On device-held epochs a graphable call returns 0 and
-        adds one to the device word; any other call reads the word on the host (a sync) and
-        takes the next absolute epoch."""
+        ``graphable``: nothing of the call depends on host values a replay would freeze, so
+        it may be captured in a CUDA graph; any other call refuses capture."""
         capture = capturing(self.device)
-        if capture and not graphable:
-            raise FusedparError(
-                f"this fusedpar op on symmetric memory (group {self.group_name!r}) cannot be captured "
-                "in a CUDA graph: its kernels take the epoch from the host, which a replay would "
-                "freeze. Graph-capturable: moe_dispatch / moe_combine with max_tokens_per_rank and "
-                "the triton and cuda all_gather / reduce_scatter; capture only the compute around the others, "
-                "or use backend='reference' / 'pipelined' inside the graph"
-            )
-        if not capture:  # no host query of an event while a stream captures
-            self._check_pending()
-            self._after_last_call()
+        if capture:
+            if not graphable:
+                raise FusedparError(
+                    f"this fusedpar op on symmetric memory (group {self.group_name!r}) cannot be "
+                    "captured in a CUDA graph: it reads values on the host that a replay would freeze. "
+                    "Graph-capturable: the triton all_gather_matmul, matmul_reduce_scatter, "
+                    "all_gather and reduce_scatter, the cuda all_gather / reduce_scatter, and "
+                    "moe_dispatch / moe_combine with max_tokens_per_rank; capture only the compute "
+                    "around the others, or use backend='reference' / 'pipelined' inside the graph"
+                )
+            self.captured = True
         if self.failure:
             raise FusedparError(
                 f"symmetric buffer of group {self.group_name!r} is unusable after an earlier "
                 f"failure ({self.failure}); re-create the process group"
             )
+        if not capture:
+            if self._status[0]:  # a failure the kernels recorded since the last check
+                self._raise_if_failed(None, self._status[:3].tolist())
+            if self._cuda:
+                self._after_last_call()
         if self.in_call:
             # an exception between next_epoch and finish: this rank's flags are a call behind
             self.failure = f"the call of epoch {self.epoch} stopped before its end"
@@ -206,59 +255,27 @@ class SymmetricBuffer:
                 "raised before it finished, so this rank's flags no longer agree with its peers'; "
                 "re-create the process group")
         self.in_call = True
-        if capture:
-            self.device_epochs = True
-        epoch = self._advance_epoch(graphable)
-        if self.device.type == "cpu":
-            self._arm_watchdog(self.epoch)
-        return epoch
+        self.epoch += 1
+        if self.epoch >= 2**31 - 1:
+            raise FusedparError("epoch counter exhausted; re-create the process group")
+        if not kernel_advances:
+            self._epoch_words[self.rank].add_(1)
+        if not self._cuda:
+            _WATCHDOG.arm(self, self._deadline_words[self.rank], self.epoch, settings.get().timeout_s)
+        return 0
 
     def _after_last_call(self) -> None:
         """Make this call's stream wait (on the device) for the last call's end if that ran
         on another stream: calls take turns on the buffer. FSDP2 issues its all-gathers and
         reduce-scatters on two streams, and a call restages this rank's data region, which
-        the previous call may still be reading there."""
-        if self._last_end is None:
-            return
-        stream, event = self._last_end
-        current = torch.cuda.current_stream(self.device)
-        if stream != current:
-            current.wait_event(event)
-
-    def use_device_epochs(self) -> None:
-        """From now on keep the epoch count in this rank's ``EPOCH`` pad word, where calls
-        replayed from a CUDA graph advance it. Capturing a graphable call does this itself;
-        every rank of the group must switch at the same call (they do when every rank
-        captures the same graph)."""
-        self.device_epochs = True
-
-    def _advance_epoch(self, graphable: bool) -> int:
-        if not self.device_epochs:
-            self.epoch += 1
-            if self.epoch >= 2**31 - 1:
-                raise FusedparError("epoch counter exhausted; re-create the process group")
-            return self.epoch
-        word = self.pad()[layout.EPOCH : layout.EPOCH + 1]
-        if graphable:
-            # the host's count is a floor: the word starts from it when the buffer switches,
-            # and in a graph the floor is a constant every replay applies again
-            word.clamp_(min=self.epoch).add_(1)
-            if self.device.type == "cpu":
-                self.epoch = int(word)  # free on CPU: the watchdog needs the epoch
-            return 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a graph replayed on any stream has advanced the word
-        self.epoch = max(self.epoch, int(word)) + 1
-        word.fill_(self.epoch)
-        return self.epoch
-
-    def _arm_watchdog(self, epoch: int) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        deadline = self.pad()[layout.DEADLINE : layout.DEADLINE + 1]
-        self._watchdog = threading.Timer(timeout_seconds(), deadline.fill_, (epoch,))
-        self._watchdog.daemon = True
-        self._watchdog.start()
+        the previous call may still be reading there. One query of the current stream's id
+        per call; a new stream costs a wait."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if self._stream is None or raw != self._stream[0]:
+            current = torch.cuda.current_stream(self.device)
+            if self._stream is not None:
+                current.wait_stream(self._stream[1])
+            self._stream = (raw, current)
 
     def publish(self, desc: list[int], meta: int | None = None) -> None:
         """Write this rank's input description and fingerprint (``layout.DESC``/``META``)
@@ -287,61 +304,38 @@ class SymmetricBuffer:
             self._desc_words = list(desc)
 
     def finish(self, op: str) -> None:
-        """Surface a timeout or mismatch the kernels recorded in this rank's status words.
+        """End a call and surface a timeout or mismatch its kernels recorded.
 
         On CPU the kernels have already run, so this raises at once, at the end of the failed
         call. On CUDA knowing needs a host sync, which would stall the CPU's run-ahead after
-        every call; so by default this starts an asynchronous copy and the next call on this
-        buffer (or ``synchronize``) raises, while the failed call's outputs are NaN
-        (``release`` poisons them on the device). ``FUSEDPAR_SYNC_ERRORS=1`` waits here and
-        raises at the end of the failed call (for debugging).
-
-        Under CUDA-graph capture nothing is read back: a failure in a replay NaN-fills that
-        replay's outputs (``release``), and ``synchronize`` raises it, as does a later call.
-        """
+        every call; so by default the next call on this buffer (or ``synchronize``) raises,
+        reading the status mirror the kernels wrote, while the failed call's outputs are NaN
+        (the call's last kernel NaN-fills them on the device). ``FUSEDPAR_SYNC_ERRORS=1``
+        waits here and raises at the end of the failed call (for debugging). A failure in a
+        call replayed from a CUDA graph is raised the same way."""
         self.in_call = False
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
-        status = self.pad()[layout.STATUS : layout.STATUS + 3]
-        if capturing(self.device):
-            self._captured_op = op
-            return
-        if self.device.type == "cpu":
-            self._raise_if_failed(op, status.tolist())
-            return
-        host = torch.empty(3, dtype=torch.int32, pin_memory=True)
-        host.copy_(status, non_blocking=True)
-        stream = torch.cuda.current_stream(self.device)
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._pending_status = (op, event, host)
-        self._last_end = (stream, event)
-        if sync_errors():
+        self._ops[self.epoch % _RECENT_OPS] = op
+        if not self._cuda:
+            _WATCHDOG.disarm(self)
+            if self._status[0]:
+                self._raise_if_failed(op, self._status[:3].tolist())
+        elif settings.get().sync_errors and not capturing(self.device):
             self.synchronize()
 
     def synchronize(self) -> None:
-        """Wait for the last call and raise what it recorded (CUDA; a no-op on CPU). After
-        CUDA-graph replays this waits for the device and reads the status words."""
-        if self._pending_status is not None:
-            self._pending_status[1].synchronize()
-        self._check_pending()
-        if self._captured_op is not None and not self.failure:
-            torch.cuda.synchronize(self.device)
-            self._raise_if_failed(self._captured_op, self.pad()[layout.STATUS : layout.STATUS + 3].tolist())
-
-    def _check_pending(self) -> None:
-        if self._pending_status is None:
+        """Wait for every call so far and raise what one recorded (CUDA; on CPU each call
+        raised at its end)."""
+        if not self._cuda:
             return
-        op, event, host = self._pending_status
-        if event.query():
-            self._pending_status = None
-            self._raise_if_failed(op, host.tolist())
+        torch.cuda.synchronize(self.device)
+        if self._status[0] and not self.failure:
+            self._raise_if_failed(None, self._status[:3].tolist())
 
-    def _raise_if_failed(self, op: str, status: list[int]) -> None:
+    def _raise_if_failed(self, op: str | None, status: list[int]) -> None:
         code, src, epoch = status
         if code == layout.OK:
             return
+        op = op or self._ops[epoch % _RECENT_OPS] or "symmetric-memory call"
         if code == layout.META_MISMATCH:
             self.failure = f"{op}: inputs differ across ranks"
             desc = slice(layout.DESC, layout.DESC + layout.DESC_WORDS)
@@ -364,20 +358,19 @@ class SymmetricBuffer:
 
     def wait_done_on_host(self) -> None:
         """Block until every peer has finished reading this rank's data (bounded)."""
-        if self.device_epochs:
-            self.epoch = max(self.epoch, int(self.pad()[layout.EPOCH]))
-        if self.epoch == 0:
+        epoch = int(self.pad()[layout.EPOCH])  # the device's count: a sync on CUDA
+        if epoch == 0:
             return
         deadline = time.monotonic() + timeout_seconds()
         done = self.pad()[layout.DONE : layout.DONE + self.world_size]
         while True:
-            lagging = [r for r, e in enumerate(done.tolist()) if r != self.rank and e < self.epoch]
+            lagging = [r for r, e in enumerate(done.tolist()) if r != self.rank and e < epoch]
             if not lagging:
                 return
             if time.monotonic() > deadline:
                 raise FusedparTimeoutError(
                     f"rank {self.rank} of group {self.group_name!r} timed out waiting for flag "
-                    f"DONE[{lagging[0]}] to reach epoch {self.epoch}"
+                    f"DONE[{lagging[0]}] to reach epoch {epoch}"
                 )
             time.sleep(1e-3)
 
@@ -586,18 +579,37 @@ def get_buffer(group, nbytes: int, device: torch.device) -> SymmetricBuffer:
     else:
         segments, keep = _torch_segments(group, size, device)
         new = SymmetricBuffer(segments, rank, "torch", group.group_name, keepalive=keep)
-    _retire(buf)
+    _retire(buf, new)
     _buffers[key] = new
     return new
 
+
+def follow(buf: SymmetricBuffer) -> SymmetricBuffer:
+    """The buffer that serves ``buf``'s group now: ``buf`` while it is live, else the one
+    that replaced it (a larger one: whatever fit in ``buf`` fits). A plan made before a
+    growth follows it without a new plan, so a step warmed up once can be captured even
+    when a later call of the step grew the buffer."""
+    while not buf.live:
+        if buf.successor is None:
+            raise FusedparError(f"the symmetric buffer of group {buf.group_name!r} was released "
+                                "(fusedpar.comm.release_buffers); its calls cannot run any more")
+        buf = buf.successor
+    return buf
+
+
+# How many times release_buffers() ran: the ops' plans made before the last are dropped.
+generation = 0
 
 # Replaced buffers that a CUDA graph may still use: a replay writes to the addresses it was
 # captured with, so their memory stays allocated until release_buffers().
 _captured_retired: list[SymmetricBuffer] = []
 
 
-def _retire(buf: SymmetricBuffer | None) -> None:
-    if buf is not None and buf.device_epochs:
+def _retire(buf: SymmetricBuffer | None, successor: SymmetricBuffer | None) -> None:
+    if buf is None:
+        return
+    buf.live, buf.successor = False, successor
+    if buf.captured:
         _captured_retired.append(buf)
 
 
@@ -620,7 +632,7 @@ def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> 
             view.synchronize()
         size = layout.PAD_BYTES + _round_capacity(nbytes)
         for view in views or ():
-            _retire(view)
+            _retire(view, None)
         segments = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(world_size)]
         buf = SymmetricBuffer(segments, 0, "loopback", f"loopback{world_size}")
         views = [buf.as_rank(r) for r in range(world_size)]
@@ -631,8 +643,11 @@ def get_loopback_buffers(world_size: int, nbytes: int, device: torch.device) -> 
 def release_buffers() -> None:
     """Drop every cached buffer (e.g. before destroying the process groups), and those kept
     for CUDA graphs: a graph captured with them must not be replayed after this."""
+    global generation
     for buf in [*_buffers.values(), *(v for views in _loopbacks.values() for v in views)]:
         buf.synchronize()
+        buf.live = False
+    generation += 1
     _buffers.clear()
     _loopbacks.clear()
     _captured_retired.clear()

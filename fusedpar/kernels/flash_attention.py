@@ -33,10 +33,13 @@ wall-clock bounded, fingerprint checked) and copies the K/V rows this rank's que
 see from the peer's symmetric data region into a local slot, counting the bytes, so each
 peer's K/V crosses the link once whatever the number of query blocks and GQA heads;
 ``ring_attn_step_kernel`` folds one block of a local K/V into the online-softmax state
-(``m``, ``l``, ``acc`` in fp32 between steps; the last launch writes out and lse). The host
-gives each launch its geometry (``ops/ring_plan.py``): query rows, key rows and the band
-with its diagonal; key blocks every row of a query block sees whole run without masks, and
-only a band's edges, key tails and query blocks straddling the row range compute them.
+(``m``, ``l``, ``acc`` in fp32 between steps; the last launch writes out and lse, and ends
+the call: DONE to the peers, NaN in a failed call's outputs). The host gives each launch its
+geometry (``ops/ring_plan.py``): query rows, key rows and the band with its diagonal; key
+blocks every row of a query block sees whole run without masks, and only a band's edges, key
+tails and query blocks straddling the row range compute them. Both take the epoch from the
+device (``signal.call_epoch``), and ``RingCopy`` / ``RingStep`` make a launch's arguments
+once per call signature, so the ring's calls can be replayed from a CUDA graph.
 
 Every grid keeps its long axis on axis 0 (flattened query block x batch x head).
 """
@@ -47,8 +50,8 @@ import triton.language as tl
 
 from .gemm import mma
 from .interpreter import interpreting
-from .signal import (PER_CALL_ARGS, STATUS, data_ptr, pad_ptr, sm_count, spinning_grid,
-                     wait_ready_and_match)
+from .signal import (PER_CALL_ARGS, STATUS, call_epoch, cdiv, data_ptr, end_call, pad_ptr,
+                     sm_count, spinning_grid, wait_ready_and_match)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -97,6 +100,9 @@ _SOFTCAP_HALVES = {("fwd", True): "BLOCK_N", ("dq", True): "BLOCK_N", ("dkdv", T
                    ("ring", True): "BLOCK_N", ("ring", False): "BLOCK_N"}
 # Variants left on mma.sync on sm_90 (head dim 256), and why
 _MMA_SYNC_OK = {"dkdv": "every wgmma tile spills: the dK and dV accumulators are [BLOCK_N, 256] fp32"}
+# Variants allowed to spill, and why: (kernel, arch, BLOCK_D, softcap, the call's end)
+_SPILLS_OK = {("ring", 80, 64, True, True): "4 words per thread stored before the K/V loop and "
+              "loaded after it (the call's end: DONE to the peers), triton 3.8 only, 32 B"}
 # The ring's K/V copy: one pass of BLOCK elements per loop iteration (the same on every arch).
 # Its grid is capped at a quarter of the SMs, so its bandwidth is the bytes each program has
 # in flight over the latency: 16384 bf16 elements on 8 warps are eight 16-byte loads per
@@ -502,7 +508,9 @@ def ring_kv_copy_kernel(slot_ptr, pad_table, stats_ptr, rank, world_size, epoch,
                         BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr):
     """Rows ``[row_lo, row_hi)`` of ``src``'s staged K/V (``segments`` = 2B runs of ``seqlen``
     rows of ``row_elems`` elements) into the same places of ``slot``, once ``src`` is READY
-    with our fingerprint; adds the bytes copied to ``stats``. With no rows it only checks."""
+    with our fingerprint; adds the bytes copied to ``stats``. With no rows it only checks.
+    ``epoch``: ``signal.call_epoch``'s (0: this call's, read from the device)."""
+    epoch = call_epoch(pad_table, rank, epoch)
     ok = wait_ready_and_match(pad_table, rank, src, epoch, meta, timeout_ns)
     if ok:  # a failed wait is recorded: the attention steps see it and skip this source
         peer = data_ptr(pad_table, src, slot_ptr.dtype.element_ty)
@@ -520,21 +528,27 @@ def ring_kv_copy_kernel(slot_ptr, pad_table, stats_ptr, rank, world_size, epoch,
             tl.atomic_add(stats_ptr, moved)
 
 
-@triton.jit(do_not_specialize=["rank", "src", "row_lo", "row_hi", "key_lo", "key_hi", "diag"])
+@triton.jit(do_not_specialize=["rank", "src", "row_lo", "row_hi", "key_lo", "key_hi", "diag",
+                               "world_size", "epoch"])
 def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_table, rank, src,
                           row_lo, row_hi, key_lo, key_hi, diag, sm_scale, softcap, win_left,
                           win_right, batch, n_heads, kv_group, seqlen, head_dim, m_blocks,
                           stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                          world_size, epoch,
                           CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                          FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                          FIRST: tl.constexpr, LAST: tl.constexpr, END: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          UPCAST: tl.constexpr):
     """One ring step: fold keys ``[key_lo, key_hi)`` of ``src``'s K/V (local memory,
     ``[2, B, S_local, H_kv, D]``) into the online-softmax state of this rank's query rows
     ``[row_lo, row_hi)`` (the others keep theirs), kept in fp32 between steps
     (``acc [B, S, H, D]``, ``stat = [m, l]`` ``[2, B, H, S]``). Local row i sees local key j
     iff ``i + diag - win_left <= j <= i + diag + win_right`` (WINDOW), ``j <= i + diag``
     (CAUSAL), or always. FIRST starts the state, LAST writes ``out`` and the natural-log
-    ``lse`` instead."""
+    ``lse`` instead. END (the call's last launch, after every K/V copy): the last program
+    to finish ends the call (``signal.end_call``: DONE[rank] = the call's epoch (``epoch``,
+    ``call_epoch``'s) in every peer's pad, and ``out`` (contiguous) and ``lse`` NaN-filled
+    if this rank recorded a failure)."""
     pid = tl.program_id(0)  # (query block, batch, head) flattened on the long axis
     m_block = pid % m_blocks
     b = ((pid // m_blocks) // n_heads).to(tl.int64)
@@ -595,6 +609,9 @@ def ring_attn_step_kernel(q_ptr, kv_ptr, acc_ptr, stat_ptr, o_ptr, lse_ptr, pad_
         tl.store(stat_rows, m_i, mask=keep)
         tl.store(stat_rows + stat_half, l_i, mask=keep)
         tl.store(acc_rows, acc, mask=keep[:, None] & d_ok[None, :])
+    if END:  # stat_half = B * H * S: lse's elements; out's, times D
+        end_call(pad_table, rank, world_size, epoch, o_ptr,
+                 stat_half * head_dim, lse_ptr, stat_half, True, True, False)
 
 
 def block_d(head_dim: int) -> int:
@@ -698,7 +715,7 @@ def flash_attn_forward(q, k, v, out, lse, causal: bool, sm_scale: float, cu_seql
     masks, mask_values = mask_args(causal, window, softcap, bottom_right, seqlen_q, seqlen_k,
                                    varlen and cu_k is not cu_q, diag_offset)
     cfg = attn_config(head_dim, q.device, "fwd", config, masks["SOFTCAP"])
-    m_blocks = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
+    m_blocks = cdiv(seqlen_q, cfg["BLOCK_M"])
     grid = (m_blocks * batch * n_heads,)
     if grid[0] == 0:
         return
@@ -734,14 +751,14 @@ def flash_attn_backward(q, k, v, do, lse, delta, dq, dk, dv, causal: bool, sm_sc
 
     strides = (*_layout(q), *_layout(k), *_layout(v), *_layout(do))
     options = launch_options("dkdv")
-    n_blocks = triton.cdiv(seqlen_k, options["BLOCK_N"])
+    n_blocks = cdiv(seqlen_k, options["BLOCK_N"])
     if n_blocks * batch * n_kv_heads:
         flash_bwd_dkdv_kernel[(n_blocks * batch * n_kv_heads,)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, sm_scale, *mask_values, n_kv_heads,
             n_heads // n_kv_heads, seqlen_q, seqlen_k, head_dim, n_blocks, *strides, *_layout(dk),
             *_layout(dv), *_stat_strides(lse), **options)
     options = launch_options("dq")
-    m_blocks = triton.cdiv(seqlen_q, options["BLOCK_M"])
+    m_blocks = cdiv(seqlen_q, options["BLOCK_M"])
     if m_blocks * batch * n_heads:
         flash_bwd_dq_kernel[(m_blocks * batch * n_heads,)](
             q, k, v, do, lse, delta, dq, cu_q, cu_k, sm_scale, *mask_values, n_heads,
@@ -757,25 +774,41 @@ def ring_copy_programs(pieces: int, sms: int | None) -> int:
     return spinning_grid(pieces, sms)
 
 
+class RingCopy:
+    """``ring_kv_copy`` into one slot for every call of a signature: the grid and every
+    argument but the byte counter made once. ``launch(q, out, lse, stats)`` (the ring's
+    launches share one signature; the copy takes ``stats`` only)."""
+
+    def __init__(self, slot, pad_table, rank: int, world_size: int, epoch: int, meta: int,
+                 timeout_ns: int, src: int, rows: tuple[int, int],
+                 block: int = COPY_CONFIG["BLOCK"], sms: int | None = None):
+        lo, hi = rows
+        segments, seqlen = slot.shape[0] * slot.shape[1], slot.shape[2]
+        row_elems = slot.shape[3] * slot.shape[4]
+        pieces = segments * cdiv(max(hi - lo, 1) * row_elems, block)
+        self.grid = (ring_copy_programs(pieces, sms),)
+        self.slot, self.pad_table = slot, pad_table
+        self.args = (rank, world_size, epoch, meta, timeout_ns, src, lo, hi, segments, seqlen, row_elems)
+        self.options = {"BLOCK": block, "ELEM_BYTES": slot.element_size(),
+                        "num_warps": COPY_CONFIG["num_warps"]}
+
+    def __call__(self, q, out, lse, stats) -> None:
+        ring_kv_copy_kernel[self.grid](self.slot, self.pad_table, stats, *self.args, **self.options)
+
+
 def ring_kv_copy(slot, pad_table, rank: int, world_size: int, epoch: int, meta: int,
                  timeout_ns: int, src: int, rows: tuple[int, int], stats,
                  block: int = COPY_CONFIG["BLOCK"]) -> None:
     """Copy rows ``rows = (lo, hi)`` (of S_local) of ``src``'s staged K/V (its symmetric
     data region, ``[2, B, S_local, H_kv, D]`` like ``slot``) into ``slot`` once ``src``'s
-    READY flag is at ``epoch`` and its fingerprint equals ``meta`` (wall-clock bounded;
-    a failure is recorded in this rank's STATUS words and nothing is copied); adds the
-    bytes copied to ``stats``. ``lo == hi`` only checks. The grid is capped
-    (``ring_copy_programs``) and loops; what it waits on (a peer staging and signalling on
-    its own device) needs none of this device's SMs. ``block``: elements per pass (tests
-    make it small: many passes per segment)."""
-    lo, hi = rows
-    segments, seqlen = slot.shape[0] * slot.shape[1], slot.shape[2]
-    row_elems = slot.shape[3] * slot.shape[4]
-    pieces = segments * triton.cdiv(max(hi - lo, 1) * row_elems, block)
-    ring_kv_copy_kernel[(ring_copy_programs(pieces, sm_count(slot.device)),)](
-        slot, pad_table, stats, rank, world_size, epoch, meta, timeout_ns, src, lo, hi,
-        segments, seqlen, row_elems, BLOCK=block, ELEM_BYTES=slot.element_size(),
-        num_warps=COPY_CONFIG["num_warps"])
+    READY flag is at ``epoch`` (``signal.call_epoch``'s: 0 is the call's, from the device)
+    and its fingerprint equals ``meta`` (wall-clock bounded; a failure is recorded in this
+    rank's STATUS words and nothing is copied); adds the bytes copied to ``stats``.
+    ``lo == hi`` only checks. The grid is capped (``ring_copy_programs``) and loops; what it
+    waits on (a peer staging and signalling on its own device) needs none of this device's
+    SMs. ``block``: elements per pass (tests make it small: many passes per segment)."""
+    RingCopy(slot, pad_table, rank, world_size, epoch, meta, timeout_ns, src, rows, block,
+             sm_count(slot.device))(None, None, None, stats)
 
 
 def ring_attn_state(q):
@@ -783,6 +816,49 @@ def ring_attn_state(q):
     b, s, h, _ = q.shape
     return (torch.empty(q.shape, dtype=torch.float32, device=q.device),
             torch.empty(2, b, h, s, dtype=torch.float32, device=q.device))
+
+
+def _contiguous_layout(shape) -> tuple[int, int, int]:
+    """``_layout`` of a contiguous ``[B, S, H, D]`` tensor of ``shape``."""
+    _, s, h, d = shape
+    return s * h * d, h * d, d
+
+
+class RingStep:
+    """``ring_attn_step`` of one block for every call of a signature: the config, grid and
+    every argument but ``q``, ``out`` and ``lse`` made once (``q`` and ``out`` must have
+    the strides of the ``q`` and ``out_layout`` given here). ``launch(q, out, lse, stats)``.
+
+    ``end``: the call's last launch ends it (``ring_attn_step_kernel``'s END: every K/V copy
+    of the call precedes it in stream order); ``out`` must then be contiguous. ``world_size``
+    and ``epoch`` (``signal.call_epoch``'s) only matter there."""
+
+    def __init__(self, q, kv, state, pad_table, rank: int, src: int, rows: int,
+                 keys: tuple[int, int], causal: bool, sm_scale: float, first: bool, last: bool,
+                 config: dict | None = None, *, row_hi: int | None = None, diag: int = 0,
+                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 out_layout: tuple[int, int, int] | None = None, world_size: int = 1,
+                 epoch: int = 0, end: bool = False):
+        batch, seqlen, n_heads, head_dim = q.shape
+        masks, mask_values = mask_args(causal, window, softcap, False, seqlen, seqlen, False, diag)
+        del masks["BOTTOM_RIGHT"]
+        cfg = attn_config(head_dim, q.device, "ring", config, masks["SOFTCAP"])
+        m_blocks = cdiv(seqlen, cfg["BLOCK_M"])
+        cap, left, right, diag = mask_values
+        self.grid = (m_blocks * batch * n_heads,)
+        self.kv, (self.acc, self.stat) = kv, state
+        self.args = (pad_table, rank, src, rows, seqlen if row_hi is None else row_hi, keys[0],
+                     keys[1], diag, sm_scale, cap, left, right, batch, n_heads,
+                     n_heads // kv.shape[3], seqlen, head_dim, m_blocks, *_layout(q),
+                     *(out_layout or _contiguous_layout(q.shape)), world_size, epoch)
+        self.options = {**masks, "FIRST": first, "LAST": last, "END": end,
+                        "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+                        "BLOCK_D": block_d(head_dim), "UPCAST": interpreting(),
+                        "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+    def __call__(self, q, out, lse, stats=None) -> None:
+        ring_attn_step_kernel[self.grid](q, self.kv, self.acc, self.stat, out, lse, *self.args,
+                                         **self.options)
 
 
 def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, src: int, rows: int,
@@ -797,21 +873,10 @@ def ring_attn_step(q, kv, state, out, lse, pad_table, rank: int, src: int, rows:
     i (causal, ``window``, ``softcap``); ``causal`` at ``diag = 0`` is the own block.
     ``last`` writes ``out`` (like q) and ``lse`` (fp32 ``[B, H, S_local]``, contiguous).
     Skips a peer's K/V if this rank recorded a failure. One program per (query block,
-    batch, head); it waits on nothing."""
-    batch, seqlen, n_heads, head_dim = q.shape
-    masks, mask_values = mask_args(causal, window, softcap, False, seqlen, seqlen, False, diag)
-    del masks["BOTTOM_RIGHT"]
-    cfg = attn_config(head_dim, q.device, "ring", config, masks["SOFTCAP"])
-    m_blocks = triton.cdiv(seqlen, cfg["BLOCK_M"])
-    acc, stat = state
-    cap, left, right, diag = mask_values
-    ring_attn_step_kernel[(m_blocks * batch * n_heads,)](
-        q, kv, acc, stat, out, lse, pad_table, rank, src, rows, seqlen if row_hi is None else row_hi,
-        keys[0], keys[1], diag, sm_scale, cap, left, right, batch, n_heads,
-        n_heads // kv.shape[3], seqlen, head_dim, m_blocks, *_layout(q), *_layout(out), **masks,
-        FIRST=first, LAST=last, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_D=block_d(head_dim), UPCAST=interpreting(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    batch, head); it waits on nothing. (The ring's plan keeps ``RingStep`` launches.)"""
+    RingStep(q, kv, state, pad_table, rank, src, rows, keys, causal, sm_scale, first, last,
+             config, row_hi=row_hi, diag=diag, window=window, softcap=softcap,
+             out_layout=_layout(out))(q, out, lse)
 
 
 # The mask variants compiled ahead of time (of those ``mask_args`` picks): causal; a sliding
@@ -849,17 +914,19 @@ def _aot_examples():
                 "sm_scale": "fp32", "softcap": "fp32", "win_left": i32, "win_right": i32,
                 "batch": i32, "n_heads": i32, "kv_group": i32, "seqlen": i32, "head_dim": i32,
                 "m_blocks": i32,
-                **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"}}
+                **{f"stride_{t}{a}": i32 for t in ("q", "o") for a in "bsh"},
+                "world_size": i32, "epoch": i32}
     copy_sig = {"slot_ptr": "*bf16", "pad_table": "*i64", "stats_ptr": "*i64", "rank": i32,
                 "world_size": i32, "epoch": i32, "meta": i32, "timeout_ns": "i64", "src": i32,
                 "row_lo": i32, "row_hi": i32, "segments": i32, "seqlen": i32, "row_elems": i32}
     out = []
     for arch in (90, 80):
-        def options(kernel: str, d: int, softcap: bool = False) -> dict:
+        def options(kernel: str, d: int, softcap: bool = False, end: bool = False) -> dict:
             cfg = gpu_config(kernel, arch == 90, d, softcap)
             mma_sync_ok = _MMA_SYNC_OK.get(kernel, "") if d == 256 else ""
             return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
-                        mma_sync_ok=mma_sync_ok)
+                        mma_sync_ok=mma_sync_ok,
+                        spills_ok=_SPILLS_OK.get((kernel, arch, d, softcap, end), ""))
 
         for d in (64, 128, 256):
             for kernel, sig, name in ((flash_fwd_kernel, fwd_sig, "fwd"),
@@ -873,16 +940,18 @@ def _aot_examples():
                               "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "UPCAST": False}
                     out.append((kernel, sig, consts, options(name, d, softcap)))
             # the own (causal) block first, a peer's block in the middle (state in and
-            # out), a peer's block last; a window's band in the middle, and last with softcap
+            # out), a peer's block last, ending the call; a window's band in the middle, and
+            # last with softcap; a one-rank ring's own block, first and last
             for mask, first, last in ((dict(CAUSAL=True), True, False), ({}, False, False),
                                       ({}, False, True), (dict(WINDOW=True), False, False),
-                                      (dict(WINDOW=True, SOFTCAP=True), False, True)):
+                                      (dict(WINDOW=True, SOFTCAP=True), False, True),
+                                      ({"CAUSAL": True}, True, True)):
                 softcap = mask.get("SOFTCAP", False)
                 cfg = gpu_config("ring", arch == 90, d, softcap)
                 consts = {**dict(CAUSAL=False, WINDOW=False, SOFTCAP=False), **mask, "FIRST": first,
-                          "LAST": last, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
-                          "BLOCK_D": d, "UPCAST": False}
-                out.append((ring_attn_step_kernel, step_sig, consts, options("ring", d, softcap)))
+                          "LAST": last, "END": last, "BLOCK_M": cfg["BLOCK_M"],
+                          "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": d, "UPCAST": False}
+                out.append((ring_attn_step_kernel, step_sig, consts, options("ring", d, softcap, last)))
         out.append((ring_kv_copy_kernel, copy_sig, dict(BLOCK=COPY_CONFIG["BLOCK"], ELEM_BYTES=2),
                     dict(num_warps=COPY_CONFIG["num_warps"], arch=arch)))
     return out

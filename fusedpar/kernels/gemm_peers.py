@@ -18,13 +18,20 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import (EPILOGUES, GPU_CONFIG_FP32, B_UNIT, aot_example, gemm_operands, gpu_config, grouped_tile, launch_options, store_tile, swiglu_epilogue,
-                   swiglu_vjp_epilogue, tile_pair, tile_pair_tma, tile_product, tile_product_tma)
-from .signal import GATHERED, data_ptr, fence_async_proxy, pad_ptr, sm_count, spinning_grid, wait_flag
+from .gemm import (EPILOGUES, GPU_CONFIG_FP32, B_UNIT, aot_example, gemm_operands, gpu_config, grouped_tile,
+                   launch_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_candidate_examples,
+                   tile_pair, tile_pair_tma, tile_product, tile_product_tma)
+from .signal import (cdiv, GATHERED, INTERPRETER_PROGRAMS, call_epoch, data_ptr, end_call, fence_async_proxy,
+                     pad_ptr, sm_count, wait_word)
 
 # triton 3.8 (not 3.6) spills 28 B in the SwiGLU gather that keeps the products
 GATHER_KEEP_H_SPILLS = "per-tile scalars outside the K loop, triton 3.8 only, 28 B"
+# triton 3.6, 128x256 tiles with a K-major B: the closing ticket's values (signal.end_call) go
+# to the stack once before the tile loop and come back once after it (SASS: 3 stores in the
+# prologue, 2 loads at the end), 28 B
+END_SPILLS = "the closing ticket's values, stored before the tile loop and loaded after, triton 3.6, 28 B"
 
 
 @triton.jit
@@ -37,11 +44,11 @@ def overlaps(start, n, m0, BLOCK_M: tl.constexpr):
 @triton.jit
 def wait_run_rows(blocks_ptr, b0, nb, run_row, m0, my_pad, epoch, timeout_ns, checked, ok,
                   TMA: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Wait for the GATHERED flag of every source whose block of the run (blocks ``b0 :
-    b0 + nb``, starting at received row ``run_row``) holds one of the tile's rows ``m0 :
-    m0 + BLOCK_M``; ``checked`` / ``ok``: the source this program waited for last and how
-    that went (a source is polled once per change, not per tile). Returns ``(tile_ok,
-    checked, ok)``."""
+    """Wait for the GATHERED flag (1: this call's rows landed) of every source whose block
+    of the run (blocks ``b0 : b0 + nb``, starting at received row ``run_row``) holds one of
+    the tile's rows ``m0 : m0 + BLOCK_M``; ``checked`` / ``ok``: the source this program
+    waited for last and how that went (a source is polled once per change, not per tile).
+    Returns ``(tile_ok, checked, ok)``."""
     tile_ok = tl.full([], 1, tl.int1)
     for blk in range(b0, b0 + nb):
         start = tl.load(blocks_ptr + blk * 5 + 3) - run_row
@@ -49,7 +56,7 @@ def wait_run_rows(blocks_ptr, b0, nb, run_row, m0, my_pad, epoch, timeout_ns, ch
             src = tl.load(blocks_ptr + blk * 5)
             if src != checked:
                 checked = src
-                ok = wait_flag(my_pad, GATHERED + src, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
+                ok = wait_word(my_pad, GATHERED + src, 1, src, epoch, timeout_ns, 1)  # TIMEOUT_READY
                 if TMA:
                     fence_async_proxy()  # the rows seen landed, before TMA reads them
             tile_ok = tile_ok & ok
@@ -84,11 +91,11 @@ def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, 
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_runs", "c_row"])
 def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table, rank,
                             world_size, epoch, timeout_ns, num_runs, N, K, c_row, stride_be,
-                            stride_bk, stride_bn,
+                            stride_bk, stride_bn, g_ptr, c_numel, g_numel,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
                             B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
-                            SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
+                            SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr, END: tl.constexpr):
     """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
     Tiles cover runs (``runs_ptr``: first block, blocks, rows), not blocks: a tile may hold
     the rows of several sources, so a source's partial tile does not cost a whole one.
@@ -96,9 +103,12 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
     ``[rows, 2N]``, the gate and up products side by side): ``SWIGLU``: b holds ``[gate | up]`` along its ``2N`` columns; C tiles are ``silu(a @
     gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
     ``h``. ``SWIGLU_VJP``: the product P = a @ b is the gradient of SwiGLU's output; C
-    (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``."""
+    (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``.
+    ``END``: the kernel ends the call: its last program NaN-fills ``c`` (``c_numel``
+    elements) and ``g`` (``g_numel``, maybe 0) if this rank recorded a failure."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     my_pad = pad_ptr(pad_table, rank)
+    call = call_epoch(pad_table, rank, epoch)
     tile = tl.program_id(0)  # this program's next tile in the concatenated tile list
     first = tl.zeros([], tl.int32)  # index of the current run's first tile in that list
     checked = tl.full([], -1, tl.int32)  # the source whose flag this program checked last
@@ -122,7 +132,7 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
             n0 = pid_n * BLOCK_N
             if not PUSH:
                 tile_ok, checked, ok = wait_run_rows(blocks_ptr, b0, nb, local_row, m0, my_pad,
-                                                     epoch, timeout_ns, checked, ok, TMA, BLOCK_M)
+                                                     call, timeout_ns, checked, ok, TMA, BLOCK_M)
             if tile_ok:
                 if TMA:
                     if SWIGLU:
@@ -151,11 +161,21 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
                               N, c_row, BLOCK_M, BLOCK_N)
             tile += tl.num_programs(0)
         first += group_tiles
+    if END:
+        end_call(pad_table, rank, world_size, epoch, c_ptr, c_numel, g_ptr, g_numel, True, False,
+                 False)
 
 
-def peers_grid(tiles: int, sms: int | None) -> tuple[int]:
-    """The peers kernel spins on flags: a capped grid looping over its tiles (axis 0)."""
-    return (spinning_grid(tiles, sms),)
+def peers_grid(tiles: int, sms: int | None, cfg: dict) -> tuple[int]:
+    """The peers kernel spins on flags: a grid of programs that are all resident at once
+    (``CTAS_PER_SM`` per SM, 1 by default) on all SMs but one, each looping over tiles in
+    the order of the tile list, so the resident programs take the sources' tiles in the
+    order their rows land, and no tile waits in an unlaunched program while resident ones
+    spin on later sources. The SM left free runs what the flags wait for (the copy
+    stream's READY wait and DONE signal, one program each)."""
+    if sms is None:
+        return (max(1, min(tiles, INTERPRETER_PROGRAMS)),)
+    return (max(1, min(tiles, max(sms - 1, 1) * cfg.get("CTAS_PER_SM", 1))),)
 
 
 def block_runs(blocks, firsts=()) -> np.ndarray:
@@ -178,15 +198,17 @@ def block_runs(blocks, firsts=()) -> np.ndarray:
 def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: torch.Tensor,
                      runs: torch.Tensor, run_rows: list[int], pad_table: torch.Tensor, rank: int,
                      world_size: int, epoch: int, timeout_ns: int, *, push: bool, c_row: int = 0,
-                     epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
+                     epilogue: str | None = None, h: torch.Tensor | None = None,
+                     config: dict | None = None, ends_call: bool = False,
+                     gathered: torch.Tensor | None = None) -> None:
     """One launch over the row blocks in ``blocks`` (int32 ``[G, 5]``: src, expert,
     peer_row, local_row, rows), tiled by ``runs`` (int32 ``[R, 3]``, ``block_runs``; their
     rows ``run_rows`` on the host): a tile may hold several sources' rows of one expert, so
     each source's last partial tile costs none of its own.
 
     Gather (not ``push``): a tile waits for this rank's ``GATHERED + src`` flag of each
-    source it holds rows of to reach ``epoch`` (the producer copied that source's rows into
-    ``a`` first); with ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes
+    source it holds rows of to be 1 (the producer copied that source's rows into ``a``
+    first; ``epoch`` is the call's, for the interpreter's deadline); with ``P = a[local_row:+rows] @ b[expert]``, the ``epilogue`` writes
     ``c[local_row:+rows]``:
 
     - None: ``c = P`` (all_gather_matmul: one expert, a block per source shard).
@@ -198,39 +220,130 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
 
     Push (no epilogue): ``src's region[(c_row + peer_row:+rows) * N] =
     a[local_row:+rows] @ b[expert]``; ``c`` only gives the dtype. ``a``, ``c`` and ``h``
-    contiguous; ``b [E, K, N]`` any strides.
+    contiguous; ``b [E, K, N]`` any strides. ``config``: overrides of the launch config
+    (``gemm.gemm_operands``). ``ends_call`` (the plain gather): its last program NaN-fills
+    ``c`` and ``gathered`` (contiguous, optional) if this rank recorded a failure
+    (all_gather_matmul; the expert MLP's calls end in ``protocol.release``).
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
-    on a side stream) or, without one, before this launch in stream order; neither needs an SM
-    this kernel holds, and the grid is ``spinning_grid``-capped.
+    on a side stream, after a one-program READY wait there) or, without one, before this
+    launch in stream order; the grid (``peers_grid``) leaves one SM free for that wait.
     """
     if epilogue not in (None, *EPILOGUES) or push and epilogue is not None:
         raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}; the gather "
                          f"takes None (the product) or one of {EPILOGUES}, the push None")
     swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
-    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, epilogue=epilogue)
-    tiles = sum(triton.cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * triton.cdiv(N, cfg["BLOCK_N"])
-    if tiles == 0:
+    sms = sm_count(a.device)
+    plain = not push and epilogue is None  # the tile candidates are compiled for the plain gather
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, config, epilogue=epilogue,
+                                              shape=(run_rows, N) if plain else None,
+                                              sms=max(sms - 1, 1) if sms else None)
+    tiles = sum(cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * cdiv(N, cfg["BLOCK_N"])
+    if tiles == 0 and not ends_call:
         return
-    grouped_mm_peers_kernel[peers_grid(tiles, sm_count(a.device))](
+    g = c if gathered is None else gathered
+    grouped_mm_peers_kernel[peers_grid(tiles, sms, cfg)](
         a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
         timeout_ns, runs.shape[0], N, K, c_row, b.stride(0), b.stride(1), b.stride(2),
-        PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
-        SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
+        g, c.numel(), 0 if gathered is None else g.numel(), PUSH=push, TMA=cfg["TMA"],
+        B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
+        SWIGLU_VJP=epilogue == "swiglu_vjp", END=ends_call,
+        **launch_options(cfg))
+
+
+class Descriptors:
+    """TMA descriptors of a launch signature's operands, kept by address: a host descriptor
+    costs a dozen Python calls, and a call's tensors often sit where the last call's did (a
+    buffer, weights, activations the allocator hands back). ``a(t)``: ``t [rows, K]`` in
+    ``[BLOCK_M, BLOCK_K]`` boxes; ``b(t)``: ``t [K, N]`` as ``[1, K, N]`` (or, ``kmajor``, its
+    transpose ``[1, N, K]``) in the config's boxes."""
+
+    KEEP = 8
+
+    def __init__(self, cfg: dict, kmajor: bool):
+        self.cfg, self.kmajor = cfg, kmajor
+        self._kept: dict = {}
+
+    def a(self, t: torch.Tensor):
+        key = (t.data_ptr(), t.shape[0], "a")
+        desc = self._kept.get(key)
+        return desc if desc is not None else self._keep(key, t, [self.cfg["BLOCK_M"], self.cfg["BLOCK_K"]])
+
+    def b(self, t: torch.Tensor):
+        key = (t.data_ptr(), t.shape[0], "b")
+        desc = self._kept.get(key)
+        if desc is not None:
+            return desc
+        bn, bk = self.cfg["BLOCK_N"], self.cfg["BLOCK_K"]
+        if self.kmajor:
+            return self._keep(key, t.t().unsqueeze(0), [1, bn, bk])
+        return self._keep(key, t.unsqueeze(0), [1, bk, bn])
+
+    def _keep(self, key, t: torch.Tensor, block: list[int]):
+        if len(self._kept) >= self.KEEP:
+            self._kept.clear()
+        desc = self._kept[key] = TensorDescriptor.from_tensor(t, block)
+        return desc
+
+
+def tma_addressable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether descriptors made for tensors of these shapes and strides can take these
+    tensors: their addresses 16-byte aligned (a view may start anywhere)."""
+    return a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+
+
+class GatherLaunch:
+    """``grouped_mm_peers`` of all_gather_matmul (the plain gather of one B, ending the
+    call) for every call of one signature: the config, grid and launch options made once,
+    and the TMA descriptors kept (``Descriptors``). ``a`` ``[rows, K]``, ``b`` ``[K, N]``."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, run_rows: list[int], config: dict | None = None):
+        self.config = config
+        sms = sm_count(a.device)
+        # the tiles that fill the waves of the SMs the grid takes (``peers_grid``: all but one)
+        self.cfg, _, _, self.kmajor = gemm_operands(a, b.unsqueeze(0), config, shape=(run_rows, b.shape[1]),
+                                                    sms=max(sms - 1, 1) if sms else None)
+        cfg = self.cfg
+        self.K, self.N = b.shape
+        self.b_strides = (0, *b.stride())
+        tiles = sum(cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * cdiv(self.N, cfg["BLOCK_N"])
+        self.grid = peers_grid(tiles, sms, cfg)
+        self.options = launch_options(cfg)
+        self.descriptors = Descriptors(cfg, self.kmajor)
+
+    def __call__(self, a, b, c, blocks, runs, run_rows, pad_table, rank, world_size, timeout_ns,
+                 gathered=None) -> None:
+        cfg = self.cfg
+        if cfg["TMA"]:
+            if not tma_addressable(a, b):  # the general launcher decides
+                grouped_mm_peers(a, b.unsqueeze(0), c, blocks, runs, run_rows, pad_table, rank,
+                                 world_size, 0, timeout_ns, push=False, config=self.config,
+                                 ends_call=True, gathered=gathered)
+                return
+            a_arg, b_arg = self.descriptors.a(a), self.descriptors.b(b)
+        else:
+            a_arg, b_arg = a, b
+        g = c if gathered is None else gathered
+        stride_be, stride_bk, stride_bn = self.b_strides
+        grouped_mm_peers_kernel[self.grid](
+            a_arg, b_arg, c, c, blocks, runs, pad_table, rank, world_size, 0, timeout_ns,
+            runs.shape[0], self.N, self.K, 0, stride_be, stride_bk, stride_bn, g, c.numel(),
+            0 if gathered is None else g.numel(), PUSH=False, TMA=cfg["TMA"], B_KMAJOR=self.kmajor,
+            SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, END=True, **self.options)
 
 
 _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
               "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
               "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32",
-              "c_row": "i32", "stride_be": "i32"}
+              "c_row": "i32", "stride_be": "i32", "g_ptr": "*bf16", "c_numel": "i32", "g_numel": "i32"}
 
 
-_GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
+_GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, END=False)
 # the peers kernel's variants with the B layouts the expert MLP passes (kmajor: ``B_UNIT``):
 # the forward's SwiGLU gather (b = w13ᵀ) with and without the gate/up products kept, the
 # backward's VJP gather (b = w2), the push (w2ᵀ in the forward, w13 in the backward); and
 # all_gather_matmul's plain gather (B row-major, or a Linear's weightᵀ)
-PEERS_MODES = [(dict(_GATHER), None, (True, False)),
+PEERS_MODES = [(dict(_GATHER, END=True), None, (True, False)),
                (dict(_GATHER, SWIGLU=True), "swiglu", (True,)),
                (dict(_GATHER, SWIGLU=True, KEEP_H=True), "swiglu", (True,)),
                (dict(_GATHER, SWIGLU_VJP=True), "swiglu_vjp", (False,)),
@@ -239,20 +352,24 @@ PEERS_MODES = [(dict(_GATHER), None, (True, False)),
 
 def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool, major: int) -> list:
     cfg = gpu_config(major, tma, epilogue)
-    spills = GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"] else None
+    spills = (GATHER_KEEP_H_SPILLS if mode["KEEP_H"] and cfg["TMA"]
+              else END_SPILLS if mode["END"] and cfg["TMA"] and cfg["BLOCK_N"] == 256 else None)
     return [aot_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
                         dict(mode, **{B_UNIT[kmajor][0]: 1}), cfg, major * 10, kmajor, spills)
             for kmajor in layouts]
 
 
 # fp32 is the exact path for tests and fp32 training, not a fast one
-FP32_SPILLS = "fp32 FMA tiles on sm_80, 32 B under triton 3.8 (tests and fp32 training only)"
+FP32_SPILLS = ("fp32 FMA tiles: sm_80, 32 B under triton 3.8; sm_90, 60 B under triton 3.6 with the "
+               "closing ticket (tests and fp32 training only)")
 AOT_EXAMPLES = (
     [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))
      for example in _peers_examples(*mode, tma, major)]
     # all_gather_matmul in fp32 (tests, fp32 training): pointer loads on gemm.py's FMA config
     + [aot_example(grouped_mm_peers_kernel,
                    {k: v.replace("bf16", "fp32") for k, v in dict(_PEERS_SIG, stride_bk="i32").items()},
-                   dict(_GATHER, stride_bn=1), dict(GPU_CONFIG_FP32, TMA=False), arch,
-                   spills_ok=FP32_SPILLS if arch == 80 else None)
-       for arch in (90, 80)])
+                   dict(_GATHER, END=True, stride_bn=1), dict(GPU_CONFIG_FP32, TMA=False), arch,
+                   spills_ok=FP32_SPILLS)
+       for arch in (90, 80)]
+    # all_gather_matmul's plain gather on the other sm_90 tiles it may choose (``choose_tile``)
+    + tile_candidate_examples(grouped_mm_peers_kernel, _PEERS_SIG, dict(_GATHER, END=True)))

@@ -29,6 +29,7 @@ from .gemm import (EPILOGUES, GPU_CONFIG_SM80, POINTER_CONFIG_SM90, B_UNIT, add_
                    gemm_operands, gpu_config, grouped_config, grouped_tile, launch_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_pair, tile_pair_tma, tile_product,
                    tile_product_tma)
 from .moe_permute import ROW_BLOCK_GPU, row_blocks
+from .signal import cdiv
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def zero_rows_past(c: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
     G, R, C = c.shape
     if G and R and C:
         cfg = row_blocks()
-        zero_rows_past_kernel[(G * triton.cdiv(R, cfg["BLOCK_R"]),)](
+        zero_rows_past_kernel[(G * cdiv(R, cfg["BLOCK_R"]),)](
             c, ends, first, R, C, c.stride(0), c.stride(1), c.stride(2), **cfg)
 
 
@@ -193,8 +194,8 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
     if T == 0 or N == 0:
         return
     cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, config, epilogue=epilogue)
-    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    bound = (triton.cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
+    n_tiles = cdiv(N, cfg["BLOCK_N"])
+    bound = (cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
     grid = (min(bound, cfg["NUM_PROGRAMS"]),)
     grouped_mm_rows_kernel[grid](
         a_arg, b_arg, c, c if h is None else h, offs, T, N, K, E, pad_rows or 0, a.stride(0),
@@ -219,7 +220,7 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
                          f"(pad_rows={pad_rows}); need sources * E ends, and one source with pad_rows")
     M, N, E = a.shape[0], b.shape[1], offs.shape[0] // sources
     cfg = grouped_config(a, config, tma=False)  # ragged K: masked pointer loads
-    tiles = E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    tiles = E * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
     grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](

@@ -8,12 +8,16 @@ rank-rotated chunk order: step ``s`` covers chunk ``c = (rank + 1 + s) % W``, so
 chunks come first and the own chunk last (rank ``c`` can fetch a peer's partial while
 both still compute). Tiles never straddle chunks; within a chunk, GROUP_M-grouped order.
 
-After storing a tile, the program counts it in this rank's ``CHUNK_TILES + c`` pad word
-(zeroed by the host before the launch, see ``reset_chunk_counters``); the program that
-finishes chunk ``c`` raises ``READY + rank = epoch`` in rank ``c``'s pad (release, system
-scope). This kernel never waits on anything. Rank ``c`` copies each peer's partial of
-its chunk into a local staging buffer once that flag is up (``matmul_reduce_scatter``: the
-copy engine, overlapping the GEMM), then ``reduce_chunks`` sums them with its own.
+Before its first store every program waits until every peer's DONE flag reached the last
+epoch (nobody still reads our partials: a bounded wait on flags that need none of this
+kernel's SMs). After storing a tile, the program counts it in this rank's ``CHUNK_TILES + c``
+pad word; the program that finishes chunk ``c`` sets the count back to 0, publishes our
+fingerprint and raises ``READY + rank = epoch`` in rank ``c``'s pad (release, system scope).
+Rank ``c`` then sums the W partials of its chunk: in a group on a GPU it copies each peer's
+partial into a local staging buffer once that flag is up (the copy engine, overlapping the
+GEMM) and ``reduce_chunks`` sums them with its own; in a loopback or on CPU
+``reduce_scatter.reduce_scatter_pull`` reads them where they are. Either closes the call
+(``signal.end_call``).
 """
 
 import torch
@@ -22,17 +26,20 @@ import triton.language as tl
 
 from ..comm import layout
 from .gemm import (B_UNIT, SM_COUNT, aot_example, aot_variants, gemm_operands, gpu_config, grouped_tile,
-                   launch_options, persistent_grid, store_tile, tile_product, tile_product_tma)
+                   launch_options, persistent_grid, store_tile, tile_candidate_examples, tile_product,
+                   tile_product_tma)
+from .gemm_peers import Descriptors, tma_addressable
 from .reduce_scatter import BLOCK, NUM_WARPS, reduce_scatter_grid
-from .signal import pad_ptr, sm_count
+from .signal import (DONE, META, PER_CALL_ARGS, TIMEOUT_DONE, call_epoch, cdiv, end_call, pad_ptr,
+                     sm_count, wait_peers)
 
 READY = tl.constexpr(layout.READY)
 CHUNK_TILES = tl.constexpr(layout.CHUNK_TILES)
 
 
-@triton.jit(do_not_specialize=["rank", "world_size", "epoch"])
-def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, m_chunk, N, K,
-                   stride_am, stride_ak, stride_bk, stride_bn,
+@triton.jit(do_not_specialize=PER_CALL_ARGS)
+def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, meta, timeout_ns,
+                   m_chunk, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
                    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr):
@@ -44,6 +51,8 @@ def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch
     chunk_tiles = m_tiles * n_tiles
     num_tiles = world_size * chunk_tiles
     my_pad = pad_ptr(pad_table, rank)
+    epoch = call_epoch(pad_table, rank, epoch)
+    wait_peers(my_pad, DONE, rank, world_size, epoch - 1, epoch, timeout_ns, TIMEOUT_DONE)
     for tile in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
         step = tile // chunk_tiles
         chunk = (rank + 1 + step) % world_size
@@ -61,15 +70,19 @@ def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch
         # acq_rel chain on the counter, before the release of the chunk's flag)
         tl.debug_barrier()
         done = tl.atomic_add(my_pad + CHUNK_TILES + chunk, 1, sem="acq_rel", scope="sys")
-        if done + 1 == chunk_tiles:
+        if done + 1 == chunk_tiles:  # the chunk's last tile: the others are counted
+            tl.atomic_xchg(my_pad + CHUNK_TILES + chunk, 0, sem="relaxed", scope="sys")
+            tl.atomic_xchg(my_pad + META, meta, sem="relaxed", scope="sys")
             tl.atomic_xchg(pad_ptr(pad_table, chunk) + READY + rank, epoch, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["rank", "world_size"])
-def reduce_chunks_kernel(out_ptr, own_ptr, stage_ptr, rank, world_size, n, divisor, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["rank", "world_size", "epoch"])
+def reduce_chunks_kernel(out_ptr, own_ptr, stage_ptr, pad_table, rank, world_size, epoch, n, divisor,
+                         BLOCK: tl.constexpr):
     """``out = sum over src in rank order of src's partial / divisor``, in fp32, rounded once:
     the own partial at ``own_ptr``, peer ``src``'s at row ``(rank - 1 - src) % W`` of
-    ``stage_ptr`` (``[W - 1, n]``, the order the peers finish them)."""
+    ``stage_ptr`` (``[W - 1, n]``, the order the peers finish them). Ends the call
+    (``signal.end_call``): DONE, and the NaNs of a failed call."""
     n = tl.cast(n, tl.int64)
     for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
         offs = block * BLOCK + tl.arange(0, BLOCK)  # int64, as n is
@@ -83,14 +96,17 @@ def reduce_chunks_kernel(out_ptr, own_ptr, stage_ptr, rank, world_size, n, divis
                 acc += tl.load(stage_ptr + row * n + offs, mask=mask, other=0).to(tl.float32)
         # div_rn: fp32 ``/`` compiles to an approximate division (the average rounds as torch's)
         tl.store(out_ptr + offs, tl.math.div_rn(acc, divisor).to(out_ptr.dtype.element_ty), mask=mask)
+    end_call(pad_table, rank, world_size, epoch, out_ptr, n, out_ptr, 0, True, True, False)
 
 
-def reduce_chunks(out: torch.Tensor, own: torch.Tensor, stage: torch.Tensor, rank: int,
-                  world_size: int, divisor: float = 1.0) -> None:
+def reduce_chunks(out: torch.Tensor, own: torch.Tensor, stage: torch.Tensor, pad_table: torch.Tensor,
+                  rank: int, world_size: int, epoch: int, divisor: float = 1.0) -> None:
     """Fill ``out`` (contiguous, ``n`` elements) with the sum of this rank's partial ``own``
     and the peers' partials in ``stage`` (contiguous ``[W - 1, n]``, row ``j`` from rank
     ``(rank - 1 - j) % W``), divided by ``divisor``: summed in rank order in fp32 and rounded
-    once, so the result is the same whichever order the partials arrived in."""
+    once, so the result is the same whichever order the partials arrived in. Then it raises
+    DONE of ``epoch`` in every peer's pad, and NaN-fills ``out`` if this rank recorded a
+    failure."""
     n = out.numel()
     if own.numel() != n or tuple(stage.shape) != (world_size - 1, n) or not (
             out.is_contiguous() and own.is_contiguous() and stage.is_contiguous()):
@@ -98,26 +114,23 @@ def reduce_chunks(out: torch.Tensor, own: torch.Tensor, stage: torch.Tensor, ran
                          f"{tuple(stage.shape)} must be contiguous with n and [W - 1 = "
                          f"{world_size - 1}, n] elements")
     grid = reduce_scatter_grid(1, n, sm_count(out.device))
-    reduce_chunks_kernel[grid](out, own, stage, rank, world_size, n, divisor, BLOCK=BLOCK,
-                               num_warps=NUM_WARPS)
-
-
-def reset_chunk_counters(pad: torch.Tensor, world_size: int) -> None:
-    """Before a launch: zero this rank's ``CHUNK_TILES`` words (``pad``: this rank's
-    signal pad as an int32 tensor, e.g. ``buf.pad()``)."""
-    pad[layout.CHUNK_TILES : layout.CHUNK_TILES + world_size].zero_()
+    reduce_chunks_kernel[grid](out, own, stage, pad_table, rank, world_size, epoch, n, divisor,
+                               BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.Tensor, rank: int,
-            world_size: int, epoch: int, *, config: dict | None = None) -> None:
+            world_size: int, epoch: int, meta: int, timeout_ns: int, *,
+            config: dict | None = None, sms: int | None = None) -> None:
     """Fill ``p`` (contiguous ``[M, N]``, a view of this rank's symmetric data region) with
     ``a @ b`` (``a``: ``[M, K]``, ``b``: ``[K, N]``, any strides; ``M = W * m_chunk``), raising
-    ``READY + rank = epoch`` in rank ``c``'s pad as soon as chunk ``c`` of ``p`` is complete.
-    Call ``reset_chunk_counters`` on this rank's pad first. The kernel never waits, so its
-    persistent grid (``NUM_PROGRAMS``, one program per SM by default) may hold every SM; a
-    caller that spins on its flags from another stream leaves ``REDUCER_SMS`` free. It loads
-    through TMA descriptors where the GPU has them and the layouts allow (as the grouped
-    GEMM does).
+    ``READY + rank = epoch`` in rank ``c``'s pad (after publishing ``meta``) as soon as chunk
+    ``c`` of ``p`` is complete. It first waits (bounded by ``timeout_ns``) for every peer's
+    DONE of the last epoch, flags that need none of its SMs, so its persistent grid
+    (``NUM_PROGRAMS``, one program per SM by default) may hold every SM; a caller that spins
+    on its flags from another stream leaves ``REDUCER_SMS`` free. It loads through TMA
+    descriptors where the GPU has them and the layouts allow (as the grouped GEMM does), on
+    the tiles that fill the waves of ``sms`` SMs best (default: the device's;
+    ``gemm.choose_tile``), with a program per SM of them.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -129,13 +142,47 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad
     m_chunk = M // world_size
     if m_chunk == 0 or N == 0:
         raise ValueError("matmul_reduce_scatter: empty output: no tile would raise the chunks' READY flags")
-    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), config)
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), config, shape=([m_chunk] * world_size, N),
+                                              sms=sms)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    num_tiles = world_size * triton.cdiv(m_chunk, bm) * triton.cdiv(N, bn)
+    num_tiles = world_size * cdiv(m_chunk, bm) * cdiv(N, bn)
     matmul_reduce_scatter_kernel[persistent_grid(num_tiles, cfg)](
-        a_arg, b_arg, p, pad_table, rank, world_size, epoch, m_chunk, N, K,
+        a_arg, b_arg, p, pad_table, rank, world_size, epoch, meta, timeout_ns, m_chunk, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"], B_KMAJOR=kmajor, **launch_options(cfg))
+
+
+class ScatterLaunch:
+    """``matmul_reduce_scatter`` for every call of one signature (shapes, strides, dtype,
+    SMs): the config, grid and launch options made once, TMA descriptors kept
+    (``gemm_peers.Descriptors``)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, world_size: int, sms: int | None = None):
+        M, K = a.shape
+        N = b.shape[1]
+        self.sms, self.world = sms, world_size
+        self.cfg, _, _, self.kmajor = gemm_operands(a, b.unsqueeze(0), shape=([M // world_size] * world_size, N),
+                                                    sms=sms)
+        cfg = self.cfg
+        self.m_chunk, self.N, self.K = M // world_size, N, K
+        self.strides = (*a.stride(), *b.stride())
+        self.grid = persistent_grid(world_size * cdiv(self.m_chunk, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg)
+        self.options = dict(launch_options(cfg), NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"],
+                            B_KMAJOR=self.kmajor)
+        self.descriptors = Descriptors(cfg, self.kmajor)
+
+    def __call__(self, a, b, p, pad_table, rank, epoch, meta, timeout_ns) -> None:
+        if self.cfg["TMA"]:
+            if not tma_addressable(a, b):  # the general launcher decides
+                matmul_reduce_scatter(a, b, p, pad_table, rank, self.world, epoch, meta, timeout_ns,
+                                      sms=self.sms)
+                return
+            a_arg, b_arg = self.descriptors.a(a), self.descriptors.b(b)
+        else:
+            a_arg, b_arg = a, b
+        matmul_reduce_scatter_kernel[self.grid](
+            a_arg, b_arg, p, pad_table, rank, self.world, epoch, meta, timeout_ns, self.m_chunk,
+            self.N, self.K, *self.strides, **self.options)
 
 
 # SMs a GEMM of a group call leaves to the kernel that waits for the peers' flags on the
@@ -143,17 +190,26 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad
 REDUCER_SMS = 1
 
 _SIG = {"a": "*T", "b": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
-        "world_size": "i32", "epoch": "i32", "m_chunk": "i32", "N": "i32", "K": "i32",
+        "world_size": "i32", "epoch": "i32", "meta": "i32", "timeout_ns": "i64", "m_chunk": "i32",
+        "N": "i32", "K": "i32",
         "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
+# triton 3.6, sm_90, fp32 pointer loads: the DONE wait's values cross the tile loop on the stack
+FP32_SPILLS = "fp32 FMA tiles on sm_90 under triton 3.6, 16 B (tests and fp32 training only)"
 AOT_EXAMPLES = (
     # pointer loads: sm_80, and sm_90 where TMA cannot cover the operands
-    aot_variants(matmul_reduce_scatter_kernel, _SIG, TMA=False, B_KMAJOR=False)
+    [(kernel, sig, consts, dict(options, spills_ok=FP32_SPILLS) if sig["a"] == "*fp32" else options)
+     for kernel, sig, consts, options in aot_variants(matmul_reduce_scatter_kernel, _SIG, TMA=False,
+                                                      B_KMAJOR=False)]
     # sm_90 with TMA loads: B row-major, or a Linear's weightᵀ
     + [aot_example(matmul_reduce_scatter_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
                    {B_UNIT[kmajor][0]: 1},
                    dict(gpu_config(9, True), NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS), 90, kmajor)
        for kmajor in (False, True)]
     + [(reduce_chunks_kernel,
-        {"out_ptr": f"*{t}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "rank": "i32",
-         "world_size": "i32", "n": "i32", "divisor": "fp32"}, {"BLOCK": BLOCK}, {"num_warps": NUM_WARPS})
-       for t in ("bf16", "fp32")])
+        {"out_ptr": f"*{t}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "pad_table": "*i64",
+         "rank": "i32", "world_size": "i32", "epoch": "i32", "n": "i32", "divisor": "fp32"},
+        {"BLOCK": BLOCK}, {"num_warps": NUM_WARPS})
+       for t in ("bf16", "fp32")]
+    # the other sm_90 tiles the GEMM may choose (``gemm.choose_tile``)
+    + tile_candidate_examples(matmul_reduce_scatter_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
+                              {}, num_programs=SM_COUNT[90] - REDUCER_SMS))

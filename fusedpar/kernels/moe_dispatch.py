@@ -30,7 +30,7 @@ import triton.language as tl
 from ..comm import layout
 from .interpreter import interpreting
 from .moe_permute import ROW_BLOCK_GPU, row_blocks, rows_grid
-from .signal import STATUS, call_epoch, data_ptr, pad_ptr, record_failure
+from .signal import cdiv, STATUS, call_epoch, data_ptr, pad_ptr, record_failure
 
 CAPACITY_EXCEEDED = tl.constexpr(layout.CAPACITY_EXCEEDED)
 
@@ -161,7 +161,7 @@ def routes(table: torch.Tensor, rank: int, world: int, max_tokens: int | None, r
     out = torch.empty(2, recv_rows + send_rows, dtype=torch.int32, device=table.device)
     recv_src, send_src = out[:, :recv_rows], out[:, recv_rows:]
     per_expert = torch.empty(L, dtype=torch.int32, device=table.device)
-    grid = (max(1, triton.cdiv(max(recv_rows, send_rows), rows)), 2)
+    grid = (max(1, cdiv(max(recv_rows, send_rows), rows)), 2)
     routes_kernel[grid](table, table.stride(0), recv_src[0], recv_src[1], send_src[0], send_src[1],
                         per_expert, rank, W, L, max_tokens or 2**31 - 1, recv_rows, send_rows,
                         PADDED=max_tokens is not None, W_PAD=w_pad, L_PAD=l_pad,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreting
+from .signal import cdiv
 
 # the flag slot of a sort whose ids are not all in [-1, E) (ops.moe raises on it)
 INVALID_IDS = 2**31 - 1
@@ -44,7 +45,7 @@ def row_blocks() -> dict:
 def rows_grid(rows: int, H: int, cfg: dict) -> tuple[int, int]:
     """Row blocks on axis 0 (up to 2**31 - 1), column blocks on axis 1 (65535 at most: H up
     to 16M at BLOCK_H=256)."""
-    return max(1, triton.cdiv(rows, cfg["BLOCK_R"])), max(1, triton.cdiv(H, cfg["BLOCK_H"]))
+    return max(1, cdiv(rows, cfg["BLOCK_R"])), max(1, cdiv(H, cfg["BLOCK_H"]))
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def sort_by_expert(topk_idx: torch.Tensor, num_experts: int,
     raises)."""
     flat = topk_idx.reshape(-1).contiguous()  # reshape may keep a stride; the kernels read 1
     n, E = flat.numel(), num_experts
-    blocks = max(1, triton.cdiv(n, SORT_BLOCK))
+    blocks = max(1, cdiv(n, SORT_BLOCK))
     pos = torch.empty(n, dtype=torch.int32, device=flat.device)
     header = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
     counts = torch.zeros(blocks, E, dtype=torch.int32, device=flat.device)

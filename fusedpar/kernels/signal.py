@@ -14,12 +14,18 @@ Every argument that changes from call to call (rank, world size, epoch, fingerpr
 timeout) is ``do_not_specialize``: one binary serves every call (an int equal to 1, or
 divisible by 16, would otherwise compile a new one mid-training).
 
-An ``epoch`` argument ``<= 0`` is relative (``call_epoch``): the call's epoch is this rank's
-device-held ``EPOCH`` word plus it. That is how a call captured in a CUDA graph gets a new
-epoch on each replay (``SymmetricBuffer.use_device_epochs``); the host passes 0 for the
-call's epoch and -1 for the previous one.
+Epochs live on the device: every call adds one to this rank's ``EPOCH`` word before its
+other kernels read it (its first kernel does: ``stage_kernel``), and the ops pass an
+``epoch`` argument ``<= 0`` that is relative (``call_epoch``): 0 for the call's epoch, -1 for
+the previous one. So a call replayed from a CUDA graph gets a new epoch with no host
+involvement. (A positive ``epoch`` is absolute: kernel tests drive flags directly.)
+
+A kernel whose end needs every program finished (raise a flag after all reads, NaN-fill a
+failed call's outputs) takes a ticket: each program counts itself in a pad word and the last
+one does the closing work (``end_call``); no program ever waits for another of its launch.
 """
 
+import functools
 import os
 
 import torch
@@ -35,6 +41,11 @@ STATUS = tl.constexpr(layout.STATUS)
 DEADLINE = tl.constexpr(layout.DEADLINE)
 EPOCH = tl.constexpr(layout.EPOCH)
 GATHERED = tl.constexpr(layout.GATHERED)
+MIRROR = tl.constexpr(layout.MIRROR)
+STAGE_TICKET = tl.constexpr(layout.STAGE_TICKET)
+END_TICKET = tl.constexpr(layout.END_TICKET)
+TIMEOUT_READY = tl.constexpr(layout.TIMEOUT_READY)
+TIMEOUT_DONE = tl.constexpr(layout.TIMEOUT_DONE)
 PAD_BYTES = tl.constexpr(layout.PAD_BYTES)
 # Whether the kernels are compiled (not interpreted): decided when they are decorated, exactly
 # as triton decides to interpret them.
@@ -114,25 +125,108 @@ def time_is_up(my_pad, start, epoch, timeout_ns):
 
 @triton.jit
 def record_failure(my_pad, code, src, epoch):
-    """Record ``[code, src, epoch]`` in this rank's STATUS words unless a failure is there."""
+    """Record ``[code, src, epoch]`` in this rank's STATUS words unless a failure is there, and
+    in the host's status mirror (``layout.MIRROR``) where there is one."""
     if tl.atomic_cas(my_pad + STATUS, 0, code, sem="relaxed", scope="sys") == 0:
         tl.store(my_pad + STATUS + 1, src)
         tl.store(my_pad + STATUS + 2, epoch)
+        host = tl.load((my_pad + MIRROR).to(tl.pointer_type(tl.int64)), volatile=True)
+        if host != 0:
+            # plain stores: atomics on host memory are not atomic over PCIe; the code last
+            mirror = host.to(tl.pointer_type(tl.int32))
+            tl.store(mirror + 1, src)
+            tl.store(mirror + 2, epoch)
+            tl.debug_barrier()
+            tl.store(mirror, code)
+
+
+@triton.jit
+def wait_word(my_pad, word, target, src, epoch, timeout_ns, code):
+    """Wait until ``my_pad[word] >= target`` during the call of ``epoch`` (what the
+    interpreter's deadline is compared with); return whether it got there (False on any
+    failure; a timeout records ``[code, src, target]``)."""
+    status = my_pad + STATUS
+    start = clock_start()
+    value = tl.atomic_add(my_pad + word, 0, sem="acquire", scope="sys")
+    failed = tl.atomic_add(status, 0, sem="relaxed", scope="sys")
+    while (value < target) & (failed == 0):
+        if time_is_up(my_pad, start, epoch, timeout_ns):
+            record_failure(my_pad, code, src, target)
+        value = tl.atomic_add(my_pad + word, 0, sem="acquire", scope="sys")
+        failed = tl.atomic_add(status, 0, sem="relaxed", scope="sys")
+    return (value >= target) & (failed == 0)
 
 
 @triton.jit
 def wait_flag(my_pad, word, src, epoch, timeout_ns, code):
     """Wait until ``my_pad[word] >= epoch``; return whether it did (False on any failure)."""
-    status = my_pad + STATUS
-    start = clock_start()
-    value = tl.atomic_add(my_pad + word, 0, sem="acquire", scope="sys")
-    failed = tl.atomic_add(status, 0, sem="relaxed", scope="sys")
-    while (value < epoch) & (failed == 0):
-        if time_is_up(my_pad, start, epoch, timeout_ns):
-            record_failure(my_pad, code, src, epoch)
-        value = tl.atomic_add(my_pad + word, 0, sem="acquire", scope="sys")
-        failed = tl.atomic_add(status, 0, sem="relaxed", scope="sys")
-    return (value >= epoch) & (failed == 0)
+    return wait_word(my_pad, word, epoch, src, epoch, timeout_ns, code)
+
+
+@triton.jit
+def wait_peers(my_pad, word_base, rank, world_size, target, epoch, timeout_ns, code):
+    """``wait_word`` on ``word_base + src`` for every peer ``src``; whether all got there."""
+    ok = tl.full([], 1, tl.int1)
+    for src in range(0, world_size):
+        if src != rank:
+            ok = ok & wait_word(my_pad, word_base + src, target, src, epoch, timeout_ns, code)
+    return ok
+
+
+@triton.jit
+def raise_in_peers(pad_table, word_base, rank, world_size, epoch):
+    """``peer_pad[word_base + rank] = epoch`` in every peer's pad, with release semantics:
+    what this program saw and wrote before is visible first."""
+    for peer in range(0, world_size):
+        if peer != rank:
+            tl.atomic_xchg(pad_ptr(pad_table, peer) + word_base + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def last_program(my_pad, word):
+    """Count this program as finished in ``my_pad[word]``; True for the last one, which sets
+    the counter back to 0 for the next launch. Every thread's memory operations before it
+    (its tile's loads and stores) happen before the count, and through the acq_rel chain on
+    the counter before whatever the last program does next."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(my_pad + word, 1, sem="acq_rel", scope="sys")
+    last = ticket == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(my_pad + word, 0, sem="relaxed", scope="sys")
+    return last
+
+
+@triton.jit
+def nan_fill(out_ptr, numel, BLOCK: tl.constexpr):
+    """``out[:numel] = NaN`` by this program alone (a failed call's outputs: rare)."""
+    offsets = tl.arange(0, BLOCK)
+    for start in range(0, tl.cast(numel, tl.int64), BLOCK):  # int64: 2^31 elements must not wrap
+        idx = start + offsets
+        tl.store(out_ptr + idx, float("nan"), mask=idx < numel)
+
+
+@triton.jit
+def end_call(pad_table, rank, world_size, epoch, out_ptr, out_numel, out2_ptr, out2_numel,
+             POISON: tl.constexpr, SIGNAL_DONE: tl.constexpr, RAISE_GATHERED: tl.constexpr):
+    """Every program of a call's closing kernel calls this last. The last one to finish:
+    ``POISON``: NaN-fills the outputs (``out_numel`` and ``out2_numel`` elements, either may
+    be 0) if this rank recorded a failure, so a failed call's results never pass for
+    results whenever the host learns of it; ``RAISE_GATHERED``: sets every ``GATHERED``
+    flag (the gathered rows are all here); ``SIGNAL_DONE``: raises ``DONE[rank]`` in every
+    peer's pad (it read their data) to the call's epoch. ``epoch``: the kernel's argument,
+    resolved here (``call_epoch``) rather than kept in a register across the kernel's loop.
+    ``out_numel`` and ``out2_numel``: kernel arguments too, for the same reason."""
+    my_pad = pad_ptr(pad_table, rank)
+    if last_program(my_pad, END_TICKET):
+        if POISON:
+            if tl.load(my_pad + STATUS, volatile=True) != 0:
+                nan_fill(out_ptr, out_numel, 1024)
+                nan_fill(out2_ptr, out2_numel, 1024)
+        if RAISE_GATHERED:
+            for src in range(0, world_size):
+                tl.store(my_pad + GATHERED + src, 1)
+        if SIGNAL_DONE:
+            raise_in_peers(pad_table, DONE, rank, world_size, call_epoch(pad_table, rank, epoch))
 
 
 @triton.jit
@@ -175,9 +269,50 @@ def signal_peers_kernel(pad_table, word_base, rank, world_size, epoch, meta):
     epoch = call_epoch(pad_table, rank, epoch)
     if meta >= 0:
         tl.atomic_xchg(pad_ptr(pad_table, rank) + META, meta, sem="relaxed", scope="sys")
-    for peer in range(0, world_size):
-        if peer != rank:
-            tl.atomic_xchg(pad_ptr(pad_table, peer) + word_base + rank, epoch, sem="release", scope="sys")
+    raise_in_peers(pad_table, word_base, rank, world_size, epoch)
+
+
+# elements a stage program copies per step: 16 per thread of 8 warps (two 16-byte vectors
+# at 2-byte dtypes)
+STAGE_BLOCK = 4096
+STAGE_WARPS = 8
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "meta", "timeout_ns"])
+def stage_kernel(x_ptr, dst_ptr, out_ptr, pad_table, rank, world_size, meta, timeout_ns, numel,
+                 BLOCK: tl.constexpr, COPY_OUT: tl.constexpr, GATHER: tl.constexpr):
+    """The first kernel of a call, at epoch = this rank's EPOCH + 1. Every program waits until
+    every peer's DONE flag is at the last epoch (nobody still reads our data region), then
+    copies its blocks of ``x`` (``numel`` contiguous elements) to ``dst`` (in our data region)
+    and, ``COPY_OUT``, to ``out``. The last program to finish publishes ``meta``, (``GATHER``)
+    sets our GATHERED flags to 0 but our own to 1 (our rows are in place), stores the epoch
+    in EPOCH and raises READY in every peer's pad."""
+    my_pad = pad_ptr(pad_table, rank)
+    epoch = tl.load(my_pad + EPOCH, volatile=True) + 1
+    if wait_peers(my_pad, DONE, rank, world_size, epoch - 1, epoch, timeout_ns, TIMEOUT_DONE):
+        n = tl.cast(numel, tl.int64)  # 2^31 elements or more must not wrap
+        offsets = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            idx = start + offsets
+            inside = idx < n
+            vals = tl.load(x_ptr + idx, mask=inside)
+            tl.store(dst_ptr + idx, vals, mask=inside)
+            if COPY_OUT:
+                tl.store(out_ptr + idx, vals, mask=inside)
+    if last_program(my_pad, STAGE_TICKET):
+        if meta >= 0:
+            tl.atomic_xchg(my_pad + META, meta, sem="relaxed", scope="sys")
+        if GATHER:
+            for src in range(0, world_size):
+                tl.store(my_pad + GATHERED + src, (src == rank).to(tl.int32))
+        tl.atomic_xchg(my_pad + EPOCH, epoch, sem="relaxed", scope="sys")
+        raise_in_peers(pad_table, READY, rank, world_size, epoch)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` on the host: ``triton.cdiv`` is a constexpr function in triton 3.8,
+    several times the cost of this, on every launch."""
+    return -(-a // b)
 
 
 # A kernel that spins on flags gets at most this many programs per SM and loops over its
@@ -187,12 +322,17 @@ PROGRAMS_PER_SM = 4
 INTERPRETER_PROGRAMS = 8
 
 
+_sm_counts: dict = {}
+
+
 def sm_count(device: torch.device) -> int | None:
-    """The SM count of a CUDA device (asked at launch, never at import); None when the
-    kernels run in the interpreter."""
+    """The SM count of a CUDA device (asked at its first launch, never at import; kept);
+    None when the kernels run in the interpreter."""
     if not COMPILED or device.type != "cuda":
         return None
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
 
 
 def spinning_grid(work_items: int, sms: int | None) -> int:
@@ -219,7 +359,7 @@ POISON_BLOCK = 1024
 
 
 def poison_grid(numel: int, sms: int | None) -> tuple[int]:
-    return (spinning_grid(triton.cdiv(numel, POISON_BLOCK), sms),)
+    return (spinning_grid(cdiv(numel, POISON_BLOCK), sms),)
 
 
 def poison_if_failed(pad: torch.Tensor, out: torch.Tensor) -> None:
@@ -248,6 +388,25 @@ def signal_peers(pad_table: torch.Tensor, word_base: int, rank: int, world_size:
     signal_peers_kernel[(1,)](pad_table, word_base, rank, world_size, epoch, meta)
 
 
+@functools.lru_cache(maxsize=256)
+def stage_grid(numel: int, sms: int | None) -> tuple[int]:
+    """``stage_kernel``'s grid for ``numel`` elements (kept: every call of a shape asks): it
+    waits, so ``spinning_grid``-capped (peers' DONE needs none of its SMs)."""
+    return (spinning_grid(cdiv(numel, STAGE_BLOCK), sms),)
+
+
+def stage(x: torch.Tensor, dst: torch.Tensor, pad_table: torch.Tensor, rank: int, world_size: int,
+          meta: int, timeout_ns: int, *, out: torch.Tensor | None = None, gather: bool = False,
+          sms: int | None = None) -> None:
+    """Begin a call (``stage_kernel``): ``dst`` (this rank's data region, or rows of it) and,
+    given, ``out`` get ``x``'s elements (all three contiguous, ``dst`` and ``out`` at least as
+    long as ``x``) once every peer is done with the last call; then READY. ``meta`` < 0:
+    publish none. ``sms``: the GPU's SM count (``sm_count``; None in the interpreter)."""
+    stage_kernel[stage_grid(x.numel(), sms)](x, dst, x if out is None else out, pad_table, rank, world_size, meta,
+                       timeout_ns, x.numel(), BLOCK=STAGE_BLOCK, COPY_OUT=out is not None,
+                       GATHER=gather, num_warps=STAGE_WARPS)
+
+
 AOT_EXAMPLES = [
     (wait_flags_kernel,
      {"pad_table": "*i64", "word_base": "i32", "rank": "i32", "world_size": "i32", "epoch": "i32",
@@ -257,4 +416,14 @@ AOT_EXAMPLES = [
       "meta": "i32"}, {}, {"num_warps": 4}),
     *[(poison_if_failed_kernel, {"my_pad": "*i32", "out_ptr": f"*{t}", "n": "i32"},
        {"BLOCK": POISON_BLOCK}, {"num_warps": 4}) for t in ("bf16", "fp32")],
+    # the collectives' staging (every dtype all_gather takes), all_gather_matmul's (with the
+    # gathered flags; returning A_gathered: COPY_OUT)
+    *[(stage_kernel,
+       {"x_ptr": f"*{t}", "dst_ptr": f"*{t}", "out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32",
+        "world_size": "i32", "meta": "i32", "timeout_ns": "i64", "numel": "i32"},
+       {"BLOCK": STAGE_BLOCK, "COPY_OUT": copy_out, "GATHER": gather}, {"num_warps": STAGE_WARPS})
+      for t, variants in (("bf16", ((False, False), (False, True), (True, True))),
+                          ("fp16", ((False, False),)), ("i32", ((False, False),)), ("i64", ((False, False),)),
+                          ("fp32", ((False, False), (False, True), (True, True))))
+      for copy_out, gather in variants],
 ]

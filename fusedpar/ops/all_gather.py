@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ..comm import counters, group_name, resolve_group
 from . import protocol as C
 from .calls import CollectiveCall, GATHER_DTYPES, check_dim, check_dtype
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, Plans
 from .registry import EXAMPLE_WORLD, register
 from .reduce_scatter import reduce_scatter
 
@@ -43,28 +43,37 @@ class Reference(Backend):
 class Symmetric(C.SymmetricBackend):
     """Stage the input in symmetric memory; one kernel pulls every peer's shard."""
 
-    def pull(self, call, buf, staged, epoch, meta):
+    def pull(self, call, buf, staged, epoch, meta, ends):
         x, world, outer = call.x, call.world_size, call.outer
         inner = x.numel() // outer
         # allocated in the final shape (a returned view would make FSDP2 and autograd warn)
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
         stats = C.stats_tensor(x.device)
         self.launchers.all_gather_pull(out, staged, buf.pad_table, buf.rank, world, epoch, meta,
-                                       outer, inner, buf.timeout_ns, stats)
+                                       outer, inner, buf.timeout_ns, stats, **ends)
         counters.record(OP, self.name, stats)
         return out
 
 
 DISPATCHER = Dispatcher(OP, [*C.symmetric_backends(Symmetric), Reference()])
+PLANS = Plans(OP)
 
 
 @torch.library.custom_op("fusedpar::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, dim: int, group_name: str, backend: str) -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.device, dim, group_name, backend)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.make(key, x.device, lambda: _plan(x, dim, group_name, backend))
+    return plan(x)
+
+
+def _plan(x, dim, group_name, backend):
     dim = check_dim(OP, x, dim)
     check_dtype(OP, x, GATHER_DTYPES)
     group = resolve_group(group_name)
     call = CollectiveCall(OP, x, dim, dist.get_world_size(group), group)
-    return DISPATCHER.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).plan(call)
 
 
 @_all_gather_op.register_fake

@@ -9,14 +9,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, resolve_group,
+from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, resolve_group, symmetric,
                     torch_symm_unsupported_reason)
+from ..kernels import all_gather as all_gather_kernels
 from ..kernels import gemm_peers
+from ..kernels import signal as signal_kernels
 from . import protocol as C
-from .calls import CollectiveCall, MatmulCall, check_matmul_inputs
+from .calls import CollectiveCall, MatmulCall, check_matmul_inputs, moved_shape
 from .all_gather import DISPATCHER as ALL_GATHER
 from .reduce_scatter import DISPATCHER as REDUCE_SCATTER, reduce_scatter
-from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .backend import Backend, Dispatcher, Plans, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
 
 OP = "all_gather_matmul"
@@ -123,13 +125,22 @@ class Pipelined(Backend):
 
 
 class Triton(Backend):
-    """Each peer's staged shard is copied into the local gathered buffer, raising this
-    rank's ``GATHERED + src`` flag after it (``C.gathering``: on a GPU a side stream, the
-    copy engine with ``stream_write_value32`` flags; on CPU and in a loopback, in stream
-    order before the GEMM), while one persistent Triton GEMM multiplies each shard's rows
-    as soon as its flag is up, own shard first in rank-rotated order (the grouped GEMM's
-    peers kernel with one expert and a block per shard; TMA loads on Hopper). Each peer
-    shard crosses once. Further Bs reuse the gathered A with a plain matmul.
+    """Every rank stages its shard at its own slot of its data region (rows ``rank * m``
+    of a gathered A) and raises READY (one kernel, ``signal.stage_kernel``, which also
+    resets this call's GATHERED flags). Each peer's staged shard is then copied into the
+    same rows of the local gathered A (the data region itself, or the returned A_gathered,
+    which the stage also wrote the own shard to), raising this rank's ``GATHERED + src`` flag
+    after it, while one persistent Triton GEMM multiplies each shard's rows as soon as its
+    flag is up, own shard first in rank-rotated order (the grouped GEMM's peers kernel with
+    one expert and a block per shard; TMA loads on Hopper), and NaN-fills the outputs of a
+    failed call at its end. On a GPU in a group the copies run on a side stream
+    (``C.gathering``: a one-program READY wait, copy-engine copies with
+    ``stream_write_value32`` flags, then DONE right after the last copy) and the GEMM's
+    resident grid leaves that stream an SM; on CPU and in a loopback one pull kernel copies
+    them before the GEMM and raises DONE. Each peer shard crosses once; nothing is copied
+    twice when A_gathered is not returned. Further Bs reuse the gathered A with a plain
+    matmul. Nothing depends on a host value a replay would freeze: a call can be captured
+    in a CUDA graph.
     """
 
     name = "triton"
@@ -138,39 +149,132 @@ class Triton(Backend):
         return C.fused_dtype_reasons(call) + C.triton_reasons(call)
 
     def run(self, call: MatmulCall):
+        return self.plan(call)(call.x, call.bs)
+
+    def plan(self, call: MatmulCall):
         if call.last_dim:  # K-sharded: the symmetric-memory all_gather, then the matmuls
-            return _gather_k_then_matmul(call, self.name)
-        a = call.rows()
-        buf = get_buffer(call.group, a.numel() * a.element_size(), a.device)
-        gathered, outs = self.run_views([buf], [a], call, copy_engine=a.is_cuda)[0]
-        outs = [call.unflatten(out, call.world_size) for out in outs]
-        return (call.unflatten(gathered, call.world_size) if call.return_a else None), outs
+            make = call.maker()
+            return lambda A, Bs: _gather_k_then_matmul(make(A, Bs), self.name)
+        a, world, dim = call.rows(), call.world_size, call.dim
+        buf = get_buffer(call.group, world * a.numel() * a.element_size(), a.device)
+        views = _Gather(call, [buf], copy_engine=a.is_cuda and world > 1)  # a group of one copies nothing
+        unflatten = _unflattener(call)
 
-    def run_views(self, bufs, a_rows, call: MatmulCall, copy_engine: bool):
+        def run(A, Bs):
+            gathered, outs = views.run_one(_rows(A, dim), Bs)
+            return (None if gathered is None else unflatten(gathered)), [unflatten(o) for o in outs]
+
+        return run
+
+    def run_views(self, bufs, a_rows, call: MatmulCall, copy_engine: bool, delays=None):
         """``[(gathered or None, [outs])]`` per rank view, rows in gathered order (not
-        unflattened); gathered None without ``call.return_a`` (no NaN-fill launch for it)."""
-        world, bs = call.world_size, call.bs
-        meta = call.fingerprint()
+        unflattened); gathered None without ``call.return_a``. ``delays``: see
+        ``all_gather_matmul_loopback``."""
+        return _Gather(call, bufs, copy_engine).run(a_rows, call.bs, delays)
 
-        def gemm(buf, staged, epoch):
-            rank, (m, k) = buf.rank, staged.shape
-            new = dict(dtype=staged.dtype, device=staged.device)
-            gathered = torch.empty(world * m, k, **new)
-            outs = [torch.empty(world * m, b.shape[1], **new) for b in bs]
-            sources, tables = _shard_blocks(rank, world, m, staged.device)
-            blocks = [(src, gathered[src * m:(src + 1) * m],
-                       buf.data(staged.dtype, staged.numel(), rank=src).view_as(staged))
-                      for src in sources]
-            with C.gathering(buf, blocks, epoch, meta, copy_engine):
-                gemm_peers.grouped_mm_peers(gathered, bs[0].unsqueeze(0), outs[0], *tables,
-                                              buf.pad_table, rank, world, epoch, buf.timeout_ns,
-                                              push=False)
-            counters.record(OP, self.name, (world - 1) * staged.numel() * staged.element_size())
-            for b, out in zip(bs[1:], outs[1:]):
-                torch.matmul(gathered, b, out=out)
-            return (gathered if call.return_a else None), outs
 
-        return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, a_rows, meta, call.description(), gemm)
+def _rows(a: torch.Tensor, dim: int) -> torch.Tensor:
+    """``MatmulCall.rows`` of ``a``, contiguous: the rows with ``dim`` first, ``[rows, K]``."""
+    rows = a if dim == 0 and a.dim() == 2 else a.movedim(dim, 0).flatten(0, -2)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def _unflattener(call: MatmulCall):
+    """``call.unflatten(t, W)`` for every call of ``call``'s signature (none of its
+    tensors kept): the identity for a 2-D A gathered along dim 0."""
+    if call.dim == 0 and call.x.dim() == 2:
+        return lambda t: t
+    shape, dim, world = call.x.shape, call.dim, call.world_size
+    return lambda t: t.view(moved_shape(shape, dim, world, t.shape[-1])).movedim(0, dim).contiguous()
+
+
+class _View:
+    """One rank view's part of ``_Gather``: its buffer, its data region as the gathered A,
+    its own slot of it, its peers' slots, its block tables."""
+
+    def __init__(self, buf, dtype, world: int, m: int, k: int):
+        self.buf, self.pad_table, self.rank = buf, buf.pad_table, buf.rank
+        self.region = buf.data(dtype, world * m * k).view(world * m, k)
+        self.own = slice(buf.rank * m, (buf.rank + 1) * m)
+        self.slot = self.region[self.own]
+        sources, (self.blocks, self.runs, self.run_rows) = _shard_blocks(buf.rank, world, m, buf.device)
+        # each peer's staged rows: (src, its slot of src's data region), in the GEMM's order
+        self.peers = [(src, buf.data(dtype, world * m * k, rank=src).view(world * m, k)[src * m:(src + 1) * m])
+                      for src in sources if src != buf.rank]
+
+
+class _Gather:
+    """The triton backend's calls of one signature on one set of rank views (one, or W in a
+    loopback): the views (``_View``), the fingerprint and the GEMM's launch, made once."""
+
+    def __init__(self, call: MatmulCall, bufs, copy_engine: bool):
+        a, world = call.rows(), call.world_size
+        m, k = a.shape
+        self.world, self.m, self.k = world, m, k
+        self.dtype, self.device = a.dtype, a.device
+        self.copy_engine, self.return_a = copy_engine, call.return_a
+        self.meta, self.desc = call.fingerprint(), call.description()
+        self.widths = [b.shape[1] for b in call.bs]
+        self.views = [_View(buf, a.dtype, world, m, k) for buf in bufs]
+        self.gemm = gemm_peers.GatherLaunch(self.views[0].region, call.bs[0], self.views[0].run_rows)
+        self.sms = signal_kernels.sm_count(a.device)
+        self.timeout_ns = bufs[0].timeout_ns  # a plan lives until the settings change
+        self.moved = (world - 1) * m * k * a.element_size()
+
+    def run(self, a_rows, bs, delays=None) -> list:
+        """Every view's ``(gathered or None, outs)``: all stage before any gathers, so one
+        process can play every rank."""
+        for view in self.views:
+            view.buf.next_epoch(graphable=True, kernel_advances=True)
+        gathered = [self._stage(view, a) for view, a in zip(self.views, a_rows)]
+        results = [self._multiply(view, g, bs, delays) for view, g in zip(self.views, gathered)]
+        for view in self.views:
+            view.buf.finish(OP)
+        return results
+
+    def run_one(self, a, bs):
+        """``run`` of a group's one view (following its buffer if it grew since)."""
+        view = self.views[0]
+        if not view.buf.live:
+            view = self.views[0] = _View(symmetric.follow(view.buf), self.dtype, self.world, self.m, self.k)
+        view.buf.next_epoch(graphable=True, kernel_advances=True)
+        result = self._multiply(view, self._stage(view, a), bs, None)
+        view.buf.finish(OP)
+        return result
+
+    def _stage(self, view: _View, a: torch.Tensor):
+        """Stage ``a`` at the view's slot (and in the returned A_gathered): the gathered A or None."""
+        view.buf.publish(self.desc)  # before READY: what peers read after a mismatch
+        g = torch.empty(self.world * self.m, self.k, dtype=self.dtype, device=self.device) \
+            if self.return_a else None
+        signal_kernels.stage(a, view.slot, view.pad_table, view.rank, self.world, self.meta,
+                             self.timeout_ns, out=None if g is None else g[view.own], gather=True,
+                             sms=self.sms)
+        return g
+
+    def _multiply(self, view: _View, g, bs, delays):
+        """Gather the peers' rows into the view's gathered A and multiply it by every B."""
+        a_all = view.region if g is None else g
+        rows = self.world * self.m
+        outs = [torch.empty(rows, width, dtype=self.dtype, device=self.device) for width in self.widths]
+        if self.copy_engine:
+            blocks = [(src, a_all[src * self.m:(src + 1) * self.m], staged) for src, staged in view.peers]
+            with C.gathering(view.buf, blocks, 0, self.meta, True, delays, signal_done=True):
+                self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
+                          view.rank, self.world, self.timeout_ns, gathered=g)
+        else:
+            if view.peers:
+                all_gather_kernels.all_gather_pull(a_all, a_all, view.pad_table, view.rank, self.world, 0,
+                                                   self.meta, 1, self.m * self.k, self.timeout_ns,
+                                                   C.stats_tensor(self.device), slots=True)
+            self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
+                      view.rank, self.world, self.timeout_ns, gathered=g)
+        counters.record(OP, "triton", self.moved)
+        for b, out in zip(bs[1:], outs[1:]):
+            torch.matmul(a_all, b, out=out)
+            if g is None:  # the GEMM NaN-filled what it read from: the gathered A
+                signal_kernels.poison_if_failed(view.buf.pad(), out)
+        return g, outs
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,14 +323,25 @@ class SymmMem(Backend):
 
 
 DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference(), SymmMem()])  # vendor's last
+PLANS = Plans(OP)
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=(), schema=SCHEMA)
 def _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name, *, return_A=True, backend=""):
+    key = (A_shard.shape, A_shard.stride(), A_shard.dtype, A_shard.device, gather_dim, group_name,
+           return_A, backend, *[(b.shape, b.stride(), b.dtype, b.device) for b in Bs])
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.make(key, A_shard.device, lambda: _plan(A_shard, Bs, gather_dim, group_name,
+                                                             return_A, backend))
+    return plan(A_shard, Bs)
+
+
+def _plan(A_shard, Bs, gather_dim, group_name, return_A, backend):
     group = resolve_group(group_name)
     world = dist.get_world_size(group)
     call = MatmulCall(OP, A_shard, _check(A_shard, Bs, gather_dim, world), world, group, Bs, return_A)
-    return DISPATCHER.select(call, backend).run(call)
+    return DISPATCHER.select(call, backend).plan(call)
 
 
 @_all_gather_matmul_op.register_fake
@@ -270,31 +385,43 @@ _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tensor],
-                               gather_dim: int = 0, *, return_A: bool = True):
+                               gather_dim: int = 0, *, return_A: bool = True,
+                               copy_engine: bool = False, copy_delays: list[int] | None = None):
     """Every rank's part of ``all_gather_matmul`` in this process (rank r's shard is
     ``a_shards[r]``; every rank multiplies by the same ``Bs``) over a loopback buffer, with
-    the ``triton`` backend's GEMM as a group runs it; the peers' shards are copied in stream
-    order before each view's GEMM (one GPU has no link to overlap them with, and a
-    same-device copy may need the SMs a spinning GEMM holds). Returns each rank's
-    ``(A_gathered or None, outs)``. For single-device benchmarks and tests of the protocol."""
+    the ``triton`` backend's GEMM as a group runs it. Returns each rank's ``(A_gathered or
+    None, outs)``. For single-device benchmarks and tests of the protocol.
+
+    The peers' shards are copied in stream order before each view's GEMM (one GPU has no
+    link to overlap them with), or with ``copy_engine`` (CUDA) as a group copies them: on
+    the side stream while the view's GEMM spins on their flags; ``copy_delays``: per peer
+    shard (in the order the GEMM takes them), GPU cycles the side stream sleeps before that
+    copy (flags raised late: the GEMM under real overlap, for benchmarks)."""
     if not a_shards:
         raise ValueError(f"fusedpar.{OP}_loopback: a_shards must hold one tensor per simulated rank")
     first = a_shards[0]
     for r, a in enumerate(a_shards):
         if a.shape != first.shape or a.dtype != first.dtype or a.device != first.device:
             raise ValueError(f"fusedpar.{OP}_loopback: a_shards[{r}] differs from a_shards[0]")
+    if (copy_engine or copy_delays) and not first.is_cuda:
+        raise ValueError(f"fusedpar.{OP}_loopback: copy_engine / copy_delays need CUDA tensors; "
+                         f"a_shards are on {first.device}")
     world = len(a_shards)
+    if copy_delays is not None and len(copy_delays) != world - 1:
+        raise ValueError(f"fusedpar.{OP}_loopback: copy_delays needs one value per peer shard "
+                         f"({world - 1}), got {len(copy_delays)}")
     call = MatmulCall(OP, first, check_matmul_inputs(OP, first, Bs, gather_dim, "gather_dim"),
                       world, None, Bs, return_A)
     if call.last_dim:
         raise ValueError(f"fusedpar.{OP}_loopback: gather_dim={gather_dim} is A's last dim; the "
                          "loopback runs the fused row gather only (gather a leading dim)")
     backend = DISPATCHER.select(call, "triton")
-    rows = [MatmulCall(OP, a, call.dim, world, None, Bs).rows().contiguous() for a in a_shards]
-    bufs = get_loopback_buffers(world, rows[0].numel() * rows[0].element_size(), first.device)
-    results = backend.run_views(bufs, rows, call, copy_engine=False)
-    return [((call.unflatten(g, world) if return_A else None), [call.unflatten(o, world) for o in outs])
-            for g, outs in results]
+    rows = [_rows(a, call.dim) for a in a_shards]
+    bufs = get_loopback_buffers(world, world * rows[0].numel() * rows[0].element_size(), first.device)
+    results = backend.run_views(bufs, rows, call, copy_engine=copy_engine or bool(copy_delays),
+                                delays=copy_delays)
+    unflatten = _unflattener(call)
+    return [((unflatten(g) if return_A else None), [unflatten(o) for o in outs]) for g, outs in results]
 
 
 def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group=None,
@@ -318,11 +445,11 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
     cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
     A_shard, *Bs = autocast_inputs(A_shard, *Bs)
-    wants_grad = torch.is_grad_enabled() and any(b.requires_grad for b in Bs)
+    # B's gradient needs A_gathered
+    keep_a = return_A or torch.is_grad_enabled() and any([b.requires_grad for b in Bs])
     with autocast_off(A_shard):
-        gathered, outs = _all_gather_matmul_op(A_shard, list(Bs), gather_dim, group_name(group),
-                                               return_A=return_A or wants_grad,
-                                               backend=backend or "")
+        gathered, outs = _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name(group),
+                                               return_A=keep_a, backend=backend or "")
     return (gathered if return_A else None), outs
 
 

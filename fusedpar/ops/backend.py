@@ -30,24 +30,67 @@ What a backend implements depends on its op's kind (every backend of one op is o
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..errors import BackendNotSupportedError
+from ..comm import settings, symmetric
+from ..comm.symmetric import capturing
+from ..errors import BackendNotSupportedError, FusedparError
 from . import registry, tuning
 
 
 class Backend:
     """One way to run an op. Subclasses set ``name`` and implement the methods of their
     op's kind (the protocols below); ``not_supported_reasons`` says why a call cannot run
-    here (empty: it can)."""
+    here (empty: it can). ``plan(call)``: what runs every call of ``call``'s signature
+    (``Plans``): by default ``run`` on a call made around the call's tensors."""
 
     name = ""
 
     def not_supported_reasons(self, call) -> list[str]:
         return []
+
+    def plan(self, call):
+        make = call.maker()
+        return lambda *tensors: self.run(make(*tensors))
+
+
+class Plans:
+    """An op's plans by signature key (shapes, strides, dtypes, device, group, arguments),
+    so that a call of a signature seen before does no check, no dispatch and no host-side
+    setup: ``get(key)`` (None: ``make`` one). A plan is a callable taking the call's tensors;
+    one that holds a symmetric buffer follows it when it grows (``symmetric.follow``). All
+    are dropped when the settings are read again (``settings.refresh``) or the buffers
+    released (``comm.release_buffers``); at most ``MAX`` are kept (varying shapes make new
+    keys)."""
+
+    MAX = 256
+
+    def __init__(self, op: str):
+        self.op = op
+        self._plans: dict = {}
+        self._version = None
+
+    def get(self, key):
+        version = (settings.get().version, symmetric.generation)
+        if self._version != version:
+            self._plans.clear()
+            self._version = version
+        return self._plans.get(key)
+
+    def make(self, key, device: torch.device, build):
+        """``build()``'s plan for ``key``, kept. Making one runs checks, may agree on a
+        backend across ranks and allocates: never while a CUDA graph is captured."""
+        if capturing(device):
+            raise FusedparError(
+                f"fusedpar.{self.op}: the first call of this signature (shapes, strides, dtypes, "
+                "arguments) is being captured in a CUDA graph, but it checks its inputs, may agree "
+                "with the other ranks and allocates; run one eager call of it before capturing")
+        if len(self._plans) >= self.MAX:
+            self._plans.clear()
+        plan = self._plans[key] = build()
+        return plan
 
 
 @runtime_checkable
@@ -97,11 +140,17 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
                  and t.dtype != torch.float64 else t for t in tensors)
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def autocast_off(t: torch.Tensor):
     """A region where autocast is off on ``t``'s device: an op's own math (the reference
-    backends' fp32 accumulation) keeps the dtypes it chose."""
+    backends' fp32 accumulation) keeps the dtypes it chose. Where autocast is off already,
+    no region at all (entering torch.autocast costs a few dozen Python calls)."""
     kind = _autocast_device(t)
-    return contextlib.nullcontext() if kind is None else torch.autocast(kind, enabled=False)
+    if kind is None or not torch.is_autocast_enabled(kind):
+        return _NO_CONTEXT
+    return torch.autocast(kind, enabled=False)
 
 
 def _autocast_device(t) -> str | None:
@@ -151,7 +200,7 @@ class Dispatcher:
                     f"choose one of {self.names}"
                 )
             return requested
-        env = os.environ.get("FUSEDPAR_BACKEND", "")
+        env = settings.get().backend
         check_backend_name(env, "FUSEDPAR_BACKEND")
         return env if env in self.backends else ""
 

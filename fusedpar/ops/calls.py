@@ -32,6 +32,12 @@ class CollectiveCall:
         name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
         return (name, self.x.device.type, self.x.dtype)
 
+    def maker(self):
+        """A function of this call's tensors that makes calls like this one, keeping none of
+        its tensors (what a plan holds: ``backend.Plans``)."""
+        op, dim, world, group, reduce_op = self.op, self.dim, self.world_size, self.group, self.reduce_op
+        return lambda x: CollectiveCall(op, x, dim, world, group, reduce_op)
+
     def describe(self) -> str:
         return (f"x of shape {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, "
                 f"dim={self.dim}, world size {self.world_size}")
@@ -88,6 +94,11 @@ class MatmulCall(CollectiveCall):
     def __init__(self, op, a, dim, world_size, group, bs, return_a=True, reduce_op=""):
         super().__init__(op, a, dim, world_size, group, reduce_op)
         self.bs, self.return_a = list(bs), return_a
+
+    def maker(self):
+        op, dim, world, group, return_a, reduce_op = (self.op, self.dim, self.world_size, self.group,
+                                                      self.return_a, self.reduce_op)
+        return lambda a, bs: MatmulCall(op, a, dim, world, group, bs, return_a, reduce_op)
 
     def fingerprint(self) -> int:
         return symmetric.fingerprint(self.op, self.x.dtype, tuple(self.x.shape), self.dim,

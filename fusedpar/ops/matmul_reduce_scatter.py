@@ -6,15 +6,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, layout, resolve_group, symmetric
 from ..kernels import matmul_reduce_scatter as kernels
+from ..kernels import reduce_scatter as reduce_scatter_kernels
 from ..kernels import signal as signal_kernels
 from ..kernels.signal import sm_count
 from . import protocol as C
 from .all_gather_matmul import DISPATCHER as ALL_GATHER_MATMUL
 from .all_gather_matmul import all_gather_matmul, symm_mem_reasons
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
-from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .backend import Backend, Dispatcher, Plans, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
 
 OP = "matmul_reduce_scatter"
@@ -47,9 +48,17 @@ def _out_shape(call: MatmulCall) -> list[int]:
 
 def _chunk_out(call: MatmulCall, rows: torch.Tensor) -> torch.Tensor:
     """This rank's ``[rows, N]`` block (scattered dim first) in the caller's layout."""
-    shape = _out_shape(call)
-    lead = [shape[call.dim]] + [s for i, s in enumerate(shape[:-1]) if i != call.dim]
-    return rows.view(*lead, shape[-1]).movedim(0, call.dim).contiguous()
+    return _chunk_layout(call)(rows)
+
+
+def _chunk_layout(call: MatmulCall):
+    """``_chunk_out`` for every call of ``call``'s signature (keeping none of its tensors):
+    the identity for a 2-D A scattered along dim 0."""
+    if call.dim == 0 and call.x.dim() == 2:
+        return lambda rows: rows
+    shape, dim = _out_shape(call), call.dim
+    lead = [shape[dim]] + [s for i, s in enumerate(shape[:-1]) if i != dim]
+    return lambda rows: rows.view(*lead, shape[-1]).movedim(0, dim).contiguous()
 
 
 class Reference(Backend):
@@ -105,14 +114,17 @@ class Pipelined(Backend):
 class Triton(Backend):
     """One persistent Triton GEMM writes A @ B into this rank's symmetric buffer, chunks in
     rank-rotated order (own chunk last); the tile that completes a chunk raises READY in
-    that chunk owner's pad. Meanwhile each peer's partial of this rank's chunk is copied
-    into a local staging buffer as soon as its flag is up, in the order the peers finish
-    them (``_fetch_partials``: on a GPU in a group, a side stream, one single-program flag
-    wait and a copy-engine copy per peer, while the GEMM leaves ``REDUCER_SMS`` SMs free;
-    on CPU and in a loopback, in stream order after the GEMMs). Once the own GEMM is done
-    one pass sums the W partials in fp32, in rank order, rounding once. The partials are
-    kept in the output dtype, so the W-1 chunks a rank copies are the lower bound of the
-    traffic; the staging buffer costs (W-1)/W of the product's size."""
+    that chunk owner's pad. Then each rank sums the W partials of its chunk in fp32, in
+    rank order, rounding once, and the kernel that does closes the call (DONE to every peer,
+    NaNs for a failed call): in a group on a GPU, each peer's partial is first copied into
+    a local staging buffer as soon as its flag is up, in the order the peers finish them
+    (``_fetch_partials``: a side stream, one single-program flag wait and a copy-engine copy
+    per peer, while the GEMM leaves ``REDUCER_SMS`` SMs free), and ``reduce_chunks`` sums
+    them once the own GEMM is done; on CPU and in a loopback, ``reduce_scatter_pull`` reads
+    the partials where they are, after the GEMMs. Two launches per rank there. The partials
+    are kept in the output dtype, so the W-1 chunks a rank reads are the lower bound of the
+    traffic; the staging buffer costs (W-1)/W of the product's size. Nothing a call does
+    depends on a host value a replay would freeze: it can be captured in a CUDA graph."""
 
     name = "triton"
 
@@ -120,69 +132,119 @@ class Triton(Backend):
         return C.fused_dtype_reasons(call) + C.triton_reasons(call)
 
     def run(self, call: MatmulCall):
+        return self.plan(call)(call.x, call.bs)
+
+    def plan(self, call: MatmulCall):
+        """Every call of ``call``'s signature: the buffer, its views, the fingerprint and (a
+        group on a GPU) the staging buffer made once."""
         a = call.rows()
-        nbytes = a.shape[0] * call.bs[0].shape[1] * a.element_size()
-        buf = get_buffer(call.group, nbytes, a.device)
-        side_stream = a.is_cuda and call.world_size > 1  # a group of one copies nothing
-        return _chunk_out(call, self.run_views([buf], [a], call.bs, call, side_stream)[0])
+        views = _Views.make(call, [get_buffer(call.group, _nbytes(a, call.bs[0]), a.device)],
+                            side_stream=a.is_cuda and call.world_size > 1)  # a group of one copies nothing
+        dim, chunk_out = call.dim, _chunk_layout(call)
+
+        def run(A, Bs):
+            return chunk_out(views.run([_rows(A, dim)], Bs)[0])
+
+        return run
 
     def run_views(self, bufs, a_rows, bs, call: MatmulCall, side_stream: bool) -> list[torch.Tensor]:
         """Each rank view's ``[rows / W, N]`` chunk of the reduced product; ``side_stream``
         (CUDA): the copies on the side stream, overlapping the GEMMs."""
-        world, meta = call.world_size, call.fingerprint()
-        m, n = a_rows[0].shape[0], bs[0].shape[1]
-        m_chunk = m // world
-        divisor = float(world) if call.reduce_op == "avg" else 1.0
-        dtype, device = a_rows[0].dtype, a_rows[0].device
-        if m_chunk == 0 or n == 0:  # an empty result (every rank's: shapes agree), no exchange
-            return [torch.empty(m_chunk, n, dtype=dtype, device=device) for _ in bufs]
-        main = torch.cuda.current_stream(device) if side_stream else None
-        side = C.side_stream(device) if side_stream else None
+        return _Views.make(call, bufs, side_stream).run(a_rows, bs)
+
+
+def _nbytes(a_rows: torch.Tensor, b: torch.Tensor) -> int:
+    return a_rows.shape[0] * b.shape[1] * a_rows.element_size()
+
+
+def _rows(a: torch.Tensor, dim: int) -> torch.Tensor:
+    """``MatmulCall.rows`` of ``a``: the rows with ``dim`` first, as ``[rows, K]``."""
+    return a if dim == 0 and a.dim() == 2 else a.movedim(dim, 0).flatten(0, -2)
+
+
+class _Views:
+    """The triton backend's calls of one signature on one set of rank views (one, or W in a
+    loopback): the views of each rank's partials, the fingerprint, the GEMM's config and, with
+    a side stream, the staging buffers, made once."""
+
+    @classmethod
+    def make(cls, call: MatmulCall, bufs, side_stream: bool) -> "_Views":
+        self = cls()
+        a, n = call.rows(), call.bs[0].shape[1]
+        world = call.world_size
+        self.world, self.n = world, n
+        self.m_chunk = a.shape[0] // world
+        self.dtype, self.device = a.dtype, a.device
+        self.meta, self.desc = call.fingerprint(), call.description()
+        self.divisor = float(world) if call.reduce_op == "avg" else 1.0
+        self.rows = a.shape[0]
+        self.bind(bufs)
+        self.side = C.side_stream(a.device) if side_stream else None
         # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
-        config = ({"NUM_PROGRAMS": sm_count(device) - kernels.REDUCER_SMS}
-                  if side_stream else None)
-        epochs = [buf.next_epoch() for buf in bufs]
-        partials, stages = [], []
-        for buf, a, b, epoch in zip(bufs, a_rows, bs, epochs):
-            C.wait_peers_done(C.TRITON_LAUNCHERS, buf, epoch)  # nobody reads our last partials
-            kernels.reset_chunk_counters(buf.pad(), world)
-            buf.publish(call.description(), meta)
-            partials.append(buf.data(dtype, m * n).view(world, m_chunk * n))
-            stages.append(torch.empty(world - 1, m_chunk * n, dtype=dtype, device=device))
+        sms = sm_count(a.device) - kernels.REDUCER_SMS if side_stream else None
+        self.stages = [torch.empty(world - 1, self.m_chunk * n, dtype=a.dtype, device=a.device)
+                       for _ in bufs] if side_stream else None
+        self.gemm = kernels.ScatterLaunch(a, call.bs[0], world, sms)
+        self.timeout_ns = bufs[0].timeout_ns  # a plan lives until the settings change
+        return self
+
+    def bind(self, bufs) -> None:
+        """Use ``bufs``: each rank's partials are its data region's first rows x N."""
+        self.bufs = bufs
+        self.partials = [buf.data(self.dtype, self.rows * self.n).view(self.rows, self.n) for buf in bufs]
+
+    def run(self, a_rows, bs) -> list[torch.Tensor]:
+        world, n, m_chunk = self.world, self.n, self.m_chunk
+        if m_chunk == 0 or n == 0:  # an empty result (every rank's: shapes agree), no exchange
+            return [torch.empty(m_chunk, n, dtype=self.dtype, device=self.device) for _ in self.bufs]
+        if not self.bufs[0].live:  # a group's buffer grown since: its successor
+            self.bind([symmetric.follow(self.bufs[0])])
+        side = self.side
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        epochs = [buf.next_epoch(graphable=True) for buf in self.bufs]
+        for i, (buf, a, b, epoch) in enumerate(zip(self.bufs, a_rows, bs, epochs)):
+            buf.publish(self.desc)  # the GEMM publishes the fingerprint
             if side is not None:
                 side.wait_stream(main)  # before the GEMM launch: the copies overlap it
-            kernels.matmul_reduce_scatter(a, b, partials[-1].view(m, n), buf.pad_table, buf.rank, world,
-                                    epoch, config=config)
+            self.gemm(a, b, self.partials[i], buf.pad_table, buf.rank, epoch, self.meta, self.timeout_ns)
             if side is not None:
                 with torch.cuda.stream(side):
-                    _fetch_partials(buf, stages[-1], epoch, meta, m * n)
+                    _fetch_partials(buf, self.stages[i], epoch, self.meta, self.partials[i])
         if side is not None:
             main.wait_stream(side)
         outs = []
-        for buf, own, stage, epoch in zip(bufs, partials, stages, epochs):
-            if side is None:
-                _fetch_partials(buf, stage, epoch, meta, m * n)
-            out = torch.empty(m_chunk, n, dtype=dtype, device=device)
-            kernels.reduce_chunks(out, own[buf.rank], stage, buf.rank, world, divisor)
-            counters.record(OP, self.name, stage.numel() * stage.element_size())
+        for i, (buf, epoch) in enumerate(zip(self.bufs, epochs)):
+            out = torch.empty(m_chunk, n, dtype=self.dtype, device=self.device)
+            stats = C.stats_tensor(self.device)
+            if side is not None:
+                own = self.partials[i].view(world, -1)[buf.rank]
+                kernels.reduce_chunks(out, own, self.stages[i], buf.pad_table, buf.rank, world,
+                                      epoch, self.divisor)
+                counters.record(OP, "triton", (world - 1) * out.numel() * out.element_size())
+            else:
+                reduce_scatter_kernels.reduce_scatter_pull(
+                    out, buf.pad_table, buf.rank, world, epoch, self.meta, 1, m_chunk * n,
+                    self.timeout_ns, stats, self.divisor, ends_call=True)
+                counters.record(OP, "triton", stats)
             outs.append(out)
-        C.release(C.TRITON_LAUNCHERS, bufs, epochs, OP, outs)
+        for buf in self.bufs:
+            buf.finish(OP)
         return outs
 
 
-def _fetch_partials(buf, stage: torch.Tensor, epoch: int, meta: int, numel: int) -> None:
-    """Copy each peer's partial of this rank's chunk (in its data region of ``numel``
-    elements) into ``stage`` row ``j`` for peer ``(rank - 1 - j) % W``: the order in which
-    the peers' GEMMs finish it. Each copy waits for the peer's READY flag and checks its
-    fingerprint first (a one-program kernel). A copy cannot be made conditional on a
-    device value, so after a failed wait it brings unsynchronised rows: ``release``
+def _fetch_partials(buf, stage: torch.Tensor, epoch: int, meta: int, partials: torch.Tensor) -> None:
+    """Copy each peer's partial of this rank's chunk (in its data region, laid out as our
+    ``partials``) into ``stage`` row ``j`` for peer ``(rank - 1 - j) % W``: the order in
+    which the peers' GEMMs finish it. Each copy waits for the peer's READY flag and checks
+    its fingerprint first (a one-program kernel). A copy cannot be made conditional on a
+    device value, so after a failed wait it brings unsynchronised rows: ``reduce_chunks``
     NaN-fills the output."""
     rank, world = buf.rank, buf.world_size
     for j in range(world - 1):
         src = (rank - 1 - j) % world
         signal_kernels.wait_flags(buf.pad_table, layout.READY, rank, world, epoch, buf.timeout_ns,
                                   layout.TIMEOUT_READY, meta, only=src)
-        stage[j].copy_(buf.data(stage.dtype, numel, rank=src).view(world, -1)[rank])
+        stage[j].copy_(buf.data(stage.dtype, partials.numel(), rank=src).view(world, -1)[rank])
 
 
 class SymmMem(Backend):
@@ -199,18 +261,29 @@ class SymmMem(Backend):
 
 
 DISPATCHER = Dispatcher(OP, [Triton(), Pipelined(), Reference(), SymmMem()])  # vendor's last
+PLANS = Plans(OP)
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
 def _matmul_reduce_scatter_op(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int,
                               group_name: str, backend: str) -> torch.Tensor:
+    key = (A.shape, A.stride(), A.dtype, A.device, B.shape, B.stride(), B.dtype, reduce_op,
+           scatter_dim, group_name, backend)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.make(key, A.device, lambda: _plan(A, B, reduce_op, scatter_dim, group_name, backend))
+    return plan(A, [B])
+
+
+def _plan(A, B, reduce_op, scatter_dim, group_name, backend):
     group = resolve_group(group_name)
     world = dist.get_world_size(group)
-    dim = _check(A, B, reduce_op, scatter_dim, world)
-    call = MatmulCall(OP, A, dim, world, group, [B], reduce_op=reduce_op)
-    if call.last_dim:
-        return _scatter_columns(call, backend)
-    return DISPATCHER.select(call, backend).run(call)
+    call = MatmulCall(OP, A, _check(A, B, reduce_op, scatter_dim, world), world, group, [B],
+                      reduce_op=reduce_op)
+    if not call.last_dim:
+        return DISPATCHER.select(call, backend).plan(call)
+    make = call.maker()
+    return lambda A, Bs: _scatter_columns(make(A, Bs), backend)
 
 
 @_matmul_reduce_scatter_op.register_fake

@@ -1,14 +1,19 @@
 """What all_gather and reduce_scatter share: the call description, input checks, the
 symmetric-memory protocol their ``triton`` and ``cuda`` backends run, and availability.
 
-Protocol of one call (epoch e) on every rank, kernels in stream order:
+Protocol of one call (epoch e = this rank's EPOCH word + 1) on every rank, in stream order:
   1. wait DONE[p] >= e-1 for every peer p: nobody still reads our data region;
   2. copy the input into our data region; publish its fingerprint; raise READY[me] = e
-     in every peer's pad;
+     in every peer's pad (Triton: steps 1-2 are one kernel, ``signal.stage_kernel``, which
+     also stores e in EPOCH);
   3. the pull kernel: per source, wait READY[src] >= e, compare fingerprints, read;
-  4. raise DONE[me] = e in every peer's pad; surface any recorded timeout or mismatch.
+  4. raise DONE[me] = e in every peer's pad, NaN-fill the outputs of a failed call (Triton:
+     the pull kernel's last program, ``signal.end_call``); surface any recorded timeout or
+     mismatch (``SymmetricBuffer.finish``).
 Step 1 of the next call, not a barrier at the end of this one, protects the buffer, so a
-rank returns as soon as its own pulls are done.
+rank returns as soon as its own pulls are done. Every value a call's kernels compare comes
+from the device (EPOCH) or is the same at every call of one signature (fingerprints), so a
+call can be captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _extension
-from ..comm import layout, symmetric
+from ..comm import counters, layout, symmetric
 from .calls import CollectiveCall, REDUCE_DTYPES, check_dim, check_dtype
 from .backend import Backend
 from ..kernels import all_gather as all_gather_kernels
@@ -29,13 +34,41 @@ from ..kernels import reduce_scatter as reduce_scatter_kernels
 from ..kernels import signal as signal_kernels
 from ..kernels.interpreter import triton_device_reasons
 
+
+
+def _triton_stage(buf, x: torch.Tensor, dst: torch.Tensor, meta: int, gather: bool) -> None:
+    signal_kernels.stage(x if x.is_contiguous() else x.contiguous(), dst, buf.pad_table, buf.rank,
+                         buf.world_size, meta, buf.timeout_ns, gather=gather,
+                         sms=signal_kernels.sm_count(x.device))
+
+
+def _cuda_stage(buf, x: torch.Tensor, dst: torch.Tensor, meta: int, gather: bool) -> None:
+    """Steps 1-2 with the CUDA kernels: a wait, a copy, a signal (the epoch advanced first)."""
+    if gather:
+        raise NotImplementedError("the CUDA launchers do not stage for a fused gather")
+    csrc_launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, buf.world_size, -1,
+                              buf.timeout_ns, layout.TIMEOUT_DONE)
+    dst.copy_(x)
+    csrc_launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, buf.world_size, 0, meta)
+
+
+# A launcher set: ``stage(buf, x, dst, meta, gather)`` (steps 1-2), whether its stage advances
+# the epoch on the device itself (``advances``), the keyword arguments with which its pull
+# kernels end the call (step 4; none: ``release`` does), and the kernels.
 TRITON_LAUNCHERS = SimpleNamespace(
+    stage=_triton_stage, advances=True, pull_ends_call={"ends_call": True},
     wait_flags=signal_kernels.wait_flags,
     signal_peers=signal_kernels.signal_peers,
     all_gather_pull=all_gather_kernels.all_gather_pull,
     reduce_scatter_pull=reduce_scatter_kernels.reduce_scatter_pull,
 )
-CUDA_LAUNCHERS = csrc_launchers
+CUDA_LAUNCHERS = SimpleNamespace(
+    stage=_cuda_stage, advances=False, pull_ends_call={},
+    wait_flags=csrc_launchers.wait_flags,
+    signal_peers=csrc_launchers.signal_peers,
+    all_gather_pull=csrc_launchers.all_gather_pull,
+    reduce_scatter_pull=csrc_launchers.reduce_scatter_pull,
+)
 
 # dist.all_gather_single / reduce_scatter_single replace the *_tensor names in torch 2.13+.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -176,27 +209,33 @@ def cuda_reasons(call: CollectiveCall) -> list[str]:
 
 
 def stats_tensor(device) -> torch.Tensor:
-    """Where a pull kernel adds the bytes it read from peers."""
-    return torch.zeros(1, dtype=torch.int64, device=device)
+    """Where a pull kernel adds the bytes it read from peers: a new counter while a
+    ``count_bytes()`` block is open, else the device's scratch word (nothing allocated)."""
+    if counters.counting():
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    if device not in _scratch:
+        _scratch[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _scratch[device]
 
 
-def wait_peers_done(launchers, buf, epoch: int) -> None:
-    """Step 1: wait until every peer has finished reading our data region of the last call
-    (``epoch`` 0, relative: always, as the device holds the epoch)."""
-    if epoch != 1:
-        launchers.wait_flags(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch - 1,
-                             buf.timeout_ns, layout.TIMEOUT_DONE)
+_scratch: dict = {}
 
 
-def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int, desc: list[int]) -> torch.Tensor:
-    """Steps 1-2: wait until peers are done with our data region, copy ``x`` in, publish its
-    fingerprint and description, raise READY."""
-    wait_peers_done(launchers, buf, epoch)
+def begin(bufs, launchers, graphable: bool = False) -> list[int]:
+    """Start a call on each rank view (``SymmetricBuffer.next_epoch``): the epochs (offsets)
+    its kernels take. A call that stages with ``launchers`` next lets its stage advance
+    the device's epoch where it can."""
+    return [buf.next_epoch(graphable, kernel_advances=launchers.advances) for buf in bufs]
+
+
+def stage(launchers, buf, x: torch.Tensor, epoch: int, meta: int, desc: list[int], *,
+          gather: bool = False) -> torch.Tensor:
+    """Steps 1-2 (after ``begin``): wait until peers are done with our data region, copy
+    ``x`` in, publish its description and fingerprint, raise READY; ``gather``: also set the
+    GATHERED flags for this call (``gathering``). Returns the staged view."""
     view = buf.data(x.dtype, x.numel()).view(x.shape)
-    view.copy_(x)
-    buf.publish(desc)
-    # publishes meta, then raises READY
-    launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch, meta)
+    buf.publish(desc)  # before READY, in stream order
+    launchers.stage(buf, x, view, meta, gather)
     return view
 
 
@@ -209,10 +248,11 @@ def _tensors(nest):
 
 
 def release(launchers, bufs, epochs, op: str, outs) -> None:
-    """Step 4: tell every peer we are done reading, NaN-fill the floating-point outputs of a
-    view whose waits failed (``outs``: per view, a tensor or a nest of tuples/lists of them),
-    then surface recorded failures (see ``SymmetricBuffer.finish``: at once on CPU, at the next
-    call on CUDA unless FUSEDPAR_SYNC_ERRORS=1)."""
+    """Step 4 where the op's last kernel does not end the call itself: tell every peer we
+    are done reading, NaN-fill the floating-point outputs of a view whose waits failed
+    (``outs``: per view, a tensor or a nest of tuples/lists of them), then surface recorded
+    failures (see ``SymmetricBuffer.finish``: at once on CPU, at the next call on CUDA unless
+    FUSEDPAR_SYNC_ERRORS=1)."""
     for buf, epoch in zip(bufs, epochs):
         launchers.signal_peers(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch, -1)
     for buf, out in zip(bufs, outs):
@@ -223,19 +263,24 @@ def release(launchers, bufs, epochs, op: str, outs) -> None:
 
 
 def run_staged(op: str, launchers, bufs, xs, meta: int, desc: list[int], pull,
-               graphable: bool = False) -> list[torch.Tensor]:
+               graphable: bool = False, pull_ends_call: bool = False) -> list[torch.Tensor]:
     """Run steps 1-4 above for each rank view in ``bufs`` (one, or all W for loopback).
 
     Each phase runs for every view before the next phase starts, so one process can play
     all ranks: by the time any view waits, every view has signalled.
-    ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel. ``graphable``: the
-    launchers and ``pull`` take relative epochs (``SymmetricBuffer.next_epoch``), so the
-    call may be captured in a CUDA graph.
+    ``pull(buf, staged_x, epoch) -> out`` launches the op's pull kernel; ``pull_ends_call``:
+    that kernel does step 4's device work (``signal.end_call``). ``graphable``: nothing
+    ``pull`` does depends on host values a replay would freeze, so the call may be captured
+    in a CUDA graph.
     """
-    epochs = [b.next_epoch(graphable) for b in bufs]
+    epochs = begin(bufs, launchers, graphable)
     staged = [stage(launchers, buf, x, epoch, meta, desc) for buf, x, epoch in zip(bufs, xs, epochs)]
     outs = [pull(buf, view, epoch) for buf, view, epoch in zip(bufs, staged, epochs)]
-    release(launchers, bufs, epochs, op, outs)
+    if pull_ends_call:
+        for buf in bufs:
+            buf.finish(op)
+    else:
+        release(launchers, bufs, epochs, op, outs)
     return outs
 
 
@@ -249,55 +294,70 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
+_symm_ops = []  # torch's _SymmetricMemory, imported at the first flag write
+
+
 def write_flag(pad: torch.Tensor, word: int, value: int) -> None:
     """A stream-ordered flag write that needs no SM (cuStreamWriteValue32), so it lands
     while a persistent GEMM holds every SM; a plain memset under CUDA-graph capture."""
-    from torch._C._distributed_c10d import _SymmetricMemory
+    if not _symm_ops:
+        from torch._C._distributed_c10d import _SymmetricMemory
 
+        _symm_ops.append(_SymmetricMemory)
     flags = pad.view(torch.uint32)
     if torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags, offset=word, val=value, count=1)
+        _symm_ops[0].memset32(flags, offset=word, val=value, count=1)
     else:
-        _SymmetricMemory.stream_write_value32(flags, word, value)
+        _symm_ops[0].stream_write_value32(flags, word, value)
 
 
 @contextlib.contextmanager
-def gathering(buf, blocks, epoch: int, meta: int, copy_engine: bool):
-    """Copy each source's staged rows into a local tensor, raising this rank's
-    ``GATHERED + src`` flag after each; the body launches the consumer, which waits on those
-    flags. ``blocks``: ``[(src, local tensor, src's staged rows)]``, own rank first, then in
-    the order the consumer reaches them.
+def gathering(buf, blocks, epoch: int, meta: int, copy_engine: bool, delays=None,
+              signal_done: bool = False):
+    """Copy each source's staged rows into a local tensor, setting this rank's
+    ``GATHERED + src`` flag to 1 after each (the call's stage set them to 0, its own to 1:
+    ``stage(..., gather=True)``); the body launches the consumer, which waits on those
+    flags. ``blocks``: ``[(src, local tensor, src's staged rows)]`` in the order the consumer
+    reaches them; an own block (src = this rank) is copied first, on the current stream.
 
-    The own block is copied first, then one program waits for every peer's READY flag and
-    checks its fingerprint, so a failure is in STATUS before the consumer starts. With
-    ``copy_engine`` (CUDA) the peers' copies and flag writes run on ``side_stream`` (copy
-    engine, ``stream_write_value32``): they need no SM, so the consumer can hold every SM
-    and spin on the flags while they land; the current stream waits for the side stream when
-    the body is done. Without one (CPU, loopback) they run in stream order before the body.
-    The copies cannot be made conditional on a device value (a stream wait on a memory value
-    has no timeout), so after a failed wait they bring unsynchronised rows: ``release``
-    NaN-fills the call's outputs."""
+    One program then waits for every peer's READY flag and checks its fingerprint, so a
+    failure is in STATUS before the consumer reads that source. With ``copy_engine`` (CUDA)
+    that wait, the peers' copies and their flag writes run on ``side_stream`` (copy engine,
+    ``stream_write_value32``): they need no SM but the wait's one, so a consumer that leaves
+    one SM free can spin on the flags while they land, and own rows need no peer; the current
+    stream waits for the side stream when the body is done. ``delays``: per peer block, GPU
+    cycles the side stream sleeps before its copy (flags raised late, for benchmarks).
+    ``signal_done`` (with a copy engine): the side stream raises DONE in every peer's pad
+    right after the last copy (one program), not after the body.
+    Without a copy engine (CPU, loopback) they run in stream order before the body. The
+    copies cannot be made conditional on a device value (a stream wait on a memory value has
+    no timeout), so after a failed wait they bring unsynchronised rows: the call's last
+    kernel NaN-fills its outputs."""
     def copy(src, dst, rows):
         dst.copy_(rows)
         if copy_engine:
-            write_flag(buf.pad(), layout.GATHERED + src, epoch)
+            write_flag(buf.pad(), layout.GATHERED + src, 1)
 
-    own = [block for block in blocks if block[0] == buf.rank]
-    for block in own:
-        copy(*block)
-    signal_kernels.wait_flags(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch,
-                              buf.timeout_ns, layout.TIMEOUT_READY, meta)
+    for block in blocks:
+        if block[0] == buf.rank:
+            copy(*block)
     main = torch.cuda.current_stream() if copy_engine else None
     side = side_stream(buf.device) if copy_engine else None
     if side is not None:
         side.wait_stream(main)
+    peers = [block for block in blocks if block[0] != buf.rank]
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for block in blocks:
-            if block[0] != buf.rank:
-                copy(*block)
+        signal_kernels.wait_flags(buf.pad_table, layout.READY, buf.rank, buf.world_size, epoch,
+                                  buf.timeout_ns, layout.TIMEOUT_READY, meta)
+        for i, block in enumerate(peers):
+            if delays:
+                torch.cuda._sleep(delays[i])
+            copy(*block)
+        if signal_done:
+            signal_kernels.signal_peers(buf.pad_table, layout.DONE, buf.rank, buf.world_size, epoch, -1)
     if not copy_engine:  # the copies precede the body in stream order: one fill raises every
         # flag (that of a source without a block is never waited for)
-        buf.pad()[layout.GATHERED : layout.GATHERED + buf.world_size].fill_(epoch)
+        buf.pad()[layout.GATHERED : layout.GATHERED + buf.world_size].fill_(1)
     try:
         yield
     finally:  # also when the body raises: the copies write into tensors the caller frees
@@ -316,16 +376,34 @@ class SymmetricBackend(Backend):
         return self._reasons(call)
 
     def run(self, call: CollectiveCall) -> torch.Tensor:
-        buf = symmetric.get_buffer(call.group, call.x.numel() * call.x.element_size(), call.x.device)
-        return self.run_views([buf], [call.x], call)[0]
+        return self.plan(call)(call.x)
+
+    def plan(self, call: CollectiveCall):
+        """Every call of ``call``'s signature: the buffer, fingerprint and description are
+        looked up and computed once."""
+        x = call.x
+        bufs = [symmetric.get_buffer(call.group, x.numel() * x.element_size(), x.device)]
+        meta, desc, make = call.fingerprint(), call.description(), call.maker()
+
+        def run(x):
+            if not bufs[0].live:  # grown since: its successor
+                bufs[0] = symmetric.follow(bufs[0])
+            return self._run(bufs, [x], make(x), meta, desc)[0]
+
+        return run
 
     def run_views(self, bufs, xs, call: CollectiveCall) -> list[torch.Tensor]:
-        meta = call.fingerprint()
-        return run_staged(call.op, self.launchers, bufs, xs, meta, call.description(),
-                          lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta),
-                          graphable=True)  # both launcher sets take relative epochs
+        return self._run(bufs, xs, call, call.fingerprint(), call.description())
 
-    def pull(self, call, buf, staged, epoch, meta) -> torch.Tensor:
+    def _run(self, bufs, xs, call, meta: int, desc: list[int]) -> list[torch.Tensor]:
+        ends = self.launchers.pull_ends_call
+        return run_staged(call.op, self.launchers, bufs, xs, meta, desc,
+                          lambda buf, staged, epoch: self.pull(call, buf, staged, epoch, meta, ends),
+                          graphable=True, pull_ends_call=bool(ends))
+
+    def pull(self, call, buf, staged, epoch, meta, ends: dict) -> torch.Tensor:
+        """Launch the op's pull kernel; ``ends``: its launcher's keyword arguments that make
+        it end the call."""
         raise NotImplementedError
 
 

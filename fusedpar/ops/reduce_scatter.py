@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ..comm import counters, group_name, resolve_group
 from . import protocol as C
 from .calls import CollectiveCall, REDUCE_DTYPES, check_dim, check_dtype, check_scatter
-from .backend import Backend, Dispatcher
+from .backend import Backend, Dispatcher, Plans
 from .registry import EXAMPLE_WORLD, register
 
 OP = "reduce_scatter"
@@ -47,14 +47,14 @@ class Reference(Backend):
 class Symmetric(C.SymmetricBackend):
     """Stage the input in symmetric memory; one kernel sums every rank's slice in fp32."""
 
-    def pull(self, call, buf, staged, epoch, meta):
+    def pull(self, call, buf, staged, epoch, meta, ends):
         x, world, outer = call.x, call.world_size, call.outer
         inner = x.numel() // (outer * world)
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
         stats = C.stats_tensor(x.device)
         divisor = float(world) if call.reduce_op == "avg" else 1.0
         self.launchers.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch, meta, outer,
-                                           inner, buf.timeout_ns, stats, divisor)
+                                           inner, buf.timeout_ns, stats, divisor, **ends)
         counters.record(OP, self.name, stats)
         return out
 
@@ -62,14 +62,24 @@ class Symmetric(C.SymmetricBackend):
 DISPATCHER = Dispatcher(OP, [*C.symmetric_backends(Symmetric), Reference()])
 
 
+PLANS = Plans(OP)
+
+
 @torch.library.custom_op("fusedpar::reduce_scatter", mutates_args=())
 def _reduce_scatter_op(x: torch.Tensor, reduce_op: str, dim: int, group_name: str,
                        backend: str) -> torch.Tensor:
+    key = (x.shape, x.stride(), x.dtype, x.device, reduce_op, dim, group_name, backend)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.make(key, x.device, lambda: _plan(x, reduce_op, dim, group_name, backend))
+    return plan(x)
+
+
+def _plan(x, reduce_op, dim, group_name, backend):
     group = resolve_group(group_name)
     world = dist.get_world_size(group)
-    dim = _check(x, reduce_op, dim, world)
-    call = CollectiveCall(OP, x, dim, world, group, reduce_op)
-    return DISPATCHER.select(call, backend).run(call)
+    call = CollectiveCall(OP, x, _check(x, reduce_op, dim, world), world, group, reduce_op)
+    return DISPATCHER.select(call, backend).plan(call)
 
 
 @_reduce_scatter_op.register_fake

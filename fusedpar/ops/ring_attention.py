@@ -26,16 +26,20 @@ block's ``P = exp(S - lse)`` is its share of the whole softmax, so its dQ/dK/dV 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
-from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, resolve_group,
-                    symmetric)
+from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, layout as pad_layout,
+                    resolve_group, symmetric)
+from ..errors import FusedparError
 from ..kernels import flash_attention as kernels
+from ..kernels import signal as signal_kernels
 from . import protocol as C
 from .all_gather import all_gather
 from .reduce_scatter import reduce_scatter
-from .backend import Backend, Dispatcher, autocast_inputs, autocast_off
+from .backend import Backend, Dispatcher, Plans, autocast_inputs, autocast_off
 from .registry import EXAMPLE_WORLD, register
 from .flash_attention import (DISPATCHER as FLASH_DISPATCHER, KERNEL_DTYPES, AttentionCall,
                               attend_block, attend_block_backward, backward_backend,
@@ -60,18 +64,36 @@ class RingCall:
 
     def __init__(self, q, k, v, group, causal: bool, scale: float, layout: str, world_size: int = 0,
                  cu_seqlens: torch.Tensor | None = None, lse_grad: bool = False,
-                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0, *,
+                 rank: int | None = None, documents: list[tuple[int, int]] | None = None):
         self.q, self.k, self.v, self.group = q, k, v, group
         self.x = q  # what C.raise_on_mismatch reads
         self.causal, self.scale, self.layout = causal, scale, layout
         self.window, self.softcap = tuple(window), softcap
-        self.world_size = dist.get_world_size(group) if group is not None else world_size
-        self.rank = dist.get_rank(group) if group is not None else 0
+        if group is not None and not world_size:
+            world_size = dist.get_world_size(group)
+        self.world_size = world_size
+        if rank is None:
+            rank = dist.get_rank(group) if group is not None else 0
+        self.rank = rank
         self.cu_seqlens = cu_seqlens
         self.lse_grad = lse_grad  # a backward call whose lse has a gradient
         # documents of the global sequence (packed with cu_seqlens), as [start, end) ranges
-        ends = host_list(cu_seqlens) if cu_seqlens is not None else [0, self.world_size * q.shape[1]]
-        self.documents = list(zip(ends, ends[1:]))
+        if documents is None:
+            ends = host_list(cu_seqlens) if cu_seqlens is not None else [0, world_size * q.shape[1]]
+            documents = list(zip(ends, ends[1:]))
+        self.documents = documents
+
+    def maker(self):
+        """A function of ``(q, k, v, cu_seqlens)`` making calls like this one (a plan's,
+        ``backend.Plans``): the group, rank, mask and documents kept (a plan's key holds the
+        documents' values), none of the tensors."""
+        group, causal, scale, layout, world = self.group, self.causal, self.scale, self.layout, self.world_size
+        lse_grad, window, softcap, rank, documents = (self.lse_grad, self.window, self.softcap,
+                                                      self.rank, self.documents)
+        return lambda q, k, v, cu_seqlens: RingCall(q, k, v, group, causal, scale, layout, world,
+                                                    cu_seqlens, lse_grad, window, softcap,
+                                                    rank=rank, documents=documents)
 
     def cache_key(self) -> tuple:
         name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
@@ -230,12 +252,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class RingBackend(Backend):
+    """A ring_attention backend. ``run(call)``, the op's forward (``out`` and ``lse``
+    contiguous, as the fake's), is what ``Backend.plan``'s default plan calls."""
+
+    def run(self, call: RingCall):
+        out, lse = self.forward(call)
+        return out.contiguous(), lse.contiguous()
+
+
 def packed_reason(call: RingCall) -> list[str]:
     return (["packed documents (cu_seqlens) run on the triton, pipelined and allgather_kv backends"]
             if call.cu_seqlens is not None else [])
 
 
-class Pipelined(Backend):
+class Pipelined(RingBackend):
     """W steps around the ring: the K/V block received at step s is sent on at step s+1
     while the attention of step s runs (async P2P: gloo on CPU, NCCL on GPU). Backward:
     K/V travel the ring again and each block's dK/dV accumulator travels with it, reaching
@@ -339,8 +370,11 @@ class TritonRing(Pipelined):
     rank's queries can see into one of two local slots (counting the bytes), while the
     attention kernel of the previous step folds its slot into fp32 online-softmax state
     (own K/V first; causally masked blocks are neither copied nor computed). On GPU the
-    copies run on a side stream, so step s+1's copy overlaps step s's attention. The
-    backward pass is the pipelined ring's (K/V and dK/dV once around the ring)."""
+    copies run on a side stream, so step s+1's copy overlaps step s's attention. The last
+    attention launch ends the call (DONE to the peers, NaN outputs on failure). Per call
+    signature a plan (``_Ring``) holds the launches, slots and state; a call without packed
+    documents may be captured in a CUDA graph. The backward pass is the pipelined ring's
+    (K/V and dK/dV once around the ring)."""
 
     name = "triton"
 
@@ -350,75 +384,212 @@ class TritonRing(Pipelined):
             reasons.append(f"dtype {call.q.dtype} (the kernel takes float32, float16, bfloat16)")
         return reasons
 
+    def plan(self, call: RingCall) -> _Ring:
+        """The calls of ``call``'s signature on the group's buffer (the plan's ``buf``)."""
+        buf = get_buffer(call.group, 2 * _nbytes(call.k), call.q.device)
+        return _Ring(call, [buf])
+
     def forward(self, call: RingCall):
-        kv = torch.stack([call.k, call.v])
-        buf = get_buffer(call.group, _nbytes(kv), kv.device)
-        return self.run_views([buf], [call.q], [kv], call)[0]
+        return self.plan(call)(call.q, call.k, call.v, call.cu_seqlens)
 
-    def run_views(self, bufs, qs, kvs, call: RingCall):
+    def run_views(self, bufs, qs, ks, vs, call: RingCall):
         """``[(out, lse)]`` per rank view in ``bufs`` (one, or all W for loopback)."""
-        meta = call.fingerprint()
-        by_rank = {buf.rank: q for buf, q in zip(bufs, qs)}
+        return _Ring(call, bufs, any_strides=True).run_views(qs, ks, vs)
 
-        def attend(buf, staged, epoch):
-            q = by_rank[buf.rank]
-            return self._ring(call, buf, q if q.stride(-1) == 1 else q.contiguous(), staged, epoch, meta)
 
-        return C.run_staged(OP, C.TRITON_LAUNCHERS, bufs, kvs, meta, call.description(), attend)
+# Buffer (rank view) -> {signature: the ring's fp32 state and K/V slots}. Calls on one buffer
+# run one after another on the device (``SymmetricBuffer.next_epoch`` orders a call's stream
+# after the last call's), so every plan of one shape on a buffer shares one workspace; it
+# lives as long as the buffer does (a buffer a CUDA graph was captured on outlives its
+# replacement, and so does what the graph's launches write).
+_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def _ring(self, call: RingCall, buf, q, own_kv, epoch: int, meta: int):
+
+def _workspace(buf, q_shape, kv_shape, dtype: torch.dtype, device: torch.device, slots: int):
+    """``((acc, stat), [slot] * slots)`` of calls of these shapes on ``buf``, made once."""
+    kept = _WORKSPACES.get(buf)
+    if kept is None:
+        kept = _WORKSPACES[buf] = {}
+    key = (tuple(q_shape), tuple(kv_shape), dtype, slots)
+    if key not in kept:
+        b, s, h, _ = q_shape
+        state = (torch.empty(q_shape, dtype=torch.float32, device=device),
+                 torch.empty(2, b, h, s, dtype=torch.float32, device=device))
+        kept[key] = state, [torch.empty(kv_shape, dtype=dtype, device=device) for _ in range(slots)]
+    return kept[key]
+
+
+def _copy_stream(device: torch.device):
+    """The stream the K/V copies run on (None: in stream order, on CPU)."""
+    return C.side_stream(device) if device.type == "cuda" else None
+
+
+# The ops of one rank's ring (``ring_schedule``): K/V copies of a peer (on the side stream
+# where there is one), a wait of the main stream for a copy, an attention step.
+COPY, WAIT, STEP = "copy", "wait", "step"
+
+
+def ring_schedule(peers: list[int], has_blocks: dict[int, bool], own_steps: int,
+                  peer_steps: dict[int, int]) -> list[tuple[str, int]]:
+    """The order of one rank's ops: ``(COPY, i)`` (peer ``peers[i]``'s copies into slot
+    ``i % 2``), ``(WAIT, i)`` (the main stream waits for copy ``i``), ``(STEP, j)`` (the j-th
+    attention launch, own blocks first, then each peer's in ``peers`` order). Copy ``i + 1``
+    is issued after the steps that last read its slot (those of peer ``i - 1``); the last
+    step ends the call, so every copy precedes it: copies after it (peers none of whose keys
+    this rank sees: a fingerprint check, no rows) move before it, and the main stream waits
+    for the last copy right before it."""
+    ops: list[tuple[str, int]] = [(COPY, 0)] if peers else []
+    steps = 0
+    ops += [(STEP, j) for j in range(own_steps)]
+    steps += own_steps
+    for i, src in enumerate(peers):
+        if i + 1 < len(peers):
+            ops.append((COPY, i + 1))
+        if has_blocks[src]:
+            ops.append((WAIT, i))
+            ops += [(STEP, steps + j) for j in range(peer_steps[src])]
+            steps += peer_steps[src]
+    if not steps or not peers:
+        return ops
+    last = max(n for n, (kind, _) in enumerate(ops) if kind == STEP)
+    head = ops[:last] + [op for op in ops[last + 1:] if op[0] == COPY]
+    join = (WAIT, len(peers) - 1)  # copies are issued in peer order: the last one's
+    return head + ([join] if head[-1] != join else []) + [ops[last]]
+
+
+class _RingView:
+    """One rank view's part of ``_Ring``: its staged K/V, copy and step launches in order."""
+
+    def __init__(self, ring: _Ring, call: RingCall, buf, q: torch.Tensor, workspace):
         rank, world = buf.rank, buf.world_size
-        b, s, h, _ = q.shape
-        out = torch.empty_like(q)
-        lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-        state = kernels.ring_attn_state(q)
-        stats = C.stats_tensor(q.device)
+        self.ring, self.buf, self.rank, self.pad_table = ring, buf, rank, buf.pad_table
+        self.staged = buf.data(ring.dtype, ring.kv_numel)  # this rank's K/V, flat
+        state, slots = workspace
+        blocks = {src: call.blocks(src, rank) for src in range(world)}
         peers = [(rank - step) % world for step in range(1, world)]
-        plan = {src: call.blocks(src, rank) for src in range(world)}
-        launches = [(src, block) for src in [rank] + peers for block in plan[src]]  # in order
-        slots = [torch.empty_like(own_kv) for _ in range(min(2, len(peers)))]
-        side = C.side_stream(q.device) if q.is_cuda else None
+        sources = [(rank, self.staged.view(ring.kv_shape))]
+        sources += [(src, slots[i % 2]) for i, src in enumerate(peers)]
+        steps = [(src, kv, block) for src, kv in sources for block in blocks[src]]
+        launches = []
+        for j, (src, kv, block) in enumerate(steps):
+            launches.append(kernels.RingStep(
+                q, kv, state, buf.pad_table, rank, src, block.rows[0], block.keys, block.causal,
+                call.scale, first=j == 0, last=j == len(steps) - 1, row_hi=block.rows[1],
+                diag=block.diag, window=block.window, softcap=call.softcap, world_size=world,
+                end=j == len(steps) - 1))
+        # a launch of no programs ends nothing: DONE then takes a launch of its own
+        self.ends = bool(launches) and launches[-1].grid[0] > 0
+        copies = [[kernels.RingCopy(slots[i % 2], buf.pad_table, rank, world, 0, ring.meta,
+                                    ring.timeout_ns, src, rows, sms=ring.sms)
+                   for rows in key_ranges(blocks[src]) or [(0, 0)]] for i, src in enumerate(peers)]
+        schedule = ring_schedule(peers, {src: bool(blocks[src]) for src in peers}, len(blocks[rank]),
+                                 {src: len(blocks[src]) for src in peers})
+        if ring.side is None:  # in stream order: the copies and steps one after another
+            self.ops = [launch for kind, i in schedule if kind != WAIT
+                        for launch in (copies[i] if kind == COPY else [launches[i]])]
+        else:
+            events = [torch.cuda.Event() for _ in copies]
+            self.fork = torch.cuda.Event()
+            self.ops = [(kind, (copies[i], events[i]) if kind == COPY else
+                         events[i] if kind == WAIT else launches[i]) for kind, i in schedule]
 
-        def copy(i):  # peer i's visible rows into slot i % 2 (none: check its fingerprint)
-            for rows in key_ranges(plan[peers[i]]) or [(0, 0)]:
-                kernels.ring_kv_copy(slots[i % 2], buf.pad_table, rank, world, epoch, meta,
-                                     buf.timeout_ns, peers[i], rows, stats)
-
-        def attend(src, kv):
-            for block in plan[src]:
-                kernels.ring_attn_step(q, kv, state, out, lse, buf.pad_table, rank, src, block.rows[0],
-                                       block.keys, block.causal, call.scale,
-                                       first=(src, block) == launches[0],
-                                       last=(src, block) == launches[-1], row_hi=block.rows[1],
-                                       diag=block.diag, window=block.window, softcap=call.softcap)
-
-        copied = [_after_main(side, copy, 0)] if peers else []
-        attend(rank, own_kv)
-        for i, src in enumerate(peers):
-            if i + 1 < len(peers):  # after the attention that last read slot (i+1) % 2
-                copied.append(_after_main(side, copy, i + 1))
-            if plan[src]:
-                if copied[i] is not None:
-                    torch.cuda.current_stream().wait_event(copied[i])
-                attend(src, slots[i % 2])
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)  # before DONE tells peers we are done
-        counters.record(OP, self.name, stats)
+    def attend(self, q: torch.Tensor):
+        """This rank's ``(out, lse)`` once every rank has staged (its K/V is in ``staged``)."""
+        ring = self.ring
+        out = torch.empty(ring.q_shape, dtype=ring.dtype, device=ring.device)
+        lse = torch.empty(ring.lse_shape, dtype=torch.float32, device=ring.device)
+        stats = C.stats_tensor(ring.device)
+        if ring.side is None:
+            for launch in self.ops:
+                launch(q, out, lse, stats)
+        else:
+            self._attend_on_streams(q, out, lse, stats)
+        if not self.ends:
+            signal_kernels.signal_peers(self.pad_table, pad_layout.DONE, self.rank, ring.world, 0, -1)
+        counters.record(OP, "triton", stats)
         return out, lse
 
+    def _attend_on_streams(self, q, out, lse, stats) -> None:
+        """The ops with the copies on the side stream, each after what the current stream
+        has queued (the slot it fills was last read there)."""
+        side = self.ring.side
+        main = torch.cuda.current_stream()
+        try:
+            for kind, item in self.ops:
+                if kind == STEP:
+                    item(q, out, lse, stats)
+                elif kind == WAIT:
+                    main.wait_event(item)
+                else:
+                    copies, done = item
+                    self.fork.record(main)
+                    side.wait_event(self.fork)
+                    torch.cuda.set_stream(side)
+                    for launch in copies:
+                        launch(q, out, lse, stats)
+                    done.record(side)
+                    torch.cuda.set_stream(main)
+        finally:
+            torch.cuda.set_stream(main)
 
-def _after_main(side, fn, *args):
-    """Run ``fn(*args)`` on ``side`` after everything queued so far on the current stream;
-    return an event marking its end (None without a side stream: it ran in order)."""
-    if side is None:
-        fn(*args)
-        return None
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*args)
-        done = torch.cuda.Event()
-        done.record(side)
-    return done
+
+class _Ring:
+    """The triton ring's calls of one signature on a set of rank views (one, or all W of a
+    loopback): the fingerprint and description, and per view (``_RingView``) the blocks,
+    the launches of ``ring_kv_copy`` and ``ring_attn_step`` with their grids and configs,
+    in order; the slots and fp32 state are the buffer's (``_workspace``). Calling it runs a
+    group's call (a plan of ``Plans``: ``buf`` is the group's buffer). Nothing of a call
+    without packed documents depends on a host value a replay would freeze (the kernels take
+    the epoch from the device), so it may be captured in a CUDA graph; a packed call's
+    documents are baked into its launches, so it refuses capture."""
+
+    def __init__(self, call: RingCall, bufs, any_strides: bool = False):
+        """``any_strides``: the calls' q may have other strides than ``call.q`` (a loopback's
+        ranks): each is made contiguous."""
+        q, k = call.q, call.k
+        self.world, self.device, self.dtype = call.world_size, q.device, q.dtype
+        self.kv_shape, self.kv_numel = (2, *k.shape), 2 * k.numel()
+        b, s, h, _ = q.shape
+        self.q_shape, self.lse_shape = tuple(q.shape), (b, h, s)
+        self.meta, self.desc = call.fingerprint(), call.description()
+        self.graphable = call.cu_seqlens is None
+        self.timeout_ns = bufs[0].timeout_ns  # a plan lives until the settings change
+        self.sms = signal_kernels.sm_count(q.device)
+        self.side = _copy_stream(q.device)
+        # the steps read q rows whose last dim is contiguous, with the strides of the plan's q
+        self.q_copy = any_strides or q.stride(-1) != 1
+        like = q.contiguous() if self.q_copy else q
+        workspace = _workspace(bufs[0], q.shape, self.kv_shape, q.dtype, q.device,
+                               min(2, self.world - 1))
+        self.views = [_RingView(self, call, buf, like, workspace) for buf in bufs]
+        self.buf = bufs[0]
+
+    def _stage(self, view: _RingView, k: torch.Tensor, v: torch.Tensor) -> None:
+        view.buf.publish(self.desc)  # before READY: what peers read after a mismatch
+        signal_kernels.stage(torch.stack([k, v]), view.staged, view.pad_table, view.rank, self.world,
+                             self.meta, self.timeout_ns, sms=self.sms)
+
+    def __call__(self, q, k, v, cu_seqlens=None):
+        """A group's call: this rank's ``(out, lse)``."""
+        view = self.views[0]
+        buf = view.buf
+        buf.next_epoch(self.graphable, kernel_advances=True)
+        self._stage(view, k, v)
+        out_lse = view.attend(q.contiguous() if self.q_copy else q)
+        buf.finish(OP)
+        return out_lse
+
+    def run_views(self, qs, ks, vs) -> list:
+        """Every view's ``(out, lse)``: all stage before any attends, so one process can play
+        every rank."""
+        for view in self.views:
+            view.buf.next_epoch(self.graphable, kernel_advances=True)
+        for view, k, v in zip(self.views, ks, vs):
+            self._stage(view, k, v)
+        results = [view.attend(q.contiguous() if self.q_copy else q) for view, q in zip(self.views, qs)]
+        for view in self.views:
+            view.buf.finish(OP)
+        return results
 
 
 def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
@@ -427,7 +598,7 @@ def _global_kv(call: RingCall, kv: torch.Tensor) -> torch.Tensor:
     return call.to_global(gathered, 2)
 
 
-class AllGatherKV(Backend):
+class AllGatherKV(RingBackend):
     """All-gather K/V (``fusedpar.ops.all_gather``), then attend locally: each local query
     chunk (cut at document boundaries when packed) to the part of its document before it
     (full) and to itself (causal). The choice for GQA with few KV heads, and for packed
@@ -501,7 +672,7 @@ def _to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
     return recv.permute(1, 2, 0, *range(3, recv.dim())).reshape(b, total // world, world * hw, *rest)
 
 
-class Ulysses(Backend):
+class Ulysses(RingBackend):
     """All-to-all heads <-> sequence (every rank gets the whole sequence for H/W heads),
     attend locally, all-to-all back. K/V heads are replicated to W when H_kv < W."""
 
@@ -563,6 +734,10 @@ class Ulysses(Backend):
 DISPATCHER = Dispatcher(OP, [PipelinedSdpa(), TritonRing(), Pipelined(), Ulysses(), AllGatherKV()])
 
 
+PLANS = Plans(OP)
+CU_SEQLENS_ARG = 7  # cu_seqlens' index among the arguments after q, k, v (MASK_SCHEMA)
+
+
 def _call(q, k, v, group_name_, causal, softmax_scale, window_left, window_right, softcap, layout,
           cu_seqlens, lse_grad=False) -> RingCall:
     group = resolve_group(group_name_)
@@ -571,11 +746,44 @@ def _call(q, k, v, group_name_, causal, softmax_scale, window_left, window_right
                     lse_grad=lse_grad, window=(window_left, window_right), softcap=softcap)
 
 
+def _documents_key(op: str, q: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple:
+    """A packed call's documents as part of its plan's key (their values shape the plan).
+    Refuses CUDA-graph capture first: the values are read on the host (no read while
+    capturing) and baked into the call's launches, which a replay would repeat whatever the
+    documents of its step."""
+    if symmetric.capturing(q.device):
+        raise FusedparError(
+            f"fusedpar.{op}: a call with packed documents (cu_seqlens) cannot be captured in a "
+            "CUDA graph: the documents are read on the host and baked into the call, so every "
+            "replay would attend within the documents of the capture. Run packed calls eagerly "
+            "(capture the layers around them), or capture calls without cu_seqlens (rows of one "
+            "sequence each, fixed shapes)")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        return None, type(cu_seqlens)  # no plan: its checks say what is wrong
+    return tuple(host_list(cu_seqlens)), cu_seqlens.dtype, cu_seqlens.device
+
+
 @torch.library.custom_op("fusedpar::ring_attention", mutates_args=(), schema=SCHEMA)
 def _ring_attention_op(q, k, v, *args):
+    cu_seqlens = args[CU_SEQLENS_ARG]
+    documents = None if cu_seqlens is None else _documents_key(OP, q, cu_seqlens)
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+           v.shape, v.stride(), v.dtype, v.device, documents, args[:CU_SEQLENS_ARG],
+           args[CU_SEQLENS_ARG + 1])
+    plan = PLANS.get(key)
+    # a ring's launches hold its buffer's addresses: once the group's buffer grew, a new plan
+    # (unlike the fused matmuls', which follow it; so a step whose later call grows the
+    # buffer needs a second eager step before a capture takes its ring)
+    if plan is None or isinstance(plan, _Ring) and not plan.buf.live:
+        plan = PLANS.make(key, q.device, lambda: _plan(q, k, v, *args))
+    return plan(q, k, v, cu_seqlens)  # out and lse contiguous: the fake's layout
+
+
+def _plan(q, k, v, *args):
+    """Every call of this signature: checked, its backend chosen, then the backend's plan
+    (the triton ring's ``_Ring``; a plain-torch ring's ``Backend.plan``)."""
     call = _call(q, k, v, *args[:-1])
-    out, lse = DISPATCHER.select(call, args[-1]).forward(call)
-    return out.contiguous(), lse.contiguous()  # the fake's layout, whatever the backend's
+    return DISPATCHER.select(call, args[-1]).plan(call)
 
 
 @_ring_attention_op.register_fake
@@ -594,9 +802,6 @@ def _ring_attention_backward_op(q, k, v, out, lse, dout, dlse, *args):
 @_ring_attention_backward_op.register_fake
 def _(q, k, v, out, lse, dout, dlse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-CU_SEQLENS_ARG = 7  # cu_seqlens' index among the arguments after q, k, v (MASK_SCHEMA)
 
 
 def _setup_context(ctx, inputs, output):
@@ -658,7 +863,11 @@ def ring_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     row) confines attention to each document, also across ranks (``triton``, ``pipelined``,
     ``allgather_kv``). Every rank must pass the same shapes; a difference raises
     ``ValueError`` before any K/V moves. Under ``torch.autocast``, q, k and v are cast to
-    its dtype first, as SDPA's inputs are.
+    its dtype first, as SDPA's inputs are. The first call of a signature (shapes, strides,
+    dtypes, arguments, documents) checks and plans; later ones only run. The ``triton``
+    forward may be captured in a CUDA graph after one eager call of its signature, except
+    with ``cu_seqlens`` (the documents are baked into the call: capture raises
+    ``FusedparError``).
     """
     window, softcap, _ = check_mask_args(OP, window_size, softcap, mask_align)
     q, k, v = autocast_inputs(q, k, v)
@@ -686,7 +895,9 @@ def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: 
     """Every rank's part of ``ring_attention_with_lse`` in this process (rank r holds
     ``qs[r]``, ``ks[r]``, ``vs[r]``) over loopback symmetric buffers with the ``triton``
     kernel; returns each rank's ``(out, lse)``. Forward only: for single-device benchmarks
-    and tests of the protocol."""
+    and tests of the protocol. Calls of one signature (shapes, dtypes, mask, documents) reuse
+    one plan; without ``cu_seqlens`` a call may be captured in a CUDA graph after an eager
+    one."""
     world = len(qs)
     if world < 1 or len(ks) != world or len(vs) != world:
         raise ValueError(f"fusedpar.{OP}_loopback: qs, ks, vs must hold one tensor per simulated "
@@ -697,14 +908,27 @@ def ring_attention_loopback(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: 
                 raise ValueError(f"fusedpar.{OP}_loopback: {name}[{r}] is {tuple(got.shape)} "
                                  f"{got.dtype} on {got.device}, {name}[0] is {tuple(first.shape)} "
                                  f"{first.dtype} on {first.device}; they must match")
-    check_ring_inputs(f"{OP}_loopback", qs[0], ks[0], vs[0], layout, world, cu_seqlens)
     window, softcap, _ = check_mask_args(f"{OP}_loopback", window_size, softcap, "top_left")
-    call = RingCall(qs[0], ks[0], vs[0], None, bool(causal), default_scale(qs[0], softmax_scale),
-                    layout, world_size=world, cu_seqlens=cu_seqlens, window=window, softcap=softcap)
-    backend = DISPATCHER.select(call, "triton")
-    kvs = [torch.stack([k, v]) for k, v in zip(ks, vs)]
-    bufs = get_loopback_buffers(world, _nbytes(kvs[0]), kvs[0].device)
-    return backend.run_views(bufs, qs, kvs, call)
+    q, k, v = qs[0], ks[0], vs[0]
+    scale = default_scale(q, softmax_scale)
+    documents = None if cu_seqlens is None else _documents_key(f"{OP}_loopback", q, cu_seqlens)
+    bufs = get_loopback_buffers(world, 2 * _nbytes(k), q.device)  # remade after a failure
+    key = (world, q.shape, q.dtype, q.device, k.shape, k.dtype, v.shape, v.dtype, bool(causal), scale,
+           window, softcap, layout, documents)
+    ring = LOOPBACK_PLANS.get(key)
+    if ring is None or ring.buf is not bufs[0]:
+        def build():
+            check_ring_inputs(f"{OP}_loopback", q, k, v, layout, world, cu_seqlens)
+            call = RingCall(q.contiguous(), k, v, None, bool(causal), scale, layout, world_size=world,
+                            cu_seqlens=cu_seqlens, window=window, softcap=softcap)
+            DISPATCHER.select(call, "triton")  # raises where the triton kernels cannot run
+            return _Ring(call, bufs, any_strides=True)
+
+        ring = LOOPBACK_PLANS.make(key, q.device, build)
+    return ring.run_views(qs, ks, vs)
+
+
+LOOPBACK_PLANS = Plans(f"{OP}_loopback")
 
 
 # no reference backend: the tests' oracle is plain-torch attention over the whole sequence

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..comm import settings
 from ..comm.groups import host_collective_device
 from ..comm.symmetric import bounded_wait, exchange_strings
 from . import registry
@@ -462,7 +463,7 @@ def measure(dispatcher, call, candidates: list[str], timer=None) -> Entry:
 def explain(dispatcher, call) -> tuple[str | None, str]:
     """``(backend, why)``: what ``dispatcher`` runs for ``call`` (a call without a group) and
     why, from the tables alone: no timing, no collective (``fusedpar info``)."""
-    forced = os.environ.get("FUSEDPAR_BACKEND", "")
+    forced = settings.get().backend
     if forced in dispatcher.backends:
         return forced, "forced by FUSEDPAR_BACKEND"
     candidates = [name for name, reasons in dispatcher.availability(call).items() if not reasons]

@@ -31,6 +31,8 @@ from unittest import mock
 
 import torch
 
+from ..comm import settings
+
 __all__ = ["DryRun", "dry_run", "fusedpar_config"]
 
 
@@ -65,8 +67,10 @@ def _fake_world(world_size: int):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:  # nothing touches symmetric memory
         with mock.patch.dict(os.environ, {"FUSEDPAR_BACKEND": "reference"}):
+            settings.refresh()
             yield
     finally:
+        settings.refresh()
         dist.destroy_process_group()
 
 

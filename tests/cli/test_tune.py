@@ -14,6 +14,7 @@ import torch
 import fusedpar
 import fusedpar.models
 from fusedpar.cli import build_parser, info, main, train, tune
+from fusedpar.comm import settings
 from fusedpar.ops import registry, tuning
 from tests.ops.test_tuning import call, dispatcher, tuned_cpu  # noqa: F401 - the fixture
 
@@ -61,9 +62,11 @@ def test_explain_says_which_backend_runs_and_why(tuned_cpu, monkeypatch):  # noq
     tuning.user_table().entries[sig.key()] = tuning.Entry("reference", {"fast": 2.0, "reference": 1.0})
     assert tuning.explain(d, call()) == ("reference", "measured (fast 2.000 ms, reference 1.000 ms)")
     monkeypatch.setenv("FUSEDPAR_BACKEND", "slow")
+    settings.refresh()
     assert tuning.explain(d, call()) == ("slow", "forced by FUSEDPAR_BACKEND")
     monkeypatch.setattr(tuning, "TUNED_DEVICES", ())
     monkeypatch.delenv("FUSEDPAR_BACKEND")
+    settings.refresh()
     assert tuning.explain(d, call()) == ("fast", "the priority order (nothing is timed on cpu)")
 
 

@@ -5,10 +5,13 @@ import stat
 import pytest
 import torch
 import torch.distributed as dist
+import triton
 
 from fusedpar import FusedparError, FusedparTimeoutError
 from fusedpar.comm import get_buffer, get_loopback_buffers, layout, symmetric
+from fusedpar.kernels import signal
 from tests.dist_pool import leftover_shm
+from tests.ops.collective_cases import env
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -56,14 +59,12 @@ def _peer_lags():
     dist.barrier()
     if dist.get_rank() == 1:
         return None
-    buf.epoch = 1
-    os.environ["FUSEDPAR_TIMEOUT"] = "0.5"
-    try:
-        buf.wait_done_on_host()
-    except FusedparTimeoutError as e:
-        return str(e)
-    finally:
-        os.environ["FUSEDPAR_TIMEOUT"] = "30"
+    buf.pad()[layout.EPOCH] = 1  # this rank's first call: rank 1 never finishes reading it
+    with env(FUSEDPAR_TIMEOUT=0.5):
+        try:
+            buf.wait_done_on_host()
+        except FusedparTimeoutError as e:
+            return str(e)
     return "returned"
 
 
@@ -103,16 +104,40 @@ def test_buffer_refuses_segments_whose_data_is_not_16_byte_aligned():
         symmetric.SymmetricBuffer([aligned, shifted], 0, "shm", "g")
 
 
-def test_recorded_failures_raise_once_then_the_buffer_refuses_work():
+@triton.jit
+def _record_kernel(pad_table, rank, code, src, epoch):
+    signal.record_failure(signal.pad_ptr(pad_table, rank), code, src, epoch)
+
+
+def record(buf, code, src, epoch):
+    """What a kernel's failed wait does: ``record_failure`` in this rank's pad."""
+    _record_kernel[(1,)](buf.pad_table, buf.rank, code, src, epoch)
+
+
+def test_a_failure_a_kernel_records_reaches_the_host_mirror_and_raises_once():
+    """record_failure writes STATUS and the host's status mirror (``layout.MIRROR``): the
+    call raises at its end on CPU (the kernels have run), then the buffer refuses work. Only
+    the first failure is kept."""
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "shm", "g")
     buf.next_epoch()
-    buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor(
-        [layout.TIMEOUT_READY, 1, 1], dtype=torch.int32)
-    with pytest.raises(FusedparTimeoutError, match=r"rank 0 .* READY\[1\] \(rank 1\)"):
+    record(buf, layout.TIMEOUT_READY, 1, 1)
+    record(buf, layout.TIMEOUT_DONE, 1, 1)  # not the first: ignored
+    assert buf._status[:3].tolist() == [layout.TIMEOUT_READY, 1, 1]
+    assert buf.pad()[layout.STATUS : layout.STATUS + 3].tolist() == [layout.TIMEOUT_READY, 1, 1]
+    with pytest.raises(FusedparTimeoutError, match=r"all_gather: rank 0 .* READY\[1\] \(rank 1\)"):
         buf.finish("all_gather")
     with pytest.raises(FusedparError, match="unusable after an earlier failure"):
         buf.next_epoch()
+
+
+def test_loopback_views_have_a_status_mirror_each():
+    """One process plays every rank of a loopback buffer: a failure of rank 1 is rank 1's."""
+    views = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)
+                                       for _ in range(3)], 0, "loopback", "loopback3")
+    views = [views.as_rank(r) for r in range(3)]
+    record(views[1], layout.META_MISMATCH, 2, 5)
+    assert [v._status[0] for v in views] == [0, layout.META_MISMATCH, 0]
 
 
 def test_a_call_that_raised_midway_leaves_the_buffer_unusable():
@@ -127,46 +152,45 @@ def test_a_call_that_raised_midway_leaves_the_buffer_unusable():
         buf.next_epoch()
 
 
-def test_device_held_epochs_continue_the_host_count_and_return_relative_epochs():
-    """On device-held epochs a graphable call advances the EPOCH word (from the host's count,
-    a floor) and returns 0; any other call reads the word and takes the next absolute epoch.
-    A buffer starts on host epochs and leaves the word alone."""
+def test_every_call_advances_the_device_epoch_once_and_takes_offsets():
+    """Epochs live on the device: a call returns the offset 0 its kernels take, and the EPOCH
+    word goes up by one per call, by an add ``next_epoch`` enqueues or, when the call's first
+    kernel does it (``kernel_advances``), by that kernel. The host counts eager calls."""
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "shm", "g")
     word = lambda: int(buf.pad()[layout.EPOCH])  # noqa: E731
 
-    def call(graphable):
-        epoch = buf.next_epoch(graphable)
+    def call(**kwargs):
+        epoch = buf.next_epoch(**kwargs)
         buf.finish("op")
-        return epoch
+        return epoch, word()
 
-    assert [call(True), call(False), call(True)] == [1, 2, 3] and word() == 0
-    buf.use_device_epochs()
-    assert [call(True), word(), call(True), word()] == [0, 4, 0, 5]
-    buf.pad()[layout.EPOCH] = 9  # two calls replayed from a graph the host never saw
-    assert [call(False), word(), call(True), word()] == [10, 10, 0, 11]
-    assert buf.epoch == 11
+    assert [call(), call(graphable=True)] == [(0, 1), (0, 2)]
+    assert call(kernel_advances=True) == (0, 2)  # no kernel ran: the word stays
+    assert buf.epoch == 3
 
 
-def test_under_capture_only_graphable_calls_run_and_they_switch_to_device_epochs(monkeypatch):
-    """What a CUDA-graph capture does to a buffer (capture faked on CPU): a call whose kernels
-    take absolute epochs is refused, a graphable one moves the buffer to device-held epochs;
-    the description is marked unrecorded and nothing is read back until ``synchronize``."""
+def test_under_capture_only_graphable_calls_run_and_nothing_is_read_back(monkeypatch):
+    """What a CUDA-graph capture does to a buffer (capture faked on CPU): a call that reads
+    host values a replay would freeze is refused; a graphable one runs, marks the buffer as
+    captured (kept until released if replaced) and its description unrecorded; the host
+    reads no status back, a later ``synchronize`` raises what a replay recorded."""
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "shm", "g")
     buf.next_epoch()
     buf.finish("all_gather")
     monkeypatch.setattr(symmetric, "capturing", lambda device: True)
-    with pytest.raises(FusedparError, match="cannot be captured in a CUDA graph.*moe_dispatch"):
+    with pytest.raises(FusedparError, match="cannot be captured in a CUDA graph.*all_gather_matmul"):
         buf.next_epoch()
-    assert not buf.in_call and not buf.device_epochs
-    assert buf.next_epoch(graphable=True) == 0 and buf.device_epochs
+    assert not buf.in_call and not buf.captured
+    assert buf.next_epoch(graphable=True) == 0 and buf.captured
     assert int(buf.pad()[layout.EPOCH]) == 2
     buf.publish(symmetric.describe_words(0, torch.float32, (4, 8), 0), 7)
     assert int(buf.pad()[layout.META]) == 7 and int(buf.pad()[layout.DESC]) == symmetric.UNRECORDED
-    buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor([layout.META_MISMATCH, 1, 2],
-                                                                 dtype=torch.int32)
-    buf.finish("moe_dispatch")  # captured: raises nothing
+    buf._ops[2] = "moe_dispatch"
+    record(buf, layout.META_MISMATCH, 1, 2)
+    buf._cuda = True  # a CUDA buffer: finish reads nothing back
+    buf.finish("moe_dispatch")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     with pytest.raises(ValueError, match="moe_dispatch: rank 0 and rank 1 .* inputs not recorded"):
         buf.synchronize()
@@ -213,18 +237,20 @@ def test_description_staging_is_pinned_for_cuda():
 
 
 def test_buffers_a_graph_may_use_stay_allocated_until_released():
-    """A replay writes to the addresses it was captured with: a grown buffer that ran on
-    device-held epochs is kept (not one that never did) until release_buffers()."""
+    """A replay writes to the addresses it was captured with: a grown buffer a call was
+    captured on is kept (not one that never was) until release_buffers(); every replaced one
+    is no longer live (the plans holding it are rebuilt)."""
     cpu = torch.device("cpu")
     symmetric.release_buffers()
     plain = get_loopback_buffers(2, 1 << 20, cpu)
     kept = get_loopback_buffers(2, 2 << 20, cpu)
     for view in kept:
-        view.use_device_epochs()
+        view.captured = True
     get_loopback_buffers(2, 4 << 20, cpu)
     retired = symmetric._captured_retired
     assert [v.rank for v in retired] == [0, 1] and all(v in retired for v in kept)
     assert not any(v in retired for v in plain)
+    assert not any(v.live for v in plain + kept)
     symmetric.release_buffers()
     assert not symmetric._captured_retired
 

@@ -14,6 +14,7 @@ from fusedpar.comm import layout, symmetric
 from fusedpar.errors import FusedparError
 from fusedpar.kernels import all_gather, signal
 from fusedpar.ops import protocol as C
+from tests.comm.test_symmetric import record
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import env, subgroup
 
@@ -87,19 +88,19 @@ def test_the_interpreter_watchdog_expires_a_call_and_finish_disarms_it():
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "shm", "g")
     with env(FUSEDPAR_TIMEOUT=0.2):
-        epoch = buf.next_epoch()
+        buf.next_epoch()
         time.sleep(0.5)
-        assert buf.pad()[layout.DEADLINE].item() == epoch  # kernels waiting now give up
+        assert buf.pad()[layout.DEADLINE].item() == buf.epoch == 1  # kernels waiting now give up
         buf.finish("all_gather")  # nothing recorded: no error
-        epoch = buf.next_epoch()
+        buf.next_epoch()
         buf.finish("all_gather")
         time.sleep(0.5)
-        assert buf.pad()[layout.DEADLINE].item() == epoch - 1  # disarmed in time
+        assert buf.pad()[layout.DEADLINE].item() == 1  # the second call was disarmed in time
 
 
 def test_cuda_graph_capture_is_refused_with_a_clear_error(monkeypatch):
-    """A captured graph would replay one frozen host epoch, so every wait after the first
-    replay would pass at once: capture is refused before any flag is touched."""
+    """A call whose kernels or host code depend on host values a replay would freeze refuses
+    capture before any flag is touched."""
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "torch", "g")
     monkeypatch.setattr(symmetric, "capturing", lambda device: True)
@@ -199,7 +200,7 @@ def test_a_recorded_capacity_failure_raises_a_value_error_naming_the_fix():
     buf = symmetric.SymmetricBuffer([torch.zeros(layout.PAD_BYTES + 64, dtype=torch.uint8)] * 2,
                                     0, "shm", "g")
     buf.next_epoch()
-    buf.pad()[layout.STATUS : layout.STATUS + 3] = torch.tensor([layout.CAPACITY_EXCEEDED, 0, 1])
+    record(buf, layout.CAPACITY_EXCEEDED, 0, 1)
     with pytest.raises(ValueError, match="above max_tokens_per_rank .* raise max_tokens_per_rank"):
         buf.finish("moe_dispatch")
     with pytest.raises(FusedparError, match="unusable after an earlier failure"):

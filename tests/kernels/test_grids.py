@@ -63,8 +63,12 @@ def test_ring_attention_copy_grid_leaves_most_sms_to_the_attention(pieces):
     assert grid[0] <= max(1, SMS // 4)
 
 
+@pytest.mark.parametrize("ctas", [1, 2])
 @pytest.mark.parametrize("tiles", [1, 2**31 - 1])
-def test_grouped_mm_peers_grid_is_capped_and_legal(tiles):
-    grid = gemm_peers.peers_grid(tiles, SMS)
+def test_grouped_mm_peers_grid_is_resident_and_leaves_an_sm(tiles, ctas):
+    """The peers GEMM's programs are all resident at once on all SMs but one (what its flags
+    wait for runs on that one): never more than (SMs - 1) x CTAs per SM, never more than the
+    tiles, at least one."""
+    grid = gemm_peers.peers_grid(tiles, SMS, {"CTAS_PER_SM": ctas})
     _within_cuda_limits(grid)
-    assert grid[0] <= PROGRAMS_PER_SM * SMS
+    assert grid[0] == min(tiles, (SMS - 1) * ctas)

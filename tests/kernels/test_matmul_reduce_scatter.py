@@ -1,7 +1,8 @@
 """The fused matmul + reduce-scatter kernels, one process playing every rank over loopback
 buffers: each rank's GEMM writes ``P_r = A_r @ B_r`` into its data region and raises the
 chunks' READY flags; then each rank stages its peers' partials of its chunk (as the op's
-copies do) and ``reduce_chunks`` sums them with its own.
+copies do) and ``reduce_chunks`` sums them with its own and raises DONE, which the next
+epoch's GEMMs wait for.
 
 Rank r's inputs encode r, so a misrouted chunk cannot pass; the data regions start as NaN,
 so a skipped tile cannot pass either.
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from fusedpar.comm import layout
-from fusedpar.kernels.matmul_reduce_scatter import matmul_reduce_scatter, reduce_chunks, reset_chunk_counters
+from fusedpar.kernels.matmul_reduce_scatter import matmul_reduce_scatter, reduce_chunks
 from fusedpar.kernels.gemm import gemm_operands
 from fusedpar.kernels.signal import wait_flags
 
@@ -42,28 +43,27 @@ def status(buf):
 
 
 def run_gemm(buf, a, b, epoch, config=None):
-    """One rank's producer: poison its data region, reset its counters, launch. Returns P."""
+    """One rank's producer: poison its data region, launch. Returns P."""
     world = buf.world_size
     m, n = a.shape[0], b.shape[1]
     p = buf.data(a.dtype, m * n).view(m, n)
     p.fill_(float("nan"))
-    reset_chunk_counters(buf.pad(), world)
-    buf.pad()[layout.META] = META
-    matmul_reduce_scatter(a, b, p, buf.pad_table, buf.rank, world, epoch, config=config)
+    matmul_reduce_scatter(a, b, p, buf.pad_table, buf.rank, world, epoch, META, buf.timeout_ns,
+                          config=config)
     return p
 
 
-def run_reduce(buf, m_chunk, n, dtype, divisor=1.0):
+def run_reduce(buf, m_chunk, n, dtype, divisor=1.0, epoch=1):
     """One rank's consumer: each peer's partial of its chunk into a NaN-poisoned staging
     buffer, row j from rank (rank - 1 - j) % W (the order the op copies them in), then
-    ``reduce_chunks``."""
+    ``reduce_chunks`` (which raises DONE of ``epoch``)."""
     world, rank = buf.world_size, buf.rank
     partial = lambda src: buf.data(dtype, world * m_chunk * n, rank=src).view(world, -1)[rank]  # noqa: E731
     stage = torch.full((world - 1, m_chunk * n), float("nan"), dtype=dtype)
     for j in range(world - 1):
         stage[j] = partial((rank - 1 - j) % world)
     out = torch.full((m_chunk, n), float("nan"), dtype=dtype)
-    reduce_chunks(out, partial(rank), stage, rank, world, divisor)
+    reduce_chunks(out, partial(rank), stage, buf.pad_table, rank, world, epoch, divisor)
     return out
 
 
@@ -99,10 +99,10 @@ def test_gemm_then_reduce_scatter_exact(loopback, world, m, n, k, dtype, strided
         assert ready_words(bufs, r) == [0] * world
         p = run_gemm(buf, a[r], b[r], epoch, config)
         assert torch.equal(p, partial[r].to(dtype)), r
-        # every chunk's owner (this rank included) now sees READY[r] = epoch
+        # every chunk's owner (this rank included) now sees READY[r] = epoch; the tile that
+        # completed each chunk set its counter back for the next launch
         assert ready_words(bufs, r) == [epoch] * world
-        tiles = -(-m // (config or {}).get("BLOCK_M", 32)) * -(-n // (config or {}).get("BLOCK_N", 32))
-        assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [tiles] * world
+        assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [0] * world
         assert buf.pad()[layout.META].item() == META
     for buf in bufs:
         r = buf.rank
@@ -122,9 +122,10 @@ def test_second_epoch_recounts_chunks(loopback):
         for buf in bufs:
             run_gemm(buf, a[buf.rank], b[buf.rank], epoch)
             assert ready_words(bufs, buf.rank) == [epoch] * world
-            assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [1] * world
+            assert buf.pad()[layout.CHUNK_TILES : layout.CHUNK_TILES + world].tolist() == [0] * world
         for buf in bufs:
-            out = run_reduce(buf, m, n, torch.float32)
+            out = run_reduce(buf, m, n, torch.float32, epoch=epoch)
+            assert [b.pad()[layout.DONE + buf.rank].item() for b in bufs if b is not buf] == [epoch]
             expected = sum(a[s].double() @ b[s].double() for s in range(world))[buf.rank * m : (buf.rank + 1) * m]
             assert torch.equal(out, expected.float())
 
@@ -156,7 +157,7 @@ def test_random_bf16_within_twice_torch_error(loopback):
 def test_reduce_chunks_rejects_a_misshaped_stage():
     out, own = torch.zeros(6), torch.zeros(6)
     with pytest.raises(ValueError, match=r"\[W - 1 = 2, n\]"):
-        reduce_chunks(out, own, torch.zeros(3, 6), 0, 3)
+        reduce_chunks(out, own, torch.zeros(3, 6), torch.zeros(3, dtype=torch.int64), 0, 3, 1)
 
 
 def test_a_single_peer_wait_waits_for_that_peer_only(loopback):

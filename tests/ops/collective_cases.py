@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.comm import get_buffer
+from fusedpar.comm import get_buffer, settings
 from fusedpar.ops import registry
 from fusedpar.testing.collectives import demo_input
 
@@ -89,8 +89,11 @@ def poisoned_allocations():
 
 @contextlib.contextmanager
 def env(**values):
+    """Environment variables set for the block, and fusedpar's settings read again (they are
+    read once: ``fusedpar.comm.settings``) on entering and leaving it."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update({k: str(v) for k, v in values.items()})
+    settings.refresh()
     try:
         yield
     finally:
@@ -99,6 +102,7 @@ def env(**values):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        settings.refresh()
 
 
 @contextlib.contextmanager
@@ -162,6 +166,63 @@ def stalled_peer_error(pools, op, timeout_s=2.0) -> str:
     assert results[0]["elapsed"] < 3 * timeout_s, results[0]
     assert "READY[1]" in results[0]["message"], results[0]
     return results[0]["message"]
+
+
+def _frozen(value):
+    """What a launch freezes of a non-tensor argument: a TMA descriptor's layout (its base
+    address is frozen as a tensor's is), any other value itself."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(value, TensorDescriptor):
+        return ("TensorDescriptor", tuple(value.shape), tuple(value.strides), tuple(value.block_shape),
+                value.padding)
+    return value
+
+
+@contextlib.contextmanager
+def scalar_arguments(launchers=None):
+    """Record the non-tensor arguments of launches, in order: what a CUDA graph freezes at
+    capture (tensors are frozen as addresses, which a graph's memory pool keeps).
+
+    ``launchers``: ``[(owner, name)]``, launcher functions to patch; each record is the tuple
+    of one call's non-tensor arguments. None: every Triton kernel launch (in the interpreter,
+    so CPU only); each record is ``(kernel name, grid, ((argument, value), ...))``, constexprs
+    and launch options (``num_warps``) included, a TMA descriptor as its layout (``_frozen``)."""
+    launches = []
+    if launchers is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from fusedpar.kernels.interpreter import interpreting
+
+        assert interpreting(), "scalar_arguments() records Triton launches in the interpreter only"
+        run = InterpretedFunction.run
+
+        def run_and_record(self, *args, grid, warmup, **kwargs):
+            named = [*zip(self.arg_names, args), *kwargs.items()]
+            if callable(grid):
+                grid = grid(dict(named))
+            launches.append((self.fn.__name__, tuple(grid),
+                             tuple((k, _frozen(v)) for k, v in named if not isinstance(v, torch.Tensor))))
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        saved = [(InterpretedFunction, "run", run)]
+        InterpretedFunction.run = run_and_record
+    else:
+        def recording(launch):
+            def launch_and_record(*args, **kwargs):
+                launches.append(tuple(a for a in [*args, *kwargs.values()]
+                                      if not isinstance(a, torch.Tensor)))
+                return launch(*args, **kwargs)
+            return launch_and_record
+
+        saved = [(owner, name, getattr(owner, name)) for owner, name in launchers]
+        for owner, name, launch in saved:
+            setattr(owner, name, recording(launch))
+    try:
+        yield launches
+    finally:
+        for owner, name, launch in saved:
+            setattr(owner, name, launch)
 
 
 def captured(step):

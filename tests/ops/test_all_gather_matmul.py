@@ -186,10 +186,11 @@ def test_torch_schema_drop_in_and_float64(pools):
     assert pools(2).run(_torch_schema_and_fp64) == [True, True]
 
 
-def test_loopback_repeats_stage_no_description_and_poison_only_what_returns(monkeypatch):
+def test_loopback_repeats_stage_no_description_and_poison_only_what_the_gemm_cannot(monkeypatch):
     """Host work per call (CPU loopback, W=2): a call of the shape of the last one copies no
-    description words to the pads; the NaN-fill of a failed call's outputs covers the
-    gathered A only where it is returned. Results stay exact either way."""
+    description words to the pads; the GEMM NaN-fills a failed call's product and gathered A
+    itself, so only the products of further Bs off a gathered A that is not returned need a
+    launch of their own. Results stay exact either way."""
     from fusedpar.comm import symmetric
     from fusedpar.kernels import signal
 
@@ -209,9 +210,36 @@ def test_loopback_repeats_stage_no_description_and_poison_only_what_returns(monk
             assert torch.equal(gathered, expected_a) if return_a else gathered is None
             for out, b in zip(outs, bs):
                 assert torch.equal(out, (expected_a.double() @ b.double()).float())
-        assert poisoned == 2 * [*([(10, 7)] if return_a else []), (10, 3), (10, 4)]
+        assert poisoned == ([] if return_a else 2 * [(10, 4)])
         if call > 0:  # the first may follow other shapes on these cached buffers
             assert staged == []
+
+
+@pytest.mark.parametrize("return_a", [True, False])
+def test_a_failed_loopback_call_is_nan_where_it_failed_and_raises(monkeypatch, return_a):
+    """Simulated rank 1 publishes another fingerprint: rank 0's wait for it fails, so rank
+    0's outputs (and its gathered A) are NaN, filled by the GEMM's last program, and the
+    call raises naming both inputs; the next call on fresh buffers is right."""
+    from fusedpar.kernels import signal
+
+    real_stage = signal.stage
+    monkeypatch.setattr(signal, "stage", lambda x, dst, pad_table, rank, world, meta, *a, **k:
+                        real_stage(x, dst, pad_table, rank, world, meta + rank, *a, **k))
+    shards = [rank_data((5, 7), torch.float32, r) - 20 for r in range(2)]
+    bs = [rank_data((7, 3), torch.float32, 0) / 8]
+    outs = []
+    real_launch = fusedpar.kernels.gemm_peers.GatherLaunch.__call__
+    monkeypatch.setattr(fusedpar.kernels.gemm_peers.GatherLaunch, "__call__",
+                        lambda self, a, b, c, *args, gathered=None: outs.append((c, gathered))
+                        or real_launch(self, a, b, c, *args, gathered=gathered))
+    with pytest.raises(ValueError, match="rank 0 and rank 1 .* passed different inputs"):
+        fusedpar.ops.all_gather_matmul_loopback(shards, bs, return_A=return_a)
+    (out, gathered), _ = outs
+    assert out.isnan().all() and (gathered is None) != return_a
+    assert not return_a or gathered.isnan().all()
+    monkeypatch.undo()
+    _, (out,) = fusedpar.ops.all_gather_matmul_loopback(shards, bs)[0]
+    assert torch.equal(out, (torch.cat(shards).double() @ bs[0].double()).float())
 
 
 # ---- GPU: skipped without CUDA ----------------------------------------------------------

@@ -14,7 +14,8 @@ from fusedpar.comm import get_buffer, get_loopback_buffers, layout
 from fusedpar.kernels import moe_dispatch as dispatch_kernels
 from fusedpar.ops import protocol as C
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
-from tests.ops.collective_cases import captured, requires_cuda, stalled_peer_error, subgroup
+from tests.ops.collective_cases import (captured, requires_cuda, scalar_arguments, stalled_peer_error,
+                                        subgroup)
 from tests.ops.test_moe import _check_provenance, _routing, _tokens
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -117,28 +118,6 @@ EPOCH_LAUNCHERS = [(C.TRITON_LAUNCHERS, name) for name in ("wait_flags", "signal
     (dispatch_kernels, "check_capacity")]
 
 
-@contextlib.contextmanager
-def scalar_arguments():
-    """Record the non-tensor arguments of every launch that takes an epoch, in order: what a
-    CUDA graph freezes at capture."""
-    launches = []
-
-    def recording(launch):
-        def launch_and_record(*args, **kwargs):
-            launches.append(tuple(a for a in [*args, *kwargs.values()] if not isinstance(a, torch.Tensor)))
-            return launch(*args, **kwargs)
-        return launch_and_record
-
-    saved = [(owner, name, getattr(owner, name)) for owner, name in EPOCH_LAUNCHERS]
-    for owner, name, launch in saved:
-        setattr(owner, name, recording(launch))
-    try:
-        yield launches
-    finally:
-        for owner, name, launch in saved:
-            setattr(owner, name, launch)
-
-
 def _round_trip_loopback(world, T, k, E, M, salt):
     """One padded dispatch + combine of every rank (salted data); checks and returns outputs."""
     xs = [_tokens(r, T, 3) + 100 * salt for r in range(world)]
@@ -160,29 +139,21 @@ def fresh_loopback_buffers():
     fusedpar.comm.release_buffers()
 
 
-def test_loopback_on_device_held_epochs_launches_the_same_arguments_every_call(fresh_loopback_buffers):
-    """What lets a CUDA graph replay dispatch + combine (GPU test below): on device-held epochs
-    every scalar a kernel takes is the same in every call, while the rows stay right; on host
-    epochs they differ. A call needing an absolute epoch (all_gather_matmul) fits in between."""
+def test_loopback_launches_the_same_arguments_every_call(fresh_loopback_buffers):
+    """What lets a CUDA graph replay dispatch + combine (GPU test below): epochs live on the
+    device, so every scalar a kernel takes is the same in every call, while the rows stay
+    right; an all_gather_matmul call in between changes nothing of it."""
     world, T, k, E, M = 2, 6, 2, 4, 6
     views = get_loopback_buffers(world, 1 << 16, torch.device("cpu"))
-    host_calls = []
-    for salt in range(3):
-        with scalar_arguments() as launches:
-            _round_trip_loopback(world, T, k, E, M, salt)
-        host_calls.append(launches)
-    assert host_calls[1] != host_calls[2] and len(host_calls[1]) == len(host_calls[2])  # epochs count up
-    for view in views:
-        view.use_device_epochs()
     per_call = []
     for salt in range(3):
         a = [torch.full((4, 8), float(r + salt)) for r in range(world)]
         (gathered, (out,)), _ = fusedpar.ops.all_gather_matmul_loopback(a, [torch.eye(8)])
         assert torch.equal(out, torch.cat(a))
-        with scalar_arguments() as launches:
+        with scalar_arguments(EPOCH_LAUNCHERS) as launches:
             _round_trip_loopback(world, T, k, E, M, salt)
         per_call.append(launches)
-    assert per_call[0] == per_call[1] == per_call[2] and len(per_call[0]) == len(host_calls[2])
+    assert per_call[0] == per_call[1] == per_call[2] and per_call[0]
     assert get_loopback_buffers(world, 1 << 16, torch.device("cpu"))[0] is views[0]
     epochs = [int(v.pad()[layout.EPOCH]) for v in views]
     assert epochs == [v.epoch for v in views] and len(set(epochs)) == 1
@@ -222,7 +193,7 @@ def test_gpu_cuda_graph_replays_padded_dispatch_and_combine():
     route(0)
     graph, (received, outs) = captured(step)
     views = get_loopback_buffers(world, 1, device)
-    assert all(view.device_epochs for view in views)
+    assert all(view.captured for view in views)
     host_epoch = views[0].epoch
     words = [int(views[0].pad()[layout.EPOCH])]
     for salt in range(1, 4):
@@ -234,12 +205,11 @@ def test_gpu_cuda_graph_replays_padded_dispatch_and_combine():
         if salt == 2:
             check(routings, *step())
             words.append(int(views[0].pad()[layout.EPOCH]))
-    # every replay and the eager step advance the device word by the same number of calls,
-    # the first from the host's count (a floor); the host's count stays where the capture left it
-    steps = [after - before for before, after in zip(words[1:], words[2:])]
-    assert steps[0] > 0 and steps == [steps[0]] * 3, words
-    assert words[1] == max(words[0], host_epoch) + steps[0], (words, host_epoch)
-    assert views[0].epoch == host_epoch
+    # every replay and the eager step advance the device word by the same number of calls;
+    # the host counts the eager calls only
+    steps = [after - before for before, after in zip(words, words[1:])]
+    assert steps[0] > 0 and steps == [steps[0]] * 4, words
+    assert views[0].epoch == host_epoch + steps[0]
 
 
 def _gpu_graph_one_rank(T, H, k, E):
@@ -266,7 +236,7 @@ def _gpu_graph_one_rank(T, H, k, E):
                        and torch.equal(grad, torch.full_like(x, 3 * 0.25 * salt * k)))
     buf = fusedpar.comm.get_buffer(dist.group.WORLD, 1, x.device)
     buf.synchronize()
-    return results, buf.backend, buf.device_epochs
+    return results, buf.backend, buf.captured
 
 
 @requires_cuda
@@ -338,14 +308,11 @@ def test_a_stalled_peer_times_out_instead_of_hanging(pools):
 
 
 def _device_epoch_rounds(T, H, k, E, M):
-    """Host epochs, then device-held ones (what capturing a graph switches to): padded
-    dispatch + combine, the triton all_gather (both take relative epochs) and
-    all_gather_matmul (reads the device epoch on the host) share the group's buffer."""
+    """Padded dispatch + combine, the triton all_gather and all_gather_matmul share the
+    group's buffer and its device-held epochs: each call advances the EPOCH word once."""
     group, rank, world = subgroup(), dist.get_rank(), dist.get_world_size()
     buf = get_buffer(group, 1, torch.device("cpu"))
     for salt in range(4):
-        if salt == 1:
-            buf.use_device_epochs()
         x = _tokens(rank, T, H) + 100 * salt
         w = torch.full((T, k), 0.25 * (salt + 1))
         recv_x, per_expert, handle = moe_dispatch(x, _routing(rank + salt, T, k, E, "random"), w, E, group,
@@ -355,23 +322,18 @@ def _device_epoch_rounds(T, H, k, E, M):
         assert torch.equal(fusedpar.ops.all_gather(x, 0, group, backend="triton"), expected)
         _, (out,) = fusedpar.ops.all_gather_matmul(x, [torch.eye(H)], 0, group, backend="triton")
         assert torch.equal(out, expected)
-    return buf.device_epochs, buf.epoch, int(buf.pad()[layout.EPOCH])
+    return buf.epoch, int(buf.pad()[layout.EPOCH])
 
 
 @pytest.mark.timeout(200)
 def test_ranks_on_device_held_epochs_exchange_the_right_rows(pools):
     # per round: dispatch and combine (2 calls each: counts and rows; combine 1), all_gather, all_gather_matmul
-    assert pools(2).run(_device_epoch_rounds, 5, 3, 2, 4, 5) == [(True, 4 * 5, 4 * 5)] * 2
-
-
-def _dispatch_on_device_epochs(x, group):
-    get_buffer(group, 1, x.device).use_device_epochs()
-    return _dispatch_padded(x, group)
+    assert pools(2).run(_device_epoch_rounds, 5, 3, 2, 4, 5) == [(4 * 5, 4 * 5)] * 2
 
 
 @pytest.mark.timeout(120)
 def test_a_stalled_peer_times_out_on_device_held_epochs(pools):
     """Relative epochs are waited for, not passed: the wait of a call a peer never makes
     times out and names the device-held epoch."""
-    message = stalled_peer_error(pools, _dispatch_on_device_epochs)
+    message = stalled_peer_error(pools, _dispatch_padded)
     assert "READY[1] (rank 1) to reach epoch 3" in message, message

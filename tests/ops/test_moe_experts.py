@@ -383,7 +383,7 @@ def _fused_with_a_stalled_peer(T):
     idx, w, _ = topk_route(torch.randn(5, 4), 2)
     stage = C.stage
     if dist.get_rank() == 1:
-        C.stage = lambda *args: (time.sleep(2 * T), stage(*args))[1]
+        C.stage = lambda *args, **kwargs: (time.sleep(2 * T), stage(*args, **kwargs))[1]
     start = time.monotonic()
     try:
         with env(FUSEDPAR_TIMEOUT=T):

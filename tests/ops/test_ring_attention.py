@@ -6,6 +6,7 @@ documents, and the triton ring's bytes at the lower bound: the K/V rows its quer
 
 import contextlib
 import gc
+import importlib
 import weakref
 
 import pytest
@@ -18,8 +19,8 @@ from fusedpar.ops.ring_attention import packed_layout
 from fusedpar.parallel import sequence_shard, sequence_unshard, zigzag_shard
 from fusedpar.ops.ring_plan import rank_chunks
 from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results, visible_keys
-from tests.ops.collective_cases import (capture_errors, cpu_backends, debug_level, stalled_peer_error,
-                                        subgroup)
+from tests.ops.collective_cases import (capture_errors, cpu_backends, debug_level, scalar_arguments,
+                                        stalled_peer_error, subgroup)
 from tests.ops.test_flash_attention import sdpa64
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -566,3 +567,258 @@ def _check_bf16():
 def test_bf16_outputs_and_ring_gradients(pools):
     for errors in pools(2).run(_check_bf16):
         assert all(err < 2e-2 for err in errors.values()), errors
+
+
+# ---- the triton ring's host path: one plan per call signature, capture (issue 43) ------------
+
+def _ring_inputs(world, seed, layout="zigzag", s_local=8, heads=(2, 1, 1), d=16):
+    """Every rank's q, k, v of a full sequence (``[1, W * s_local, H, D]``, rank-encoded:
+    rank r's rows are shifted by r) and the full tensors."""
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(1, world * s_local, h, d, generator=g) for h in heads]
+    shard = _shard if layout != "zigzag" else (lambda x, dim, layout, r, w: zigzag_shard(x, dim, r, w))
+    return [[shard(t, 1, layout, r, world) for r in range(world)] for t in full], full
+
+
+def _assert_loopback_right(results, full, layout, causal=True, window=(-1, -1)):
+    world = len(results)
+    q, k, v = (t.double() for t in full)
+    ref_out, ref_lse = attention_ref(q, k, v, q.shape[-1] ** -0.5, causal, window)
+    for r, (out, lse) in enumerate(results):
+        torch.testing.assert_close(out.double(), _shard(ref_out, 1, layout, r, world), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse.double(), _shard(ref_lse, 2, layout, r, world), atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def fresh_loopback():
+    """Loopback buffers (and their plans) no other test has touched, dropped afterwards."""
+    fusedpar.comm.release_buffers()
+    yield
+    fusedpar.comm.release_buffers()
+
+
+def test_ring_schedule_puts_every_copy_before_the_step_that_ends_the_call():
+    """Copy i + 1 is issued after the steps that read its slot last (peer i - 1's); the last
+    step ends the call, so every copy comes before it, the main stream waiting for the last
+    copy right before it: a peer none of whose keys this rank sees (a fingerprint check, no
+    rows) is checked before the end, also when only the own block is attended."""
+    from fusedpar.ops.ring_attention import COPY, STEP, WAIT, ring_schedule
+
+    every = ring_schedule([3, 2, 1], {3: True, 2: True, 1: True}, 1, {3: 1, 2: 2, 1: 1})
+    assert every == [(COPY, 0), (STEP, 0), (COPY, 1), (WAIT, 0), (STEP, 1), (COPY, 2), (WAIT, 1),
+                     (STEP, 2), (STEP, 3), (WAIT, 2), (STEP, 4)]
+    last_unseen = ring_schedule([3, 2, 1], {3: True, 2: True, 1: False}, 1, {3: 1, 2: 1, 1: 0})
+    assert last_unseen == [(COPY, 0), (STEP, 0), (COPY, 1), (WAIT, 0), (STEP, 1), (COPY, 2),
+                           (WAIT, 1), (WAIT, 2), (STEP, 2)]
+    own_only = ring_schedule([3, 2, 1], {3: False, 2: False, 1: False}, 2, {3: 0, 2: 0, 1: 0})
+    assert own_only == [(COPY, 0), (STEP, 0), (COPY, 1), (COPY, 2), (WAIT, 2), (STEP, 1)]
+    assert ring_schedule([], {}, 1, {}) == [(STEP, 0)]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_loopback_launches_take_the_same_arguments_at_every_call(fresh_loopback, layout):
+    """W=3 loopback, three calls of one signature with new inputs each: right results, and
+    every launch's non-tensor arguments (grid, scalars, constexprs) are the same at every call
+    (what a CUDA graph freezes), the epochs all 0 (the call's, read on the device). Per rank:
+    one stage, the peers' K/V copies, the attention steps; the last step ends the call (no
+    launch of its own for DONE or the NaN-fill of a failed call)."""
+    world = 3
+    per_call = []
+    for seed in range(3):
+        (qs, ks, vs), full = _ring_inputs(world, seed, layout)
+        with scalar_arguments() as launches:
+            results = fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True, layout=layout)
+        _assert_loopback_right(results, full, layout)
+        per_call.append(launches)
+    assert per_call[0] == per_call[1] == per_call[2]
+    names = [name for name, _, _ in per_call[0]]
+    assert set(names) == {"stage_kernel", "ring_kv_copy_kernel", "ring_attn_step_kernel"}, names
+    assert names.count("stage_kernel") == world and names[:world] == ["stage_kernel"] * world
+    # every peer of every rank is checked, and copied where seen
+    assert names.count("ring_kv_copy_kernel") >= world * (world - 1)
+    args = [dict(named) for _, _, named in per_call[0]]
+    assert all(a["epoch"] == 0 for a, name in zip(args, names) if name != "stage_kernel")
+    ends = [a["rank"] for a, name in zip(args, names) if name == "ring_attn_step_kernel" and a["END"]]
+    assert ends == list(range(world))  # one per rank: its last launch
+    for rank in range(world):
+        mine = [(name, a) for name, a in zip(names, args) if name != "stage_kernel" and a["rank"] == rank]
+        assert mine[-1][0] == "ring_attn_step_kernel" and mine[-1][1]["END"], (rank, mine[-1])
+
+
+def test_capture_runs_a_planned_ring_and_refuses_packed_documents(monkeypatch, fresh_loopback):
+    """Capture faked on CPU (``symmetric.capturing``): a call of a signature run eagerly
+    before runs (its buffers marked captured) and gives the eager results; the first call of
+    a new signature refuses capture (its plan checks and allocates); a call with packed
+    documents refuses it even after an eager call, naming the fix, before any host read."""
+    from fusedpar.comm import symmetric
+    from fusedpar.ops import backend as backend_module
+
+    world = 2
+    (qs, ks, vs), full = _ring_inputs(world, 1)
+    eager = fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True)
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+    packed = [[_shard(t, 1, "zigzag", r, world, cu) for r in range(world)] for t in full]
+    fusedpar.ops.ring_attention_loopback(*packed, causal=True, cu_seqlens=cu)
+    monkeypatch.setattr(symmetric, "capturing", lambda device: True)
+    monkeypatch.setattr(backend_module, "capturing", lambda device: True)
+    replayed = fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True)
+    for (out, lse), (eager_out, eager_lse) in zip(replayed, eager):
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert all(view.captured for view in fusedpar.comm.get_loopback_buffers(world, 1, torch.device("cpu")))
+    with pytest.raises(fusedpar.FusedparError, match="run one eager call of it before capturing"):
+        fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=False)
+    with counted_reads(cu) as reads, pytest.raises(
+            fusedpar.FusedparError, match=r"packed documents \(cu_seqlens\) cannot be captured.*Run "
+                                          "packed calls eagerly"):
+        fusedpar.ops.ring_attention_loopback(*packed, causal=True, cu_seqlens=cu)
+    assert reads == [0]
+
+
+def test_a_failed_loopback_call_is_nan_and_raises(monkeypatch, fresh_loopback):
+    """Simulated rank 1 publishes another fingerprint: rank 0's copy of its K/V gives up, the
+    step of its block is skipped, and rank 0's last step NaN-fills out and lse (rank 1,
+    which saw rank 0's fingerprint equal its own, is right); the call raises naming both
+    ranks; the next call, on fresh buffers, is right."""
+    from fusedpar.kernels import signal
+    ring_module = importlib.import_module("fusedpar.ops.ring_attention")  # not the function
+
+    world = 2
+    (qs, ks, vs), full = _ring_inputs(world, 2)
+    real_stage = signal.stage
+    monkeypatch.setattr(signal, "stage", lambda x, dst, pad_table, rank, w, meta, *a, **k:
+                        real_stage(x, dst, pad_table, rank, w, meta + rank, *a, **k))
+    outputs = []
+    real_attend = ring_module._RingView.attend
+    monkeypatch.setattr(ring_module._RingView, "attend",
+                        lambda self, q: outputs.append(real_attend(self, q)) or outputs[-1])
+    with pytest.raises(ValueError, match="rank 0 and rank 1 .* passed different inputs"):
+        fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True)
+    (out0, lse0), (out1, lse1) = outputs
+    assert out0.isnan().all() and lse0.isnan().all()
+    assert torch.isfinite(out1).all() and torch.isfinite(lse1).all()
+    monkeypatch.undo()
+    _assert_loopback_right(fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True), full, "zigzag")
+
+
+def test_copies_run_on_a_side_stream_in_the_order_the_slots_need(monkeypatch, fresh_loopback):
+    """The CUDA path's stream logic on CPU (streams and events faked, the kernels run in
+    program order): at W=4, on each rank, every K/V copy is launched on the side stream after
+    the steps that last read its slot, every step that reads a slot after that slot's copy,
+    the call's last step (which raises DONE) after every copy, and the current stream is the
+    main one again at the end; results are right. Zigzag: every peer's block is attended;
+    contiguous: rank 0 sees no peer's keys, so its copies only check."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    ring_module = importlib.import_module("fusedpar.ops.ring_attention")  # not the function
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.done = name, set()  # launches before this stream's next op
+
+        def wait_event(self, event):
+            self.done |= event.done
+
+    class Event:
+        def record(self, stream):
+            self.done = set(stream.done)
+
+    main, side = Stream("main"), Stream("side")
+    current = [main]
+    launches = []
+    run = InterpretedFunction.run
+
+    def run_on_stream(self, *args, grid, warmup, **kwargs):
+        named = dict(zip(self.arg_names, args), **kwargs)
+        stream = current[0]
+        launches.append((self.fn.__name__, stream.name, named.get("rank"), named.get("src"),
+                         bool(named.get("END")), set(stream.done)))
+        stream.done.add(len(launches) - 1)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run_on_stream)
+    monkeypatch.setattr(ring_module, "_copy_stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+    world = 4
+    for layout in ("zigzag", "contiguous"):
+        (qs, ks, vs), full = _ring_inputs(world, 3, layout, s_local=4, heads=(1, 1, 1), d=8)
+        launches.clear()
+        _assert_loopback_right(fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True,
+                                                                    layout=layout), full, layout)
+        assert current == [main]
+        for rank in range(world):
+            peers = [(rank - step) % world for step in range(1, world)]
+            mine = [(n, *launch) for n, launch in enumerate(launches)
+                    if launch[0] != "stage_kernel" and launch[2] == rank]
+            copies = {src: [n for n, name, _, _, s, _, _ in mine if name == "ring_kv_copy_kernel" and s == src]
+                      for src in peers}
+            steps = {src: [n for n, name, _, _, s, _, _ in mine if name == "ring_attn_step_kernel" and s == src]
+                     for src in [rank] + peers}
+            assert all(stream == ("side" if name == "ring_kv_copy_kernel" else "main")
+                       for _, name, stream, *_ in mine), (layout, rank)
+            before = {n: done for n, *_, done in mine}
+            for i, src in enumerate(peers):
+                assert copies[src], (layout, rank, src)  # every peer is at least checked
+                for step in steps[src]:  # its slot's rows landed first
+                    assert set(copies[src]) <= before[step], (layout, rank, src)
+                if i >= 2:  # the slot's last reader finished first
+                    for copy in copies[src]:
+                        assert set(steps[peers[i - 2]]) <= before[copy], (layout, rank, src)
+            last = mine[-1]
+            assert last[1] == "ring_attn_step_kernel" and last[5], (layout, rank)
+            assert {n for src in peers for n in copies[src]} <= before[last[0]], (layout, rank)
+        if layout == "contiguous":  # rank 0 attends its own block only
+            assert [s for _, name, _, r, s, _, _ in [(n, *x) for n, x in enumerate(launches)]
+                    if name == "ring_attn_step_kernel" and r == 0] == [0]
+
+
+def _group_plans():
+    """One-rank group (fresh): calls of one signature with new inputs are right and only the
+    first checks its inputs and chooses a backend; a packed call refuses a faked capture
+    (``symmetric.capturing``) naming the fix, a call without documents runs under it."""
+    from fusedpar.comm import symmetric
+    ring_module = importlib.import_module("fusedpar.ops.ring_attention")  # not the function
+
+    group = subgroup()
+    counts = {"checks": 0, "selects": 0}
+    check, select = ring_module.check_ring_inputs, ring_module.DISPATCHER.select
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    ring_module.check_ring_inputs = counting("checks", check)
+    ring_module.DISPATCHER.select = counting("selects", select)
+    outs = []
+    try:
+        for seed in range(3):
+            (q, k, v), = zip(*_ring_inputs(1, seed)[0])
+            out, lse = fusedpar.ops.ring_attention_with_lse(q, k, v, group, causal=True, backend="triton")
+            ref_out, ref_lse = attention_ref(q.double(), k.double(), v.double(), 16 ** -0.5, True, (-1, -1))
+            torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=0)
+            torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=0)
+            outs.append(out)
+    finally:
+        ring_module.check_ring_inputs = check
+        del ring_module.DISPATCHER.select
+    assert counts == {"checks": 1, "selects": 1}, counts
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    fusedpar.ops.ring_attention(q, k, v, group, causal=True, cu_seqlens=cu, backend="triton")
+    capturing = symmetric.capturing
+    symmetric.capturing = lambda device: True
+    try:
+        with pytest.raises(fusedpar.FusedparError, match=r"packed documents \(cu_seqlens\) cannot be "
+                                                         "captured in a CUDA graph"):
+            fusedpar.ops.ring_attention(q, k, v, group, causal=True, cu_seqlens=cu, backend="triton")
+        under_capture = fusedpar.ops.ring_attention(q, k, v, group, causal=True, backend="triton")
+    finally:
+        symmetric.capturing = capturing
+    assert torch.equal(under_capture, outs[-1])
+    return True
+
+
+def test_group_calls_of_one_signature_plan_once_and_packed_ones_refuse_capture(pools):
+    assert pools(1).run(_group_plans) == [True]

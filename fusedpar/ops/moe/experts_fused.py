@@ -114,9 +114,9 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     group_tables = list(zip(tables[:split].view(-1, 5).split(blocks_per_view),
                             tables[split:].view(-1, 3).split(runs_per_view)))
     run_rows = np.split(runs[:, 2], np.cumsum(runs_per_view)[:-1])
-    epochs = [buf.next_epoch() for buf in bufs]
+    epochs = protocol.begin(bufs, launchers)
     for buf, x, epoch in zip(bufs, outgoing, epochs):
-        protocol.stage(launchers, buf, x, epoch, meta, desc)
+        protocol.stage(launchers, buf, x, epoch, meta, desc, gather=True)
     states = []
     for buf, x, first_b, epoch, rows, group_table, h13 in zip(
             bufs, outgoing, first_bs, epochs, run_rows, group_tables, h13s or [None] * len(bufs)):
