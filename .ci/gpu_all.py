@@ -66,17 +66,26 @@ PY = shlex.quote(os.environ.get("PYTHON", "python3"))
 HEADLINE = [
     "bench_all_gather.py::test_loopback[4096x8192-torch.cat]",
     "bench_all_gather.py::test_loopback[4096x8192-triton]",
+    "bench_all_gather.py::test_loopback[4096x8192-triton.graph]",
     "bench_all_gather.py::test_loopback[4096x8192-cuda]",
     "bench_all_gather.py::test_loopback[4096x8192-auto]",
     "bench_reduce_scatter.py::test_loopback[4096x8192-torch.stack.sum]",
     "bench_reduce_scatter.py::test_loopback[4096x8192-triton]",
+    "bench_reduce_scatter.py::test_loopback[4096x8192-triton.graph]",
     "bench_reduce_scatter.py::test_loopback[4096x8192-cuda]",
     "bench_reduce_scatter.py::test_loopback[4096x8192-auto]",
     "bench_all_gather_matmul.py::test_loopback[8192x8192x1280-torch.matmul]",
     "bench_all_gather_matmul.py::test_loopback[8192x8192x1280-triton]",
+    "bench_all_gather_matmul.py::test_loopback[8192x8192x1280-triton.graph]",
+    # the GEMM under late flags (its on-time run is the copy-engine row), and the tile choice
+    "bench_all_gather_matmul.py::test_loopback[8192x8192x1280-triton.copy_engine]",
+    "bench_all_gather_matmul.py::test_loopback[8192x8192x1280-triton.late_flags]",
+    "bench_gemm_tiles.py::test_gemm_tiles[all_gather_matmul-8192x8192x1280-128x256]",
+    "bench_gemm_tiles.py::test_gemm_tiles[all_gather_matmul-8192x8192x1280-128x128]",
     "bench_all_gather_matmul.py::test_loopback[8192x8192x1280-auto]",
     "bench_matmul_reduce_scatter.py::test_loopback[8192x3584x8192-torch.matmul]",
     "bench_matmul_reduce_scatter.py::test_loopback[8192x3584x8192-triton]",
+    "bench_matmul_reduce_scatter.py::test_loopback[8192x3584x8192-triton.graph]",
     "bench_matmul_reduce_scatter.py::test_loopback[8192x3584x8192-auto]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd-sdpa_flash]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd-triton]",
@@ -92,6 +101,9 @@ HEADLINE = [
     "bench_moe_dispatch.py::test_loopback[padded_graph-128]",
     "bench_moe.py::test_loopback[mixtral-unfused]",
     "bench_moe.py::test_loopback[mixtral-fused]",
+    # last: a ~1B Llama's training step, ~6-10 s a case (its torch.compile row: the bench stage)
+    "bench_train.py::test_step[torch]",
+    "bench_train.py::test_step[auto]",
 ]
 HEADLINE_IDS = " ".join(shlex.quote(f"benchmarks/{case}") for case in HEADLINE)
 PYTEST = f"{PY} -m pytest -v -rs --tb=short -p no:cacheprovider -p triton_compiles -p lease_stage"
@@ -125,9 +137,9 @@ STAGES = [
     Stage("build", 60, "build fusedpar._C (where not built) and fusedpar info",
           f"[ -f fusedpar/_build_info.py ] || TORCH_CUDA_ARCH_LIST=${{TORCH_CUDA_ARCH_LIST:-9.0a}} "
           f"{PY} setup.py -q build_ext --inplace && {PY} -m fusedpar info"),
-    Stage("tests", 100, "GPU tests in the pytest process and the build checks",
+    Stage("tests", 110, "GPU tests in the pytest process and the build checks",
           f"{PYTEST} --max-timeout=60 --ranks=in-process {TEST_PATHS}", "gpu or build"),
-    Stage("headline", 100, "headline rows, one per op at its flagship shape, with profiles",
+    Stage("headline", 130, "headline rows, one per op at its flagship shape, with profiles",
           f"FUSEDPAR_BENCH_PROFILE=1 {BENCH} {HEADLINE_IDS}", ""),
     Stage("shared", None, "GPU tests on ranks spawned onto the one GPU",
           f"{PYTEST} --max-timeout=90 --ranks=spawned {TEST_PATHS}", "gpu or build"),

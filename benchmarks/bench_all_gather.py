@@ -3,15 +3,23 @@
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 all_gather in one process
   over a loopback symmetric buffer, against ``torch.cat`` of the W shards once per simulated
   rank (the same W outputs): the fused protocol's overhead over a plain device copy.
+  ``triton.graph``: the triton call captured once in a CUDA graph (after an eager call) and
+  replayed, as a captured training step runs it: no host work per call; checked first:
+  replays on new inputs equal eager calls bitwise (``common.graph_replay``); its row notes
+  ``gpu_busy_ms``, ``host_ms``, ``x_eager`` and ``vs_gpu_busy`` (target: its median within
+  1.15x of its GPU busy time).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against raw NCCL ``all_gather_into_tensor`` and torch ``symm_mem`` all-gathers.
 * ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
   backend the dispatcher would run there); target: the case's best baseline (targets.py).
-* ``test_loopback_volume_is_the_lower_bound``: not a timing; runs on CPU too.
+* ``test_loopback_volume_is_the_lower_bound``, ``test_graph_row_checks_replays_against_eager_calls``:
+  not timings; run on CPU too.
 
 ``shape`` is the per-rank shard; the gather is along dim 0. Each case checks its result
 once before it is timed; do_bench quantiles go to ``results/all_gather.csv``.
 """
+
+import functools
 
 import pytest
 import torch
@@ -22,8 +30,9 @@ from fusedpar.ops import registry
 from fusedpar.ops.calls import CollectiveCall
 from fusedpar.testing.collectives import symmetric_backend_names
 
-from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, auto_choice, counted, loopback_case,
-                    name, nbytes, or_skip, record_case, run_case, symm_mem_op)
+import common
+from common import (AUTO, DTYPE, GRAPH, NCCL_ALL_GATHER, W_LOOPBACK, auto_choice, counted,
+                    loopback_case, name, nbytes, or_skip, record_case, run_case, symm_mem_op)
 
 OP = "all_gather"
 SHAPES = [(4096, 8192), (1024, 8192), (1000, 4104)]  # per-rank shard
@@ -39,7 +48,7 @@ def _shard(shape, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), "torch.cat"]
+LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), GRAPH, "torch.cat"]
 
 
 @pytest.mark.parametrize("backend", [*LOOPBACK_BACKENDS, AUTO])
@@ -54,7 +63,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
 
     fn, outs, bytes_moved, notes = loopback_case(
         OP, backend, CollectiveCall(OP, xs[0], 0, world), LOOPBACK_BACKENDS, baseline,
-        lambda runs: fusedpar.ops.all_gather_loopback(xs, 0, backend=runs))
+        lambda runs: fusedpar.ops.all_gather_loopback(xs, 0, backend=runs), inputs=xs)
     assert len(outs) == world
     for rank, out in enumerate(outs):
         assert torch.equal(out, expected), f"simulated rank {rank}: wrong gathered tensor"
@@ -131,3 +140,41 @@ def test_loopback_volume_is_the_lower_bound(local_device, shape, dim, dtype, bac
     for out in outs:
         assert torch.equal(out, expected)
     assert moved == world * (world - 1) * nbytes(xs[0])
+
+
+# ---- the graph row's check (no timing; CPU too) ----------------------------------------------
+
+
+def _faked_graph(fn, stale: bool = False):
+    """``common.graphed`` without CUDA graphs: the first call's outputs are the captured ones
+    and a replay refills them from a new call (``stale``: keeps them, as a replay that ignored
+    its new inputs would)."""
+    outs = fn()
+    captured = common.tensors(outs)
+
+    def replay():
+        if not stale:
+            for out, new in zip(captured, common.tensors(fn())):
+                out.copy_(new)
+        return outs
+    return replay
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["replays", "stale-replays"])
+def test_graph_row_checks_replays_against_eager_calls(local_device, monkeypatch, stale):
+    """The ``triton.graph`` rows' check (``common.graph_replay``) on the triton loopback call,
+    capture faked where there is no GPU: replays on new inputs that equal eager calls pass and
+    return the captured outputs; a replay that keeps its captured outputs fails; the inputs
+    get their values back either way."""
+    xs = [_shard((5, 7), r, local_device, torch.float32, seed=2) for r in range(W_LOOPBACK)]
+    originals = [x.clone() for x in xs]
+    if stale or local_device.type != "cuda":
+        monkeypatch.setattr(common, "graphed", lambda fn: _faked_graph(fn, stale))
+    call = functools.partial(fusedpar.ops.all_gather_loopback, xs, 0, backend="triton")
+    if stale:
+        with pytest.raises(AssertionError, match="differ from an eager call's"):
+            common.graph_replay(call, xs)
+    else:
+        outs = common.graph_replay(call, xs)()
+        assert all(torch.equal(out, torch.cat(originals, 0)) for out in outs)
+    assert all(torch.equal(x, original) for x, original in zip(xs, originals))

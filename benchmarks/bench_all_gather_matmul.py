@@ -4,10 +4,36 @@
   process (``all_gather_matmul_loopback``: each simulated rank's peer shards are copied
   into its gathered A, then the triton GEMM a group runs), against W ``torch.matmul`` calls
   of the same per-rank GEMM (``A_gathered @ B``, the gather left out: the copies are
-  fusedpar's cost alone). Target: >= 0.9x torch.matmul's TFLOP/s.
+  fusedpar's cost alone). Target: >= 0.9x torch.matmul's TFLOP/s. Variants of ``triton``:
+
+  - ``triton.graph``: the call captured once in a CUDA graph (after an eager call) and
+    replayed, as a captured training step runs it: no host work per call. Checked first:
+    replays on new inputs equal eager calls bitwise (``common.graph_replay``). Target: its
+    median within 1.15x of its GPU busy time (``vs_gpu_busy``).
+  - ``triton.copy_engine``: the peers' shards copied by the copy engine on a side stream
+    while each view's GEMM spins on their flags, as a process group copies them; on one GPU
+    every flag is up before the GEMM needs it (``copy_engine=True``).
+  - ``triton.late_flags``: the same with each peer shard's copy delayed (``copy_delays``:
+    the side stream sleeps first) so that the shard of the GEMM's step s lands about when
+    the GEMM, walking its tiles in shard order, reaches it: in the round of tiles (one tile
+    per resident program) that holds the shard's first tile (``_reach_ms``; with full rounds
+    that is earlier than s/W of the GEMM's time), timed by the on-time run's GEMM from its
+    profile, converted to cycles of the SM clock measured with CUDA events
+    (``common.sleep_cycles_per_ms``), corrected once from where the copies landed in a
+    profiled call. What it shows: a grid of resident programs (one per SM but the copy
+    stream's) walking the tiles in shard order needs shard s only once the tiles before it
+    are taken, so it loses no time to flags that late; a grid larger than the resident
+    slots would, as resident programs spin on late shards while earlier tiles wait in
+    programs not yet launched. The row notes the GEMM kernel's own time in both runs
+    (``gemm_ms``, ``gemm_on_time_ms``: profiled calls) and their ratio; target: within 5%
+    (``gemm_late_vs_on_time`` <= 1.05x); ``stagger`` (the rounds), ``last_flag_us`` (the
+    last shard's planned landing after the GEMM's start) and ``flags_landed`` (1.00: where
+    planned).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against the unfused NCCL ``all_gather_into_tensor`` then cuBLAS matmul, and against torch
   ``symm_mem.fused_all_gather_matmul`` (async-TP). Targets: >= 1.0x symm_mem, >= 1.2x unfused.
+  On one GPU, the group path in a gloo group of ranks sharing it (no NCCL there): rows of
+  their own op, ``*_shared_gpu``, from tests/gpu/test_gpu_shared_rows.py.
 * ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
   backend the dispatcher would run there); target: the case's best baseline (targets.py).
 * ``test_loopback_volume``: not a timing; runs on CPU too.
@@ -23,6 +49,8 @@ above the busy time, the call is host-bound) in ``notes``. Targets are printed a
 recorded, never asserted.
 """
 
+import bisect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,15 +58,22 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.ops.calls import MatmulCall
 
-from common import (AUTO, DTYPE, NCCL_ALL_GATHER, W_LOOPBACK, MatmulSuite, auto_choice, auto_label,
-                    counted, nbytes, or_skip, rel_err, run_case, split_rows, symm_mem_op)
+from common import (AUTO, DTYPE, GRAPH, NCCL_ALL_GATHER, W_LOOPBACK, MatmulSuite, auto_choice,
+                    auto_label, counted, gpu_intervals, graph_replay, kernel_ms, nbytes, or_skip,
+                    rel_err, run_case, sleep_cycles_per_ms, split_rows, symm_mem_op)
+from targets import row_target
 
 OP = "all_gather_matmul"
 SHAPES = [(8192, 8192, 1280), (8192, 8192, 7168), (1000 * W_LOOPBACK, 1032, 1288)]  # M, K, N
 SYMM_MEM = "symm_mem.fused_all_gather_matmul"
 UNFUSED = "nccl+matmul"
+COPY_ENGINE, LATE_FLAGS = "triton.copy_engine", "triton.late_flags"  # module docstring
 SUITE = MatmulSuite(OP, symm_mem=SYMM_MEM, unfused=UNFUSED,
+                    loopback_extra=(GRAPH, COPY_ENGINE, LATE_FLAGS),
                     moved_cols=lambda m, k, n: k)  # A_gathered [M, K] crosses ranks
+GEMM_KERNEL = "grouped_mm_peers_kernel"  # the triton GEMM's name in a profile
+PEER_COPY = "Memcpy DtoD"  # a peer shard's copy-engine copy (torch.profiler's name)
+PROFILED_CALLS = 3  # calls per profile of the GEMM's time (W GEMMs each)
 
 
 def _shard(m, k, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
@@ -66,14 +101,21 @@ def _loopback_measure(backend, shape, device, gpu_times):
     xs = [_shard(m // world, k, r, device) for r in range(world)]
     b = _weight(k, n, device)
     gathered = torch.cat(xs, 0)
-    chose = None
+    note = None  # AUTO: the backend it chose; a variant: its own notes (MatmulSuite.run)
     if backend == AUTO:  # the loopback case of what the dispatcher would run
-        backend, chose = auto_label(OP, MatmulCall(OP, xs[0], 0, world, None, [b]),
-                                    SUITE.loopback_labels)
+        backend, note = auto_label(OP, MatmulCall(OP, xs[0], 0, world, None, [b]),
+                                   SUITE.loopback_labels)
     if backend == "torch.matmul":
         def fn():  # the same W per-rank GEMMs, the gather left out
             return [(None, [torch.matmul(gathered, b)]) for _ in range(world)]
         results, bytes_moved = fn(), None
+    elif backend == GRAPH:  # checked against eager calls, then replayed (counts no bytes)
+        counted(lambda: fusedpar.ops.all_gather_matmul_loopback(xs, [b], 0))  # Unavailable?
+        fn = graph_replay(lambda: fusedpar.ops.all_gather_matmul_loopback(xs, [b], 0), [*xs, b])
+        results, bytes_moved = fn(), None
+    elif backend in (COPY_ENGINE, LATE_FLAGS):
+        fn, note = _copy_engine_case(backend, xs, b)
+        results, bytes_moved = counted(fn)
     else:
         def fn():
             return fusedpar.ops.all_gather_matmul_loopback(xs, [b], 0)
@@ -89,7 +131,98 @@ def _loopback_measure(backend, shape, device, gpu_times):
         assert err <= max(2 * torch_err, 1e-6), \
             f"simulated rank {rank}: error {err:.3g}, torch {torch_err:.3g}"
     del results, ref64
-    return fn, gpu_times(fn), bytes_moved, chose
+    return fn, gpu_times(fn), bytes_moved, note
+
+
+def _copy_engine_case(backend, xs, b):
+    """``(fn, notes)`` of the ``COPY_ENGINE`` or ``LATE_FLAGS`` variant (module docstring);
+    the GEMM's time in each from ``PROFILED_CALLS`` profiled calls."""
+    world = W_LOOPBACK
+
+    def run(cycles=None):  # cycles: the side stream's sleep before each peer copy
+        return lambda: fusedpar.ops.all_gather_matmul_loopback(xs, [b], 0, copy_engine=True,
+                                                               copy_delays=cycles)
+
+    counted(run())  # Unavailable where triton cannot run here
+    intervals = gpu_intervals(run(), PROFILED_CALLS)
+    gemm_on_time, gemms = kernel_ms(intervals, GEMM_KERNEL, PROFILED_CALLS)
+    copy_ms, copies = kernel_ms(intervals, PEER_COPY, PROFILED_CALLS)
+    assert gemms == PROFILED_CALLS * world, f"{gemms} GEMM launches in {PROFILED_CALLS} calls"
+    copy_ms *= PROFILED_CALLS / max(copies, 1)  # per copy
+    if backend == COPY_ENGINE:
+        return run(), {"gemm_ms": f"{gemm_on_time:.3f}", "copy_us": f"{1e3 * copy_ms:.1f}"}
+    reach, how = _reach_ms(run(), xs[0].shape[0], b.shape[1], gemm_on_time / world)
+    sleeps, lands = [], 0.0  # the side stream copies in order: each sleeps, then copies
+    for step in range(1, world):
+        sleeps.append(max(reach[step] - copy_ms - lands, 0.0))
+        lands += sleeps[-1] + copy_ms
+    cycles_per_ms = sleep_cycles_per_ms()
+    cycles = [round(ms * cycles_per_ms) for ms in sleeps]
+    landed = _last_landing(gpu_intervals(run(cycles), PROFILED_CALLS))
+    slept = landed - (world - 1) * copy_ms
+    if sum(sleeps) and slept > 0 and abs(landed / lands - 1) > 0.03:
+        # the SM clock under the GEMM's load is not the idle one: scale the sleeps, once
+        cycles = [round(c * sum(sleeps) / slept) for c in cycles]
+    intervals = gpu_intervals(run(cycles), PROFILED_CALLS)
+    gemm_late, _ = kernel_ms(intervals, GEMM_KERNEL, PROFILED_CALLS)
+    landed = _last_landing(intervals)
+    return run(cycles), {
+        "gemm_ms": f"{gemm_late:.3f}", "gemm_on_time_ms": f"{gemm_on_time:.3f}",
+        "gemm_late_vs_on_time": row_target("gemm_late_vs_on_time", gemm_late / gemm_on_time),
+        "stagger": how, "last_flag_us": f"{1e3 * lands:.1f}",
+        "flags_landed": f"{landed / lands:.2f}" if lands and landed else "n/a",
+        "sleep_mhz": f"{cycles_per_ms / 1e3:.0f}"}
+
+
+def _reach_ms(call, m: int, n: int, view_ms: float) -> tuple[list[float], str]:
+    """``(ms, how)``: when a view's GEMM (``view_ms`` long, ``m`` rows per shard, N = ``n``)
+    first reaches the rows of each shard it takes (step 0 its own), and how that was worked
+    out. The GEMM's resident programs walk its tiles in order (``grouped_tile``: GROUP_M
+    m-tiles at a time across N), a round of tiles at a time, so step s's shard is first
+    needed in the round that holds its first tile, not s/W of the way through: a flag that
+    lands then costs a resident grid nothing. The config and grid are those of the launch
+    the op makes in ``call()`` (``gemm_peers.GatherLaunch``, recorded); where it cannot be
+    seen, every shard an equal share (``uniform``)."""
+    from fusedpar.kernels import gemm_peers
+
+    world, made, original = W_LOOPBACK, [], gemm_peers.GatherLaunch
+
+    class Recorded(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    gemm_peers.GatherLaunch = Recorded
+    try:
+        call()
+    finally:
+        gemm_peers.GatherLaunch = original
+    try:
+        cfg, programs = made[0].cfg, made[0].grid[0]
+        bm, bn, group = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["GROUP_M"]
+    except (AttributeError, IndexError, KeyError, TypeError):  # the op no longer makes one
+        return [step * view_ms / world for step in range(world)], "uniform"
+    n_tiles = -(-n // bn)
+    rounds = -(-(-(-world * m // bm) * n_tiles) // programs)  # ceil(tiles / programs)
+    firsts = [(j // group) * group * n_tiles + j % group  # the first tile of m-tile j
+              for j in (step * m // bm for step in range(world))]
+    reached = [first // programs for first in firsts]
+    return ([r * view_ms / rounds for r in reached],
+            f"rounds {'/'.join(map(str, reached))} of {rounds} ({programs} programs)")
+
+
+def _last_landing(intervals) -> float:
+    """The mean ms from a view's GEMM start to its last peer copy's end (each copy counted
+    with the GEMM running when it ended); 0 without any."""
+    gemms = [(start, end) for event, start, end in intervals if GEMM_KERNEL in event]
+    starts = [start for start, _ in gemms]
+    last: dict[int, float] = {}
+    for event, _, end in intervals:
+        if PEER_COPY in event:
+            i = bisect.bisect_right(starts, end) - 1
+            if i >= 0 and end <= gemms[i][1]:
+                last[i] = max(last.get(i, end), end)
+    return sum(end - starts[i] for i, end in last.items()) / len(last) / 1e3 if last else 0.0
 
 
 # ---- several GPUs: torchrun ------------------------------------------------------------------

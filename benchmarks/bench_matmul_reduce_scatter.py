@@ -8,11 +8,17 @@
   ``torch.matmul`` calls of the same per-rank GEMM (``A_r @ B_r``, the reduction left out).
   Target: >= 0.9x torch.matmul's TFLOP/s. ``triton.side_stream``: the same with the copies
   of a group call (``side_stream=True``: on the side stream while the GEMMs run on all SMs
-  but one; a rank's copies wait for the GEMMs of the ranks after it).
+  but one; a rank's copies wait for the GEMMs of the ranks after it). ``triton.graph``: the
+  triton call captured once in a CUDA graph (after an eager call) and replayed, as a captured
+  training step runs it: no host work per call; checked first: replays on new inputs equal
+  eager calls bitwise (``common.graph_replay``). Target: its median within 1.15x of its GPU
+  busy time (``vs_gpu_busy``).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against the unfused cuBLAS matmul then NCCL ``reduce_scatter_tensor``, and against torch
   ``symm_mem.fused_matmul_reduce_scatter`` (async-TP). Targets: >= 1.0x symm_mem, >= 1.2x
   unfused.
+  On one GPU, the group path in a gloo group of ranks sharing it (no NCCL there): rows of
+  their own op, ``*_shared_gpu``, from tests/gpu/test_gpu_shared_rows.py.
 * ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
   backend the dispatcher would run there); target: the case's best baseline (targets.py).
 * ``test_loopback_volume_is_the_lower_bound``: not a timing; runs on CPU too.
@@ -35,16 +41,16 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.ops.calls import MatmulCall
 
-from common import (AUTO, DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, MatmulSuite, auto_choice,
-                    auto_label, counted, nbytes, or_skip, rel_err, run_case, split_rows,
-                    symm_mem_op)
+from common import (AUTO, DTYPE, GRAPH, NCCL_REDUCE_SCATTER, W_LOOPBACK, MatmulSuite,
+                    auto_choice, auto_label, counted, graph_replay, nbytes, or_skip, rel_err,
+                    run_case, split_rows, symm_mem_op)
 
 OP = "matmul_reduce_scatter"
 SHAPES = [(8192, 1024, 8192), (8192, 3584, 8192), (1000 * W_LOOPBACK, 1032, 1288)]  # M, K, N
 SYMM_MEM = "symm_mem.fused_matmul_reduce_scatter"
 UNFUSED = "matmul+nccl"
 SIDE_STREAM = "triton.side_stream"  # the loopback with a group call's copies (module docstring)
-SUITE = MatmulSuite(OP, symm_mem=SYMM_MEM, unfused=UNFUSED, loopback_extra=(SIDE_STREAM,),
+SUITE = MatmulSuite(OP, symm_mem=SYMM_MEM, unfused=UNFUSED, loopback_extra=(SIDE_STREAM, GRAPH),
                     moved_cols=lambda m, k, n: n)  # the [M, N] product crosses ranks
 
 
@@ -83,6 +89,9 @@ def _loopback_measure(backend, shape, device, gpu_times):
             return fusedpar.ops.matmul_reduce_scatter_loopback(As, Bs, "sum", 0,
                                                                side_stream=backend == SIDE_STREAM)
         outs, bytes_moved = counted(fn)
+        if backend == GRAPH:  # checked against eager calls, then replayed (counts no bytes)
+            fn = graph_replay(fn, [*As, *Bs])
+            outs, bytes_moved = fn(), None
     ref64 = torch.zeros(m, n, dtype=torch.float64, device=device)
     for a, b in zip(As, Bs):
         ref64 += a.double() @ b.double()

@@ -10,7 +10,8 @@ three ways:
   (one small device-to-host copy per dispatch);
 - ``padded``: ``M=T`` (DeepEP's low-latency layout): nothing is read on the host;
 - ``padded_graph``: the padded round trip captured once in a CUDA graph and replayed (the
-  buffers keep their epochs on the device), so no kernel launch costs host time.
+  buffers keep their epochs on the device; ``common.graphed``), so no kernel launch costs
+  host time.
 
 Decode-sized batches of DeepSeek-V3-like shapes: H=7168, 256 experts (32 per simulated
 rank), top-8, bf16, router logits drawn at random. No target: the rows say what the graph
@@ -25,7 +26,7 @@ import torch
 
 from fusedpar.ops.moe import moe_combine_loopback, moe_dispatch_loopback, topk_route
 
-from common import DTYPE, W_LOOPBACK, counted, gpu_profile, host_ms, name, or_skip, rel_err
+from common import DTYPE, W_LOOPBACK, counted, gpu_profile, graphed, host_ms, name, or_skip, rel_err
 
 OP = "moe_dispatch"
 HIDDEN, EXPERTS, TOP_K = 7168, 256, 8
@@ -52,27 +53,12 @@ def _round_trip(xs, idxs, weights, max_tokens):
     return moe_combine_loopback([recv_x for recv_x, _, _ in dispatched], [h for _, _, h in dispatched])
 
 
-def _graphed(fn):
-    """``fn`` captured in a CUDA graph after one eager call (it compiles the kernels and makes
-    the loopback buffers); the returned function replays it and returns the captured outputs."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-
-    def replay():
-        graph.replay()
-        return outs
-    return replay
-
-
 def _fn(mode, case):
     tokens = case[0][0].shape[0]
     if mode == "unpadded":
         return lambda: _round_trip(*case, None)
     padded = lambda: _round_trip(*case, tokens)  # noqa: E731
-    return padded if mode == "padded" else _graphed(padded)
+    return padded if mode == "padded" else graphed(padded)
 
 
 def _lower_bound(idxs, local, element_size) -> int:

@@ -3,6 +3,11 @@
 * ``test_loopback`` (one GPU, no torchrun): every rank of a W=8 reduce_scatter in one
   process over a loopback symmetric buffer, against ``torch.stack(xs).sum(0).chunk(W)``
   (every simulated rank's output at once): the fused protocol's overhead over a plain sum.
+  ``triton.graph``: the triton call captured once in a CUDA graph (after an eager call) and
+  replayed, as a captured training step runs it: no host work per call; checked first:
+  replays on new inputs equal eager calls bitwise (``common.graph_replay``); its row notes
+  ``gpu_busy_ms``, ``host_ms``, ``x_eager`` and ``vs_gpu_busy`` (target: its median within
+  1.15x of its GPU busy time).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each backend
   against raw NCCL ``reduce_scatter_tensor`` and torch ``symm_mem`` reduce-scatters.
 * ``auto`` (both modes): what a user gets, ``backend=None`` (in loopback the case of the
@@ -24,7 +29,7 @@ from fusedpar.ops import registry
 from fusedpar.ops.calls import CollectiveCall
 from fusedpar.testing.collectives import symmetric_backend_names
 
-from common import (AUTO, DTYPE, NCCL_REDUCE_SCATTER, W_LOOPBACK, auto_choice, counted,
+from common import (AUTO, DTYPE, GRAPH, NCCL_REDUCE_SCATTER, W_LOOPBACK, auto_choice, counted,
                     loopback_case, name, nbytes, or_skip, record_case, rel_err, run_case,
                     symm_mem_op)
 
@@ -44,7 +49,7 @@ def _input(shape, world, rank, device, dtype=DTYPE, seed=0) -> torch.Tensor:
 # ---- single GPU: loopback --------------------------------------------------------------------
 
 
-LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), "torch.stack.sum"]
+LOOPBACK_BACKENDS = [*symmetric_backend_names(OP), GRAPH, "torch.stack.sum"]
 
 
 @pytest.mark.parametrize("backend", [*LOOPBACK_BACKENDS, AUTO])
@@ -58,7 +63,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend)
 
     fn, outs, bytes_moved, notes = loopback_case(
         OP, backend, CollectiveCall(OP, xs[0], 0, world, None, "sum"), LOOPBACK_BACKENDS, baseline,
-        lambda runs: fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=runs))
+        lambda runs: fusedpar.ops.reduce_scatter_loopback(xs, "sum", 0, backend=runs), inputs=xs)
     ref32 = torch.zeros(xs[0].shape, dtype=torch.float32, device=gpu)
     for x in xs:
         ref32 += x.float()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.errors import BackendNotSupportedError
 from fusedpar.ops import registry, tuning
-from targets import AUTO, BASELINES
+from targets import AUTO, BASELINES, ROW_TARGETS, row_target
 
 W_LOOPBACK = 8  # simulated ranks of a single-GPU loopback case
 DTYPE = torch.bfloat16  # of every timed case ("bf16" in the benchmark groups)
@@ -96,20 +96,57 @@ def by_name(intervals) -> list[tuple[str, float, int]]:
     return sorted(((event, ms, n) for event, (ms, n) in totals.items()), key=lambda row: -row[1])
 
 
-def gpu_profile(fn) -> tuple[float, list[tuple[str, float, int]]]:
-    """One call of ``fn`` (after a warm-up call) under torch.profiler's CUDA activity:
-    ``(busy ms, kernels)``. Busy: the union of the intervals of its kernels, copies and
-    memsets on every stream; a median well above it is time the GPU waited for the host.
-    Kernels: ``by_name`` of those intervals (where the busy time goes)."""
+def gpu_intervals(fn, calls: int = 1) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every kernel, copy and memset that ``calls`` calls of
+    ``fn`` (after a warm-up call, back to back) ran on any stream, under torch.profiler's
+    CUDA activity, in order of their start."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    intervals = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda i: i[1])
+
+
+def kernel_ms(intervals, name_part: str, calls: int = 1) -> tuple[float, int]:
+    """``(ms per call, launches)`` of the kernels (or copies) among ``gpu_intervals``'
+    ``intervals`` of ``calls`` calls whose name contains ``name_part``."""
+    mine = [end - start for event, start, end in intervals if name_part in event]
+    return sum(mine) / 1e3 / calls, len(mine)
+
+
+def sleep_cycles_per_ms(lengths=(1 << 20, 1 << 22), repeats: int = 3) -> float:
+    """SM clock cycles per ms of ``torch.cuda._sleep`` (it spins a number of cycles of the SM
+    clock) on the current device, measured with CUDA events: the slope between two lengths
+    (the launch's cost cancels), the median of ``repeats``. The clock of the moment (boost,
+    power state), where a nominal one can mislead (and ``clock_rate`` is not in every torch's
+    device properties)."""
+    torch.cuda._sleep(1000)  # loads the kernel
+    torch.cuda.synchronize()
+    slopes = []
+    for _ in range(repeats):
+        ms = []
+        for cycles in lengths:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            ms.append(start.elapsed_time(end))
+        slopes.append((lengths[1] - lengths[0]) / max(ms[1] - ms[0], 1e-6))
+    return sorted(slopes)[len(slopes) // 2]
+
+
+def gpu_profile(fn) -> tuple[float, list[tuple[str, float, int]]]:
+    """One call of ``fn`` (after a warm-up call) under torch.profiler's CUDA activity:
+    ``(busy ms, kernels)``. Busy: the union of the intervals of its kernels, copies and
+    memsets on every stream; a median well above it is time the GPU waited for the host.
+    Kernels: ``by_name`` of those intervals (where the busy time goes)."""
+    intervals = gpu_intervals(fn)
     return busy_ms((start, end) for _, start, end in intervals), by_name(intervals)
 
 
@@ -135,15 +172,118 @@ def bench(benchmark, synced, fn, times, **extra_info):
     benchmark.pedantic(synced(fn), **PEDANTIC)
 
 
+# record_case's medians in this session by (op, shape, world, mode, backend)
+_MEDIANS: dict[tuple, float] = {}
+
+
 def record_case(benchmark, gpu_times, record_row, synced, fn, op, backend, shape, world, mode,
                 **row):
     """Time a checked case ``fn`` (do_bench), record its row (``row``: record_row's byte counts
-    and notes, after ``mode``) and let pytest-benchmark time it, grouped by op, shape and world."""
+    and notes, after ``mode``) and let pytest-benchmark time it, grouped by op, shape and world.
+    A ``GRAPH`` row also notes its GPU busy and host time and how it compares with them and
+    with the eager ``triton`` row of its case (``graph_notes``)."""
     where = " loopback" if mode == "loopback" else ""
     benchmark.group = f"{op} {name(shape)} bf16{where} W={world}"
     times = gpu_times(fn)
+    case = (op, name(shape), world, mode)
+    _MEDIANS[(*case, backend)] = times[0]
+    if backend == GRAPH:
+        row.update(graph_notes(fn, times[0], _MEDIANS.get((*case, "triton"))))
     record_row(op, backend, shape, DTYPE, world, *times, mode=mode, **row)
     bench(benchmark, synced, fn, times)
+
+
+# ---- CUDA graphs: a triton call captured once, replayed in the timed loop --------------------
+# The loopback row ``GRAPH`` of a suite (all_gather, reduce_scatter and the fused matmuls) times
+# its triton call replayed from a CUDA graph, as a training step captured whole would run it
+# (bench_moe_dispatch.py's ``padded_graph`` does the same for the MoE exchange): no host work per
+# call. Before it is timed, ``graph_replay`` checks the replays against eager calls.
+
+GRAPH = "triton.graph"
+REPLAYS = 3  # changes of the inputs a graph's replays are checked with
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph after one eager call on a side stream, as torch advises
+    (that call also compiles the kernels and makes the symmetric buffers: a fusedpar op's first
+    call of a signature raises under capture); the returned function replays the graph and
+    returns the outputs captured, which each replay refills."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+
+    def replay():
+        graph.replay()
+        return outs
+    return replay
+
+
+def tensors(result) -> list[torch.Tensor]:
+    """The tensors of an op's (nested list or tuple of) outputs in order, None left out."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (list, tuple)):
+        return [t for item in result for t in tensors(item)]
+    return []
+
+
+def changed(t: torch.Tensor, i: int) -> torch.Tensor:
+    """``t``'s values moved (rows rolled by ``i``; negated too where ``i`` is odd, exact in any
+    dtype): new values of the same magnitudes, so a replay that kept the capture's cannot pass."""
+    moved = t.roll(i, 0)
+    return moved.neg() if i % 2 and t.is_floating_point() else moved
+
+
+def graph_replay(fn, inputs, replays: int = REPLAYS):
+    """``graphed(fn)``, checked before anything times it: ``fn`` calls an op on the tensors
+    ``inputs`` (all it reads that may change); ``replays`` times, new values are copied into
+    them in place (``changed``; as a captured training step refills its static inputs), and
+    the replay's outputs must equal bitwise an eager ``fn()``'s on the same values. The inputs
+    get their values back at the end. Returns the replay function."""
+    originals = [t.clone() for t in inputs]
+    replay = graphed(fn)
+    try:
+        for i in range(1, replays + 1):
+            for t, original in zip(inputs, originals):
+                t.copy_(changed(original, i))
+            want = tensors(fn())
+            got = tensors(replay())
+            assert len(got) == len(want), f"replay {i}: {len(got)} outputs, an eager call {len(want)}"
+            differ = [j for j, (x, y) in enumerate(zip(got, want)) if not torch.equal(x, y)]
+            assert not differ, (f"replay {i} with new inputs: outputs {differ} (of {len(want)}) "
+                                "differ from an eager call's on the same inputs")
+    finally:
+        for t, original in zip(inputs, originals):
+            t.copy_(original)
+    if any(t.is_cuda for t in inputs):
+        torch.cuda.synchronize()
+    return replay
+
+
+def graph_notes(fn, median: float, eager: float | None = None) -> dict[str, str]:
+    """The notes of a ``GRAPH`` row ``fn`` timed at ``median`` ms: its ``gpu_busy_ms`` and
+    ``host_ms`` (a replay's: near zero), as every loopback row of the fused matmuls has them,
+    and ``graph_ratios``."""
+    busy, _ = gpu_profile(fn)
+    return {"gpu_busy_ms": f"{busy:.2f}", "host_ms": f"{host_ms(fn):.2f}",
+            **graph_ratios(median, busy, eager)}
+
+
+def graph_ratios(median: float, busy: float, eager: float | None) -> dict[str, str]:
+    """``vs_gpu_busy``: a ``GRAPH`` row's median / its GPU busy time (what the GPU still waits
+    for), against targets.ROW_TARGETS; ``x_eager``: the eager triton row's median ``eager`` /
+    the graph row's, where that row ran in this session."""
+    notes = {"vs_gpu_busy": row_target("vs_gpu_busy", median / busy) if busy > 0
+             else "n/a (the profile saw no GPU work)"}
+    if eager is not None:
+        notes["x_eager"] = f"{eager / median:.2f}"
+    return notes
 
 
 # ---- the auto row: what a user gets (backend=None) ------------------------------------------
@@ -180,17 +320,24 @@ def auto_label(op, call, labels) -> tuple[str, str]:
     return label, name
 
 
-def loopback_case(op, backend, call, labels, baseline, fused):
+def loopback_case(op, backend, call, labels, baseline, fused, inputs=()):
     """Run a collective's loopback case once: ``(fn, fn(), bytes_moved, notes)``. ``labels``:
     the suite's loopback rows, the last the plain-torch ``baseline`` (a fn; no bytes counted);
-    ``fused(backend)``: runs the fusedpar loopback op with one of the others. ``AUTO`` runs the row
-    ``auto_label`` names for ``call`` (notes ``chose``); a case that cannot run here skips."""
+    ``fused(backend)``: runs the fusedpar loopback op with one of the others; ``GRAPH``: its
+    ``triton`` call replayed from a CUDA graph (``graph_replay``: checked against eager calls
+    on new values of ``inputs``, the tensors it reads; a replay counts no bytes). ``AUTO`` runs
+    the row ``auto_label`` names for ``call`` (notes ``chose``); a case that cannot run here
+    skips."""
     __tracebackhide__ = True
     runs, notes = backend, {}
     if backend == AUTO:  # the loopback case of what the dispatcher would run
         runs, notes["chose"] = or_skip(auto_label, op, call, labels)
     if runs == labels[-1]:
         return baseline, baseline(), None, notes
+    if runs == GRAPH:
+        or_skip(counted, functools.partial(fused, "triton"))  # skips where triton cannot run
+        fn = graph_replay(functools.partial(fused, "triton"), inputs)
+        return fn, fn(), None, notes
     fn = functools.partial(fused, runs)
     outs, bytes_moved = or_skip(counted, fn)
     return fn, outs, bytes_moved, notes
@@ -319,14 +466,18 @@ class MatmulSuite:
             backend, measure):
         """Check and time one case (``mode``: "loopback" or "torchrun"), then record it.
         ``measure(backend)`` checks a case once, then times it: ``(fn, (median, p20, p80),
-        bytes_moved, note)`` (note: what a torchrun case runs, None in loopback; for
-        ``AUTO`` the backend it chose) or ``Unavailable``, which this raises too. A fusedpar backend is compared with each
-        baseline of the mode, measured here where a -k selection left it out."""
+        bytes_moved, note)`` (note: what a torchrun case runs; for ``AUTO`` the backend it
+        chose; in loopback None, or a dict of a variant's own notes) or ``Unavailable``, which
+        this raises too. A fusedpar backend is compared with each baseline of the mode,
+        measured here where a -k selection left it out; a ``GRAPH`` row with its GPU busy time
+        and the eager triton row (``graph_ratios``). Each of targets.ROW_TARGETS in the notes
+        is reported as a target line."""
         loopback = mode == "loopback"
         where = " loopback" if loopback else ""
         benchmark.group = f"{self.op} {name(shape)} bf16{where} W={world}"
         key = (mode, shape, world)
         fn, times, bytes_moved, note = self._measure(key, backend, measure)
+        extra = note if isinstance(note, dict) else {}  # a loopback variant's own notes
         median = times[0]
         plays = world if loopback else 1  # the ranks this process plays
         m, k, n = shape
@@ -340,6 +491,13 @@ class MatmulSuite:
         if loopback:  # a median well above the busy time: the GPU waited for the host
             busy, _ = gpu_profile(fn)
             notes.update(gpu_busy_ms=f"{busy:.2f}", host_ms=f"{host_ms(fn):.2f}")
+            if backend == GRAPH:
+                notes.update(graph_ratios(median, busy, self.medians.get((*key, "triton"))))
+        notes.update(extra)
+        for target in ROW_TARGETS:
+            if target in notes:
+                report_target(f"{self.op} {name(shape)}{where} W={world} {backend}: "
+                              f"{target} {notes[target]}")
         targets = self.targets[mode]
         if backend in self.ours:
             for baseline in targets:  # a -k selection may have left a baseline out

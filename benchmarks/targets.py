@@ -26,6 +26,9 @@ BASELINES: dict[str, dict[str, float | None]] = {
     "moe_dispatch": {"unpadded": None, "padded": None},
     "moe_experts": {"unfused": 1.15},
     "moe_experts_train": {"reference": None},
+    # the fused matmuls' GEMMs alone, per tile candidate and the tile choice (auto):
+    # cuBLAS on the same product (bench_gemm_tiles.py)
+    "gemm_tiles": {"torch.matmul": 0.95},
 }
 
 # {op: {row label: the dispatcher backend it measures}}: a baseline label names the plain-torch
@@ -92,3 +95,41 @@ def runs_baseline(op: str, notes: dict, baseline: str) -> bool:
     """Whether an auto row with these ``notes`` timed ``baseline``'s own function: a loopback
     case whose chosen backend (``chose``) the baseline stands for (``LABELS``)."""
     return notes.get("mode") == "loopback" and LABELS.get(op, {}).get(baseline) == notes.get("chose")
+
+
+# Targets a row holds against itself, noted as ``<key>=<ratio>x (target <= <bound>x: met|MISSED)``
+# (``row_target``; report.py shows and counts them): {key: (the ops whose rows carry it, what
+# the ratio is, its bound)}
+ROW_TARGETS: dict[str, tuple[tuple[str, ...], str, float]] = {
+    # a loopback triton call replayed from a CUDA graph (row ``triton.graph``): no GPU idle
+    "vs_gpu_busy": (("all_gather", "reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter"),
+                    "a CUDA-graph replay's median / its GPU busy time", 1.15),
+    # the all-gather GEMM with the peers' flags raised late (row ``triton.late_flags``)
+    "gemm_late_vs_on_time": (("all_gather_matmul",),
+                             "the GEMM kernel's time, peers' flags late / on time", 1.05),
+}
+
+
+def row_target(key: str, ratio: float) -> str:
+    """The note of ``ROW_TARGETS[key]`` for ``ratio``: the ratio, its bound and the verdict."""
+    bound = ROW_TARGETS[key][2]
+    return f"{ratio:.3f}x (target <= {bound}x: {'met' if ratio <= bound else 'MISSED'})"
+
+
+# Rows of the fused matmuls in a gloo group of ranks spawned onto one GPU (ops ``*_shared_gpu``,
+# tests/gpu/test_gpu_shared_rows.py): the ranks time-slice the GPU, so no target; their own ops
+# keep them out of the tuning defaults (benchmarks/defaults.py reads LABELS' ops only)
+BASELINES["all_gather_matmul_shared_gpu"] = {
+    "gloo+matmul": None, "triton all_gather+matmul": None, "symm_mem.fused_all_gather_matmul": None}
+BASELINES["matmul_reduce_scatter_shared_gpu"] = {
+    "matmul+gloo": None, "matmul+triton reduce_scatter": None,
+    "symm_mem.fused_matmul_reduce_scatter": None}
+
+# One training step of a ~1B Llama on one GPU (bench_train.py): fusedpar.parallelize's model is
+# the ``auto`` row (what a user gets; its target: AUTO_TARGET x plain torch's eager FSDP2 step,
+# within noise); the plain model under torch.compile is a row of its own, not a baseline (the
+# target is against eager plain torch), shown with its speed-up over it. No LABELS entry: the
+# rows time no single op's choice, so benchmarks/defaults.py leaves them out
+BASELINES["train_step"] = {"torch": None}
+AUTO_OPS.append("train_step")
+FAMILIES["training"] = ["train_step"]

@@ -258,3 +258,20 @@ def test_merge_appends_a_runs_rows_and_profiles(report, tmp_path):
     _write(run / "moe_experts.csv", [row], head=[h for h in HEAD if h != "commit"])
     with pytest.raises(SystemExit, match="columns differ"):
         report.main(["--results", str(results), "--merge", str(run), "--no-plots"])
+
+
+def test_row_targets_from_the_notes(report, tmp_path):
+    """A target a row carries in its notes (graph replays against their GPU busy time) is
+    shown in its cell and counted per op in the summary ("no row" until measured)."""
+    day = "2026-01-01T00:00:00+00:00"
+    _write(tmp_path / "all_gather.csv", [
+        dict(op="all_gather", backend="torch.cat", shape="4x4", median_ms="1.0", date=day,
+             notes="mode=loopback"),
+        dict(op="all_gather", backend="triton.graph", shape="4x4", median_ms="1.3", date=day,
+             notes="mode=loopback;vs_gpu_busy=1.200x (target <= 1.15x: MISSED)")])
+    page = report.render(report.load(tmp_path))
+    assert "| triton.graph | 1.300 | 0.77x | vs_gpu_busy 1.200x (target <= 1.15x: MISSED) |" in page
+    assert ("| all_gather | a CUDA-graph replay's median / its GPU busy time (`vs_gpu_busy`) "
+            "| <= 1.15x | 0 of 1 |") in page
+    assert ("| reduce_scatter | a CUDA-graph replay's median / its GPU busy time (`vs_gpu_busy`) "
+            "| <= 1.15x | no row |") in page

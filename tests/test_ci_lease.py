@@ -167,7 +167,8 @@ def test_headline_cases_exist_one_op_each(gpu_all):
     suites = {c.split("::")[0] for c in gpu_all.HEADLINE}
     assert {f"bench_{op}.py" for op in ("all_gather", "reduce_scatter", "all_gather_matmul",
                                         "matmul_reduce_scatter", "flash_attention", "ring_attention",
-                                        "grouped_mm", "moe_dispatch", "moe")} == suites
+                                        "grouped_mm", "moe_dispatch", "moe", "train",
+                                        "gemm_tiles")} == suites
 
 
 def test_triton_compile_log(gpu_all, tmp_path):
