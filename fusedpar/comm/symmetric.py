@@ -277,21 +277,16 @@ class SymmetricBuffer:
                 current.wait_stream(self._stream[1])
             self._stream = (raw, current)
 
-    def publish(self, desc: list[int], meta: int | None = None) -> None:
-        """Write this rank's input description and fingerprint (``layout.DESC``/``META``)
-        before its READY signal, so peers can check the second and explain with the first.
-        ``meta`` None: the READY signal that follows publishes it (``signal_peers``' ``meta``,
-        one launch less). Under CUDA-graph capture the description is marked unrecorded
-        instead (a copy from host memory would be read at every replay).
+    def publish(self, desc: list[int]) -> None:
+        """Write this rank's input description (``layout.DESC``) before its READY signal, so
+        that peers can say what differed after a fingerprint mismatch (the kernel that raises
+        READY publishes the fingerprint, ``META``). Under CUDA-graph capture the description
+        is marked unrecorded instead (a copy from host memory would be read at every replay).
 
         The words are copied only when they differ from the last ones this pad got (calls
         of one shape in a row publish them once), and on CUDA from pinned memory: a copy
         from pageable memory makes the host wait for the stream."""
         pad = self.pad()
-        if meta is not None:
-            # fill_ (a kernel taking the scalar), not item assignment (a host-to-device copy,
-            # which a CUDA graph cannot capture)
-            pad[layout.META : layout.META + 1].fill_(meta)
         if capturing(self.device):
             pad[layout.DESC : layout.DESC + 1].fill_(UNRECORDED)
             self._desc_words, self._desc_captured = None, True

@@ -185,8 +185,8 @@ def test_under_capture_only_graphable_calls_run_and_nothing_is_read_back(monkeyp
     assert not buf.in_call and not buf.captured
     assert buf.next_epoch(graphable=True) == 0 and buf.captured
     assert int(buf.pad()[layout.EPOCH]) == 2
-    buf.publish(symmetric.describe_words(0, torch.float32, (4, 8), 0), 7)
-    assert int(buf.pad()[layout.META]) == 7 and int(buf.pad()[layout.DESC]) == symmetric.UNRECORDED
+    buf.publish(symmetric.describe_words(0, torch.float32, (4, 8), 0))
+    assert int(buf.pad()[layout.DESC]) == symmetric.UNRECORDED
     buf._ops[2] = "moe_dispatch"
     record(buf, layout.META_MISMATCH, 1, 2)
     buf._cuda = True  # a CUDA buffer: finish reads nothing back
