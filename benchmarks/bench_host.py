@@ -35,6 +35,8 @@ FLOOR = "empty custom_op"
 BUDGETS = {
     "all_gather_matmul triton": {"launches": 2, "calls": 150, "ratio": 4.0},
     "matmul_reduce_scatter triton": {"launches": 2, "calls": 150, "ratio": 4.0},
+    # a training forward (319 Python calls through torch.library's list-flattening wrapper)
+    "all_gather_matmul triton, B.requires_grad": {"launches": 2, "calls": 150},
     "all_gather triton": {"launches": 2},
     "reduce_scatter triton": {"launches": 2},
     f"all_gather_matmul triton, loopback W={W}": {"launches": 3},

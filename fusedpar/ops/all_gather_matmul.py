@@ -384,6 +384,25 @@ def _backward(ctx, grad_gathered, grad_outs):
 _all_gather_matmul_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Differentiable(torch.autograd.Function):
+    """The op with the formulas above, as eager training calls it. torch.library's autograd
+    wrapper flattens the B and output lists with pytree on every call: ~230 of the 320
+    Python calls of a call with weights that need grads; varargs here need none."""
+
+    @staticmethod
+    def forward(ctx, A_shard, gather_dim, group_name, return_A, backend, *Bs):
+        gathered, outs = _all_gather_matmul_op(A_shard, list(Bs), gather_dim, group_name,
+                                               return_A=return_A, backend=backend)
+        _setup_context(ctx, (A_shard, Bs, gather_dim, group_name), {"backend": backend},
+                       (gathered, outs))
+        return gathered, *outs
+
+    @staticmethod
+    def backward(ctx, grad_gathered, *grad_outs):
+        grad_a, grad_bs, _, _ = _backward(ctx, grad_gathered, grad_outs)
+        return grad_a, None, None, None, None, *grad_bs
+
+
 def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tensor],
                                gather_dim: int = 0, *, return_A: bool = True,
                                copy_engine: bool = False, copy_delays: list[int] | None = None):
@@ -445,11 +464,16 @@ def all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim:
     cast to its dtype first, as ``torch.matmul``'s inputs are.
     """
     A_shard, *Bs = autocast_inputs(A_shard, *Bs)
-    # B's gradient needs A_gathered
-    keep_a = return_A or torch.is_grad_enabled() and any([b.requires_grad for b in Bs])
+    b_grads = torch.is_grad_enabled() and any([b.requires_grad for b in Bs])
+    keep_a = return_A or b_grads  # B's gradient needs A_gathered
     with autocast_off(A_shard):
-        gathered, outs = _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name(group),
-                                               return_A=keep_a, backend=backend or "")
+        if ((b_grads or torch.is_grad_enabled() and A_shard.requires_grad)
+                and not torch.compiler.is_compiling()):
+            gathered, *outs = _Differentiable.apply(A_shard, gather_dim, group_name(group), keep_a,
+                                                    backend or "", *Bs)
+        else:  # no grads, or traced: the op (its registered autograd is what torch.compile sees)
+            gathered, outs = _all_gather_matmul_op(A_shard, Bs, gather_dim, group_name(group),
+                                                   return_A=keep_a, backend=backend or "")
     return (gathered if return_A else None), outs
 
 

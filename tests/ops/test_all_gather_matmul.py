@@ -107,6 +107,13 @@ def _compiled():
     w1, w2 = rank_data((6, 5), torch.float32, 0) / 16, rank_data((5, 3), torch.float32, 1) / 16
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, w1, w2), block(x, w1, w2))
+    # with grads: the traced op's registered autograd and eager's autograd.Function agree
+    grads = []
+    for fn in (compiled, block):
+        params = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
+        fn(*params).square().sum().backward()
+        grads.append([p.grad for p in params])
+    assert all(torch.equal(c, e) for c, e in zip(*grads))
     return True
 
 
