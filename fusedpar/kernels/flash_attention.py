@@ -35,7 +35,7 @@ peer's K/V crosses the link once whatever the number of query blocks and GQA hea
 ``ring_attn_step_kernel`` folds one block of a local K/V into the online-softmax state
 (``m``, ``l``, ``acc`` in fp32 between steps; the last launch writes out and lse, and ends
 the call: DONE to the peers, NaN in a failed call's outputs). The host gives each launch its
-geometry (``ops/ring_plan.py``): query rows, key rows and the band with its diagonal; key
+geometry (``ops/ring_attention/blocks.py``): query rows, key rows and the band with its diagonal; key
 blocks every row of a query block sees whole run without masks, and only a band's edges, key
 tails and query blocks straddling the row range compute them. Both take the epoch from the
 device (``signal.call_epoch``), and ``RingCopy`` / ``RingStep`` make a launch's arguments

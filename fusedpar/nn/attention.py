@@ -20,7 +20,8 @@ from torch import nn
 from ..comm import resolve_group
 from ..ops.all_gather import all_gather
 from ..ops.flash_attention import from_host_list
-from ..ops.ring_attention import DISPATCHER, LAYOUTS, layout_positions, packed_layout, ring_attention
+from ..ops.ring_attention import DISPATCHER, ring_attention
+from ..ops.ring_attention.call import LAYOUTS, layout_positions, packed_layout
 
 
 def choose_backend(heads: int, kv_heads: int, world: int, packed: bool = False) -> str | None:

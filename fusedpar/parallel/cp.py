@@ -15,8 +15,8 @@ import torch
 from ..comm import resolve_group
 from ..ops import all_gather
 from ..ops.flash_attention import host_list
-from ..ops.ring_attention import LAYOUTS, check_documents, layout_positions
-from ..ops.ring_plan import rank_chunks
+from ..ops.ring_attention.call import LAYOUTS, check_documents, layout_positions
+from ..ops.ring_attention.blocks import rank_chunks
 
 
 def _check(seq_len: int, world: int, rank: int, what: str) -> int:

@@ -186,8 +186,8 @@ def cp_shard(cp_group: str, *tensors, documents: torch.Tensor | None = None):
     long is cut per document (``layout="zigzag_docs"``: every document's causal work is
     balanced over the cp ranks); any other row is cut whole (``"zigzag"``: the same results,
     the work balanced over the row only, so a rank may hold more of the long documents'
-    late tokens). ``ops.ring_attention.packed_layout`` decides, as the attention does."""
-    from ..ops.ring_attention import packed_layout
+    late tokens). ``ops.ring_attention.call.packed_layout`` decides, as the attention does."""
+    from ..ops.ring_attention.call import packed_layout
     from .cp import sequence_shard
 
     pg = dist.distributed_c10d._resolve_process_group(cp_group)

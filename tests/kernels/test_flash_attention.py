@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusedpar.kernels import flash_attention as kernels
-from fusedpar.ops.ring_plan import ring_blocks
+from fusedpar.ops.ring_attention.blocks import ring_blocks
 from fusedpar.parallel import zigzag_shard
 from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.ops.flash_attention import host_list
-from fusedpar.ops.ring_attention import packed_layout
+from fusedpar.ops.ring_attention.call import packed_layout
 from fusedpar.parallel import sequence_shard, sequence_unshard, zigzag_shard
-from fusedpar.ops.ring_plan import rank_chunks
+from fusedpar.ops.ring_attention.blocks import rank_chunks
 from tests.ops.attention_cases import assert_peers_rule, attention_ref, reference_results, visible_keys
 from tests.ops.collective_cases import (capture_errors, cpu_backends, debug_level, scalar_arguments,
                                         stalled_peer_error, subgroup)
@@ -602,7 +602,7 @@ def test_ring_schedule_puts_every_copy_before_the_step_that_ends_the_call():
     step ends the call, so every copy comes before it, the main stream waiting for the last
     copy right before it: a peer none of whose keys this rank sees (a fingerprint check, no
     rows) is checked before the end, also when only the own block is attended."""
-    from fusedpar.ops.ring_attention import COPY, STEP, WAIT, ring_schedule
+    from fusedpar.ops.ring_attention.triton_ring import COPY, STEP, WAIT, ring_schedule
 
     every = ring_schedule([3, 2, 1], {3: True, 2: True, 1: True}, 1, {3: 1, 2: 2, 1: 1})
     assert every == [(COPY, 0), (STEP, 0), (COPY, 1), (WAIT, 0), (STEP, 1), (COPY, 2), (WAIT, 1),
@@ -680,7 +680,7 @@ def test_a_failed_loopback_call_is_nan_and_raises(monkeypatch, fresh_loopback):
     which saw rank 0's fingerprint equal its own, is right); the call raises naming both
     ranks; the next call, on fresh buffers, is right."""
     from fusedpar.kernels import signal
-    ring_module = importlib.import_module("fusedpar.ops.ring_attention")  # not the function
+    from fusedpar.ops.ring_attention import triton_ring
 
     world = 2
     (qs, ks, vs), full = _ring_inputs(world, 2)
@@ -688,8 +688,8 @@ def test_a_failed_loopback_call_is_nan_and_raises(monkeypatch, fresh_loopback):
     monkeypatch.setattr(signal, "stage", lambda x, dst, pad_table, rank, w, meta, *a, **k:
                         real_stage(x, dst, pad_table, rank, w, meta + rank, *a, **k))
     outputs = []
-    real_attend = ring_module._RingView.attend
-    monkeypatch.setattr(ring_module._RingView, "attend",
+    real_attend = triton_ring._RingView.attend
+    monkeypatch.setattr(triton_ring._RingView, "attend",
                         lambda self, q: outputs.append(real_attend(self, q)) or outputs[-1])
     with pytest.raises(ValueError, match="rank 0 and rank 1 .* passed different inputs"):
         fusedpar.ops.ring_attention_loopback(qs, ks, vs, causal=True)
@@ -709,7 +709,7 @@ def test_copies_run_on_a_side_stream_in_the_order_the_slots_need(monkeypatch, fr
     contiguous: rank 0 sees no peer's keys, so its copies only check."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    ring_module = importlib.import_module("fusedpar.ops.ring_attention")  # not the function
+    from fusedpar.ops.ring_attention import triton_ring
 
     class Stream:
         def __init__(self, name):
@@ -736,7 +736,7 @@ def test_copies_run_on_a_side_stream_in_the_order_the_slots_need(monkeypatch, fr
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", run_on_stream)
-    monkeypatch.setattr(ring_module, "_copy_stream", lambda device: side)
+    monkeypatch.setattr(triton_ring, "_copy_stream", lambda device: side)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))

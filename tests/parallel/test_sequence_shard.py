@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fusedpar.ops.ring_attention import packed_layout
+from fusedpar.ops.ring_attention.call import packed_layout
 from fusedpar.parallel import sequence_shard, sequence_unshard, zigzag_shard
 
 pytestmark = [pytest.mark.timeout(120)]

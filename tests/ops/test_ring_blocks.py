@@ -1,4 +1,4 @@
-"""``fusedpar.ops.ring_plan``: the blocks of a ring attention, checked against the global
+"""``fusedpar.ops.ring_attention.blocks``: the blocks of a ring attention, checked against the global
 mask (by global position) for every layout, world size, rank and source, windows, causal
 or not, packed documents: together they cover exactly the visible (query, key) pairs, no
 pair twice, and read exactly the keys some query sees (what the rings move)."""
@@ -6,7 +6,7 @@ pair twice, and read exactly the keys some query sees (what the rings move)."""
 import pytest
 import torch
 
-from fusedpar.ops.ring_plan import key_ranges, rank_chunks, ring_blocks
+from fusedpar.ops.ring_attention.blocks import key_ranges, rank_chunks, ring_blocks
 
 WINDOWS = [(-1, -1), (0, 0), (3, -1), (2, 5), (-1, 4), (13, -1), (100, 100)]
 
