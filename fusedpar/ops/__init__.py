@@ -8,7 +8,8 @@ from . import registry
 
 # Every op module, imported here once; each registers its op(s) when imported.
 OP_MODULES = ("all_gather", "reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter",
-              "flash_attention", "ring_attention", "grouped_mm", "moe")
+              "flash_attention", "ring_attention", "grouped_mm", "scaled_grouped_mm", "moe",
+              "scaled_matmul")
 
 for _module in OP_MODULES:
     importlib.import_module(f"{__name__}.{_module}")

@@ -1,0 +1,547 @@
+"""``fusedpar.ops.all_gather_scaled_matmul`` and ``fusedpar.ops.scaled_matmul_reduce_scatter``:
+the fp8 forms of all_gather_matmul / matmul_reduce_scatter, with torch's
+``symm_mem.fused_all_gather_scaled_matmul`` / ``fused_scaled_matmul_reduce_scatter``
+contracts (scales are ``torch._scaled_mm``'s: fp8 value x scale = real value).
+
+Scale layouts. A: tensorwise (one element), rowwise (``A.shape[:-1] + (1,)``; for the
+all-gather either the shard's rows, gathered with A, or the gathered A's rows) ; each B
+``[K, N]``: tensorwise or per column ``[1, N]``. A tensorwise scale of an all-gathered A
+must be the same on every rank (it scales the whole gathered A). gloo has no float8 dtype:
+fp8 travels as its bytes (``uint8``). The fp8 operands are not differentiable: training goes
+through ``fusedpar.nn.float8_linear``, which quantizes high-precision tensors with torchao's
+recipes and whose backward runs these two ops the other way round.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..comm import counters, group_name, resolve_group, symmetric
+from . import protocol as C
+from .all_gather_matmul import symm_mem_reasons
+from .backend import Backend, Dispatcher
+from .calls import MatmulCall, check_matmul_inputs, check_scatter
+from .float8_scales import FP8_DTYPES, check_fp8
+from .registry import register
+
+AG = "all_gather_scaled_matmul"
+RS = "scaled_matmul_reduce_scatter"
+AG_SCHEMA = ("(Tensor A_shard, Tensor[] Bs, Tensor A_scale, Tensor[] B_scales, int gather_dim, "
+             "str group_name, *, ScalarType[] out_dtypes, bool return_A=True, "
+             "bool use_fast_accum=False, str backend=\"\") -> (Tensor?, Tensor[])")
+RS_SCHEMA = ("(Tensor A, Tensor B, Tensor A_scale, Tensor B_scale, str reduce_op, int scatter_dim, "
+             "str group_name, *, ScalarType out_dtype, bool use_fast_accum=False, "
+             "str backend=\"\") -> Tensor")
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEFAULT_OUT_DTYPE = torch.bfloat16
+
+# A's scale layouts
+TENSORWISE, ROWWISE, ROWWISE_SHARD, ROWWISE_GATHERED = "tensorwise", "rowwise", "rowwise_shard", \
+    "rowwise_gathered"
+
+
+class ScaledCall(MatmulCall):
+    """A call of a scaled op: a MatmulCall (``x`` = fp8 A, ``bs`` = fp8 Bs) plus the scales
+    (``a_mode``: A's scale layout), one output dtype per B and the accumulation flag."""
+
+    def __init__(self, op, a, dim, world_size, group, bs, a_scale, b_scales, out_dtypes,
+                 use_fast_accum=False, return_a=True, reduce_op="", a_mode=TENSORWISE):
+        super().__init__(op, a, dim, world_size, group, bs, return_a, reduce_op)
+        self.a_scale, self.b_scales = a_scale, list(b_scales)
+        self.out_dtypes, self.use_fast_accum, self.a_mode = list(out_dtypes), use_fast_accum, a_mode
+
+    def cache_key(self) -> tuple:
+        return super().cache_key() + (self.a_mode,)
+
+    def fingerprint(self) -> int:
+        return symmetric.fingerprint(super().fingerprint(), self.a_mode, tuple(self.a_scale.shape),
+                                     [tuple(s.shape) for s in self.b_scales], self.out_dtypes)
+
+    def describe(self) -> str:
+        return (f"{super().describe()}, A_scale {self.a_mode} {tuple(self.a_scale.shape)}, "
+                f"B_scales {[tuple(s.shape) for s in self.b_scales]}, out dtypes "
+                f"{[str(d).replace('torch.', '') for d in self.out_dtypes]}")
+
+
+# ---- checks ---------------------------------------------------------------------------
+
+
+def _check_scale(op: str, name: str, s) -> None:
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+        got = s.dtype if isinstance(s, torch.Tensor) else type(s).__name__
+        raise TypeError(f"fusedpar.{op}: {name} is {got}; scales are float32 tensors "
+                        "(torch._scaled_mm's scale_a / scale_b)")
+
+
+def _check_operands(op: str, a, bs, a_scale, b_scales, dim: int, dim_name: str, out_dtypes) -> int:
+    """fp8 A and Bs, float32 scales of known layouts, K a multiple of 16 on CUDA; returns
+    ``dim`` made non-negative."""
+    check_fp8(op, "A", a)
+    for i, b in enumerate(bs):
+        check_fp8(op, f"Bs[{i}]" if op == AG else "B", b)
+    dim = check_matmul_inputs(op, a, bs, dim, dim_name, dtypes=FP8_DTYPES, k=None) \
+        if all(b.dtype == a.dtype for b in bs) else _check_mixed(op, a, bs, dim, dim_name)
+    _check_scale(op, "A_scale", a_scale)
+    if len(b_scales) != len(bs):
+        raise ValueError(f"fusedpar.{op}: {len(bs)} B(s) but {len(b_scales)} B scale(s); pass one "
+                         "scale per B")
+    for i, (b, s) in enumerate(zip(bs, b_scales)):
+        name = f"B_scales[{i}]" if op == AG else "B_scale"
+        _check_scale(op, name, s)
+        if s.numel() != 1 and tuple(s.shape) != (1, b.shape[1]):
+            raise ValueError(f"fusedpar.{op}: {name} has shape {tuple(s.shape)}; a B of shape "
+                             f"{tuple(b.shape)} takes one element (tensorwise) or shape "
+                             f"(1, {b.shape[1]}) (one per column)")
+    if len(out_dtypes) != len(bs):
+        raise ValueError(f"fusedpar.{op}: out_dtypes has {len(out_dtypes)} entries for {len(bs)} Bs")
+    for d in out_dtypes:
+        if d not in OUT_DTYPES:
+            raise TypeError(f"fusedpar.{op}: out dtype {d}; supported: bfloat16, float16, float32")
+    if a.is_cuda:  # cuBLAS's fp8 GEMM: 16-byte aligned K and N
+        k = a.shape[-1]
+        for i, b in enumerate(bs):
+            if k % 16 or b.shape[1] % 16:
+                raise ValueError(f"fusedpar.{op}: torch._scaled_mm on CUDA needs K and N multiples of "
+                                 f"16, got K={k}, N={b.shape[1]} (B{i}); pad A's last dim and B "
+                                 "with zeros to the next multiple of 16")
+    return dim
+
+
+def _check_mixed(op, a, bs, dim, dim_name) -> int:
+    """``check_matmul_inputs`` for e4m3 x e5m2 operands (it wants one dtype): check with A's."""
+    return check_matmul_inputs(op, a, [b.view(a.dtype) for b in bs], dim, dim_name, dtypes=FP8_DTYPES)
+
+
+def _a_mode_gather(a, s, dim: int, world: int) -> str:
+    """A_shard's scale layout, as torch's ``_check_and_verify_fp8_all_gather_scale_mode``
+    reads it (a rowwise shape wins over one element when both fit)."""
+    rows = tuple(a.shape[:-1])
+    if tuple(s.shape) == rows + (1,):
+        return ROWWISE_SHARD
+    if s.numel() == 1:
+        return TENSORWISE
+    gathered = list(rows)
+    gathered[dim] *= world
+    if tuple(s.shape) == tuple(gathered) + (1,):
+        return ROWWISE_GATHERED
+    raise ValueError(f"fusedpar.{AG}: A_scale has shape {tuple(s.shape)}; for A_shard of shape "
+                     f"{tuple(a.shape)} gathered along dim {dim} over {world} ranks pass one "
+                     f"element (tensorwise), {rows + (1,)} (the shard's rows) or "
+                     f"{tuple(gathered) + (1,)} (the gathered A's rows)")
+
+
+def _a_mode_rows(op: str, a, s) -> str:
+    if s.numel() == 1:
+        return TENSORWISE
+    if tuple(s.shape) == tuple(a.shape[:-1]) + (1,):
+        return ROWWISE
+    raise ValueError(f"fusedpar.{op}: A_scale has shape {tuple(s.shape)}; for A of shape "
+                     f"{tuple(a.shape)} pass one element (tensorwise) or {tuple(a.shape[:-1]) + (1,)}"
+                     " (one per row)")
+
+
+# ---- the GEMM -----------------------------------------------------------------------------
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """``torch._scaled_mm`` of a ``[M, K]`` A and ``[K, N]`` B, any mix of scale layouts
+    (``_scaled_mm`` wants both tensorwise or both rowwise: a tensorwise scale meeting a
+    rowwise one is expanded, as torchao does), B column-major on CUDA."""
+    a_rowwise, b_rowwise = a_scale.numel() > 1, b_scale.numel() > 1
+    if a_rowwise != b_rowwise:
+        if b_rowwise:
+            a_scale = a_scale.reshape(1, 1).expand(a.shape[0], 1).contiguous()
+        else:
+            b_scale = b_scale.reshape(1, 1).expand(1, b.shape[1]).contiguous()
+    elif not a_rowwise:
+        a_scale, b_scale = a_scale.reshape(()), b_scale.reshape(())
+    if a.is_cuda and b.stride(0) != 1:
+        b = b.t().contiguous().t()
+    return torch._scaled_mm(a.contiguous(), b, a_scale.reshape(a.shape[0], 1) if a_rowwise else a_scale,
+                            b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as uint8 (what gloo moves for fp8), flat."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _gather_rows(call: ScaledCall, a_rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``[rows, K]`` (fp8 or float32) stacked, through ``dist.all_gather_single`` on bytes."""
+    world = call.world_size
+    out = torch.empty(world * a_rows.numel() * a_rows.element_size(), dtype=torch.uint8,
+                      device=a_rows.device)
+    C.all_gather_single(out, _bytes(a_rows), call.group)
+    return out.view(a_rows.dtype).view(world * a_rows.shape[0], a_rows.shape[1])
+
+
+def _scale_rows(call: ScaledCall, gathered_scale: torch.Tensor | None) -> torch.Tensor:
+    """A's scale for the gathered rows' GEMM: one element, or ``[W * rows, 1]`` in gathered order."""
+    if call.a_mode == TENSORWISE:
+        return call.a_scale
+    if call.a_mode == ROWWISE_GATHERED:  # given for the gathered A: its rows in gathered order
+        return call.a_scale.movedim(call.dim, 0).reshape(-1, 1)
+    return gathered_scale
+
+
+def _ag_moved(call: ScaledCall) -> int:
+    """Bytes a rank receives: the W-1 peer shards' fp8 bytes, plus their row scales when
+    they travel with A (``rowwise_shard``)."""
+    per_rank = call.x.numel() * call.x.element_size()
+    if call.a_mode == ROWWISE_SHARD:
+        per_rank += call.a_scale.numel() * 4
+    return (call.world_size - 1) * per_rank
+
+
+def _ag_results(call: ScaledCall, gathered: torch.Tensor, outs: list[torch.Tensor]):
+    """Rows in gathered order (the gathered dim first) back to the caller's layout."""
+    world = call.world_size
+    back = [call.unflatten(o, world) for o in outs]
+    return (call.unflatten(gathered, world) if call.return_a else None), back
+
+
+class AgReference(Backend):
+    """All-gather A's bytes (and its row scales when they are the shard's), then one
+    ``torch._scaled_mm`` per B on the gathered rows."""
+
+    name = "reference"
+
+    def run(self, call: ScaledCall):
+        C.raise_on_mismatch(call)
+        rows = call.rows()
+        gathered = _gather_rows(call, rows.contiguous())
+        scale = None
+        if call.a_mode == ROWWISE_SHARD:
+            scale = _gather_rows(call, call.a_scale.movedim(call.dim, 0).reshape(-1, 1).contiguous())
+        a_scale = _scale_rows(call, scale)
+        counters.record(AG, self.name, _ag_moved(call))
+        outs = [scaled_mm(gathered, b, a_scale, s, d, call.use_fast_accum)
+                for b, s, d in zip(call.bs, call.b_scales, call.out_dtypes)]
+        return _ag_results(call, gathered, outs)
+
+
+class AgPipelined(Backend):
+    """W steps around a ring, own shard first: the shard received at step s (its fp8 bytes
+    and, rowwise, its float32 row scales in one message) travels on at step s+1 while the
+    ``_scaled_mm`` of step s runs on it, writing its rows of each output."""
+
+    name = "pipelined"
+
+    def run(self, call: ScaledCall):
+        group, world = call.group, call.world_size
+        rank, left, right = C.ring_neighbours(group)
+        C.raise_on_mismatch(call)
+        a = call.rows().contiguous()
+        m, k = a.shape
+        with_scale = call.a_mode == ROWWISE_SHARD
+        width = m * k + (4 * m if with_scale else 0)  # bytes of one shard's message
+        messages = torch.empty(world, width, dtype=torch.uint8, device=a.device)
+        messages[rank, :m * k] = _bytes(a)
+        if with_scale:
+            messages[rank, m * k:] = _bytes(call.a_scale.movedim(call.dim, 0).reshape(-1))
+        gathered_scale = _scale_rows(call, None)
+        outs = [torch.empty(world * m, b.shape[1], dtype=d, device=a.device)
+                for b, d in zip(call.bs, call.out_dtypes)]
+        for step in range(world):
+            src = (rank - step) % world
+            if step < world - 1:
+                requests = C.exchange(messages[src], messages[(src - 1) % world], left, right, group)
+            shard = messages[src, :m * k].view(a.dtype).view(m, k)
+            if with_scale:
+                scale = messages[src, m * k:].view(torch.float32).view(m, 1)
+            elif call.a_mode == ROWWISE_GATHERED:
+                scale = gathered_scale[src * m:(src + 1) * m]
+            else:
+                scale = gathered_scale
+            for out, b, s, d in zip(outs, call.bs, call.b_scales, call.out_dtypes):
+                out[src * m:(src + 1) * m] = scaled_mm(shard, b, scale, s, d, call.use_fast_accum)
+            if step < world - 1:
+                for request in requests:
+                    request.wait()
+        counters.record(AG, self.name, _ag_moved(call))
+        gathered = messages[:, :m * k].view(a.dtype).reshape(world * m, k)  # a copy when scales travel
+        return _ag_results(call, gathered, outs)
+
+
+class AgSymmMem(Backend):
+    """torch's ``torch.ops.symm_mem.fused_all_gather_scaled_matmul`` (forward only)."""
+
+    name = "symm_mem"
+
+    def not_supported_reasons(self, call):
+        return symm_mem_reasons(call, "fused_all_gather_scaled_matmul")
+
+    def run(self, call: ScaledCall):
+        n = len(call.bs)
+        gathered, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+            call.x, call.bs, call.a_scale, call.b_scales, call.dim, call.group.group_name,
+            [None] * n, [None] * n, call.out_dtypes, [call.use_fast_accum] * n)
+        return gathered.contiguous() if call.return_a else None, [o.contiguous() for o in outs]
+
+
+AG_DISPATCHER = Dispatcher(AG, [AgPipelined(), AgReference(), AgSymmMem()])  # vendor's last
+
+
+def _rs_out_shape(call: ScaledCall) -> list[int]:
+    shape = list(call.x.shape[:-1]) + [call.bs[0].shape[1]]
+    shape[call.dim] //= call.world_size
+    return shape
+
+
+def _rs_partial(call: ScaledCall, a_rows: torch.Tensor, a_scale_rows: torch.Tensor) -> torch.Tensor:
+    """This rank's float32 partial product of ``a_rows`` (``[rows, K]``, its scale per row or one)."""
+    return scaled_mm(a_rows, call.bs[0], a_scale_rows, call.b_scales[0], torch.float32,
+                     call.use_fast_accum)
+
+
+def _rs_rows(call: ScaledCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A as [rows, K], its scale: one element or [rows, 1])``, the scattered dim first
+    (scattering the output's columns: A's rows as they are)."""
+    dim = 0 if call.last_dim else call.dim
+    a = call.x.movedim(dim, 0).flatten(0, -2).contiguous()
+    if call.a_mode == TENSORWISE:
+        return a, call.a_scale
+    return a, call.a_scale.movedim(dim, 0).reshape(-1, 1)
+
+
+def _rs_finish(call: ScaledCall, total: torch.Tensor) -> torch.Tensor:
+    """This rank's reduced float32 chunk (scattered dim first, ``[rows / W, N]``): averaged
+    if asked, rounded once to the output dtype, in the caller's layout."""
+    if call.reduce_op == "avg":
+        total = total / call.world_size
+    out = total.to(call.out_dtypes[0])
+    shape = _rs_out_shape(call)
+    lead = [shape[call.dim]] + [s for i, s in enumerate(shape[:-1]) if i != call.dim]
+    return out.view(*lead, shape[-1]).movedim(0, call.dim).contiguous()
+
+
+def _rs_moved(call: ScaledCall) -> int:
+    """The W-1 peer float32 partials of this rank's output chunk."""
+    return (call.world_size - 1) * math.prod(_rs_out_shape(call)) * 4
+
+
+class RsReference(Backend):
+    """One ``torch._scaled_mm`` into float32, ``dist.reduce_scatter_single`` of it (float32
+    sums), then one rounding to the output dtype. Scattering the output's last dim (N's
+    columns): the product's columns are moved first."""
+
+    name = "reference"
+
+    def run(self, call: ScaledCall):
+        C.raise_on_mismatch(call)
+        world = call.world_size
+        product = _rs_partial(call, *_rs_rows(call))  # [rows, N]
+        if call.last_dim:
+            product = product.t()  # the scattered dim (N) first
+        product = product.contiguous()
+        out = torch.empty(product.shape[0] // world, product.shape[1], dtype=torch.float32,
+                          device=product.device)
+        C.reduce_scatter_single(out.view(-1), product.view(-1), call.group)
+        counters.record(RS, self.name, _rs_moved(call))
+        if not call.last_dim:
+            return _rs_finish(call, out)
+        if call.reduce_op == "avg":
+            out = out / world
+        return out.t().to(call.out_dtypes[0]).reshape(*call.x.shape[:-1], -1).contiguous()
+
+
+class RsPipelined(Backend):
+    """A ring reduce-scatter of the W row chunks of the float32 product: at step s a rank
+    computes the partial of chunk ``(rank - s - 1) % W`` while the running float32 sum of the
+    previous chunk travels to its right neighbour; the own chunk comes last and is rounded
+    once. A leading ``scatter_dim`` only."""
+
+    name = "pipelined"
+
+    def not_supported_reasons(self, call):
+        return ["scatters a leading dim of A only (the output's columns: reference)"] \
+            if call.last_dim else []
+
+    def run(self, call: ScaledCall):
+        group, world = call.group, call.world_size
+        rank, left, right = C.ring_neighbours(group)
+        C.raise_on_mismatch(call)
+        rows, scales = _rs_rows(call)
+        chunks = rows.unflatten(0, (world, -1))
+        scale_chunks = scales.unflatten(0, (world, -1)) if call.a_mode != TENSORWISE else None
+
+        def partial(c):
+            return _rs_partial(call, chunks[c], scales if scale_chunks is None else scale_chunks[c])
+
+        acc = partial((rank - 1) % world)
+        incoming = torch.empty_like(acc)
+        for step in range(1, world):
+            requests = C.exchange(acc, incoming, left, right, group)
+            nxt = partial((rank - step - 1) % world)
+            for request in requests:
+                request.wait()
+            acc = nxt + incoming
+        counters.record(RS, self.name, _rs_moved(call))
+        return _rs_finish(call, acc)
+
+
+class RsSymmMem(Backend):
+    """torch's ``torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter`` (forward only) into
+    float32, rounded once here (torch's own rounds each partial to the output dtype first).
+    2-D A, a leading scatter dim."""
+
+    name = "symm_mem"
+
+    def not_supported_reasons(self, call):
+        reasons = symm_mem_reasons(call, "fused_scaled_matmul_reduce_scatter")
+        if call.x.dim() != 2 or call.dim != 0:
+            reasons.append("torch's fused_scaled_matmul_reduce_scatter is called here for a 2-D A "
+                           "scattered along dim 0 only")
+        return reasons
+
+    def run(self, call: ScaledCall):
+        a, b = call.x, call.bs[0]
+        total = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+            a, b, call.a_scale, call.b_scales[0], call.reduce_op, 0, 0, call.group.group_name,
+            [a.shape[0], b.shape[1]], out_dtype=torch.float32, use_fast_accum=call.use_fast_accum)
+        return total.to(call.out_dtypes[0]).contiguous()
+
+
+RS_DISPATCHER = Dispatcher(RS, [RsPipelined(), RsReference(), RsSymmMem()])  # vendor's last
+
+
+# ---- the custom ops -------------------------------------------------------------------
+
+
+def _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, world, group, out_dtypes, return_A,
+             use_fast_accum) -> ScaledCall:
+    if isinstance(A_shard, torch.Tensor) and A_shard.dim() > 0 and gather_dim in (-1, A_shard.dim() - 1):
+        raise ValueError(f"fusedpar.{AG}: gather_dim={gather_dim} is A's last dim (K): each shard's "
+                         "scales cover its own K only; gather a leading dim (or all-gather A and "
+                         "call torch._scaled_mm)")
+    dim = _check_operands(AG, A_shard, Bs, A_scale, B_scales, gather_dim, "gather_dim", out_dtypes)
+    mode = _a_mode_gather(A_shard, A_scale, dim, world)
+    return ScaledCall(AG, A_shard, dim, world, group, Bs, A_scale, B_scales, out_dtypes,
+                      use_fast_accum, return_A, a_mode=mode)
+
+
+@torch.library.custom_op(f"fusedpar::{AG}", mutates_args=(), schema=AG_SCHEMA)
+def _ag_op(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
+           use_fast_accum=False, backend=""):
+    group = resolve_group(group_name)
+    call = _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, dist.get_world_size(group), group,
+                    out_dtypes, return_A, use_fast_accum)
+    return AG_DISPATCHER.select(call, backend).run(call)
+
+
+@_ag_op.register_fake
+def _(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
+      use_fast_accum=False, backend=""):
+    world = dist.get_world_size(resolve_group(group_name))
+    call = _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, world, None, out_dtypes, return_A,
+                    use_fast_accum)
+    shape = list(A_shard.shape)
+    shape[call.dim] *= world
+    gathered = A_shard.new_empty(shape) if return_A else None
+    return gathered, [A_shard.new_empty(shape[:-1] + [b.shape[1]], dtype=d)
+                      for b, d in zip(Bs, out_dtypes)]
+
+
+def _rs_call(A, B, A_scale, B_scale, reduce_op, scatter_dim, world, group, out_dtype,
+             use_fast_accum) -> ScaledCall:
+    dim = _check_operands(RS, A, [B], A_scale, [B_scale], scatter_dim, "scatter_dim", [out_dtype])
+    if dim == A.dim() - 1:
+        check_scatter(RS, reduce_op, "reduce_op", "A @ B", B.shape[1], dim, "scatter_dim", world)
+    else:
+        check_scatter(RS, reduce_op, "reduce_op", "A", A.shape[dim], dim, "scatter_dim", world)
+    mode = _a_mode_rows(RS, A, A_scale)
+    return ScaledCall(RS, A, dim, world, group, [B], A_scale, [B_scale], [out_dtype],
+                      use_fast_accum, reduce_op=reduce_op, a_mode=mode)
+
+
+@torch.library.custom_op(f"fusedpar::{RS}", mutates_args=(), schema=RS_SCHEMA)
+def _rs_op(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name, *, out_dtype,
+           use_fast_accum=False, backend=""):
+    group = resolve_group(group_name)
+    call = _rs_call(A, B, A_scale, B_scale, reduce_op, scatter_dim, dist.get_world_size(group), group,
+                    out_dtype, use_fast_accum)
+    return RS_DISPATCHER.select(call, backend).run(call)
+
+
+@_rs_op.register_fake
+def _(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name, *, out_dtype,
+      use_fast_accum=False, backend=""):
+    world = dist.get_world_size(resolve_group(group_name))
+    call = _rs_call(A, B, A_scale, B_scale, reduce_op, scatter_dim, world, None, out_dtype,
+                    use_fast_accum)
+    return A.new_empty(_rs_out_shape(call), dtype=out_dtype)
+
+
+# ---- public functions -----------------------------------------------------------------
+
+
+def all_gather_scaled_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], A_scale: torch.Tensor,
+                             B_scales: list[torch.Tensor], gather_dim: int, group=None, *,
+                             out_dtypes: list[torch.dtype | None] | None = None, return_A: bool = True,
+                             use_fast_accum: bool = False, backend: str | None = None):
+    """All-gather the fp8 ``A_shard`` (and a rowwise ``A_scale`` of the shard) along
+    ``gather_dim`` and multiply by every fp8 B with its scale; the same as::
+
+        A = torch.cat(dist_all_gather(A_shard, group), gather_dim)     # as bytes on gloo
+        s = torch.cat(dist_all_gather(A_scale, group), gather_dim) if A_scale is the shard's rows else A_scale
+        outs = [torch._scaled_mm(A.movedim(gather_dim, 0).flatten(0, -2), B, s_rows, B_scale,
+                                 out_dtype=d).view(...).movedim(0, gather_dim)
+                for B, B_scale, d in zip(Bs, B_scales, out_dtypes)]
+        return (A if return_A else None), outs
+
+    torch ``symm_mem.fused_all_gather_scaled_matmul``'s contract: ``A_shard`` 2-D or 3-D
+    e4m3/e5m2; ``A_scale`` one element, ``A_shard.shape[:-1] + (1,)`` (the shard's rows) or
+    the gathered A's rows; each B ``[K, N]`` fp8 with a tensorwise or ``[1, N]`` scale;
+    ``out_dtypes`` one per B (None: bfloat16). ``gather_dim``: a leading dim. Backends:
+    ``pipelined``, ``reference``, ``symm_mem`` (torch's op, CUDA groups). Not
+    differentiable (fp8 inputs): see ``fusedpar.nn.float8_linear``."""
+    dtypes = [d or DEFAULT_OUT_DTYPE for d in (out_dtypes or [None] * len(Bs))]
+    return _ag_op(A_shard, list(Bs), A_scale, list(B_scales), gather_dim, group_name(group),
+                  out_dtypes=dtypes, return_A=return_A, use_fast_accum=use_fast_accum,
+                  backend=backend or "")
+
+
+def scaled_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, A_scale: torch.Tensor,
+                                 B_scale: torch.Tensor, reduce_op: str = "sum", scatter_dim: int = 0,
+                                 group=None, *, out_dtype: torch.dtype | None = None,
+                                 use_fast_accum: bool = False, backend: str | None = None):
+    """Multiply the fp8 ``A`` by the fp8 ``B`` with their scales and reduce-scatter the
+    product along ``scatter_dim``, summing in float32 and rounding once; the same as::
+
+        P = torch._scaled_mm(A.movedim(scatter_dim, 0).flatten(0, -2), B, A_scale_rows, B_scale,
+                             out_dtype=torch.float32)             # A's shape, N columns
+        out = fusedpar.ops.reduce_scatter(P, reduce_op, scatter_dim, group).to(out_dtype)
+
+    torch ``symm_mem.fused_scaled_matmul_reduce_scatter``'s contract (which rounds each
+    partial to ``out_dtype`` before reducing; this op does not). ``A`` 2-D or 3-D fp8,
+    ``A_scale`` one element or ``A.shape[:-1] + (1,)``; ``B`` ``[K, N]`` fp8, ``B_scale`` one
+    element or ``[1, N]``; ``out_dtype`` None: bfloat16. ``scatter_dim``: a leading dim of A
+    or the last (N's columns; ``reference`` only). Backends: ``pipelined``, ``reference``,
+    ``symm_mem`` (torch's op, CUDA groups, 2-D A along dim 0). Not differentiable (fp8
+    inputs): see ``fusedpar.nn.float8_linear``."""
+    return _rs_op(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name(group),
+                  out_dtype=out_dtype or DEFAULT_OUT_DTYPE, use_fast_accum=use_fast_accum,
+                  backend=backend or "")
+
+
+def _example(op: str):
+    def example(device):
+        from .registry import EXAMPLE_WORLD
+
+        a = torch.zeros(2 * EXAMPLE_WORLD, 16, device=device).to(torch.float8_e4m3fn)
+        b = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        return ScaledCall(op, a, 0, EXAMPLE_WORLD, None, [b], one, [one], [DEFAULT_OUT_DTYPE],
+                          reduce_op="sum" if op == RS else "")
+
+    return example
+
+
+register(AG_DISPATCHER, (all_gather_scaled_matmul,), checks="fusedpar.testing.scaled_matmul",
+         example=_example(AG))
+register(RS_DISPATCHER, (scaled_matmul_reduce_scatter,), checks="fusedpar.testing.scaled_matmul",
+         example=_example(RS))

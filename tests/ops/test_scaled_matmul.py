@@ -1,0 +1,220 @@
+"""all_gather_scaled_matmul and scaled_matmul_reduce_scatter on 2 and 4 gloo ranks: bit for
+bit against float64 plain torch on exact fp8 data (every scale layout, e4m3 and e5m2, odd
+shapes, the bf16 ops' gather / scatter dims), within fp8 rounding of ``torch._scaled_mm``
+on the gathered operands on random data, pipelined == reference, bytes moved == the lower
+bound (<= 0.55x the bf16 op's), clear errors; the float8 scales are torchao's."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar
+from fusedpar.ops.scaled_matmul import AG, ROWWISE, ROWWISE_GATHERED, ROWWISE_SHARD, RS, TENSORWISE
+from fusedpar.testing import scaled_matmul as cases
+from tests.ops.collective_cases import capture_errors, cpu_backends, poisoned_allocations
+
+pytestmark = [pytest.mark.timeout(300)]
+
+AG_BACKENDS = cpu_backends(AG)
+RS_BACKENDS = cpu_backends(RS)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _exact_cases(world):
+    """The ``fusedpar check`` cases plus odd shapes, both fp8 dtypes, return_A=False and the
+    last scatter dim."""
+    extra = [
+        cases.ScaledCase(AG, "odd 2-D e5m2", (3, 24), 0, (5, 7), ROWWISE_SHARD, "", 5),
+        cases.ScaledCase(AG, "3-D dim=0 gathered rows", (2, 3, 8), 0, (3,), ROWWISE_GATHERED, "", 6),
+        cases.ScaledCase(AG, "3-D dim=1 tensorwise", (1, 1, 8), 1, (1,), TENSORWISE, "", 7),
+        cases.ScaledCase(RS, "3-D dim=1 rowwise", (2, world, 24), 1, (5,), ROWWISE, "sum", 8),
+        cases.ScaledCase(RS, "columns", (5, 24), 1, (3 * world,), TENSORWISE, "sum", 9),
+        cases.ScaledCase(RS, "3-D dim=0 tensorwise avg", (world, 3, 8), 0, (7,), TENSORWISE, "avg", 10),
+    ]
+    return cases.cases(world) + extra
+
+
+def _check_exact():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checked = 0
+    for case in _exact_cases(world):
+        backends = AG_BACKENDS if case.op == AG else RS_BACKENDS
+        fp8 = E5M2 if "e5m2" in case.label else E4M3
+        for dtype in (torch.bfloat16, torch.float32):
+            inputs = [(*cases.scaled_inputs(case.op, case.a_shape, case.ns, case.a_mode, case.dim, r,
+                                            world, case.salt, "cpu", fp8), dtype) for r in range(world)]
+            expected = case.expected(inputs, dtype)[rank]
+            for backend in backends:
+                if case.op == RS and case.dim == len(case.a_shape) - 1 and backend == "pipelined":
+                    continue  # the columns: reference only (pipelined's reasons say so)
+                with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
+                    out = case.call(inputs[rank], None, backend)
+                if case.op == AG:
+                    assert out[0].dtype == fp8 and torch.equal(out[0].view(torch.uint8),
+                                                               expected[0].view(torch.uint8)), case.label
+                    for o, e in zip(out[1], expected[1]):
+                        assert o.dtype == dtype and torch.equal(o, e), (case.label, backend, dtype)
+                else:
+                    assert out.dtype == dtype and torch.equal(out, expected), (case.label, backend, dtype)
+                assert counter.total() == case.lower_bound(inputs[rank], world), (case.label, backend)
+                checked += 1
+    a, bs, a_scale, b_scales = cases.scaled_inputs(AG, (4, 16), (8,), ROWWISE_SHARD, 0, rank, world, 0,
+                                                   "cpu")
+    for backend in AG_BACKENDS:
+        gathered, outs = fusedpar.ops.all_gather_scaled_matmul(a, bs, a_scale, b_scales, 0, return_A=False,
+                                                               backend=backend)
+        assert gathered is None and outs[0].shape == (4 * world, 8)
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_match_float64_torch_bit_for_bit_on_exact_data(pools, world):
+    counts = pools(world).run(_check_exact)
+    assert counts[0] > 0 and len(set(counts)) == 1
+
+
+def _gather(x, dim):
+    parts = [torch.empty_like(x.view(torch.uint8)) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous().view(torch.uint8))
+    return torch.cat(parts, dim).view(x.dtype)
+
+
+def _check_random():
+    """Random data: each backend within fp8-rounding of ``_scaled_mm`` on the gathered
+    operands in float32 (the same GEMM, so error <= 2x torch's own vs float64 + 1 ulp),
+    pipelined == reference bit for bit where the arithmetic is the same (the all-gather)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    x = torch.randn(2, 6, 48) * (rank + 1)
+    a, a_scale = fusedpar.ops.float8_scales.quantize(x, E4M3, dim=-1)
+    torch.manual_seed(99)
+    w = torch.randn(48, 40)
+    b, b_scale = fusedpar.ops.float8_scales.quantize(w, E4M3, dim=0)
+    full_a, full_s = _gather(a, 1), _gather(a_scale, 1)
+    exact = (full_a.double() * full_s.double()).flatten(0, 1) @ (b.double() * b_scale.double())
+    torch_out = torch._scaled_mm(full_a.flatten(0, 1), b, full_s.flatten(0, 1), b_scale,
+                                 out_dtype=torch.bfloat16)
+    torch_err = (torch_out.double() - exact).abs().max()
+    results = {}
+    for backend in AG_BACKENDS:
+        _, (out,) = fusedpar.ops.all_gather_scaled_matmul(a, [b], a_scale, [b_scale], 1, backend=backend)
+        err = (out.flatten(0, 1).double() - exact).abs().max()
+        assert err <= 2 * torch_err, (backend, err, torch_err)
+        results[backend] = out
+    assert torch.equal(results["pipelined"], results["reference"])
+    # the reduce-scatter: every rank's partial over its K shard, summed in float32, rounded once
+    part, part_scale = fusedpar.ops.float8_scales.quantize(x.flatten(0, 1), E5M2)
+    wk, wk_scale = fusedpar.ops.float8_scales.quantize(w + rank, E4M3, dim=0)
+    partial = (part.double() * part_scale.double()) @ (wk.double() * wk_scale.double())
+    total = partial.clone()
+    dist.all_reduce(total)
+    exact = total.chunk(world, 0)[rank]
+    for backend in RS_BACKENDS:
+        out = fusedpar.ops.scaled_matmul_reduce_scatter(part, wk, part_scale, wk_scale, backend=backend,
+                                                        out_dtype=torch.float32)
+        rel = ((out.double() - exact).abs().max() / exact.abs().max()).item()
+        assert rel < 1e-6, (backend, rel)  # float32 sums of exact fp8 products
+    return True
+
+
+def test_random_data_within_fp8_rounding_of_scaled_mm(pools):
+    assert pools(2).run(_check_random) == [True, True]
+
+
+def _check_bytes_vs_bf16():
+    world = dist.get_world_size()
+    a16 = torch.ones(8, 64, dtype=torch.bfloat16)
+    b16 = torch.ones(64, 16, dtype=torch.bfloat16)
+    with fusedpar.comm.count_bytes() as bf16:
+        fusedpar.ops.all_gather_matmul(a16, [b16], 0, backend="pipelined")
+    ratios = {}
+    for mode, scale in ((TENSORWISE, torch.ones(())), (ROWWISE_SHARD, torch.ones(8, 1))):
+        with fusedpar.comm.count_bytes() as fp8:
+            fusedpar.ops.all_gather_scaled_matmul(a16.to(E4M3), [b16.to(E4M3)], scale, [torch.ones(())], 0,
+                                                  backend="pipelined")
+        bound = cases.lower_bound(AG, mode, (a16.to(E4M3), None, scale), world)
+        assert fp8.total() == bound
+        ratios[mode] = fp8.total() / bf16.total()
+    return ratios
+
+
+def test_fp8_all_gather_moves_at_most_055x_the_bf16_bytes(pools):
+    ratios = pools(2).run(_check_bytes_vs_bf16)[0]
+    assert ratios[TENSORWISE] == 0.5  # fp8 bytes only: the tensorwise scale does not travel
+    assert 0.5 < ratios[ROWWISE_SHARD] <= 0.55  # + one float32 scale per row of K=64 bytes
+
+
+def _bad_inputs():
+    a, b = torch.ones(4, 32).to(E4M3), torch.ones(32, 16).to(E4M3)
+    one = torch.ones(())
+    ag, rs = fusedpar.ops.all_gather_scaled_matmul, fusedpar.ops.scaled_matmul_reduce_scatter
+    return capture_errors({
+        "bf16 A": lambda: ag(a.bfloat16(), [b], one, [one], 0),
+        "bf16 B": lambda: rs(a, b.bfloat16(), one, one),
+        "A_scale shape": lambda: ag(a, [b], torch.ones(3, 1), [one], 0),
+        "B_scale shape": lambda: ag(a, [b], one, [torch.ones(16, 1)], 0),
+        "B_scale count": lambda: ag(a, [b, b], one, [one], 0),
+        "scale dtype": lambda: rs(a, b, one.bfloat16(), one),
+        "rs A_scale": lambda: rs(a, b, torch.ones(2, 1), one),
+        "K gather": lambda: ag(a, [torch.ones(64, 16).to(E4M3)], one, [one], 1),
+        "out dtype": lambda: rs(a, b, one, one, out_dtype=torch.int32),
+        "backend": lambda: ag(a, [b], one, [one], 0, backend="symm_mem"),
+    })
+
+
+def test_bad_inputs_get_clear_errors(pools):
+    errors = pools(2).run(_bad_inputs)[0]
+    assert errors["bf16 A"][0] == "TypeError" and "A is torch.bfloat16" in errors["bf16 A"][1]
+    assert "float8_e4m3fn" in errors["bf16 A"][1]
+    assert errors["bf16 B"][0] == "TypeError" and "B is torch.bfloat16" in errors["bf16 B"][1]
+    assert "A_scale has shape (3, 1)" in errors["A_scale shape"][1] and "(4, 1)" in errors["A_scale shape"][1]
+    assert "B_scales[0] has shape (16, 1)" in errors["B_scale shape"][1] and "(1, 16)" in errors["B_scale shape"][1]
+    assert "2 B(s) but 1 B scale" in errors["B_scale count"][1]
+    assert "A_scale is torch.bfloat16" in errors["scale dtype"][1]
+    assert "A_scale has shape (2, 1)" in errors["rs A_scale"][1]
+    assert "gather_dim=1 is A's last dim" in errors["K gather"][1]
+    assert "out dtype torch.int32" in errors["out dtype"][1]
+    assert errors["backend"][0] == "BackendNotSupportedError" and "CUDA" in errors["backend"][1]
+
+
+def test_k_multiple_of_16_is_checked_for_cuda_tensors():
+    """The CUDA-only check, reached on CPU through the check function itself (the device is
+    the only thing it reads)."""
+    from fusedpar.ops import scaled_matmul as sm
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True
+
+    a = torch.ones(4, 24).to(E4M3).as_subclass(FakeCuda)
+    b = torch.ones(24, 16).to(E4M3).as_subclass(FakeCuda)
+    with pytest.raises(ValueError, match="K and N multiples of 16, got K=24, N=16.*pad A's last dim"):
+        sm._check_operands(RS, a, [b], torch.ones(()), [torch.ones(())], 0, "scatter_dim",
+                           [torch.bfloat16])
+
+
+def test_scales_are_torchaos():
+    ao = pytest.importorskip("torchao.float8.float8_utils")
+    torch.manual_seed(0)
+    x = torch.randn(5, 7) * torch.logspace(-3, 3, 7)
+    for dtype in (E4M3, E5M2):
+        for round_pow2 in (False, True):
+            for dim in (None, 0, -1):
+                data, scale = fusedpar.ops.float8_scales.quantize(x, dtype, dim, round_pow2)
+                from torchao.float8.config import ScalingGranularity
+
+                gran = ScalingGranularity.TENSORWISE if dim is None else ScalingGranularity.AXISWISE
+                ao_scale = ao.tensor_to_scale(x, dtype, scaling_granularity=gran, axiswise_dim=dim,
+                                              round_scales_to_power_of_2=round_pow2)
+                assert torch.equal(scale, ao_scale.reciprocal())
+                assert torch.equal(data.view(torch.uint8),
+                                   ao.to_fp8_saturated(x * ao_scale, dtype).view(torch.uint8))
+
+
+def test_registry_example_and_fake():
+    from fusedpar.ops import registry
+
+    for op in (AG, RS):
+        spec = registry.get(op)
+        call = spec.example("cpu")
+        assert spec.dispatcher.availability(call)["reference"] == []
+        assert "CUDA" in spec.dispatcher.availability(call)["symm_mem"][0]
