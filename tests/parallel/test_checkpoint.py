@@ -4,6 +4,7 @@ ranks loads at dp_shard=2 on 2 ranks and continues with the same losses; the ful
 dict loads into the plain Hugging Face model and gives its loss."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -143,3 +144,98 @@ def test_expert_parallel_checkpoint_loads_without_ep(pools, tmp_path, kind):
     if kind.startswith("hf-"):
         pytest.importorskip("transformers")
     assert pools(4).run(_expert_parallel_checkpoint, str(tmp_path / "ckpt"), kind, timeout=300) == [True] * 4
+
+
+# ---- crash safety (one process: DCP without a process group) ----------------------------
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_holds(path, want: dict[str, torch.Tensor]) -> None:
+    probe = make_model("llama", seed=99)
+    checkpoint.load(path, probe)
+    for k, v in probe.state_dict().items():
+        assert torch.equal(v, want[k]), f"{k} is not the saved checkpoint's"
+
+
+def test_a_save_that_crashes_leaves_the_older_checkpoint(tmp_path, monkeypatch):
+    """A save killed before DCP's .metadata (its last write) or between the two renames:
+    the older checkpoint still loads, the partial folder is refused naming what it lacks;
+    the next save replaces the older one and leaves nothing else behind."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "ck"
+    old, new = make_model("llama", seed=1), make_model("llama", seed=2)
+    checkpoint.save(path, old)
+
+    def crash(*_, **__):
+        raise RuntimeError("killed while writing")
+
+    with monkeypatch.context() as m:
+        m.setattr(dcp.FileSystemWriter, "finish", crash)
+        with pytest.raises(BaseException, match="killed while writing"):  # DCP's CheckpointException
+            checkpoint.save(path, new)
+    partial = tmp_path / ".ck.partial"
+    assert any(partial.iterdir()) and not (partial / ".metadata").exists()
+    _assert_holds(path, _weights(old))
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="temporary folder of a save"):
+        checkpoint.load(partial, make_model("llama"))
+
+    renames = []
+
+    def rename_once(src, dst):  # the older folder moved aside, then the crash
+        if renames and os.path.isdir(src):
+            raise KeyboardInterrupt("killed between the renames")
+        renames.extend([dst] if os.path.isdir(src) else [])
+        return os.replace(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.os, "rename", rename_once)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(path, new)
+    assert not path.exists() and renames == [str(tmp_path / ".ck.replaced")]
+    _assert_holds(path, _weights(old))
+
+    checkpoint.save(path, new)
+    _assert_holds(path, _weights(new))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_load_refuses_an_incomplete_folder_naming_what_is_missing(tmp_path):
+    path = tmp_path / "ck"
+    checkpoint.save(path, make_model("llama"))
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match=rf"lacks {shard.name} \(10 of \d+ bytes\)"):
+        checkpoint.load(path, make_model("llama"))
+    shard.unlink()
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match=rf"lacks {shard.name} \(missing\)"):
+        checkpoint.load(path, make_model("llama"))
+    (path / ".metadata").unlink()
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="lacks .metadata"):
+        checkpoint.load(path, make_model("llama"))
+
+
+def test_async_save_writes_the_state_of_the_call(tmp_path):
+    """The state is copied when ``save`` returns: training may change it while the shards
+    are written; ``wait()`` puts the checkpoint in place."""
+    model = make_model("llama", seed=3)
+    want = _weights(model)
+    pending = checkpoint.save(tmp_path / "ck", model, async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert pending.wait() == str(tmp_path / "ck")
+    _assert_holds(tmp_path / "ck", want)
+
+
+def test_keep_the_newest_complete_steps(tmp_path):
+    model = make_model("llama")
+    for step in (2, 4, 10):
+        checkpoint.save(checkpoint.step_path(tmp_path, step), model)
+    (tmp_path / "step-12").mkdir()  # a folder without .metadata is never counted
+    assert [s for s, _ in checkpoint.complete_steps(tmp_path)] == [2, 4, 10]
+    assert checkpoint.prune(tmp_path, 2) == [str(tmp_path / "step-2")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-12", "step-4"]
