@@ -64,7 +64,7 @@ def run_decoder(adapter, model: nn.Module, input_ids: torch.Tensor, position_ids
     ``attention_masks``: one per layer, as they are (None: causal attention by itself)."""
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-    hidden = adapter.embed(model, input_ids)
+    hidden = adapter.embed(model, input_ids, position_ids)
     hidden, aux = run_layers(adapter, model, adapter.layers(model), hidden, position_ids,
                              attention_masks)
     return adapter.final_norm(model)(hidden), aux

@@ -145,7 +145,7 @@ class _Stage(nn.Module):
         self.__dict__["owner"] = owner  # not a submodule: its names stay the model's
         self.adapter, self.first_layer, self.is_first, self.is_last = adapter, min(layers), first, last
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
-        self.embedding = adapter.embedding(owner) if first else None
+        self.embeddings = nn.ModuleList(adapter.embeddings(owner)) if first else None
         self.norm = adapter.final_norm(owner) if last else None
         self.head = adapter.head(owner) if last else None
 
@@ -154,7 +154,7 @@ class _Stage(nn.Module):
         keyword input reaches every stage; ``x`` only the first): where they restart inside
         a row, a Hugging Face model's mask keeps each packed document to itself."""
         owner, adapter, run = self.owner, self.adapter, self.owner._fusedpar_pipeline
-        hidden = adapter.embed(owner, x) if self.is_first else x
+        hidden = adapter.embed(owner, x, position_ids) if self.is_first else x
         masks = adapter.attention_masks(owner, position_ids, position_ids) if run.hf_masks else None
         hidden, aux = run_layers(adapter, owner, list(self.layers.values()), hidden, position_ids,
                                  masks, self.first_layer)

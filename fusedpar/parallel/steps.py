@@ -14,7 +14,6 @@ from ..nn import sync_replicated_grads
 from .adapters import ModelAdapter, ModelLayout, is_moe
 from .config import ParallelConfig, get_submesh
 from .fsdp import shard_model
-from .tp import apply_tp
 
 __all__ = ["apply_all", "apply_fsdp", "apply_model_parallel", "check", "tokens_group"]
 
@@ -66,8 +65,7 @@ def apply_model_parallel(model: nn.Module, adapter: ModelAdapter, layers: list[n
     moe = any(is_moe(layer.mlp) for layer in layers)
     if cfg.tp > 1:
         for layer in layers:
-            apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend,
-                     split_mlp=not is_moe(layer.mlp))
+            adapter.apply_tp(layer, tp_mesh, backend, split_mlp=not is_moe(layer.mlp))
         adapter.apply_vocab_parallel(model, tp_mesh, backend)
         if adapter.final_norm(model) is not None:  # it runs on sequence shards
             sync_replicated_grads(adapter.final_norm(model), tp_mesh)
@@ -83,7 +81,7 @@ def apply_model_parallel(model: nn.Module, adapter: ModelAdapter, layers: list[n
             _sync_moe_over_tp(layers, tp_mesh, cfg.ep)
         _global_aux_loss(layers, cfg, tokens_group(cfg, mesh))
     if activation_checkpointing:
-        layers[:] = _checkpoint_layers(model, layers)
+        layers[:] = _checkpoint_layers(adapter.layer_container(model), layers)
     return expert_units
 
 
@@ -167,11 +165,11 @@ def _global_aux_loss(layers: list[nn.Module], cfg: ParallelConfig, group: str) -
             set_aux_loss_group(layer.mlp, group, ranks)
 
 
-def _checkpoint_layers(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
-    """Each layer wrapped in torch's ``checkpoint_wrapper``, in its place in the model."""
+def _checkpoint_layers(container: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """Each of ``layers`` wrapped in torch's ``checkpoint_wrapper``, in its place in
+    ``container`` (the module holding the model's decoder layers)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    container = model.model.layers
     wrapped = []
     for name, layer in list(container.named_children()):
         if any(layer is l for l in layers):

@@ -34,7 +34,7 @@ def make_model(kind: str, seed: int = 0):
     "hf-deepseek-v3" (multi-head latent attention, a dense first layer, sigmoid
     group-limited routing, a shared expert), "hf-gemma2" (scaled embeddings tied to the
     head, soft-capped attention and logits, a window of 8 on every other layer; eager
-    attention)."""
+    attention), "hf-gpt2" (Conv1D projections, fused q/k/v, learned positions, a tied head)."""
     torch.manual_seed(seed)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**TINY))
@@ -81,6 +81,11 @@ def make_model(kind: str, seed: int = 0):
             **{**common, "attn_implementation": "eager"}, head_dim=8, query_pre_attn_scalar=8,
             sliding_window=8, pad_token_id=None, final_logit_softcapping=2.0,
             attn_logit_softcapping=3.0))
+    if kind == "hf-gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+            use_cache=False))
     raise ValueError(kind)
 
 

@@ -55,7 +55,7 @@ def test_import_parser_resolves_relative_imports():
     ("hf-mixtral", "MixtralForCausalLM"), ("hf-qwen2-moe", "Qwen2MoeForCausalLM"),
     ("hf-qwen3-moe", "Qwen3MoeForCausalLM"), ("hf-olmoe", "OlmoeForCausalLM"),
     ("hf-deepseek-v3", "DeepseekV3ForCausalLM"), ("hf-gemma2", "Gemma2ForCausalLM"),
-    ("hf-mistral", "any other model with Llama's layout")])
+    ("hf-gpt2", "GPT2LMHeadModel"), ("hf-mistral", "any other model with Llama's layout")])
 def test_each_family_finds_its_adapter(kind, family):
     if kind.startswith("hf-"):
         pytest.importorskip("transformers")
@@ -86,8 +86,8 @@ def test_registered_adapter_wins():
         def matches(self, model):
             return getattr(model, "scaled", False)
 
-        def embed(self, model, input_ids):
-            return 2 * super().embed(model, input_ids)
+        def embed(self, model, input_ids, position_ids):
+            return 2 * super().embed(model, input_ids, position_ids)
 
     model = make_model("llama")
     model.scaled = True

@@ -112,6 +112,10 @@ def test_own_llama_matches_single_process(pools):
     ("hf-mixtral", [dict(dp_shard=4, ep=2), dict(tp=2, dp_shard=2, ep=4)]),
     ("hf-qwen2-moe", [dict(dp_shard=4, ep=2), dict(tp=2, dp_shard=2)]),
     ("hf-olmoe", [dict(dp_shard=4, ep=4)]),
+    # GPT-2: Conv1D projections, the fused q/k/v split over tp, learned positions, a tied head
+    ("hf-gpt2", [dict(dp_shard=4), dict(tp=2, dp_shard=2),
+                 dict(tp=2, dp_shard=2, activation_checkpointing=True), dict(cp=2, dp_shard=2),
+                 dict(dp_replicate=2, dp_shard=2)]),
     ("hf-qwen3-moe", [dict(dp_shard=4, ep=2), dict(dp_shard=4, ep=2, activation_checkpointing=True),
                       dict(cp=2, dp_shard=2, ep=2), dict(tp=2, dp_shard=2, ep=2)]),
     ("hf-deepseek-v3", [dict(dp_shard=4), dict(dp_shard=4, ep=4)]),

@@ -15,6 +15,7 @@ from torch import nn
 from .base import ADAPTERS, ModelAdapter, ModelLayout, is_hf, is_moe
 from .gemma2 import Gemma2Adapter
 from .generic import LlamaStyleAdapter
+from .gpt2 import GPT2Adapter
 from .hf import HFAdapter
 from .own import OwnAdapter
 
@@ -32,6 +33,7 @@ ADAPTERS[:] = [
     HFAdapter("OlmoeForCausalLM", ("olmoe",)),
     HFAdapter("DeepseekV3ForCausalLM (multi-head latent attention: no tp / cp)", ("deepseek_v3",)),
     Gemma2Adapter(),
+    GPT2Adapter(),
     LlamaStyleAdapter(),
 ]
 

@@ -78,9 +78,18 @@ class ModelAdapter:
     def set_embedding(self, model: nn.Module, module: nn.Module | None) -> None:
         model.model.embed_tokens = module
 
+    def embeddings(self, model: nn.Module) -> list[nn.Module]:
+        """Every module :meth:`embed` runs (the first pipeline stage holds them)."""
+        return [self.embedding(model)]
+
+    def layer_container(self, model: nn.Module) -> nn.Module:
+        """The module holding the decoder layers (a ``ModuleList``, or the ``ModuleDict``
+        :meth:`keep_layers` leaves)."""
+        return model.model.layers
+
     def layers(self, model: nn.Module) -> list[nn.Module]:
         """The decoder layers in order (pipeline stages are cut between them)."""
-        return list(model.model.layers)
+        return list(self.layer_container(model).children())
 
     def keep_layers(self, model: nn.Module, keep: list[int]) -> None:
         """Drop every decoder layer not in ``keep`` (this rank's pipeline stages'); the kept
@@ -105,7 +114,9 @@ class ModelAdapter:
 
     # ---- what the model's forward does around its layers ------------------------------------
 
-    def embed(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input; ``position_ids`` are ``input_ids``' (a cp rank's zigzag
+        shard too), for families that embed positions."""
         return self.embedding(model)(input_ids)
 
     def attention_masks(self, model: nn.Module, input_ids: torch.Tensor,
@@ -132,6 +143,13 @@ class ModelAdapter:
         """What the model's forward does that the parallelized one (the methods above)
         would not; none for a known family."""
         return []
+
+    def apply_tp(self, layer: nn.Module, tp_mesh, backend: str | None, split_mlp: bool) -> None:
+        """Tensor + sequence parallelism on one decoder layer
+        (:func:`fusedpar.parallel.tp.apply_tp`: Llama's q/k/v/o and gate/up/down)."""
+        from ..tp import apply_tp
+
+        apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend, split_mlp=split_mlp)
 
     def parallel_problems(self, model: nn.Module, tp: int, cp: int) -> list[str]:
         """Why this family cannot take the given tp / cp (beyond the divisibility checks)."""

@@ -29,7 +29,7 @@ class Gemma2Adapter(HFAdapter):
         super().__init__("Gemma2ForCausalLM (embedding scale, soft-capped logits, sliding "
                          "windows)", ("gemma2",))
 
-    def embed(self, model, input_ids):
+    def embed(self, model, input_ids, position_ids):
         embedding = self.embedding(model)
         hidden = embedding(input_ids)
         if hasattr(embedding, "embed_scale"):  # HF's scaled embedding scaled it
