@@ -33,14 +33,29 @@ from .signal import cdiv
 
 
 @triton.jit
-def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, T, N, K, E, pad_rows,
+def scale_tile(acc, sa_ptr, sb_ptr, m0, n0, m_end, N, live, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The scaled GEMMs' epilogue: ``acc * sa[m0:m0+BLOCK_M, None] * sb[None, n0:n0+BLOCK_N]``
+    (fp32 rowwise scales, as ``torch._scaled_mm`` takes them); rows past ``m_end``, columns
+    past ``N`` and a tile that is not ``live`` (a segment of zeros) read no scale."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    sa = tl.load(sa_ptr + rm, mask=(rm < m_end) & live, other=0.0)
+    sb = tl.load(sb_ptr + rn, mask=(rn < N) & live, other=0.0)
+    return acc * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, sa_ptr, sb_ptr, T, N, K, E, pad_rows,
                            stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                           stride_cm, stride_cn,
+                           stride_cm, stride_cn, stride_sbg,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
                            MASKED: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
-                           SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr):
+                           SWIGLU_VJP: tl.constexpr, SCALED: tl.constexpr, UPCAST: tl.constexpr):
     """``a``, ``b``: pointers, or TMA descriptors (``TMA``; the strides are then unused).
+    ``SCALED`` (fp8 ``a``, ``b``): the product of row r of group g times ``sa[r] *
+    sb[g * stride_sbg + n]`` (``scaled_grouped_mm``); the pointers are unused otherwise.
     ``MASKED``: ``offs_ptr`` holds row counts and group g owns rows ``g * pad_rows`` onward
     (the first ``min(count, pad_rows)`` multiplied, the rest zeros); ``pad_rows`` is unused
     otherwise. Either way the rows form segments (multiplied, or zeros: ``k_hi = 0``).
@@ -95,6 +110,9 @@ def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, T, N, K, E, pad_rows,
             elif SWIGLU_VJP:
                 swiglu_vjp_epilogue(c_ptr, h_ptr, acc, m0, n0, end, N, BLOCK_M, BLOCK_N)
             else:
+                if SCALED:
+                    acc = scale_tile(acc, sa_ptr, sb_ptr + tl.cast(g, tl.int64) * stride_sbg, m0, n0,
+                                     end, N, k_hi > 0, BLOCK_M, BLOCK_N)
                 store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
             tile += step
         first += group_tiles
@@ -102,14 +120,16 @@ def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, T, N, K, E, pad_rows,
 
 
 @triton.jit
-def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows, sources,
+def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, sa_ptr, sb_ptr, M, N, E, pad_rows, sources,
                         stride_am, stride_ak, stride_bk, stride_bn,
                         stride_ce, stride_cm, stride_cn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+                        GROUP_M: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr,
+                        UPCAST: tl.constexpr):
     """``MASKED``: ``offs_ptr`` holds counts; group g's K starts at ``g * pad_rows``. Else
     ``offs_ptr`` holds the ends of ``sources * E`` segments, source-major, and group g sums
-    the products over its segments ``s * E + g``."""
+    the products over its segments ``s * E + g``. ``SCALED`` (fp8 ``a``, ``b``; one source):
+    ``c[g, m, n]`` times ``sa[g * M + m] * sb[g * N + n]``."""
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     group_tiles = m_tiles * n_tiles
@@ -132,6 +152,9 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, E, pad_rows, source
                 acc = add_tile_product(acc, a_ptr, b_ptr, m0, n0, M, N, k_lo, k_hi, stride_am,
                                        stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
                                        UPCAST)
+        if SCALED:
+            acc = scale_tile(acc, sa_ptr + tl.cast(g, tl.int64) * M, sb_ptr + tl.cast(g, tl.int64) * N,
+                             m0, n0, M, N, True, BLOCK_M, BLOCK_N)
         store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
                    stride_cn, BLOCK_M, BLOCK_N)
 
@@ -169,7 +192,8 @@ def zero_rows_past(c: torch.Tensor, ends: torch.Tensor, first: int = 0) -> None:
 
 def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
                     config: dict | None = None, *, pad_rows: int | None = None,
-                    epilogue: str | None = None, h: torch.Tensor | None = None) -> None:
+                    epilogue: str | None = None, h: torch.Tensor | None = None,
+                    scales: tuple | None = None) -> None:
     """``c[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g]``, zeros past ``offs[-1]``.
     With ``pad_rows`` (P), ``offs`` holds counts instead: ``c[g*P:g*P+n] = a[g*P:g*P+n] @
     b[g]`` with ``n = min(offs[g], P)``, zeros in the rest of ``c[g*P:(g+1)*P]``.
@@ -183,8 +207,13 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
     gather does with the product: ``"swiglu"`` (b ``[E, K, 2N]``, c ``[T, N]``, h ``[T, 2N]``
     given: the products too) or ``"swiglu_vjp"`` (c ``[T, 2N]``, h ``[T, 2N]`` the
     forward's products).
+
+    ``scales`` (fp8 ``a`` and ``b``, no epilogue): ``(sa, sb)``, fp32 ``sa [T]`` (unit stride)
+    and ``sb [E, N]`` (unit stride along N): row r of group g is multiplied by ``sa[r] *
+    sb[g]``, in the epilogue (``scaled_grouped_mm``). fp8 operands go to ``tl.dot`` as they
+    are, in the interpreter too (it multiplies fp8 exactly; only 16-bit dots need UPCAST).
     """
-    if epilogue is not None and (epilogue not in EPILOGUES or pad_rows is not None
+    if epilogue is not None and (scales is not None or epilogue not in EPILOGUES or pad_rows is not None
                                  or not c.is_contiguous() or h is not None and not h.is_contiguous()):
         raise ValueError(f"grouped_mm_rows: epilogue={epilogue!r} needs offs (no pad_rows) and "
                          f"contiguous c and h; the epilogues are {EPILOGUES}")
@@ -197,15 +226,18 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
     n_tiles = cdiv(N, cfg["BLOCK_N"])
     bound = (cdiv(T, cfg["BLOCK_M"]) + 2 * E + 1) * n_tiles
     grid = (min(bound, cfg["NUM_PROGRAMS"]),)
+    sa, sb = scales or (c, c)
     grouped_mm_rows_kernel[grid](
-        a_arg, b_arg, c, c if h is None else h, offs, T, N, K, E, pad_rows or 0, a.stride(0),
+        a_arg, b_arg, c, c if h is None else h, offs, sa, sb, T, N, K, E, pad_rows or 0, a.stride(0),
         a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        TMA=cfg["TMA"], B_KMAJOR=kmajor, MASKED=pad_rows is not None, SWIGLU=swiglu,
-        KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp", **launch_options(cfg))
+        sb.stride(0) if scales else 0, TMA=cfg["TMA"], B_KMAJOR=kmajor, MASKED=pad_rows is not None,
+        SWIGLU=swiglu, KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp",
+        **_scaled_options(cfg, scales))
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
-                 config: dict | None = None, *, pad_rows: int | None = None, sources: int = 1) -> None:
+                 config: dict | None = None, *, pad_rows: int | None = None, sources: int = 1,
+                 scales: tuple | None = None) -> None:
     """``c[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]`` (zeros for an empty group).
     With ``pad_rows`` (P), ``offs`` holds counts and group g's K range is
     ``g*P : g*P + min(offs[g], P)``. With ``sources`` (S), ``offs`` holds the ends of ``S *
@@ -214,30 +246,44 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
     and one write of ``c``, not S.
 
     ``a [M, K_total]``, ``b [K_total, N]``, ``c [E, M, N]`` (any strides), ``offs`` int32 ``[S * E]``.
+    ``scales`` (fp8 ``a`` and ``b``, one source): ``(sa, sb)``, contiguous fp32 ``sa [E * M]``
+    and ``sb [E * N]``: ``c[g]`` times ``sa[g*M:(g+1)*M, None] * sb[None, g*N:(g+1)*N]``.
     """
-    if sources < 1 or offs.shape[0] % sources or pad_rows is not None and sources != 1:
+    if sources < 1 or offs.shape[0] % sources or pad_rows is not None and sources != 1 or (
+            scales is not None and sources != 1):
         raise ValueError(f"grouped_mm_k: {offs.shape[0]} group ends for sources={sources} "
-                         f"(pad_rows={pad_rows}); need sources * E ends, and one source with pad_rows")
+                         f"(pad_rows={pad_rows}); need sources * E ends, and one source with pad_rows "
+                         "or scales")
     M, N, E = a.shape[0], b.shape[1], offs.shape[0] // sources
     cfg = grouped_config(a, config, tma=False)  # ragged K: masked pointer loads
     tiles = E * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     if tiles == 0:
         return
+    sa, sb = scales or (c, c)
     grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
-        a, b, c, offs, M, N, E, pad_rows or 0, sources, a.stride(0), a.stride(1), b.stride(0),
+        a, b, c, offs, sa, sb, M, N, E, pad_rows or 0, sources, a.stride(0), a.stride(1), b.stride(0),
         b.stride(1), c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None,
-        **launch_options(cfg))
+        **_scaled_options(cfg, scales))
+
+
+def _scaled_options(cfg: dict, scales: tuple | None) -> dict:
+    """``launch_options`` and SCALED; fp8 dots run as they are in the interpreter too."""
+    options = dict(launch_options(cfg), SCALED=scales is not None)
+    if scales is not None:
+        options["UPCAST"] = False
+    return options
 
 
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
 _ROWS_UNIT = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
 _K_UNIT = {"stride_am": 1, "stride_bn": 1, "stride_cn": 1}  # a = x.t() of a row-major x
-_ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
-             "N": "i32", "K": "i32", "E": "i32", "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32",
-             "stride_bk": "i32", "stride_cm": "i32"}
-_K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "M": "i32",
-          "N": "i32", "E": "i32", "pad_rows": "i32", "sources": "i32", "stride_ak": "i32",
-          "stride_bk": "i32", "stride_ce": "i32", "stride_cm": "i32"}
+_ROWS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "offs_ptr": "*i32",
+             "sa_ptr": "*fp32", "sb_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "E": "i32",
+             "pad_rows": "i32", "stride_am": "i32", "stride_be": "i32", "stride_bk": "i32",
+             "stride_cm": "i32", "stride_sbg": "i32"}
+_K_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32", "sa_ptr": "*fp32",
+          "sb_ptr": "*fp32", "M": "i32", "N": "i32", "E": "i32", "pad_rows": "i32", "sources": "i32",
+          "stride_ak": "i32", "stride_bk": "i32", "stride_ce": "i32", "stride_cm": "i32"}
 
 
 def _rows_epilogue_example(mode: dict, epilogue: str, kmajor: bool, tma: bool, major: int):
@@ -258,7 +304,32 @@ ROWS_KEEP_H_SPILLS = "epilogue only (the gate/up stores a backward needs), 16 B"
 
 _ZERO_SIG = {"c_ptr": "*bf16", "ends_ptr": "*i32", "first": "i32", "R": "i32", "C": "i32",
              "stride_cg": "i32", "stride_cr": "i32"}
-_NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False)
+_NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, SCALED=False)
+
+
+def _fp8_example(kernel, sig: dict, consts: dict, cfg: dict, kmajor: bool = False, a: str = "fp8e4nv",
+                 b: str = "fp8e4nv"):
+    """A ``scaled_grouped_mm`` variant on sm_90 (fp8 tensor cores): ``aot_example``'s
+    16-bit operands (pointers or TMA descriptors) made fp8 (``a``, ``b``: e4m3 ``fp8e4nv``
+    or e5m2 ``fp8e5``), c bf16, scales fp32."""
+    kernel, sig, consts, options = aot_example(kernel, sig, dict(consts, SCALED=True), cfg, 90, kmajor)
+    kinds = {"a": a, "a_ptr": a, "b": b, "b_ptr": b}
+    return kernel, {k: v.replace("bf16", kinds[k]) if k in kinds else v for k, v in sig.items()}, consts, options
+
+
+# the fp8 variants: the rows kernel on TMA with b column-major (torch's contract for
+# scaled_grouped_mm, and the float8 recipes' dgrad) or row-major, e5m2 x e4m3 (the
+# tensorwise recipe's dgrad), on pointer loads (unaligned operands); the K kernel (wgrad:
+# a = gradᵀ, b = the input, as float8_grouped_mm passes them)
+FP8_AOT_EXAMPLES = (
+    [_fp8_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
+                  gpu_config(9, tma), kmajor, a)
+     for tma, kmajor, a in ((True, True, "fp8e4nv"), (True, False, "fp8e4nv"), (True, True, "fp8e5"),
+                            (False, False, "fp8e4nv"))
+     for masked in (False, True)]
+    + [_fp8_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=False), POINTER_CONFIG_SM90, a=a)
+       for a in ("fp8e4nv", "fp8e5")])
+
 AOT_EXAMPLES = (
     [aot_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
                  gpu_config(major, tma), major * 10, kmajor)
@@ -269,13 +340,15 @@ AOT_EXAMPLES = (
                                       (dict(SWIGLU=True, KEEP_H=True), "swiglu", True),
                                       (dict(SWIGLU_VJP=True), "swiglu_vjp", False))
        for major, tma in ((9, True), (9, False), (8, False))]
-    + [aot_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked), cfg, arch)
+    + [aot_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=masked, SCALED=False), cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
     # out_dtype=torch.float32 with 16-bit inputs: the same tiles, fp32 stores
     + [aot_example(grouped_mm_rows_kernel, dict(_ROWS_SIG, c_ptr="*fp32", h_ptr="*fp32"),
                    dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE), gpu_config(major, tma), major * 10)
        for major, tma in ((9, True), (9, False), (8, False)) for masked in (False, True)]
-    + [aot_example(grouped_mm_k_kernel, dict(_K_SIG, c_ptr="*fp32"), dict(_K_UNIT, MASKED=masked), cfg, arch)
+    + [aot_example(grouped_mm_k_kernel, dict(_K_SIG, c_ptr="*fp32"), dict(_K_UNIT, MASKED=masked, SCALED=False),
+                   cfg, arch)
        for cfg, arch in ((POINTER_CONFIG_SM90, 90), (GPU_CONFIG_SM80, 80)) for masked in (False, True)]
     + [(zero_rows_past_kernel, dict(_ZERO_SIG, c_ptr=c), dict(ROW_BLOCK_GPU, stride_cc=1))
-       for c in ("*bf16", "*fp32")])
+       for c in ("*bf16", "*fp32")]
+    + FP8_AOT_EXAMPLES)

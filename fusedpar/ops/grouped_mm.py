@@ -67,22 +67,26 @@ class GroupedCall:
         return (*self.a.shape[:-1], self.b.shape[2])
 
 
-def check_inputs(a, b, offs, masked_m=None, out_dtype=None) -> GroupedCall:
-    """Shapes, dtypes and devices (no look at the values of ``offs`` / ``masked_m``)."""
+def check_inputs(a, b, offs, masked_m=None, out_dtype=None, *, op: str = OP,
+                 check_dtypes=None) -> GroupedCall:
+    """Shapes, dtypes and devices (no look at the values of ``offs`` / ``masked_m``);
+    ``check_dtypes(a, b, out_dtype)`` raises for dtypes the op ``op`` does not take (default:
+    grouped_mm's)."""
+    check_dtypes = check_dtypes or _check_dtypes
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fusedpar.{OP}: {name} must be a Tensor, got {type(t).__name__}")
+            raise TypeError(f"fusedpar.{op}: {name} must be a Tensor, got {type(t).__name__}")
     if a.dim() not in (2, 3) or b.dim() not in (2, 3):
-        raise ValueError(f"fusedpar.{OP}: a and b must each be 2-D or 3-D, got a "
+        raise ValueError(f"fusedpar.{op}: a and b must each be 2-D or 3-D, got a "
                          f"{tuple(a.shape)} and b {tuple(b.shape)}")
     if (offs is None) == (masked_m is None):
-        raise ValueError(f"fusedpar.{OP}: give offs (cumulative group ends) or masked_m (rows per "
+        raise ValueError(f"fusedpar.{op}: give offs (cumulative group ends) or masked_m (rows per "
                          "equal-size group), exactly one of them")
     if a.dim() == 3 and b.dim() == 3 and offs is not None:
-        raise ValueError(f"fusedpar.{OP}: a 3-D a with a 3-D b is batched (group g is a[g]): "
+        raise ValueError(f"fusedpar.{op}: a 3-D a with a 3-D b is batched (group g is a[g]): "
                          "pass masked_m (rows of a[g] to multiply), not offs")
     if a.dim() == 3 and b.dim() == 2 and offs is None:
-        raise ValueError(f"fusedpar.{OP}: a 3-D a with a 2-D b groups b's columns: pass offs "
+        raise ValueError(f"fusedpar.{op}: a 3-D a with a 2-D b groups b's columns: pass offs "
                          "(cumulative column ends, one per a[g]), not masked_m")
     for name, t in (("offs", offs), ("masked_m", masked_m)):
         if t is None:
@@ -90,10 +94,34 @@ def check_inputs(a, b, offs, masked_m=None, out_dtype=None) -> GroupedCall:
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
             what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             fix = "counts.cumsum(0).to(torch.int32)" if name == "offs" else "counts.to(torch.int32)"
-            raise TypeError(f"fusedpar.{OP}: {name} must be a 1-D int32 tensor, got {what}; use {fix}")
+            raise TypeError(f"fusedpar.{op}: {name} must be a 1-D int32 tensor, got {what}; use {fix}")
         if t.device != a.device:
-            raise ValueError(f"fusedpar.{OP}: a and {name} must be on one device, got {a.device} "
+            raise ValueError(f"fusedpar.{op}: a and {name} must be on one device, got {a.device} "
                              f"and {t.device}")
+    check_dtypes(a, b, out_dtype)
+    if a.device != b.device:
+        raise ValueError(f"fusedpar.{op}: a and b must be on one device, got {a.device} and {b.device}")
+    k_a, k_b = a.shape[-1], (b.shape[0] if b.dim() == 2 else b.shape[1])
+    if k_a != k_b:
+        raise ValueError(f"fusedpar.{op}: K mismatch: a is {tuple(a.shape)} (K={k_a}) but b is "
+                         f"{tuple(b.shape)} (K={k_b})")
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"fusedpar.{op}: batched a has {a.shape[0]} groups but b {b.shape[0]}")
+    call = GroupedCall(a, b, offs, masked_m, out_dtype)
+    if call.n_grouped and call.groups != a.shape[0]:
+        raise ValueError(f"fusedpar.{op}: offs has {call.groups} group ends but a has {a.shape[0]} "
+                         "groups (a[g] multiplies b's columns offs[g-1]:offs[g])")
+    if b.dim() == 3 and call.groups != b.shape[0]:
+        what = f"offs has {call.groups} group ends" if offs is not None else \
+            f"masked_m has {call.groups} counts"
+        raise ValueError(f"fusedpar.{op}: {what} but b has {b.shape[0]} groups")
+    if masked_m is not None and a.dim() == 2 and (not masked_m.numel() or k_a % masked_m.numel()):
+        raise ValueError(f"fusedpar.{op}: masked_m splits K={k_a} into {masked_m.numel()} equal "
+                         "groups; K must be a multiple of the group count")
+    return call
+
+
+def _check_dtypes(a, b, out_dtype) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"fusedpar.{OP}: a is {a.dtype} but b is {b.dtype}; cast them to one dtype")
     if a.dtype not in DTYPES:
@@ -101,26 +129,6 @@ def check_inputs(a, b, offs, masked_m=None, out_dtype=None) -> GroupedCall:
     if out_dtype not in (None, a.dtype, torch.float32):
         raise TypeError(f"fusedpar.{OP}: out_dtype={out_dtype} for {a.dtype} inputs; give None "
                         f"({a.dtype}) or torch.float32")
-    if a.device != b.device:
-        raise ValueError(f"fusedpar.{OP}: a and b must be on one device, got {a.device} and {b.device}")
-    k_a, k_b = a.shape[-1], (b.shape[0] if b.dim() == 2 else b.shape[1])
-    if k_a != k_b:
-        raise ValueError(f"fusedpar.{OP}: K mismatch: a is {tuple(a.shape)} (K={k_a}) but b is "
-                         f"{tuple(b.shape)} (K={k_b})")
-    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
-        raise ValueError(f"fusedpar.{OP}: batched a has {a.shape[0]} groups but b {b.shape[0]}")
-    call = GroupedCall(a, b, offs, masked_m, out_dtype)
-    if call.n_grouped and call.groups != a.shape[0]:
-        raise ValueError(f"fusedpar.{OP}: offs has {call.groups} group ends but a has {a.shape[0]} "
-                         "groups (a[g] multiplies b's columns offs[g-1]:offs[g])")
-    if b.dim() == 3 and call.groups != b.shape[0]:
-        what = f"offs has {call.groups} group ends" if offs is not None else \
-            f"masked_m has {call.groups} counts"
-        raise ValueError(f"fusedpar.{OP}: {what} but b has {b.shape[0]} groups")
-    if masked_m is not None and a.dim() == 2 and (not masked_m.numel() or k_a % masked_m.numel()):
-        raise ValueError(f"fusedpar.{OP}: masked_m splits K={k_a} into {masked_m.numel()} equal "
-                         "groups; K must be a multiple of the group count")
-    return call
 
 
 def pad_rows(call: GroupedCall) -> int | None:
