@@ -170,13 +170,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _gather_rows(call: ScaledCall, a_rows: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``[rows, K]`` (fp8 or float32) stacked, through ``dist.all_gather_single`` on bytes."""
-    world = call.world_size
-    out = torch.empty(world * a_rows.numel() * a_rows.element_size(), dtype=torch.uint8,
-                      device=a_rows.device)
-    C.all_gather_single(out, _bytes(a_rows), call.group)
-    return out.view(a_rows.dtype).view(world * a_rows.shape[0], a_rows.shape[1])
+def gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``[m, K]`` ``rows`` (any dtype, fp8 included) stacked in rank order,
+    ``[W * m, K]``: ``dist.all_gather_single`` on their bytes (gloo has no float8)."""
+    world = dist.get_world_size(group)
+    out = torch.empty(world * rows.numel() * rows.element_size(), dtype=torch.uint8, device=rows.device)
+    C.all_gather_single(out, _bytes(rows), group)
+    return out.view(rows.dtype).view(world * rows.shape[0], rows.shape[1])
 
 
 def _scale_rows(call: ScaledCall, gathered_scale: torch.Tensor | None) -> torch.Tensor:
@@ -213,10 +213,10 @@ class AgReference(Backend):
     def run(self, call: ScaledCall):
         C.raise_on_mismatch(call)
         rows = call.rows()
-        gathered = _gather_rows(call, rows.contiguous())
+        gathered = gather_rows(rows, call.group)
         scale = None
         if call.a_mode == ROWWISE_SHARD:
-            scale = _gather_rows(call, call.a_scale.movedim(call.dim, 0).reshape(-1, 1).contiguous())
+            scale = gather_rows(call.a_scale.movedim(call.dim, 0).reshape(-1, 1), call.group)
         a_scale = _scale_rows(call, scale)
         counters.record(AG, self.name, _ag_moved(call))
         outs = [scaled_mm(gathered, b, a_scale, s, d, call.use_fast_accum)
