@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch.distributed is imported lazily: validation needs no p
 __all__ = [
     "EP_MESH_AXES",
     "FLATTENED_AXES",
+    "FLOAT8_RECIPES",
     "MESH_AXES",
     "ParallelConfig",
     "ParallelConfigError",
@@ -66,13 +67,24 @@ _FIELDS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
 _AUTO_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard")
 # Training options next to the degrees (FSDP2's mixed precision and collectives).
 _OPTION_FIELDS: tuple[str, ...] = ("param_dtype", "reduce_dtype", "fsdp_comm", "pp_schedule",
-                                   "pp_microbatches", "pp_stages_per_rank", "pp_split_points")
+                                   "pp_microbatches", "pp_stages_per_rank", "pp_split_points",
+                                   "float8", "float8_all_gather", "float8_exclude", "float8_include")
 _DTYPE_NAMES: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 FSDP_COMMS: tuple[str, ...] = ("fusedpar", "torch")
+
+#: torchao's float8 training recipes (``torchao.float8.Float8LinearRecipeName`` values).
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: torchtitan's ``[quantize.linear.float8]`` keys -> ours (``precompute_...``: fusedpar always
+#: precomputes the tensorwise scales once per optimizer step).
+_TORCHTITAN_FLOAT8: dict[str, str | None] = {
+    "recipe_name": "float8", "filter_fqns": "float8_exclude",
+    "enable_fsdp_float8_all_gather": "float8_all_gather",
+    "precompute_float8_dynamic_scale_for_fsdp": None,
+}
 
 #: Pipeline schedules (any spelling, case-insensitive) -> torch.distributed.pipelining's
 #: schedule name (``get_schedule_class``); the last two run several stages per rank.
@@ -123,6 +135,15 @@ KEY_ALIASES: dict[str, str] = {
     "pp_microbatches": "pp_microbatches",
     "pp_stages_per_rank": "pp_stages_per_rank",
     "pp_split_points": "pp_split_points",
+    # float8 training: ours, Axolotl's, torchtitan's (a [quantize.linear.float8] table)
+    "float8": "float8",
+    "float8_all_gather": "float8_all_gather",
+    "float8_exclude": "float8_exclude",
+    "float8_include": "float8_include",
+    "fp8": "float8",
+    "fp8_enable_fsdp_float8_all_gather": "float8_all_gather",
+    "quantize.linear.float8": "float8",
+    "quantize": "float8",
 }
 
 
@@ -245,6 +266,26 @@ class ParallelConfig:
     increasing indices); None = as many layers in every stage as can be (the first stages
     get one more where they do not divide)."""
 
+    float8: str | None = None
+    """float8 training (torchao): ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
+    (torchao's recipe names; ``True`` = ``"tensorwise"``, as Axolotl's ``fp8: true``), or
+    None. Linear layers compute in fp8 and FSDP2 all-gathers their weights in fp8; see
+    :mod:`fusedpar.parallel.float8`. Needs ``pip install fusedpar[fp8]``."""
+
+    float8_all_gather: bool = True
+    """With ``float8``: FSDP2 all-gathers the converted weights in fp8 (else in
+    ``param_dtype``)."""
+
+    float8_exclude: tuple[str, ...] = ()
+    """With ``float8``: linear layers whose module name contains one of these strings stay
+    in high precision (torchtitan's ``filter_fqns``), besides the defaults (the output
+    head, layers whose dims are not multiples of 16)."""
+
+    float8_include: tuple[str, ...] = ()
+    """With ``float8``: linear layers whose name contains one of these strings are converted
+    even where the defaults leave them out (e.g. ``("lm_head",)``); their dims must still be
+    multiples of 16."""
+
     def __post_init__(self) -> None:
         for name in _FIELDS:
             object.__setattr__(self, name, _as_degree(name, getattr(self, name)))
@@ -279,12 +320,40 @@ class ParallelConfig:
         object.__setattr__(self, "reduce_dtype", _dtype_name("reduce_dtype", self.reduce_dtype, False))
         if self.fsdp_comm not in FSDP_COMMS:
             raise ParallelConfigError(f"fsdp_comm={self.fsdp_comm!r}: choose one of {FSDP_COMMS}")
+        self._check_float8()
         if self.dp_replicate == -1 and self.dp_shard == -1:
             raise ParallelConfigError(
                 "dp_replicate=-1 and dp_shard=-1: at most one of them may be -1 (the "
                 "remaining ranks); e.g. set dp_replicate=1 for pure FSDP, or give dp_shard "
                 "a size (e.g. the GPUs of one node) for HSDP"
             )
+
+    def _check_float8(self) -> None:
+        recipe = self.float8
+        if isinstance(recipe, bool):
+            recipe = "tensorwise" if recipe else None
+        if recipe is not None and recipe not in FLOAT8_RECIPES:
+            close = difflib.get_close_matches(str(recipe), FLOAT8_RECIPES, n=1)
+            raise ParallelConfigError(
+                f"float8={self.float8!r}: torchao has no such float8 recipe; choose one of "
+                f"{', '.join(FLOAT8_RECIPES)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        object.__setattr__(self, "float8", recipe)
+        if not isinstance(self.float8_all_gather, bool):
+            raise ParallelConfigError(f"float8_all_gather={self.float8_all_gather!r}: must be True or False")
+        for name in ("float8_exclude", "float8_include"):
+            names = getattr(self, name)
+            names = (names,) if isinstance(names, str) else names
+            if not all(isinstance(n, str) for n in names):
+                raise ParallelConfigError(f"{name}={getattr(self, name)!r}: give module-name "
+                                          "substrings, e.g. ('lm_head', 'mlp.down_proj')")
+            object.__setattr__(self, name, tuple(names))
+        split = [f"{axis}={getattr(self, axis)}" for axis in ("tp", "cp", "ep") if getattr(self, axis) > 1]
+        if recipe is not None and split:
+            raise ParallelConfigError(
+                f"float8={recipe!r} with {' and '.join(split)}: float8 training runs under FSDP "
+                "(dp_shard, dp_replicate) and pp so far; fp8 through the fused TP/SP, CP and "
+                "expert-parallel ops is still to come (issues 44 and 45): use tp=1, cp=1, ep=1, "
+                "or drop float8")
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -443,6 +512,10 @@ class ParallelConfig:
           alias), ``cp_size``, ``context_parallel_degree``
         - ``ep``: ``expert_parallel_size``, ``ep_size``, ``expert_parallel_degree``
         - options: ``param_dtype``, ``reduce_dtype``, ``fsdp_comm``
+        - ``float8``: ``fp8`` (Axolotl: ``true`` = ``"tensorwise"``), torchtitan's table
+          ``quantize.linear.float8`` (``recipe_name``, ``filter_fqns``,
+          ``enable_fsdp_float8_all_gather``), as a dotted key or nested under ``quantize``;
+          ``float8_all_gather``: ``fp8_enable_fsdp_float8_all_gather``
 
         Unknown keys, and one field given under two names with different values, raise
         :class:`ParallelConfigError`. Unlike Axolotl, an unset ``dp_replicate`` is 1 (not
@@ -470,10 +543,14 @@ class ParallelConfig:
             )
         values: dict[str, int] = {}
         source: dict[str, str] = {}
-        for key, value in d.items():
+        for key, value in _expand_float8_tables(d):
             if value is None:
                 continue
-            field = KEY_ALIASES[key]
+            field = KEY_ALIASES.get(key, key)
+            if field == "float8" and isinstance(value, bool):
+                if not value:
+                    continue  # fp8: false = no float8
+                value = "tensorwise"  # Axolotl's fp8: true (torchao's default recipe)
             if field not in _OPTION_FIELDS:
                 value = _as_degree(key, value, field)
             if field in values and values[field] != value:
@@ -599,6 +676,35 @@ class ParallelConfig:
             (cfg.pp,) * (cfg.pp > 1) + (cfg.dp_replicate, cfg.efsdp, cfg.ep),
             mesh_dim_names=pp + EP_MESH_AXES,
         )
+
+
+def _expand_float8_tables(d: Mapping[str, Any]):
+    """``d``'s items, torchtitan's float8 table (``quantize.linear.float8 = {recipe_name,
+    filter_fqns, ...}``, or nested as ``quantize: {linear: {float8: {...}}}``) replaced by
+    our keys (a table without ``recipe_name`` is torchtitan's default, tensorwise)."""
+    for key, value in d.items():
+        if key not in ("quantize", "quantize.linear.float8"):
+            yield key, value
+            continue
+        table = value
+        if key == "quantize":
+            inner = value.get("linear") if isinstance(value, Mapping) else None
+            table = inner.get("float8") if isinstance(inner, Mapping) else None
+            if not isinstance(table, Mapping) or set(value) != {"linear"} or set(inner) != {"float8"}:
+                raise ParallelConfigError(
+                    f"quantize={value!r}: fusedpar reads torchtitan's quantize.linear.float8 table "
+                    "only (e.g. {'linear': {'float8': {'recipe_name': 'rowwise'}}})")
+        if not isinstance(table, Mapping):
+            raise ParallelConfigError(f"{key}={value!r}: give torchtitan's float8 table, e.g. "
+                                      "{'recipe_name': 'rowwise', 'filter_fqns': ['output']}")
+        unknown = set(table) - set(_TORCHTITAN_FLOAT8)
+        if unknown:
+            raise ParallelConfigError(f"quantize.linear.float8: unknown key(s) {sorted(unknown)}; "
+                                      f"fusedpar reads {', '.join(_TORCHTITAN_FLOAT8)}")
+        yield "float8", table.get("recipe_name") or "tensorwise"
+        for name, field in _TORCHTITAN_FLOAT8.items():
+            if field is not None and field != "float8" and name in table:
+                yield field, table[name]
 
 
 def get_submesh(mesh: DeviceMesh, name: str | tuple[str, ...]) -> DeviceMesh:

@@ -42,7 +42,9 @@ class _Alloc:
 
 class FusedparAllGather(_Alloc, AllGather):
     """FSDP2's parameter all-gather on ``fusedpar.ops.all_gather`` (synchronous: returns
-    no work handle, so FSDP's wait is a no-op)."""
+    no work handle, so FSDP's wait is a no-op). One-byte buffers (float8 weights: FSDP2
+    gathers fp8 alone as float8, fp8 beside other dtypes as uint8) move as int32 words,
+    each rank's bytes padded to a multiple of 4 (gloo has no float8 dtype)."""
 
     def __init__(self, backend: str | None = None):
         self.backend = backend
@@ -50,7 +52,14 @@ class FusedparAllGather(_Alloc, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         from ..ops import all_gather
 
-        output_tensor.copy_(all_gather(input_tensor, 0, group, backend=self.backend))
+        if input_tensor.element_size() != 1:
+            output_tensor.copy_(all_gather(input_tensor, 0, group, backend=self.backend))
+            return None
+        n = input_tensor.numel()
+        words = input_tensor.new_zeros(-(-n // 4) * 4, dtype=torch.uint8)
+        words[:n] = input_tensor.view(torch.uint8)
+        gathered = all_gather(words.view(torch.int32), 0, group, backend=self.backend)
+        output_tensor.view(torch.uint8).view(-1, n).copy_(gathered.view(torch.uint8).view(-1, words.numel())[:, :n])
         return None
 
 

@@ -78,7 +78,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
       (fusedpar's, Axolotl's or torchtitan's names); None = FSDP over every rank.
       ``param_dtype`` / ``reduce_dtype`` set FSDP2's ``MixedPrecisionPolicy``;
       ``fsdp_comm="fusedpar"`` (default) runs FSDP2's collectives on fusedpar's ops,
-      ``"torch"`` on torch's.
+      ``"torch"`` on torch's. ``float8``: torchao float8 training with fp8 FSDP all-gathers
+      (:mod:`fusedpar.parallel.float8`).
     - ``mesh``: a mesh from ``config.build_mesh()`` (built here when None, on
       ``device_type``: "cuda" when available, else "cpu").
     - ``backend``: forced backend of the fused TP ops (default: chosen per call).
@@ -95,6 +96,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     if getattr(model, "fusedpar_mesh", None) is not None:
         raise ValueError("fusedpar.parallelize: this model is already parallelized")
     cfg = _resolve(config)
+    float8 = None
+    if cfg.float8 is not None:  # torchao is imported only for float8 (the fp8 extra)
+        from . import float8
     adapter = find_adapter(model)
     layout = adapter.layout(model)
     check(model, adapter, layout, cfg)
@@ -107,10 +111,15 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         settle_gloo_workers_at_exit()  # the model holds gloo groups past destroy_process_group
     ep_mesh = cfg.build_ep_mesh(device_type) if cfg.ep > 1 else None
     tp_group = mesh["tp"].get_group().group_name if cfg.tp > 1 else None
+    if float8 is not None:
+        float8.convert(model, adapter.head(model), layout.layers, cfg,
+                       activation_checkpointing=activation_checkpointing)
     if cfg.pp > 1:
         pipeline_stages(model, adapter, layout, cfg, mesh, ep_mesh,
                         activation_checkpointing=activation_checkpointing, backend=backend,
                         tp_group=tp_group, dp_group=get_submesh(mesh, "dp").get_group() if cfg.dp > 1 else None)
+        if float8 is not None:
+            float8.install_scale_precompute(model)
         model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
         return model
     router_aux = None
@@ -118,6 +127,8 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
         router_aux = RouterAuxLoss(model, layout.layers, tokens_group(cfg, mesh), cfg.dp * cfg.cp)
     apply_all(model, adapter, layout.layers, cfg, mesh, ep_mesh,
               activation_checkpointing=activation_checkpointing, backend=backend)
+    if float8 is not None:
+        float8.install_scale_precompute(model)
     dp_cp = get_submesh(mesh, "dp_cp").get_group().group_name
     model._fusedpar_plan = Plan(adapter, cfg, mesh, tp_group,
                                 mesh["cp"].get_group().group_name if cfg.cp > 1 else None,

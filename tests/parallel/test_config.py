@@ -494,3 +494,46 @@ def test_axolotl_expert_parallel_size_counts_beside_dp_shard():
     assert (titan.validate(4).dp_shard, titan.ep) == (4, 2)
     auto = ParallelConfig.from_dict({"dp_shard_size": -1, "expert_parallel_size": 2}).validate(4)
     assert (auto.dp_shard, auto.ep) == (4, 2)
+
+
+# --------------------------------------------------------------------------- float8
+
+
+@pytest.mark.parametrize("d, expected", [
+    ({"float8": "rowwise"}, dict(float8="rowwise")),
+    ({"fp8": True}, dict(float8="tensorwise")),  # Axolotl: torchao's default recipe
+    ({"fp8": False, "tp": 2}, dict(tp=2)),  # no float8
+    ({"fp8": True, "fp8_enable_fsdp_float8_all_gather": False},
+     dict(float8="tensorwise", float8_all_gather=False)),
+    ({"quantize.linear.float8": {"recipe_name": "rowwise_with_gw_hp", "filter_fqns": ["output"]}},
+     dict(float8="rowwise_with_gw_hp", float8_exclude=("output",))),
+    ({"quantize": {"linear": {"float8": {"enable_fsdp_float8_all_gather": True,
+                                         "precompute_float8_dynamic_scale_for_fsdp": True}}}},
+     dict(float8="tensorwise")),  # torchtitan's default recipe
+    ({"float8": "tensorwise", "float8_include": "lm_head"}, dict(float8="tensorwise", float8_include=("lm_head",))),
+])
+def test_float8_keys(d, expected):
+    assert ParallelConfig.from_dict(d) == ParallelConfig(**expected)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(float8="rowwize"), "float8='rowwize': torchao has no such float8 recipe; choose one of "
+                             "tensorwise, rowwise, rowwise_with_gw_hp (did you mean 'rowwise'?)"),
+    (dict(float8="tensorwise", tp=2), "float8='tensorwise' with tp=2: float8 training runs under FSDP"),
+    (dict(float8="rowwise", cp=2, ep=2), "with cp=2 and ep=2"),
+    (dict(float8="rowwise", float8_exclude=[3]), "float8_exclude=[3]: give module-name substrings"),
+    (dict(float8="rowwise", float8_all_gather="yes"), "float8_all_gather='yes': must be True or False"),
+])
+def test_float8_errors(kwargs, fragment):
+    with pytest.raises(ParallelConfigError) as info:
+        ParallelConfig(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_float8_key_conflicts_and_torchtitan_table_errors():
+    with pytest.raises(ParallelConfigError, match="float8 is given twice"):
+        ParallelConfig.from_dict({"fp8": True, "float8": "rowwise"})
+    with pytest.raises(ParallelConfigError, match=r"quantize.linear.float8: unknown key\(s\) \['recipe'\]"):
+        ParallelConfig.from_dict({"quantize.linear.float8": {"recipe": "rowwise"}})
+    with pytest.raises(ParallelConfigError, match="reads torchtitan's quantize.linear.float8 table only"):
+        ParallelConfig.from_dict({"quantize": {"linear": {"mx": {}}}})

@@ -1,0 +1,256 @@
+"""float8 training under FSDP2: ``parallelize(model, {"float8": RECIPE})``.
+
+Plain-torchao equivalent (torchtitan's float8 converter), RECIPE one of torchao's
+``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``::
+
+    config = Float8LinearConfig.from_recipe_name(RECIPE)      # tensorwise: and
+    config = replace(config, enable_fsdp_float8_all_gather=True)  # fp8 all-gather
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    ... fully_shard ...
+    for step in ...:                                          # tensorwise: each step
+        loss.backward(); optimizer.step()
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+``keep`` leaves out the output head, linears whose dims are not multiples of 16 (what
+``torch._scaled_mm`` takes) and the config's ``float8_exclude`` names; ``float8_include``
+names are converted even where the defaults leave them out.
+
+FSDP2 all-gathers the converted weights in fp8 (``float8_all_gather``, default):
+
+- tensorwise: torchao's weight subclass (``WeightWithDynamicFloat8CastTensor``); its scales
+  are precomputed by ``precompute_float8_dynamic_scale_for_fsdp`` in a forward pre-hook of
+  every FSDP unit holding such a weight, whenever a weight changed since the last time
+  (parameter version counters: an optimizer step, a checkpoint load), so once per optimizer
+  step with no call in the user's loop.
+- rowwise recipes (torchao has no fp8 all-gather for them): :class:`RowwiseFloat8Weight`.
+  The forward's all-gather moves the weight cast to fp8 with one scale per row (the
+  forward GEMM's operand: each rank casts its own rows) and those scales; the backward's
+  moves it cast as ``grad_input``'s GEMM takes it (rowwise: one scale per column, the
+  column amax all-reduced over the shard group; ``rowwise_with_gw_hp``: one scale), so
+  the numbers are torchao's ``Float8Linear``'s. The forward's fp8 weight is kept for
+  nothing: each layer is re-gathered for backward, which needs FSDP2 to reshard it after
+  forward (the decoder layers' units; not under pp or activation checkpointing, where
+  rowwise weights are gathered in ``param_dtype`` and cast by torchao as without FSDP).
+
+Master weights, gradients (reduce-scatter in ``reduce_dtype``), optimizer state and
+checkpoints stay in high precision: a float8 run's DCP checkpoint loads into a float8 or
+a bf16 config. gloo has no float8 dtype: fusedpar's FSDP all-gather moves fp8 as bytes
+(:class:`~fusedpar.parallel.fsdp.FusedparAllGather`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..errors import ParallelConfigError
+
+INSTALL_HINT = "pip install fusedpar[fp8]"
+
+try:
+    from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
+                                precompute_float8_dynamic_scale_for_fsdp)
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+except ImportError as e:  # the fp8 extra is not installed
+    raise ImportError(f"float8 training needs torchao ({e}): {INSTALL_HINT}") from None
+
+__all__ = ["Float8LinearGatheredRowwise", "RowwiseFloat8Weight", "convert", "install_scale_precompute"]
+
+aten = torch.ops.aten
+
+
+def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], cfg,
+            *, activation_checkpointing: bool) -> None:
+    """``convert_to_float8_training`` on ``model`` with ``cfg.float8``'s recipe (see the
+    module docstring), before TP/FSDP; rowwise weights in ``layers`` get
+    :class:`RowwiseFloat8Weight` when they can be all-gathered in fp8. Raises
+    ``ParallelConfigError`` for a forced layer whose dims are not multiples of 16 and
+    when nothing would be converted."""
+    config = Float8LinearConfig.from_recipe_name(cfg.float8)
+    tensorwise = cfg.float8 == "tensorwise"
+    if tensorwise and cfg.float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    problems, converted = [], []
+
+    def keep(module: nn.Module, name: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        odd = [d for d in module.weight.shape if d % 16]
+        if any(s in name for s in cfg.float8_include):
+            if odd:
+                problems.append(f"{name} {tuple(module.weight.shape)}")
+            converted.append(name)
+            return True
+        if module is head or odd or any(s in name for s in cfg.float8_exclude):
+            return False
+        converted.append(name)
+        return True
+
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    if problems:
+        raise ParallelConfigError(
+            f"float8_include={cfg.float8_include}: forced layer(s) {', '.join(problems)} have "
+            "dims that are not multiples of 16, which torch._scaled_mm cannot take; remove "
+            "them from float8_include")
+    if not converted:
+        raise ParallelConfigError(
+            f"float8={cfg.float8!r}: no linear layer to convert (the head, layers whose dims are "
+            f"not multiples of 16 and float8_exclude={cfg.float8_exclude} are left out)")
+    if not tensorwise and cfg.float8_all_gather and cfg.pp == 1 and not activation_checkpointing:
+        for layer in layers:
+            for module in layer.modules():
+                if isinstance(module, Float8Linear):
+                    module.__class__ = Float8LinearGatheredRowwise
+                    module.weight = nn.Parameter(RowwiseFloat8Weight(
+                        module.weight.data, module.linear_mm_config,
+                        module.config.cast_config_weight.target_dtype),
+                        requires_grad=module.weight.requires_grad)
+
+
+def install_scale_precompute(model: nn.Module) -> None:
+    """Tensorwise fp8 all-gather: torchao's ``precompute_float8_dynamic_scale_for_fsdp``
+    runs before the forward of any FSDP unit holding a float8 weight when a weight changed
+    since it last ran (so once per optimizer step, with every weight sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    weights = [p for p in model.parameters()
+               if isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)]
+    if not weights:
+        return
+    hook = _PrecomputeScales(model, weights)
+    owned = {id(w) for w in weights}
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule) and any(id(p) in owned for p in unit.parameters()):
+            unit.register_forward_pre_hook(hook, prepend=True)
+
+
+class _PrecomputeScales:
+    def __init__(self, model: nn.Module, weights: list[torch.Tensor]):
+        self.model, self.weights, self.versions = model, weights, None
+
+    def __call__(self, module, args) -> None:
+        versions = [w._version for w in self.weights]
+        if versions != self.versions:
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+            self.versions = versions
+
+
+
+
+class GatheredFloat8Weight(Float8TrainingTensor):
+    """The unsharded weight FSDP2 builds from the all-gathered fp8 data and scales: a
+    torchao ``Float8TrainingTensor`` that keeps its (row or column) scales through
+    FSDP2's ``as_strided`` to the parameter's shape and ``nn.Parameter``'s detach."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func in (aten.as_strided.default, aten.detach.default):
+            t = args[0]
+            return cls(func(t._data, *args[1:], **(kwargs or {})), t._scale, t._orig_dtype,
+                       t._linear_mm_config, t._gemm_input_role, t._axiswise_dim)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class RowwiseFloat8Weight(WeightWithDynamicFloat8CastTensor):
+    """A rowwise-recipe ``Float8Linear``'s sharded weight (torchao's
+    ``WeightWithDynamicFloat8CastTensor``, with FSDP2 all-gather hooks for rowwise
+    scales): forward gathers (fp8 rows, row scales), backward (fp8 cast for
+    ``grad_input``, unused scales of the same shape) with that cast's scales
+    all-reduced beforehand. See the module docstring."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        return tree_map_only(WeightWithDynamicFloat8CastTensor,
+                             lambda t: cls(t._tensor, t._linear_mm_config, t._dtype), out)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        c = module.config
+        rows = hp_tensor_to_float8_dynamic(
+            self._tensor, self._dtype, self._linear_mm_config, gemm_input_role=GemmInputRole.WEIGHT,
+            scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1,
+            round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+        if torch._C._current_graph_task_id() == -1:  # forward
+            return (rows._data, rows._scale), (None, None)
+        cast = c.cast_config_weight_for_grad_input
+        axis = get_maybe_axiswise_dim(0, cast.scaling_granularity)
+        w = hp_tensor_to_float8_dynamic(
+            self._tensor, cast.target_dtype, self._linear_mm_config, reduce_amax=True,
+            gemm_input_role=GemmInputRole.WEIGHT, device_mesh=mesh,
+            scaling_granularity=cast.scaling_granularity, axiswise_dim=axis,
+            round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+        return (w._data, torch.zeros_like(rows._scale)), (w._scale, axis)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        data, row_scales = all_gather_outputs
+        scale, axis = metadata
+        if scale is None:  # forward: one scale per row
+            scale, axis = row_scales, -1
+        if out is not None:
+            out._scale, out._axiswise_dim = scale, axis
+            return None
+        return GatheredFloat8Weight(data, scale, param_dtype, self._linear_mm_config,
+                                    GemmInputRole.WEIGHT, axis), (data, row_scales)
+
+
+class _Ctx:
+    """What torchao's ``matmul_with_hp_or_float8_args`` reads from its autograd ctx."""
+
+    def __init__(self, module, saved=()):
+        self.linear_mm_config, self.config, self.saved_tensors = module.linear_mm_config, module.config, saved
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+class GatheredRowwiseMatmul(torch.autograd.Function):
+    """torchao's ``matmul_with_hp_or_float8_args`` (forward and backward unchanged) on
+    the weight as FSDP2 gathered it for each pass: row-scaled fp8 in forward, cast for
+    ``grad_input`` in backward (``module.weight`` is re-gathered before this backward)."""
+
+    @staticmethod
+    def forward(ctx, input_hp, weight, module):
+        _expect(weight, forward=True)
+        ctx.module = module
+        ctx.save_for_backward(input_hp)
+        return matmul_with_hp_or_float8_args.forward(_Ctx(module), input_hp, weight.t(),
+                                                     module.linear_mm_config, module.config)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (input_hp,) = ctx.saved_tensors
+        weight = ctx.module.weight
+        _expect(weight, forward=False)
+        grad_input, grad_weight_t, *_ = matmul_with_hp_or_float8_args.backward(
+            _Ctx(ctx.module, (input_hp, weight.t())), grad_output)
+        return grad_input, grad_weight_t.t(), None
+
+
+def _expect(weight, forward: bool) -> None:
+    if (weight._axiswise_dim == -1) != forward:
+        raise RuntimeError(
+            "fusedpar float8 (rowwise fp8 all-gather): the weight holds the cast for the "
+            f"{'backward' if forward else 'forward'} pass in the {'forward' if forward else 'backward'}"
+            " pass: FSDP2 must re-gather it between them (reshard_after_forward=True, "
+            "reshard_after_backward=True); with other settings use float8_all_gather=False")
+
+
+class Float8LinearGatheredRowwise(Float8Linear):
+    """torchao's ``Float8Linear`` whose weight FSDP2 gathers in fp8 (rowwise recipes)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.weight, GatheredFloat8Weight):  # not gathered by FSDP2
+            return super().forward(input)
+        output = GatheredRowwiseMatmul.apply(input, self.weight, self)
+        return output if self.bias is None else output + self.bias.to(output.dtype)
+
+
+# DCP loads with weights_only=True: the optimizer state of a rowwise weight has its class
+torch.serialization.add_safe_globals([RowwiseFloat8Weight])
