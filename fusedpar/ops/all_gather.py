@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, group_name, resolve_group
-from . import protocol as C
+from . import protocol
 from .calls import CollectiveCall, GATHER_DTYPES, check_dim, check_dtype
 from .backend import Backend, Dispatcher, Plans
 from .registry import EXAMPLE_WORLD, register
@@ -28,11 +28,11 @@ class Reference(Backend):
 
     def run(self, call: CollectiveCall) -> torch.Tensor:
         x, world, outer = call.x, call.world_size, call.outer
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
         # gather straight into the output when the rank blocks are its leading rows
         stacked = out if outer == 1 else torch.empty_like(out)
-        C.all_gather_single(stacked.view(-1), x.contiguous().view(-1), group=call.group)
+        protocol.all_gather_single(stacked.view(-1), x.contiguous().view(-1), group=call.group)
         if outer != 1:
             out.view(outer, world, -1).copy_(stacked.view(world, outer, -1).transpose(0, 1))
         # the ring algorithm's nominal volume: torch.distributed reports no traffic
@@ -40,7 +40,7 @@ class Reference(Backend):
         return out
 
 
-class Symmetric(C.SymmetricBackend):
+class Symmetric(protocol.SymmetricBackend):
     """Stage the input in symmetric memory; one kernel pulls every peer's shard."""
 
     def pull(self, call, buf, staged, epoch, meta, ends):
@@ -48,14 +48,14 @@ class Symmetric(C.SymmetricBackend):
         inner = x.numel() // outer
         # allocated in the final shape (a returned view would make FSDP2 and autograd warn)
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
-        stats = C.stats_tensor(x.device)
+        stats = protocol.stats_tensor(x.device)
         self.launchers.all_gather_pull(out, staged, buf.pad_table, buf.rank, world, epoch, meta,
                                        outer, inner, buf.timeout_ns, stats, **ends)
         counters.record(OP, self.name, stats)
         return out
 
 
-DISPATCHER = Dispatcher(OP, [*C.symmetric_backends(Symmetric), Reference()])
+DISPATCHER = Dispatcher(OP, [*protocol.symmetric_backends(Symmetric), Reference()])
 PLANS = Plans(OP)
 
 
@@ -113,7 +113,7 @@ def all_gather_loopback(xs: list[torch.Tensor], dim: int = 0, *, backend: str = 
     """Every rank's part of ``all_gather`` in this process (rank r's input is ``xs[r]``)
     over a loopback symmetric buffer; returns each rank's output, which equals
     ``torch.cat(xs, dim)``. For single-device benchmarks and tests of the protocol."""
-    return C.run_loopback(DISPATCHER, xs, dim, backend, GATHER_DTYPES)
+    return protocol.run_loopback(DISPATCHER, xs, dim, backend, GATHER_DTYPES)
 
 
 register(DISPATCHER, (all_gather, all_gather_loopback), checks="fusedpar.testing.collectives",

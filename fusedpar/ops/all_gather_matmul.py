@@ -14,7 +14,7 @@ from ..comm import (counters, get_buffer, get_loopback_buffers, group_name, reso
 from ..kernels import all_gather as all_gather_kernels
 from ..kernels import gemm_peers
 from ..kernels import signal as signal_kernels
-from . import protocol as C
+from . import protocol
 from .calls import CollectiveCall, MatmulCall, check_matmul_inputs, moved_shape
 from .all_gather import DISPATCHER as ALL_GATHER
 from .reduce_scatter import DISPATCHER as REDUCE_SCATTER, reduce_scatter
@@ -54,9 +54,9 @@ class Reference(Backend):
         if call.last_dim:
             return _gather_k_then_matmul(call, self.name)
         world, a = call.world_size, call.rows()
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         gathered = torch.empty(world * a.numel(), dtype=a.dtype, device=a.device)
-        C.all_gather_single(gathered, a.contiguous().view(-1), group=call.group)
+        protocol.all_gather_single(gathered, a.contiguous().view(-1), group=call.group)
         gathered = gathered.view(world * a.shape[0], a.shape[1])
         counters.record(OP, self.name, (world - 1) * a.numel() * a.element_size())
         outs = [call.unflatten(gathered @ b, world) for b in call.bs]
@@ -76,8 +76,8 @@ class Pipelined(Backend):
         if call.last_dim:
             return self._run_k_sharded(call)
         group, world = call.group, call.world_size
-        rank, left, right = C.ring_neighbours(group)
-        C.raise_on_mismatch(call)
+        rank, left, right = protocol.ring_neighbours(group)
+        protocol.raise_on_mismatch(call)
         a = call.rows()
         m = a.shape[0]
         gathered = torch.empty(world * m, a.shape[1], dtype=a.dtype, device=a.device)
@@ -88,7 +88,7 @@ class Pipelined(Backend):
             current = gathered[src * m:(src + 1) * m]
             if step < world - 1:
                 nxt = (src - 1) % world
-                requests = C.exchange(current, gathered[nxt * m:(nxt + 1) * m], left, right, group)
+                requests = protocol.exchange(current, gathered[nxt * m:(nxt + 1) * m], left, right, group)
             for out, b in zip(outs, call.bs):
                 torch.matmul(current, b, out=out[src * m:(src + 1) * m])
             if step < world - 1:
@@ -100,8 +100,8 @@ class Pipelined(Backend):
 
     def _run_k_sharded(self, call: MatmulCall):
         group, world = call.group, call.world_size
-        rank, left, right = C.ring_neighbours(group)
-        C.raise_on_mismatch(call)
+        rank, left, right = protocol.ring_neighbours(group)
+        protocol.raise_on_mismatch(call)
         a = call.x.flatten(0, -2)  # [rows, k]
         rows, k = a.shape
         shards = torch.empty(world, rows, k, dtype=a.dtype, device=a.device)
@@ -111,7 +111,7 @@ class Pipelined(Backend):
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
-                requests = C.exchange(shards[src], shards[(src - 1) % world], left, right, group)
+                requests = protocol.exchange(shards[src], shards[(src - 1) % world], left, right, group)
             for total, b in zip(sums, call.bs):
                 total += shards[src] @ b[src * k:(src + 1) * k]
             if step < world - 1:
@@ -134,7 +134,7 @@ class Triton(Backend):
     flag is up, own shard first in rank-rotated order (the grouped GEMM's peers kernel with
     one expert and a block per shard; TMA loads on Hopper), and NaN-fills the outputs of a
     failed call at its end. On a GPU in a group the copies run on a side stream
-    (``C.gathering``: a one-program READY wait, copy-engine copies with
+    (``protocol.gathering``: a one-program READY wait, copy-engine copies with
     ``stream_write_value32`` flags, then DONE right after the last copy) and the GEMM's
     resident grid leaves that stream an SM; on CPU and in a loopback one pull kernel copies
     them before the GEMM and raises DONE. Each peer shard crosses once; nothing is copied
@@ -146,7 +146,7 @@ class Triton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        return C.fused_dtype_reasons(call) + C.triton_reasons(call)
+        return protocol.fused_dtype_reasons(call) + protocol.triton_reasons(call)
 
     def run(self, call: MatmulCall):
         return self.plan(call)(call.x, call.bs)
@@ -259,14 +259,14 @@ class _Gather:
         outs = [torch.empty(rows, width, dtype=self.dtype, device=self.device) for width in self.widths]
         if self.copy_engine:
             blocks = [(src, a_all[src * self.m:(src + 1) * self.m], staged) for src, staged in view.peers]
-            with C.gathering(view.buf, blocks, 0, self.meta, True, delays, signal_done=True):
+            with protocol.gathering(view.buf, blocks, 0, self.meta, True, delays, signal_done=True):
                 self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
                           view.rank, self.world, self.timeout_ns, gathered=g)
         else:
             if view.peers:
                 all_gather_kernels.all_gather_pull(a_all, a_all, view.pad_table, view.rank, self.world, 0,
                                                    self.meta, 1, self.m * self.k, self.timeout_ns,
-                                                   C.stats_tensor(self.device), slots=True)
+                                                   protocol.stats_tensor(self.device), slots=True)
             self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
                       view.rank, self.world, self.timeout_ns, gathered=g)
         counters.record(OP, "triton", self.moved)

@@ -11,7 +11,7 @@ from ..kernels import matmul_reduce_scatter as kernels
 from ..kernels import reduce_scatter as reduce_scatter_kernels
 from ..kernels import signal as signal_kernels
 from ..kernels.signal import sm_count
-from . import protocol as C
+from . import protocol
 from .all_gather_matmul import DISPATCHER as ALL_GATHER_MATMUL
 from .all_gather_matmul import all_gather_matmul, symm_mem_reasons
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
@@ -68,10 +68,10 @@ class Reference(Backend):
 
     def run(self, call: MatmulCall):
         world = call.world_size
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         product = call.rows() @ call.bs[0]  # [W * m_chunk, N]: rank r's chunk is block r
         out = torch.empty(product.numel() // world, dtype=product.dtype, device=product.device)
-        C.reduce_scatter_single(out, product.view(-1), group=call.group)
+        protocol.reduce_scatter_single(out, product.view(-1), group=call.group)
         if call.reduce_op == "avg":  # gloo has no AVG
             out.div_(world)
         counters.record(OP, self.name, (world - 1) * out.numel() * out.element_size())
@@ -88,8 +88,8 @@ class Pipelined(Backend):
 
     def run(self, call: MatmulCall):
         group, world = call.group, call.world_size
-        rank, left, right = C.ring_neighbours(group)
-        C.raise_on_mismatch(call)
+        rank, left, right = protocol.ring_neighbours(group)
+        protocol.raise_on_mismatch(call)
         chunks = call.rows().unflatten(0, (world, -1))
         b = call.bs[0]
         divisor = world if call.reduce_op == "avg" else 1
@@ -98,7 +98,7 @@ class Pipelined(Backend):
             acc = acc / divisor
         incoming = torch.empty_like(acc)
         for step in range(1, world):
-            requests = C.exchange(acc, incoming, left, right, group)
+            requests = protocol.exchange(acc, incoming, left, right, group)
             partial = chunks[(rank - step - 1) % world] @ b
             for request in requests:
                 request.wait()
@@ -129,7 +129,7 @@ class Triton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        return C.fused_dtype_reasons(call) + C.triton_reasons(call)
+        return protocol.fused_dtype_reasons(call) + protocol.triton_reasons(call)
 
     def run(self, call: MatmulCall):
         return self.plan(call)(call.x, call.bs)
@@ -179,7 +179,7 @@ class _Views:
         self.divisor = float(world) if call.reduce_op == "avg" else 1.0
         self.rows = a.shape[0]
         self.bind(bufs)
-        self.side = C.side_stream(a.device) if side_stream else None
+        self.side = protocol.side_stream(a.device) if side_stream else None
         # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
         sms = sm_count(a.device) - kernels.REDUCER_SMS if side_stream else None
         self.stages = [torch.empty(world - 1, self.m_chunk * n, dtype=a.dtype, device=a.device)
@@ -215,7 +215,7 @@ class _Views:
         outs = []
         for i, (buf, epoch) in enumerate(zip(self.bufs, epochs)):
             out = torch.empty(m_chunk, n, dtype=self.dtype, device=self.device)
-            stats = C.stats_tensor(self.device)
+            stats = protocol.stats_tensor(self.device)
             if side is not None:
                 own = self.partials[i].view(world, -1)[buf.rank]
                 kernels.reduce_chunks(out, own, self.stages[i], buf.pad_table, buf.rank, world,

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, group_name, resolve_group
-from . import protocol as C
+from . import protocol
 from .calls import CollectiveCall, REDUCE_DTYPES, check_dim, check_dtype, check_scatter
 from .backend import Backend, Dispatcher, Plans
 from .registry import EXAMPLE_WORLD, register
@@ -34,24 +34,24 @@ class Reference(Backend):
 
     def run(self, call: CollectiveCall) -> torch.Tensor:
         x, world = call.x, call.world_size
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         chunks = x.reshape(call.outer, world, -1).transpose(0, 1).contiguous()
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
-        C.reduce_scatter_single(out.view(-1), chunks.view(-1), group=call.group)
+        protocol.reduce_scatter_single(out.view(-1), chunks.view(-1), group=call.group)
         if call.reduce_op == "avg":  # gloo has no AVG
             out.div_(world)
         counters.record(OP, self.name, (world - 1) * out.numel() * x.element_size())
         return out
 
 
-class Symmetric(C.SymmetricBackend):
+class Symmetric(protocol.SymmetricBackend):
     """Stage the input in symmetric memory; one kernel sums every rank's slice in fp32."""
 
     def pull(self, call, buf, staged, epoch, meta, ends):
         x, world, outer = call.x, call.world_size, call.outer
         inner = x.numel() // (outer * world)
         out = torch.empty(_out_shape(x, call.dim, world), dtype=x.dtype, device=x.device)
-        stats = C.stats_tensor(x.device)
+        stats = protocol.stats_tensor(x.device)
         divisor = float(world) if call.reduce_op == "avg" else 1.0
         self.launchers.reduce_scatter_pull(out, buf.pad_table, buf.rank, world, epoch, meta, outer,
                                            inner, buf.timeout_ns, stats, divisor, **ends)
@@ -59,7 +59,7 @@ class Symmetric(C.SymmetricBackend):
         return out
 
 
-DISPATCHER = Dispatcher(OP, [*C.symmetric_backends(Symmetric), Reference()])
+DISPATCHER = Dispatcher(OP, [*protocol.symmetric_backends(Symmetric), Reference()])
 
 
 PLANS = Plans(OP)
@@ -124,7 +124,7 @@ def reduce_scatter_loopback(xs: list[torch.Tensor], op: str = "sum", dim: int = 
     ``xs[r]``) over a loopback buffer; returns each rank's output. For benchmarks/tests."""
     if xs:
         _check(xs[0], op, dim, len(xs))
-    return C.run_loopback(DISPATCHER, xs, dim, backend, REDUCE_DTYPES, reduce_op=op)
+    return protocol.run_loopback(DISPATCHER, xs, dim, backend, REDUCE_DTYPES, reduce_op=op)
 
 
 register(DISPATCHER, (reduce_scatter, reduce_scatter_loopback), checks="fusedpar.testing.collectives",

@@ -26,7 +26,7 @@ class RingCall:
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0, *,
                  rank: int | None = None, documents: list[tuple[int, int]] | None = None):
         self.q, self.k, self.v, self.group = q, k, v, group
-        self.x = q  # what C.raise_on_mismatch reads
+        self.x = q  # what protocol.raise_on_mismatch reads
         self.causal, self.scale, self.layout = causal, scale, layout
         self.window, self.softcap = tuple(window), softcap
         if group is not None and not world_size:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...comm import counters
-from .. import protocol as C
+from .. import protocol
 from ..all_gather import all_gather
 from ..reduce_scatter import reduce_scatter
 from ..flash_attention import attend_block, attend_block_backward, delta_of
@@ -42,7 +42,7 @@ class AllGatherKV(RingBackend):
                         yield block
 
     def forward(self, call: RingCall):
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         kv = _global_kv(call, torch.stack([call.k, call.v]))
         out, lse = accumulators(call.q)
         for block in self._blocks(call):
@@ -78,7 +78,7 @@ def _to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
     rest = x.shape[3:]
     send = x.reshape(b, s, world, h // world, *rest).movedim(2, 0).contiguous()
     recv = torch.empty_like(send)
-    C.all_to_all_single(recv, send, group)
+    protocol.all_to_all_single(recv, send, group)
     counters.record(OP, "ulysses", (world - 1) * nbytes(send) // world)
     return recv.movedim(0, 1).reshape(b, world * s, h // world, *rest)
 
@@ -89,7 +89,7 @@ def _to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
     rest = x.shape[3:]
     send = x.reshape(b, world, total // world, hw, *rest).movedim(1, 0).contiguous()
     recv = torch.empty_like(send)
-    C.all_to_all_single(recv, send, group)
+    protocol.all_to_all_single(recv, send, group)
     counters.record(OP, "ulysses", (world - 1) * nbytes(send) // world)
     return recv.permute(1, 2, 0, *range(3, recv.dim())).reshape(b, total // world, world * hw, *rest)
 
@@ -128,7 +128,7 @@ class Ulysses(RingBackend):
         return call.to_global(full, 1).transpose(1, 2).contiguous()
 
     def forward(self, call: RingCall):
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         world = call.world_size
         q, k, v = self._heads(call, call.q, call.k, call.v)
         out, lse = attend_block(q, k, v, call.causal, call.scale, call.local, call.whole_mask())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...comm import counters
-from .. import protocol as C
+from .. import protocol
 from ..flash_attention import (DISPATCHER as FLASH_DISPATCHER, AttentionCall, attend_block,
                                attend_block_backward)
 from .call import OP, RingBackend, RingCall, nbytes, packed_reason
@@ -58,9 +58,9 @@ class Pipelined(RingBackend):
         return call.local
 
     def forward(self, call: RingCall):
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         world, rank = call.world_size, call.rank
-        _, left, right = C.ring_neighbours(call.group)
+        _, left, right = protocol.ring_neighbours(call.group)
         q = call.q
         kv = torch.stack([call.k, call.v])
         bufs = [kv, torch.empty_like(kv)]
@@ -68,7 +68,7 @@ class Pipelined(RingBackend):
         for step in range(world):
             src, current = (rank - step) % world, bufs[step % 2]
             if step < world - 1:
-                requests = C.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
+                requests = protocol.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
             for block in call.blocks(src):
                 rows, keys = slice(*block.rows), slice(*block.keys)
                 merge(out, lse, rows, *attend_block(q[:, rows], current[0][:, keys],
@@ -82,7 +82,7 @@ class Pipelined(RingBackend):
 
     def backward(self, call: RingCall, out, lse, dout, dlse):
         world, rank = call.world_size, call.rank
-        _, left, right = C.ring_neighbours(call.group)
+        _, left, right = protocol.ring_neighbours(call.group)
         q = call.q
         kv = torch.stack([call.k, call.v])
         bufs = [kv, torch.empty_like(kv)]
@@ -93,7 +93,7 @@ class Pipelined(RingBackend):
         for step in range(world):
             src, current = (rank - step) % world, bufs[step % 2]
             if step < world - 1:
-                kv_requests = C.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
+                kv_requests = protocol.exchange(current, bufs[(step + 1) % 2], left, right, call.group)
             for request in grad_requests:  # this step's accumulator has arrived
                 request.wait()
             # the partial dK/dV of src's block, added to in fp32 (in place when fp32)
@@ -109,7 +109,7 @@ class Pipelined(RingBackend):
                 acc[1][:, keys] += bdv
             if step > 0:  # pass the accumulator on; receive the next (own, after the last step)
                 sending = acc.to(kv.dtype)  # dK/dV travel in the input dtype, like K/V
-                grad_requests = C.exchange(sending, travelling[step % 2], left, right, call.group)
+                grad_requests = protocol.exchange(sending, travelling[step % 2], left, right, call.group)
             if step < world - 1:
                 for request in kv_requests:
                     request.wait()

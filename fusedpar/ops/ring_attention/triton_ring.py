@@ -10,7 +10,7 @@ import torch
 from ...comm import counters, get_buffer, layout as pad_layout
 from ...kernels import flash_attention as kernels
 from ...kernels import signal as signal_kernels
-from .. import protocol as C
+from .. import protocol
 from ..flash_attention import KERNEL_DTYPES
 from .blocks import key_ranges
 from .call import OP, RingCall, nbytes
@@ -32,7 +32,7 @@ class TritonRing(Pipelined):
     name = "triton"
 
     def not_supported_reasons(self, call: RingCall) -> list[str]:
-        reasons = C.triton_reasons(call)
+        reasons = protocol.triton_reasons(call)
         if call.q.dtype not in KERNEL_DTYPES:
             reasons.append(f"dtype {call.q.dtype} (the kernel takes float32, float16, bfloat16)")
         return reasons
@@ -74,7 +74,7 @@ def _workspace(buf, q_shape, kv_shape, dtype: torch.dtype, device: torch.device,
 
 def _copy_stream(device: torch.device):
     """The stream the K/V copies run on (None: in stream order, on CPU)."""
-    return C.side_stream(device) if device.type == "cuda" else None
+    return protocol.side_stream(device) if device.type == "cuda" else None
 
 
 # The ops of one rank's ring (``ring_schedule``): K/V copies of a peer (on the side stream
@@ -151,7 +151,7 @@ class _RingView:
         ring = self.ring
         out = torch.empty(ring.q_shape, dtype=ring.dtype, device=ring.device)
         lse = torch.empty(ring.lse_shape, dtype=torch.float32, device=ring.device)
-        stats = C.stats_tensor(ring.device)
+        stats = protocol.stats_tensor(ring.device)
         if ring.side is None:
             for launch in self.ops:
                 launch(q, out, lse, stats)
