@@ -22,10 +22,14 @@ import torch.distributed as dist
 from ..comm import counters, group_name, resolve_group, symmetric
 from . import protocol as C
 from .all_gather_matmul import symm_mem_reasons
+from ..kernels.interpreter import triton_device_reasons
+from .all_gather import all_gather, all_gather_loopback
 from .backend import Backend, Dispatcher
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .float8_scales import FP8_DTYPES, check_fp8
+from .reduce_scatter import reduce_scatter, reduce_scatter_loopback
 from .registry import register
+from .scaled_grouped_mm import scaled_grouped_mm
 
 AG = "all_gather_scaled_matmul"
 RS = "scaled_matmul_reduce_scatter"
@@ -54,7 +58,11 @@ class ScaledCall(MatmulCall):
         self.out_dtypes, self.use_fast_accum, self.a_mode = list(out_dtypes), use_fast_accum, a_mode
 
     def cache_key(self) -> tuple:
-        return super().cache_key() + (self.a_mode,)
+        """What the backends' reasons read beyond the group, device and dtype (the
+        dispatcher caches its choice by this)."""
+        words = (self.x.numel() * self.x.element_size()) % 4 == 0
+        return super().cache_key() + (self.a_mode, self.last_dim, self.x.dim() == 2 and self.dim == 0,
+                                      torch.float16 in self.out_dtypes, words)
 
     def fingerprint(self) -> int:
         return symmetric.fingerprint(super().fingerprint(), self.a_mode, tuple(self.a_scale.shape),
@@ -283,7 +291,83 @@ class AgSymmMem(Backend):
         return gathered.contiguous() if call.return_a else None, [o.contiguous() for o in outs]
 
 
-AG_DISPATCHER = Dispatcher(AG, [AgPipelined(), AgReference(), AgSymmMem()])  # vendor's last
+def triton_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """``scaled_mm`` on fusedpar's Triton fp8 GEMM: ``scaled_grouped_mm``'s persistent kernel
+    with one group (fp8 ``tl.dot``, fp32 accumulation, ``acc * a_scale[row] * b_scale[col]``
+    in the epilogue); tensorwise scales are expanded to rows / columns."""
+    m, n = a.shape[0], b.shape[1]
+    sa = a_scale.reshape(-1).expand(m) if a_scale.numel() == 1 else a_scale.reshape(-1)
+    sb = b_scale.reshape(1, -1).expand(1, n)
+    offs = torch.full((1,), m, dtype=torch.int32, device=a.device)
+    return scaled_grouped_mm(a, b.unsqueeze(0), sa.contiguous(), sb.contiguous(), offs, out_dtype=out_dtype,
+                             backend="triton")
+
+
+def _triton_reasons(call: ScaledCall) -> list[str]:
+    """Why the Triton fp8 GEMM cannot run ``call``: no Triton here, a GPU without fp8 tensor
+    cores (sm_80: refused rather than emulated), an fp16 output (the kernel stores bf16 or
+    fp32)."""
+    reasons = triton_device_reasons(call.x.device)
+    if not reasons and call.x.is_cuda:
+        capability = torch.cuda.get_device_capability(call.x.device)
+        if capability < (8, 9):
+            reasons.append(f"fp8 tensor cores need compute capability 8.9+ (Ada, Hopper); this GPU has "
+                           f"{capability[0]}.{capability[1]}: use the pipelined or reference backend")
+    if torch.float16 in call.out_dtypes:
+        reasons.append("the Triton fp8 GEMM stores bfloat16 or float32, not float16")
+    return reasons
+
+
+def _pack(call: ScaledCall) -> tuple[torch.Tensor, int, int, bool]:
+    """This rank's message: A's rows' fp8 bytes, then (``rowwise_shard``) their float32
+    scales; with ``(m, k, with_scale)``."""
+    a = call.rows().contiguous()
+    m, k = a.shape
+    with_scale = call.a_mode == ROWWISE_SHARD
+    if not with_scale:
+        return _bytes(a), m, k, False
+    scale = _bytes(call.a_scale.movedim(call.dim, 0).reshape(-1))
+    return torch.cat([_bytes(a), scale]), m, k, True
+
+
+def _unpack(call: ScaledCall, messages: torch.Tensor, m: int, k: int, with_scale: bool):
+    """Every rank's messages ``[W, width]`` (uint8): the gathered A ``[W * m, k]`` and its scale."""
+    world = messages.shape[0]
+    gathered = messages[:, :m * k].view(call.x.dtype).reshape(world * m, k)  # a copy when scales travel
+    if with_scale:
+        return gathered, messages[:, m * k:].contiguous().view(torch.float32).view(-1, 1)
+    return gathered, _scale_rows(call, None)
+
+
+class AgTriton(Backend):
+    """fusedpar's symmetric-memory ``all_gather`` (``triton``) of every rank's fp8 bytes and
+    row scales in one message (as int32 words), then the Triton fp8 GEMM
+    (``triton_gemm``) per B, scales in its epilogue. Not yet overlapped: the GEMM starts
+    once the whole A is here (the bf16 op's per-shard flags are still to come for fp8)."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, call):
+        reasons = _triton_reasons(call) + C.triton_reasons(call)
+        if (call.x.numel() * call.x.element_size()) % 4:
+            reasons.append(f"A_shard's {call.x.numel()} fp8 bytes travel as int32 words: make them a "
+                           "multiple of 4")
+        return reasons
+
+    def run(self, call: ScaledCall):
+        message, m, k, with_scale = _pack(call)
+        words = all_gather(message.view(torch.int32)[None], 0, call.group, backend=self.name)
+        return self.multiply(call, words.view(torch.uint8), m, k, with_scale)
+
+    def multiply(self, call: ScaledCall, messages: torch.Tensor, m: int, k: int, with_scale: bool):
+        gathered, scale = _unpack(call, messages, m, k, with_scale)
+        outs = [triton_gemm(gathered, b, scale, s, d)
+                for b, s, d in zip(call.bs, call.b_scales, call.out_dtypes)]
+        return _ag_results(call, gathered, outs)
+
+
+AG_DISPATCHER = Dispatcher(AG, [AgTriton(), AgPipelined(), AgReference(), AgSymmMem()])  # vendor's last
 
 
 def _rs_out_shape(call: ScaledCall) -> list[int]:
@@ -406,7 +490,28 @@ class RsSymmMem(Backend):
         return total.to(call.out_dtypes[0]).contiguous()
 
 
-RS_DISPATCHER = Dispatcher(RS, [RsPipelined(), RsReference(), RsSymmMem()])  # vendor's last
+class RsTriton(Backend):
+    """The Triton fp8 GEMM (``triton_gemm``) into float32 partials, then fusedpar's
+    symmetric-memory ``reduce_scatter`` (``triton``: float32 sums in rank order), rounded
+    once. A leading ``scatter_dim``. Not yet overlapped: the reduction starts after the GEMM."""
+
+    name = "triton"
+
+    def not_supported_reasons(self, call):
+        reasons = _triton_reasons(call) + C.triton_reasons(call)
+        if call.last_dim:
+            reasons.append("scatters a leading dim of A only (the output's columns: reference)")
+        return reasons
+
+    def partial(self, call: ScaledCall) -> torch.Tensor:
+        rows, scale = _rs_rows(call)
+        return triton_gemm(rows, call.bs[0], scale, call.b_scales[0], torch.float32)
+
+    def run(self, call: ScaledCall):
+        return _rs_finish(call, reduce_scatter(self.partial(call), "sum", 0, call.group, backend=self.name))
+
+
+RS_DISPATCHER = Dispatcher(RS, [RsTriton(), RsPipelined(), RsReference(), RsSymmMem()])  # vendor's last
 
 
 # ---- the custom ops -------------------------------------------------------------------
@@ -497,7 +602,9 @@ def all_gather_scaled_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], A_sc
     e4m3/e5m2; ``A_scale`` one element, ``A_shard.shape[:-1] + (1,)`` (the shard's rows) or
     the gathered A's rows; each B ``[K, N]`` fp8 with a tensorwise or ``[1, N]`` scale;
     ``out_dtypes`` one per B (None: bfloat16). ``gather_dim``: a leading dim. Backends:
-    ``pipelined``, ``reference``, ``symm_mem`` (torch's op, CUDA groups). Not
+    ``triton`` (the symmetric-memory all-gather of the bytes, then a Triton fp8 GEMM with the
+    scales in its epilogue; GPUs with fp8 tensor cores, sm_89+), ``pipelined``, ``reference``,
+    ``symm_mem`` (torch's op, CUDA groups). Not
     differentiable (fp8 inputs): see ``fusedpar.nn.float8_linear``."""
     dtypes = [d or DEFAULT_OUT_DTYPE for d in (out_dtypes or [None] * len(Bs))]
     return _ag_op(A_shard, list(Bs), A_scale, list(B_scales), gather_dim, group_name(group),
@@ -520,12 +627,52 @@ def scaled_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, A_scale: torc
     partial to ``out_dtype`` before reducing; this op does not). ``A`` 2-D or 3-D fp8,
     ``A_scale`` one element or ``A.shape[:-1] + (1,)``; ``B`` ``[K, N]`` fp8, ``B_scale`` one
     element or ``[1, N]``; ``out_dtype`` None: bfloat16. ``scatter_dim``: a leading dim of A
-    or the last (N's columns; ``reference`` only). Backends: ``pipelined``, ``reference``,
+    or the last (N's columns; ``reference`` only). Backends: ``triton`` (a Triton fp8 GEMM
+    into float32, then the symmetric-memory reduce-scatter), ``pipelined``, ``reference``,
     ``symm_mem`` (torch's op, CUDA groups, 2-D A along dim 0). Not differentiable (fp8
     inputs): see ``fusedpar.nn.float8_linear``."""
     return _rs_op(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name(group),
                   out_dtype=out_dtype or DEFAULT_OUT_DTYPE, use_fast_accum=use_fast_accum,
                   backend=backend or "")
+
+
+def all_gather_scaled_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tensor],
+                                      A_scales: list[torch.Tensor], B_scales: list[torch.Tensor],
+                                      gather_dim: int = 0, *, out_dtypes=None, return_A: bool = True):
+    """Every rank's part of ``all_gather_scaled_matmul`` in this process (rank r's shard
+    ``a_shards[r]`` with scale ``A_scales[r]``; every rank the same ``Bs``) with the
+    ``triton`` backend over a loopback buffer: each rank's ``(A_gathered or None, outs)``.
+    For single-device benchmarks and tests."""
+    if not a_shards or len(A_scales) != len(a_shards):
+        raise ValueError(f"fusedpar.{AG}_loopback: a_shards and A_scales must hold one tensor per "
+                         "simulated rank")
+    world = len(a_shards)
+    dtypes = [d or DEFAULT_OUT_DTYPE for d in (out_dtypes or [None] * len(Bs))]
+    calls = [_ag_call(a, list(Bs), s, list(B_scales), gather_dim, world, None, dtypes, return_A, False)
+             for a, s in zip(a_shards, A_scales)]
+    backend = AG_DISPATCHER.select(calls[0], "triton")
+    packed = [_pack(call) for call in calls]
+    words = all_gather_loopback([message.view(torch.int32)[None] for message, *_ in packed], 0)
+    return [backend.multiply(call, w.view(torch.uint8), *rest)
+            for call, w, (_, *rest) in zip(calls, words, packed)]
+
+
+def scaled_matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor],
+                                          A_scales: list[torch.Tensor], B_scales: list[torch.Tensor],
+                                          reduce_op: str = "sum", scatter_dim: int = 0, *,
+                                          out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Every rank's part of ``scaled_matmul_reduce_scatter`` in this process (rank r
+    multiplies ``As[r]`` by ``Bs[r]`` with their scales) with the ``triton`` backend over a
+    loopback buffer: each rank's output. For single-device benchmarks and tests."""
+    if not As or not len(As) == len(Bs) == len(A_scales) == len(B_scales):
+        raise ValueError(f"fusedpar.{RS}_loopback: As, Bs, A_scales and B_scales must hold one tensor "
+                         "per simulated rank")
+    world = len(As)
+    calls = [_rs_call(a, b, sa, sb, reduce_op, scatter_dim, world, None, out_dtype or DEFAULT_OUT_DTYPE,
+                      False) for a, b, sa, sb in zip(As, Bs, A_scales, B_scales)]
+    backend = RS_DISPATCHER.select(calls[0], "triton")
+    sums = reduce_scatter_loopback([backend.partial(call) for call in calls], "sum", 0)
+    return [_rs_finish(call, total) for call, total in zip(calls, sums)]
 
 
 def _example(op: str):
@@ -541,7 +688,7 @@ def _example(op: str):
     return example
 
 
-register(AG_DISPATCHER, (all_gather_scaled_matmul,), checks="fusedpar.testing.scaled_matmul",
+register(AG_DISPATCHER, (all_gather_scaled_matmul, all_gather_scaled_matmul_loopback), checks="fusedpar.testing.scaled_matmul",
          example=_example(AG))
-register(RS_DISPATCHER, (scaled_matmul_reduce_scatter,), checks="fusedpar.testing.scaled_matmul",
+register(RS_DISPATCHER, (scaled_matmul_reduce_scatter, scaled_matmul_reduce_scatter_loopback), checks="fusedpar.testing.scaled_matmul",
          example=_example(RS))

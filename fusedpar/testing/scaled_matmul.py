@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedpar.ops import all_gather_scaled_matmul, scaled_matmul_reduce_scatter
+from fusedpar.ops import (all_gather_scaled_matmul, all_gather_scaled_matmul_loopback, scaled_matmul_reduce_scatter,
+                          scaled_matmul_reduce_scatter_loopback)
 from fusedpar.ops.scaled_matmul import (AG, ROWWISE, ROWWISE_GATHERED, ROWWISE_SHARD, RS, TENSORWISE,
                                         ScaledCall)
 
@@ -105,6 +106,17 @@ class ScaledCase(Case):
 
     def lower_bound(self, args, world) -> int:
         return lower_bound(self.op, self.a_mode, args, world)
+
+    def loopback_backends(self) -> list[str]:
+        return ["triton"]
+
+    def loopback(self, inputs, backend) -> list:
+        a, bs, a_scale, b_scales, dtype = (list(x) for x in zip(*inputs))
+        if self.op == AG:
+            return all_gather_scaled_matmul_loopback(a, bs[0], a_scale, b_scales[0], self.dim,
+                                                     out_dtypes=[dtype[0]] * len(bs[0]))
+        return scaled_matmul_reduce_scatter_loopback(a, [b[0] for b in bs], a_scale, [s[0] for s in b_scales],
+                                                     self.reduce_op, self.dim, out_dtype=dtype[0])
 
 
 def lower_bound(op: str, a_mode: str, args, world: int) -> int:
