@@ -195,7 +195,7 @@ AOT_EXAMPLES = [
      {"out_ptr": f"*{t}", "src_rank_ptr": "*i32", "src_row_ptr": "*i32", "pad_table": "*i64", "rank": "i32",
       "rows": "i32", "H": "i32", "stats_ptr": "*i64"},
      dict(ROW_BLOCK_GPU, ELEM_BYTES=nbytes), {"num_warps": NUM_WARPS})
-    for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4))
+    for t, nbytes in (("bf16", 2), ("fp16", 2), ("fp32", 4), ("u8", 1))  # u8: float8 rows + scales
 ] + [
     (routes_kernel,
      {"table_ptr": "*i32", "stride": "i32", "recv_rank_ptr": "*i32", "recv_row_ptr": "*i32",

@@ -216,6 +216,8 @@ AOT_EXAMPLES = [
        {"num_warps": SORT_WARPS}) for e_pad in (8, 128, 256)],
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=False)),
+    # a float8 dispatch's rows: fp8 bytes and their scale as uint8 (moe_dispatch(float8=))
+    (gather_rows_kernel, dict(_ROW_SIG, x_ptr="*u8", out_ptr="*u8"), dict(ROW_BLOCK_GPU, WEIGHTED=False)),
     (combine_rows_kernel, _COMBINE_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),
     (combine_rows_kernel, _COMBINE_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=False)),
 ]

@@ -294,10 +294,11 @@ class _Float8GroupedMM(torch.autograd.Function):
     the output gradient per the recipe and runs dgrad and wgrad as scaled grouped GEMMs."""
 
     @staticmethod
-    def forward(ctx, a, b, offs, recipe, out_dtype, backend):
+    def forward(ctx, a, b, offs, recipe, out_dtype, backend, a_cast=None):
         r = float8_scales.recipe(recipe)
         T, (E, _, N) = a.shape[0], b.shape
-        aq, sa = _cast(a, r.x, r.round_pow2, T)
+        # a_cast: a's cast, already made (an fp8 dispatch's rows; ``a`` their dequantised values)
+        aq, sa = a_cast or _cast(a, r.x, r.round_pow2, T)
         # b's columns per expert, column-major as torch._scaled_grouped_mm takes it
         bq_t, sb = _cast(b.transpose(1, 2), r.w, r.round_pow2, E, N)
         ctx.recipe, ctx.backend = r, backend
@@ -330,7 +331,7 @@ class _Float8GroupedMM(torch.autograd.Function):
                 aq, sa = _cast(a, r.x_for_dw, r.round_pow2, E * K)
             grad_b = scaled_grouped_mm(gq.t(), aq, sg, sa, offs, out_dtype=acc, backend=_k_backend(backend))
             grad_b = grad_b.transpose(1, 2).to(b.dtype)
-        return grad_a, grad_b, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None
 
 
 def _k_backend(backend: str) -> str:
@@ -340,7 +341,8 @@ def _k_backend(backend: str) -> str:
 
 
 def float8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, recipe: str = "rowwise",
-                      out_dtype: torch.dtype = torch.bfloat16, backend: str | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.bfloat16, backend: str | None = None,
+                      a_cast: tuple | None = None) -> torch.Tensor:
     """``grouped_mm(a, b, offs)`` (``a [T, K]`` x ``b [E, K, N]``, an MoE layer's expert
     GEMM) computed through float8 casts, differentiable in ``a`` and ``b``; with the default
     ``recipe="rowwise"`` the same as::
@@ -362,7 +364,9 @@ def float8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, r
 
     ``backend``: the ``scaled_grouped_mm`` backend the GEMMs run on (``torch`` takes e4m3
     only, so not ``"tensorwise"``, and declines the weight gradient's groups along K, which
-    then takes the default backend).
+    then takes the default backend). ``a_cast``: ``(data, scale)``, a's forward cast made
+    already (``moe_dispatch(..., float8=)``'s rows: the forward multiplies them as they
+    are; ``a`` holds their dequantised values, which the backward casts as the recipe says).
     """
     r = float8_scales.recipe(recipe)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 or b.dim() != 3:
@@ -376,7 +380,7 @@ def float8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, r
                          f"{r.dy.dtype}, which backend 'torch' (torch._scaled_grouped_mm, e4m3 only) "
                          "cannot take; use recipe='rowwise' or another backend")
     plain.check_inputs(a, b, offs)
-    return _Float8GroupedMM.apply(a, b, offs, recipe, out_dtype, backend or "")
+    return _Float8GroupedMM.apply(a, b, offs, recipe, out_dtype, backend or "", a_cast)
 
 
 register(DISPATCHER, (scaled_grouped_mm, float8_grouped_mm), example=lambda device: ScaledCall(

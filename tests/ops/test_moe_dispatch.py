@@ -12,11 +12,12 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import get_buffer, get_loopback_buffers, layout
 from fusedpar.kernels import moe_dispatch as dispatch_kernels
+from fusedpar.ops import float8_scales
 from fusedpar.ops import protocol as C
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
-from tests.ops.collective_cases import (captured, requires_cuda, scalar_arguments, stalled_peer_error,
-                                        subgroup)
-from tests.ops.test_moe import _check_provenance, _routing, _tokens
+from tests.ops.collective_cases import (captured, poison_symmetric, requires_cuda, scalar_arguments,
+                                        stalled_peer_error, subgroup)
+from tests.ops.test_moe import _check_provenance, _compact, _routing, _tokens
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -337,3 +338,81 @@ def test_a_stalled_peer_times_out_on_device_held_epochs(pools):
     times out and names the device-held epoch."""
     message = stalled_peer_error(pools, _dispatch_padded)
     assert "READY[1] (rank 1) to reach epoch 3" in message, message
+
+
+# ---- float8 dispatch: fp8 rows and their scales, half the bytes -------------------------------------
+
+
+def _check_float8_rows(data, scale, per_expert, rank, world, T, H, k, E, M):
+    """The fp8 rows are ``float8_scales.quantize``'s per-token cast of each source's tokens
+    (torchao's cast of a grouped GEMM's input), in recv_x's order; returns the dequantised
+    rows (the tokens: small integers are exact in e4m3 with power-of-2 scales)."""
+    assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == data.shape[:-1]
+    rows = data.float() * scale[..., None]
+    expected = _check_provenance(rows, per_expert, rank, world, T, H, k, E, "random", M)
+    compact_data = _compact(data.view(torch.uint8), per_expert, world, M)
+    compact_scale = _compact(scale[..., None], per_expert, world, M)[:, 0]
+    casts = [float8_scales.quantize(_tokens(src, T, H).bfloat16(), torch.float8_e4m3fn, -1, True)
+             for src in range(world)]
+    assert torch.equal(compact_data, torch.stack([casts[s][0][t].view(torch.uint8) for s, t in expected])
+                       if expected else compact_data)
+    assert torch.equal(compact_scale, torch.stack([casts[s][1][t, 0] for s, t in expected])
+                       if expected else compact_scale)
+    return rows, expected
+
+
+def _float8_dispatch(cases):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for T, H, k, E, M, backend in cases:
+        idx = _routing(rank, T, k, E, "random")
+        w = (torch.arange(T * k, dtype=torch.float32).view(T, k) % 4 + 1) / 4
+        x = _tokens(rank, T, H).bfloat16()  # row t of rank r: [r, t, small integers]
+        if backend == "triton":
+            poison_symmetric(dist.group.WORLD, 1 << 16)
+        with fusedpar.comm.count_bytes() as fp8_bytes:
+            (data, scale), per_expert, handle = moe_dispatch(x, idx, w, E, max_tokens_per_rank=M,
+                                                             float8="rowwise", backend=backend)
+        rows, expected = _check_float8_rows(data, scale, per_expert, rank, world, T, H, k, E, M)
+        out = moe_combine(rows.bfloat16(), handle)  # identity experts; combine in bf16
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, (x.float() * w.sum(1, keepdim=True)).bfloat16())
+        with fusedpar.comm.count_bytes() as bf16_bytes:
+            moe_dispatch(x, idx, w, E, max_tokens_per_rank=M, backend=backend)
+        from_peers = sum(1 for src, _ in expected if src != rank)
+        fp8, bf16 = fp8_bytes.by_op()[("moe_dispatch", backend)], bf16_bytes.by_op()[("moe_dispatch", backend)]
+        # the lower bound: each row from a peer once, its H fp8 bytes and one fp32 scale
+        assert fp8 == from_peers * (H + 4) and bf16 == from_peers * H * 2, (fp8, bf16, from_peers)
+        assert fp8 <= 0.55 * bf16 or from_peers == 0
+    return True
+
+
+# (T, H, k, E, max_tokens_per_rank, backend): H = 64, so an fp8 row is 68 / 128 = 0.53 of bf16's
+FLOAT8_CASES = {2: [(9, 64, 2, 8, None, "reference"), (7, 64, 3, 4, 7, "triton"), (0, 64, 2, 4, None, "reference")],
+                4: [(6, 64, 2, 8, 6, "reference"), (9, 64, 1, 4, None, "triton")]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_float8_dispatch_sends_fp8_rows_and_scales(pools, world):
+    assert pools(world).run(_float8_dispatch, FLOAT8_CASES[world]) == [True] * world
+
+
+@pytest.mark.parametrize("world, M", [(2, None), (4, 5)])
+def test_float8_dispatch_loopback(world, M):
+    T, H, k, E = 5, 64, 2, 8
+    xs = [_tokens(r, T, H).bfloat16() for r in range(world)]
+    idxs = [_routing(r, T, k, E, "random") for r in range(world)]
+    ws = [torch.ones(T, k) for _ in range(world)]
+    results = moe_dispatch_loopback(xs, idxs, ws, E, max_tokens_per_rank=M, float8="rowwise")
+    ys = []
+    for r, ((data, scale), per_expert, _) in enumerate(results):
+        rows, _ = _check_float8_rows(data, scale, per_expert, r, world, T, H, k, E, M)
+        ys.append(rows.bfloat16())
+    outs = moe_combine_loopback(ys, [h for *_, h in results])
+    assert all(torch.equal(out, (x.float() * k).bfloat16()) for out, x in zip(outs, xs))
+
+
+def test_float8_dispatch_refuses_a_tensorwise_cast():
+    with pytest.raises(ValueError, match=r"float8='tensorwise' casts the input with one scale per tensor.*'rowwise'"):
+        moe_dispatch_loopback([torch.zeros(2, 16)] * 2, [torch.zeros(2, 1, dtype=torch.long)] * 2,
+                              [torch.ones(2, 1)] * 2, 2, float8="tensorwise")

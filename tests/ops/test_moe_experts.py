@@ -2,6 +2,7 @@
 
 import time
 import warnings
+from functools import partial
 
 import numpy as np
 import pytest
@@ -10,7 +11,9 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.comm import resolve_group
+from fusedpar.ops import float8_scales
 from fusedpar.ops import protocol as C
+from fusedpar.ops.scaled_grouped_mm import float8_grouped_mm
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 from fusedpar.ops.moe import moe_experts, moe_experts_loopback
 from fusedpar.ops.moe.experts import DISPATCHER
@@ -542,3 +545,122 @@ def _every_backend_on_an_nccl_only_group():
 def test_gpu_every_backend_runs_on_an_nccl_only_group(pools):
     (errors,) = pools(1).run(_every_backend_on_an_nccl_only_group)
     assert all(e < 1e-5 for e in errors.values()), errors
+
+
+# ---- float8 experts: fp8 dispatch and scaled grouped GEMMs ------------------------------------------
+
+
+def _float8_world(T, H, I, k, E, world, seed=0):
+    """Every rank's tokens, routing, weights and output gradient (every rank rebuilds them):
+    small integers and quarters, so the fp8 casts (power-of-2 scales) and the fp32 sums of
+    the GEMMs and of the combine are exact."""
+    g = torch.Generator().manual_seed(seed)
+    ints = lambda *shape, lim=3: torch.randint(-lim, lim + 1, shape, generator=g).float()  # noqa: E731
+    w13, w2 = ints(E, 2 * I, H, lim=2), ints(E, H, I, lim=2)
+    xs = [ints(T, H) + r for r in range(world)]  # rank r's rows carry r
+    idxs = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) for _ in range(world)]
+    ws = [(torch.randint(1, 5, (T, k), generator=g) / 4) for _ in range(world)]
+    grads = [ints(T, H) for _ in range(world)]
+    return w13, w2, xs, idxs, ws, grads
+
+
+def _float8_copy(x_row, w13_e, w2_e):
+    """One copy's expert output under the rowwise recipe's forward, in plain torch (fp64 of
+    the casts' exact values; ``float8_scales.quantize`` is torchao's cast, checked there)."""
+    def deq(t):
+        data, scale = float8_scales.quantize(t, torch.float8_e4m3fn, -1, True)
+        return data.double() * scale.double()
+    h13 = (deq(x_row[None]) @ deq(w13_e).t()).float()  # w13_e's rows are b's columns
+    return (deq(swiglu(h13)) @ deq(w2_e).t()).float()[0]
+
+
+def _float8_dense(w13, w2, xs, idxs, ws, E_local, recipe):
+    """Every expert's copies in one process, in recv_x's (expert, source, token) order,
+    through ``float8_grouped_mm`` on its reference backend (a ``torch._scaled_mm`` per group;
+    checked bitwise against torchao's recipe in test_scaled_grouped_mm): every rank's outputs."""
+    world = len(xs)
+    outs = [torch.zeros_like(x) for x in xs]
+    for r in range(world):
+        rows, dest, offs = [], [], []
+        for e in range(r * E_local, (r + 1) * E_local):
+            for s in range(world):
+                for t, j in (idxs[s] == e).nonzero().tolist():
+                    rows.append(xs[s][t])
+                    dest.append((s, t, j))
+            offs.append(len(rows))
+        x_rows = torch.stack(rows) if rows else xs[0].new_zeros(0, xs[0].shape[1])
+        offs = torch.tensor(offs, dtype=torch.int32)
+        sl = slice(r * E_local, (r + 1) * E_local)
+        gemm = partial(float8_grouped_mm, offs=offs, recipe=recipe, out_dtype=torch.float32, backend="reference")
+        y = gemm(swiglu(gemm(x_rows, w13[sl].transpose(1, 2))), w2[sl].transpose(1, 2))
+        for i, (s, t, j) in enumerate(dest):
+            outs[s] = outs[s].index_add(0, torch.tensor([t]), (ws[s][t, j] * y[i])[None])
+    return outs
+
+
+def _check_float8_experts(T, H, I, k, E_local, recipe):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    E = E_local * world
+    w13, w2, xs, idxs, ws, grads = _float8_world(T, H, I, k, E, world)
+    sl = slice(rank * E_local, (rank + 1) * E_local)
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    my_w13, my_w2 = w13[sl].clone().requires_grad_(), w2[sl].clone().requires_grad_()
+    with fusedpar.comm.count_bytes() as counter:
+        y = moe_experts(x, idxs[rank], w, my_w13, my_w2, float8=recipe)
+    y.backward(grads[rank])
+    # forward: each copy through the recipe's casts in plain torch, weighted and summed
+    want = torch.stack([sum(ws[rank][t, j] * _float8_copy(xs[rank][t], w13[e], w2[e])
+                            for j, e in enumerate(idxs[rank][t].tolist())) for t in range(T)])
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    # backward: the whole layer in one process through float8_grouped_mm
+    ref_w13, ref_w2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+    ref_xs = [t.clone().requires_grad_() for t in xs]
+    ref_ws = [t.clone().requires_grad_() for t in ws]
+    outs = _float8_dense(ref_w13, ref_w2, ref_xs, idxs, ref_ws, E_local, recipe)
+    sum((o * g).sum() for o, g in zip(outs, grads)).backward()
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, outs[rank], **tol)
+    torch.testing.assert_close(x.grad, ref_xs[rank].grad, **tol)
+    torch.testing.assert_close(w.grad, ref_ws[rank].grad, **tol)
+    torch.testing.assert_close(my_w13.grad, ref_w13.grad[sl], **tol)
+    torch.testing.assert_close(my_w2.grad, ref_w2.grad[sl], **tol)
+    # fp8 there (H bytes and a 4-byte scale a copy), the outputs back in fp32
+    owner = [i // E_local for i in idxs]
+    copies_in = sum(int((owner[r] == rank).sum()) for r in range(world) if r != rank)
+    copies_out = int((owner[rank] != rank).sum())
+    assert counter.by_op() == {("moe_dispatch", "reference"): copies_in * (H + 4),
+                               ("moe_combine", "reference"): copies_out * H * 4}
+    return True
+
+
+def _float8_cases(cases):
+    for case in cases:
+        _check_float8_experts(*case)
+    return True
+
+
+# (T, H, I, k, E_local, recipe); odd T, an expert with no copies likely at k=1
+@pytest.mark.parametrize("world, cases", [(2, [(7, 16, 8, 2, 2, "rowwise"), (5, 16, 8, 1, 3, "rowwise_with_gw_hp")]),
+                                          (4, [(5, 16, 8, 2, 1, "rowwise")])])
+def test_float8_experts_match_the_recipe(pools, world, cases):
+    assert pools(world).run(_float8_cases, cases) == [True] * world
+
+
+def _float8_errors():
+    x, idx, w = torch.zeros(4, 16), torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
+    w13, w2 = torch.zeros(1, 16, 16), torch.zeros(1, 16, 8)
+    return capture_errors({
+        "tensorwise": lambda: moe_experts(x, idx, w, w13, w2, float8="tensorwise"),
+        "fp16": lambda: moe_experts(x.half(), idx, w, w13.half(), w2.half(), float8="rowwise"),
+        "fused": lambda: moe_experts(x, idx, w, w13, w2, float8="rowwise", backend="fused"),
+        "padded": lambda: moe_experts(x, idx, w, w13, w2, float8="rowwise", max_tokens_per_rank=4),
+    })
+
+
+def test_float8_experts_errors(pools):
+    errors = pools(2).run(_float8_errors)[0]
+    assert "float8='tensorwise' casts the input with one scale per tensor" in errors["tensorwise"][1]
+    assert "takes bf16 or fp32" in errors["fp16"][1]
+    assert "float8='rowwise': this backend's exchange and GEMMs are not fp8 yet" in errors["fused"][1]
+    assert "float8 experts take no max_tokens_per_rank" in errors["padded"][1]

@@ -6,7 +6,7 @@ and ``triton`` (symmetric memory with per-source flags)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from ...comm import counters, get_buffer, get_loopback_buffers, layout, resolve_
 from ...comm.groups import host_collective_device
 from ...errors import FusedparError
 from ...kernels import moe_dispatch as dispatch_kernels
-from .. import protocol
+from .. import float8_scales, protocol
 from ..backend import Backend, Dispatcher
 from ..registry import register
 from .exchange import (Permute, Unpermute, all_to_all_rows, check_routing, check_same_everywhere,
@@ -24,7 +24,8 @@ from .exchange import (Permute, Unpermute, all_to_all_rows, check_routing, check
 from .routing import topk_route
 
 OP = "moe_dispatch"
-EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)  # uint8: fp8 rows + scales
+SCALE_BYTES = 4  # an fp8 row's fp32 scale travels after its bytes
 
 
 @dataclass
@@ -350,7 +351,8 @@ class TritonDispatch(Backend):
     def not_supported_reasons(self, call: RoutingCall) -> list[str]:
         reasons = protocol.triton_reasons(call)
         if call.x.dtype not in EXCHANGE_DTYPES:
-            reasons.append(f"dtype {call.x.dtype} (the exchange kernel takes float32, float16, bfloat16)")
+            reasons.append(f"dtype {call.x.dtype} (the exchange kernel takes float32, float16, bfloat16 "
+                           "and uint8, the bytes of float8 rows)")
         return reasons
 
     def run(self, call: RoutingCall):
@@ -405,6 +407,67 @@ class TritonDispatch(Backend):
         return Unpermute.apply(back, handle.weights, handle.pos, handle.k)
 
 
+# ---- float8 rows: each token cast per row, its bytes and its fp32 scale sent as one uint8 row -----
+
+
+def float8_cast(recipe: str) -> float8_scales.Cast:
+    """The per-token cast of ``recipe``'s GEMM input (``float8_scales.RECIPES``): dispatch
+    casts each row by itself, so only a rowwise input cast can travel."""
+    cast = float8_scales.recipe(recipe).x
+    if not cast.rowwise:
+        raise ValueError(f"fusedpar.{OP}: float8={recipe!r} casts the input with one scale per "
+                         "tensor, which needs every rank's tokens; dispatch casts each token by "
+                         "itself: use float8='rowwise' (or 'rowwise_with_gw_hp')")
+    return cast
+
+
+def pack_float8(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x [T, H]`` cast per row as ``recipe`` casts a GEMM input (``float8_scales.quantize``
+    along H), as uint8 rows ``[T, H + 4]``: the fp8 bytes, then the fp32 scale's bytes (gloo
+    has no float8 dtype; one row carries both, so one exchange moves them)."""
+    cast = float8_cast(recipe)
+    data, scale = float8_scales.quantize(x, cast.dtype, -1, float8_scales.recipe(recipe).round_pow2)
+    return torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def unpack_float8(rows: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of ``pack_float8``'s rows (``[..., H + 4]`` uint8): fp8 ``[..., H]``
+    and fp32 ``[...]`` (a zero row, the padding, has scale 0)."""
+    H = rows.shape[-1] - SCALE_BYTES
+    data = rows[..., :H].contiguous().view(float8_cast(recipe).dtype)
+    return data, rows[..., H:].contiguous().view(torch.float32).squeeze(-1)
+
+
+class _Float8Dispatch(torch.autograd.Function):
+    """``moe_dispatch(x, ..., float8=recipe)`` for a layer that trains: the fp8 rows and their
+    scales travel, the output is also their dequantised values in x's dtype (exact: fp8
+    times a power of 2), through which the gradient flows back as the dispatch's adjoint
+    does, in x's dtype (the combine direction, unweighted)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, num_experts, group, recipe, backend):
+        (data, scale), per_expert, handle = moe_dispatch(x, topk_idx, topk_weights, num_experts, group,
+                                                         float8=recipe, backend=backend)
+        ctx.adjoint = replace(handle, weights=torch.ones_like(topk_weights))
+        ctx.mark_non_differentiable(data, scale, per_expert)
+        return (data.float() * scale[:, None]).to(x.dtype), data, scale, per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        return moe_combine(grad, ctx.adjoint), None, None, None, None, None, None
+
+
+def float8_dispatch(x, topk_idx, topk_weights, num_experts: int, group, recipe: str, backend: str = ""):
+    """``(recv, (data, scale), tokens_per_expert, handle)``: ``moe_dispatch(..., float8=recipe)``
+    (unpadded) differentiable in ``x`` and, through ``moe_combine(y, handle)``, in
+    ``topk_weights``: ``recv`` holds the received rows' values in x's dtype (``data * scale``),
+    the gradient of ``recv`` goes back to ``x`` unquantised (as an fp8 dispatch's backward
+    does in DeepEP: combine in high precision)."""
+    recv, data, scale, per_expert, handle = _Float8Dispatch.apply(
+        x, topk_idx, topk_weights.detach(), num_experts, group, recipe, backend)
+    return recv, (data, scale), per_expert, replace(handle, weights=topk_weights)
+
+
 # ---- the public functions ------------------------------------------------------------------------
 
 TRITON = TritonDispatch()
@@ -433,7 +496,7 @@ def _check_capturable(x: torch.Tensor, max_tokens_per_rank: int | None, backend:
 @eager_under_compile
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  num_experts: int, group=None, *, max_tokens_per_rank: int | None = None,
-                 backend: str | None = None):
+                 float8: str | None = None, backend: str | None = None):
     """Send each token's copies to the ranks owning their experts; the same as::
 
         copies = [(t, e) for t in range(T) for e in topk_idx[t] if e >= 0]   # on every rank
@@ -459,6 +522,16 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     a replay NaN-fills that replay's outputs and raises at the buffer's ``synchronize()`` or
     its next eager call. Capturing any other dispatch raises ``FusedparError``.
 
+    ``float8="rowwise"`` (a recipe of ``fusedpar.ops.float8_scales``; its input cast must be
+    rowwise): each token is cast to fp8 with its own scale (``float8_scales.quantize(x, e4m3,
+    -1, round_pow2=True)``, torchao's cast of a grouped GEMM's input) and its bytes travel with
+    the scale's (``H + 4`` bytes a row instead of ``2H`` in bf16; as uint8, which gloo moves);
+    ``recv_x`` is then the pair ``(data fp8 [rows, H], scale fp32 [rows])`` (padded: ``[E_local,
+    W*M, H]`` and ``[E_local, W*M]``, the padding's scales 0), what ``scaled_grouped_mm`` takes,
+    and ``moe_combine`` sends the expert outputs back in their own dtype (bf16). The fp8 rows
+    carry no gradient: ``moe_experts(..., float8=)`` is the differentiable layer. The cast
+    is a pass of its own before the exchange (not inside the exchange kernel).
+
     Backends: ``reference`` (counts and rows by ``all_to_all_single``; the splits are read on
     the host), ``triton`` (symmetric memory with per-source flags, see ``TritonDispatch``).
     By default ``triton`` runs the calls with ``max_tokens_per_rank`` (where it can: they
@@ -475,10 +548,13 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     group = resolve_group(group)
     world = dist.get_world_size(group)
     check_routing(OP, x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank)
+    if float8 is not None:
+        x = pack_float8(x, float8)
     call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
     chosen = DISPATCHER.select(call, backend or _default_backend(call))
     _check_capturable(x, max_tokens_per_rank, chosen.name)
-    return chosen.run(call)
+    recv_x, per_expert, handle = chosen.run(call)
+    return (recv_x if float8 is None else unpack_float8(recv_x, float8)), per_expert, handle
 
 
 @eager_under_compile
@@ -501,11 +577,12 @@ def moe_combine(y: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
 
 
 def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_experts: int, *,
-                          max_tokens_per_rank: int | None = None) -> list:
+                          max_tokens_per_rank: int | None = None, float8: str | None = None) -> list:
     """Every rank's part of ``moe_dispatch`` in this process (rank r passes ``xs[r]``,
     ``topk_idxs[r]``, ``topk_weights[r]``) over loopback symmetric buffers with the ``triton``
-    backend; returns each rank's ``(recv_x, tokens_per_expert, handle)``. Forward only: for
-    single-device benchmarks and tests of the protocol; ``moe_combine_loopback`` undoes it."""
+    backend; returns each rank's ``(recv_x, tokens_per_expert, handle)`` (``float8``: recv_x
+    the pair of fp8 rows and scales, as ``moe_dispatch``'s). Forward only: for single-device
+    benchmarks and tests of the protocol; ``moe_combine_loopback`` undoes it."""
     world = len(xs)
     op = "moe_dispatch_loopback"
     if world < 1 or len(topk_idxs) != world or len(topk_weights) != world:
@@ -521,13 +598,18 @@ def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_exp
                              f"{x.device} with k={idx.shape[1]}, rank 0 x {tuple(first.shape)} "
                              f"{first.dtype} on {first.device} with k={topk_idxs[0].shape[1]}; the "
                              "hidden size, dtype, device and k must match (T may differ)")
+    if float8 is not None:
+        xs = [pack_float8(x, float8) for x in xs]
     calls = [RoutingCall(x, idx, w, num_experts, None, world, max_tokens_per_rank)
              for x, idx, w in zip(xs, topk_idxs, topk_weights)]
     backend = DISPATCHER.select(calls[0], "triton")
     device = first.device
     with torch.no_grad():
-        return backend.run_views(lambda nbytes: get_loopback_buffers(world, nbytes, device),
-                                 list(range(world)), calls)
+        out = backend.run_views(lambda nbytes: get_loopback_buffers(world, nbytes, device),
+                                list(range(world)), calls)
+    if float8 is None:
+        return out
+    return [(unpack_float8(recv, float8), per_expert, handle) for recv, per_expert, handle in out]
 
 
 def moe_combine_loopback(ys: list, handles: list) -> list:

@@ -18,6 +18,8 @@ its experts (``pipelined``), or a row per routed copy (``fused``, ``reference``)
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -26,7 +28,8 @@ from ...errors import BackendNotSupportedError
 from ..backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from ..grouped_mm import grouped_mm
 from ..registry import register
-from .dispatch import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
+from ..scaled_grouped_mm import float8_grouped_mm
+from .dispatch import float8_cast, float8_dispatch, moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
 from .exchange import check_routing, eager_under_compile
 from .experts_call import OP, ExpertsCall, check_expert_weights
 from .experts_fused import Fused, fused_loopback
@@ -36,11 +39,20 @@ from .mlp import swiglu
 
 class Reference(Backend):
     """The unfused ops of ``moe_experts``'s docstring; with ``max_tokens_per_rank`` the
-    padded dispatch and masked grouped GEMMs (``grouped_mm(..., masked_m=)``): no host read."""
+    padded dispatch and masked grouped GEMMs (``grouped_mm(..., masked_m=)``): no host read.
+    With ``float8``: the fp8 dispatch and ``float8_grouped_mm`` (``_run_float8``)."""
 
     name = "reference"
 
+    def not_supported_reasons(self, call: ExpertsCall) -> list[str]:
+        if call.float8 is not None and call.max_tokens_per_rank is not None:
+            return ["float8 experts take no max_tokens_per_rank (scaled_grouped_mm has no masked "
+                    "layout yet)"]
+        return []
+
     def run(self, call: ExpertsCall) -> torch.Tensor:
+        if call.float8 is not None:
+            return _run_float8(call)
         num_experts = call.w13.shape[0] * dist.get_world_size(call.group)
         recv_x, tokens_per_expert, handle = moe_dispatch(
             call.x, call.topk_idx, call.topk_weights, num_experts, call.group,
@@ -53,13 +65,27 @@ class Reference(Backend):
         return moe_combine(grouped_mm(h, call.w2.transpose(1, 2), **groups), handle)
 
 
+def _run_float8(call: ExpertsCall) -> torch.Tensor:
+    """``moe_experts(..., float8=recipe)``: tokens travel as fp8 rows and scales, both expert
+    GEMMs run as ``float8_grouped_mm`` (the first on the dispatched casts as they are), the
+    outputs come back in x's dtype."""
+    num_experts = call.w13.shape[0] * dist.get_world_size(call.group)
+    recv, cast, tokens_per_expert, handle = float8_dispatch(call.x, call.topk_idx, call.topk_weights,
+                                                            num_experts, call.group, call.float8)
+    offs = tokens_per_expert.cumsum(0).to(torch.int32)
+    gemm = partial(float8_grouped_mm, offs=offs, recipe=call.float8, out_dtype=call.x.dtype)
+    h = swiglu(gemm(recv, call.w13.transpose(1, 2), a_cast=cast))
+    return moe_combine(gemm(h, call.w2.transpose(1, 2)), handle)
+
+
 DISPATCHER = Dispatcher(OP, [Pipelined(), Fused(), Reference()])
 
 
 @eager_under_compile
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, group=None, *,
-                max_tokens_per_rank: int | None = None, backend: str | None = None):
+                max_tokens_per_rank: int | None = None, float8: str | None = None,
+                backend: str | None = None):
     """The expert-parallel SwiGLU expert MLP; with every rank's tokens and experts in one
     process it is ``experts_dense(x, topk_idx, topk_weights, cat(w13s), cat(w2s))``. Here::
 
@@ -85,13 +111,32 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     (``fusedpar.ops.tuning``); ``backend=`` or ``FUSEDPAR_BACKEND`` force one.
     Under ``torch.autocast``, x, w13 and w2 are cast to its dtype first, as ``torch.matmul``'s
     inputs are (``topk_weights`` keep theirs).
+
+    ``float8="rowwise"`` (a recipe of ``fusedpar.ops.float8_scales`` whose input cast is
+    rowwise: ``"rowwise"``, torchao's float8 MoE training, or ``"rowwise_with_gw_hp"``): the
+    expert GEMMs run in fp8, as ``float8_grouped_mm`` (torchao's recipe, forward and
+    backward), and the tokens travel as fp8 rows with their scales (``moe_dispatch(...,
+    float8=)``: the first GEMM multiplies them as they arrive, no second cast); the outputs
+    come back, and the gradients go back to x, in x's dtype (bf16 or fp32). The same as::
+
+        recv, (data, scale), tokens_per_expert, handle = float8_dispatch(x, ..., float8)
+        h = swiglu(float8_grouped_mm(recv, w13.transpose(1, 2), offs, recipe=float8, a_cast=(data, scale)))
+        return moe_combine(float8_grouped_mm(h, w2.transpose(1, 2), offs, recipe=float8), handle)
+
+    Only the ``reference`` backend takes it so far (the fused backend's dispatch kernel does
+    not quantise yet; the pipelined one's exchange is bf16).
     """
     x, w13, w2 = autocast_inputs(x, w13, w2)
     group = resolve_group(group)
     check_expert_weights(OP, x, w13, w2)
     world = dist.get_world_size(group)
     check_routing(OP, x, topk_idx, topk_weights, w13.shape[0] * world, world, max_tokens_per_rank)
-    call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank)
+    if float8 is not None:
+        float8_cast(float8)  # a clear error for a recipe that cannot travel per token
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"fusedpar.{OP}: float8={float8!r} takes bf16 or fp32 x, w13, w2 (the "
+                            f"scaled GEMMs' outputs), got {x.dtype}")
+    call = ExpertsCall(x, topk_idx, topk_weights, w13, w2, group, max_tokens_per_rank, float8)
     with autocast_off(x):
         return DISPATCHER.select(call, backend or "").run(call)
 
