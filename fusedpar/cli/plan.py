@@ -11,6 +11,7 @@ Mistral, Mixtral, Qwen-MoE, GPT-2 keys), a JSON file of fusedpar's ``LlamaConfig
 
 from __future__ import annotations
 
+import json
 import sys
 
 from fusedpar.plan import plan as make_plan
@@ -78,13 +79,27 @@ def _parse_config(text: str) -> tuple[dict, bool]:
     return keys, ac
 
 
+def _dry_run_model(model: str, spec, fusedpar_config):
+    """What the dry run builds: the Hugging Face config of a ``config.json`` naming its
+    ``model_type`` (any family fusedpar's adapters know; needs transformers), else fusedpar's
+    Llama / Mixtral of the planned sizes."""
+    if model.endswith(".json"):
+        with open(model) as f:
+            data = json.load(f)
+        if "model_type" in data:
+            import transformers
+
+            return transformers.AutoConfig.for_model(**data)
+    return fusedpar_config(spec)
+
+
 def dry_runs(args, result) -> list[str]:
     """One line per ``--dry-run`` config: the fake run's peak next to the formula's."""
     from fusedpar.parallel.config import ParallelConfig
     from fusedpar.plan import Candidate, Training, estimate_memory
     from fusedpar.plan.dry_run import dry_run, fusedpar_config
 
-    config = fusedpar_config(result.model)
+    config = _dry_run_model(args.model, result.model, fusedpar_config)
     world, lines = args.gpus * args.nodes, ["", "dry runs (fake tensors, one CPU process; rank 0):"]
     for text in args.dry_run:
         keys, ac = _parse_config(text)

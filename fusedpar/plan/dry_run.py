@@ -33,7 +33,7 @@ import torch
 
 from ..comm import settings
 
-__all__ = ["DryRun", "dry_run", "fusedpar_config"]
+__all__ = ["DryRun", "dry_run", "fusedpar_config", "parameter_bytes"]
 
 
 @dataclasses.dataclass
@@ -108,6 +108,28 @@ def _build(config) -> torch.nn.Module:
         return LlamaForCausalLM(config)
 
 
+def _fake_parallelized(config, parallel, activation_checkpointing: bool = False):
+    """``(model, fake mode)``: a model of ``config`` with fake parameters, parallelized in
+    the fake world of :func:`_fake_world`."""
+    import fusedpar
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _build(config)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meshes' small tensors are real
+    with fake:
+        model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied head a Parameter of its own (fusedpar and HF models)
+    return fusedpar.parallelize(model, parallel, activation_checkpointing=activation_checkpointing,
+                                device_type="cpu"), fake
+
+
+def parameter_bytes(config, parallel, world_size: int) -> int:
+    """Rank 0's parameter bytes after ``parallelize(model of config, parallel)`` over
+    ``world_size`` fake ranks (no step: cheap for any family)."""
+    with _fake_world(world_size):
+        return _local_bytes(_fake_parallelized(config, parallel)[0].parameters())
+
+
 def dry_run(config, parallel, world_size: int, *, seq_len: int, micro_batch: int = 1,
             activation_checkpointing: bool = False, foreach: bool = False) -> DryRun:
     """Parallelize a model of ``config`` (fusedpar ``LlamaConfig`` / ``MixtralConfig`` or a
@@ -115,21 +137,13 @@ def dry_run(config, parallel, world_size: int, *, seq_len: int, micro_batch: int
     ``world_size`` fake ranks and measure one steady-state AdamW step on ``micro_batch``
     sequences of ``seq_len`` tokens per data-parallel rank. Needs torch.distributed not to
     be initialized in this process (it creates and destroys the fake group)."""
-    import fusedpar
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from ..parallel import shard_batch
 
     start = time.perf_counter()
     with _fake_world(world_size):
-        model = _build(config)
-        fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meshes' small tensors are real
-        with fake:
-            model = model.to_empty(device="cpu")
-        model.tie_weights()  # to_empty gives the tied head a Parameter of its own (fusedpar and HF models)
-        model = fusedpar.parallelize(model, parallel, activation_checkpointing=activation_checkpointing,
-                                     device_type="cpu")
+        model, fake = _fake_parallelized(config, parallel, activation_checkpointing)
         dp = model.fusedpar_config.dp
         with fake:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)

@@ -267,7 +267,7 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
 
     def held(t: Tensor) -> int:  # tensors of this stage (per-layer ones: its layers)
         if t.stage == "layer":
-            return t.count // spec.layers * layers_here
+            return t.count * layers_here // spec.layers
         return t.count if (t.stage == "first" and first) or (t.stage == "last" and last) else 0
 
     shapes = parameter_shapes(spec, cand.tp, cand.ep)

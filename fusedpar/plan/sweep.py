@@ -84,20 +84,22 @@ def candidates(spec: ModelSpec, world: int, train: Training, *, gpus_per_node: i
     ``activation_checkpointing`` says)."""
     acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
     out = []
+    axes = set(spec.axes)
     for pp in _divisors(world):
-        if pp > min(spec.layers, max_pp or spec.layers):
+        # parallelize refuses a tied head under pp (first and last stages on other ranks)
+        if pp > min(spec.layers, max_pp or spec.layers) or pp > 1 and ("pp" not in axes or spec.tie_embeddings):
             continue
         for tp in _divisors(world // pp):
-            if tp > gpus_per_node or any(n % tp for n in (spec.heads, spec.kv_heads, spec.vocab,
-                                                          spec.intermediate)):
+            if tp > gpus_per_node or tp > 1 and "tp" not in axes or any(
+                    n % tp for n in (spec.heads, spec.kv_heads, spec.vocab, spec.intermediate)):
                 continue
-            for cp in _divisors(world // (pp * tp)):
+            for cp in _divisors(world // (pp * tp)) if "cp" in axes else [1]:
                 if train.seq_len % (2 * cp) or (tp > 1 and (train.seq_len // cp) % tp):
                     continue
                 dp = world // (pp * tp * cp)
                 shards = {dp, 1} | {s for s in _divisors(dp) if s * tp * cp == gpus_per_node}
                 for shard in sorted(shards, reverse=True):
-                    for ep in (_divisors(spec.experts) if spec.moe else [1]):
+                    for ep in (_divisors(spec.experts) if spec.moe and "ep" in axes else [1]):
                         if (shard * cp * tp) % ep:
                             continue
                         for ac in acs:

@@ -52,16 +52,17 @@ def test_hf_config_keys(tmp_path):
     spec = model_spec(str(path))
     assert (spec.kv_heads, spec.head_dim, spec.name) == (8, 128, "config.json")
     assert 8.0e9 < spec.num_parameters() < 8.1e9  # Llama 3 8B: 8.03B
-    mixtral = {**llama, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}
+    mixtral = {**llama, "model_type": "mixtral", "vocab_size": 32000, "num_local_experts": 8,
+               "num_experts_per_tok": 2}
     moe = model_spec(mixtral)
     assert 46.6e9 < moe.num_parameters() < 46.8e9 and 12.8e9 < moe.active_parameters() < 13.0e9
     assert 1.55e9 < model_spec(GPT2_XL).num_parameters() < 1.56e9
     with pytest.raises(ValueError, match="missing num_hidden_layers"):
-        model_spec({"vocab_size": 8, "hidden_size": 8, "num_attention_heads": 2})
+        model_spec({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_attention_heads": 2})
 
 
 def test_each_axis_divides_what_it_shards():
-    spec = model_spec({"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 8,
+    spec = model_spec({"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 8,
                        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
                        "num_local_experts": 8, "num_experts_per_tok": 2})
     train = Training(seq_len=4096, global_batch=8)
@@ -182,10 +183,12 @@ def test_cli_dry_run(capsys, tmp_path):
     assert main(["plan", "--model", str(path), "--gpus", "4", "--seq", "32", "--global-batch", "8",
                  "--dry-run", "tp2"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
-    (tmp_path / "gpt2.json").write_text(json.dumps(GPT2_XL))
+    # another family: its Hugging Face config, through the adapter parallelize uses
+    (tmp_path / "gpt2.json").write_text(json.dumps({**GPT2_XL, "n_layer": 1, "n_embd": 64, "n_head": 4,
+                                                    "vocab_size": 96}))
     assert main(["plan", "--model", str(tmp_path / "gpt2.json"), "--gpus", "2", "--seq", "64",
-                 "--global-batch", "2", "--dry-run", "dp_shard=2"]) == 2
-    assert "Llama / Mixtral-style" in capsys.readouterr().err
+                 "--global-batch", "2", "--limit", "1", "--dry-run", "tp=2"]) == 0
+    assert any(x.strip().startswith("tp2 ") and " (formula" in x for x in capsys.readouterr().out.splitlines())
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])

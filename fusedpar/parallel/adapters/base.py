@@ -17,12 +17,14 @@ forward it describes::
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..decoder import CausalLMOutput
+from .spec import ModelSpec, hf_sizes
 
 __all__ = ["ModelAdapter", "ModelLayout", "is_hf", "is_moe"]
 
@@ -65,10 +67,24 @@ class ModelAdapter:
     :meth:`matches` and whatever of their structure or forward differs from the defaults."""
 
     family: str = "Llama-style"
+    #: The Hugging Face ``config.model_type`` values of this family (for the planner).
+    model_types: tuple[str, ...] = ()
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this adapter describes ``model`` (by its structure or config)."""
         raise NotImplementedError
+
+    # ---- what the planner needs -----------------------------------------------------------
+
+    def describes(self, config: Mapping) -> bool:
+        """Whether a model config (a mapping: Hugging Face ``config.json`` keys) is of this
+        family."""
+        return config.get("model_type") in self.model_types
+
+    def plan_spec(self, config: Mapping, name: str) -> ModelSpec:
+        """The planner's facts about a model of this family (see :class:`ModelSpec`), read
+        from its config (a mapping, as :meth:`describes` takes)."""
+        return hf_sizes(config, name)
 
     # ---- where the parts are ---------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .hf import HFAdapter, no_cache
+from .spec import hf_sizes
 
 __all__ = ["Gemma2Adapter"]
 
@@ -28,6 +29,11 @@ class Gemma2Adapter(HFAdapter):
     def __init__(self):
         super().__init__("Gemma2ForCausalLM (embedding scale, soft-capped logits, sliding "
                          "windows)", ("gemma2",))
+
+    def plan_spec(self, config, name):
+        """Four norms per layer, a head_dim of its own, the head tied by default."""
+        return hf_sizes(config, name, layer_norms=4,
+                        tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
     def embed(self, model, input_ids, position_ids):
         embedding = self.embedding(model)

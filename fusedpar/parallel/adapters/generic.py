@@ -19,7 +19,9 @@ class LlamaStyleAdapter(HFAdapter):
     structure or outer forward differs from Llama's."""
 
     def __init__(self):
-        super().__init__("any other model with Llama's layout and forward (found by structure)", ())
+        # the planner reads these configs with Llama's keys
+        super().__init__("any other model with Llama's layout and forward (found by structure)",
+                         ("mistral",))
 
     def matches(self, model: nn.Module) -> bool:
         return True
@@ -38,9 +40,12 @@ class LlamaStyleAdapter(HFAdapter):
         scaled or soft-capped logits (Cohere, Granite). Found by running the model's forward
         with its layers taken out on four tokens, in eval mode and without the router aux
         loss, and comparing what reaches ``model.norm`` and what leaves ``lm_head`` with
-        what the parallelized forward computes. Models on the meta device are not run."""
+        what the parallelized forward computes. Models on the meta device or of fake tensors
+        (a dry run) are not run."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
         first = next(model.parameters(), None)
-        if first is None or first.is_meta:
+        if first is None or first.is_meta or isinstance(first, FakeTensor):
             return []
         inner, config = model.model, getattr(model, "config", None)
         layers, training = inner.layers, model.training

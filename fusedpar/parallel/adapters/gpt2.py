@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ...nn.linear import TPLinear, copy_to_tp, local
 from ...ops import all_gather_matmul, matmul_reduce_scatter
 from .base import ModelLayout
+from .spec import ModelSpec
 from .hf import HFAdapter
 
 __all__ = ["Conv1DParallel", "GPT2Adapter"]
@@ -153,6 +154,16 @@ class GPT2Adapter(HFAdapter):
         super().apply_vocab_parallel(model, tp_mesh, backend)
         if model.transformer.wpe is not None:
             sync_replicated_grads(model.transformer.wpe, tp_mesh)
+
+    def plan_spec(self, config, name):
+        """GPT-2's keys (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``, ``n_positions``);
+        the head tied by default, the fused q/k/v whole on every tp rank."""
+        hidden, heads = config["n_embd"], config["n_head"]
+        return ModelSpec(
+            name=name, vocab=config["vocab_size"], hidden=hidden, layers=config["n_layer"], heads=heads,
+            kv_heads=heads, head_dim=hidden // heads, intermediate=config.get("n_inner") or 4 * hidden,
+            tie_embeddings=bool(config.get("tie_word_embeddings", True)), mlp="gelu", norm="layer",
+            linear_bias=True, positions=config.get("n_positions", 1024), attention="fused_qkv")
 
     def layout(self, model):
         config, layers = model.config, self.layers(model)

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .base import ModelAdapter, ModelLayout, is_hf
+from .spec import AXES, hf_sizes
 
-__all__ = ["HFAdapter"]
+__all__ = ["HFAdapter", "deepseek_v3_facts", "moe_facts", "qwen_moe_facts"]
 
 
 def no_cache(mask_function) -> dict:
@@ -28,8 +29,13 @@ class HFAdapter(ModelAdapter):
     families with Llama's layout and forward differ in nothing else (see
     :data:`fusedpar.parallel.adapters.ADAPTERS`)."""
 
-    def __init__(self, family: str, model_types: tuple[str, ...]):
-        self.family, self.model_types = family, model_types
+    def __init__(self, family: str, model_types: tuple[str, ...], facts=None):
+        self.family, self.model_types, self.facts = family, model_types, facts
+
+    def plan_spec(self, config, name):
+        """Llama's keys, and what ``facts(config)`` (a dict of :class:`ModelSpec` fields)
+        says differs in this family."""
+        return hf_sizes(config, name, **(self.facts(config) if self.facts else {}))
 
     def matches(self, model: nn.Module) -> bool:
         return is_hf(model) and getattr(model.config, "model_type", None) in self.model_types
@@ -102,3 +108,36 @@ def _sliding_window(config) -> int | None:
         return None
     layer_types = getattr(config, "layer_types", None)
     return window if layer_types is None or "sliding_attention" in layer_types else None
+
+
+def moe_facts(d, intermediate: str) -> dict:
+    """The MoE fields of a Hugging Face config whose experts' intermediate size is
+    ``d[intermediate]`` (the experts' count under any of its families' names: config.json
+    files and transformers' configs name it differently)."""
+    experts = next(d[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if d.get(k))
+    return {"experts": experts, "top_k": d["num_experts_per_tok"], "expert_intermediate": d[intermediate]}
+
+
+def qwen_moe_facts(d) -> dict:
+    """Qwen2-MoE / Qwen3-MoE: ``mlp_only_layers`` dense; Qwen2-MoE's gated shared expert and
+    q/k/v biases, Qwen3-MoE's q/k norms."""
+    facts = {**moe_facts(d, "moe_intermediate_size"),
+             "dense_layers": len(d.get("mlp_only_layers") or ())}
+    if d.get("shared_expert_intermediate_size"):
+        facts.update(shared_intermediate=d["shared_expert_intermediate_size"], shared_gate=True,
+                     qkv_bias=True)
+    else:
+        facts["qk_norm"] = "head"
+    return facts
+
+
+def deepseek_v3_facts(d) -> dict:
+    """Multi-head latent attention (no tp / cp), ``first_k_dense_replace`` dense layers, then
+    routed experts beside ``n_shared_experts`` shared ones."""
+    rope, nope = d["qk_rope_head_dim"], d["qk_nope_head_dim"]
+    return {**moe_facts(d, "moe_intermediate_size"), "attention": "mla",
+            "head_dim": nope + rope, "rope_head_dim": rope, "q_lora_rank": d.get("q_lora_rank") or 0,
+            "kv_lora_rank": d["kv_lora_rank"], "v_head_dim": d["v_head_dim"],
+            "kv_heads": d["num_attention_heads"], "dense_layers": d.get("first_k_dense_replace", 0),
+            "shared_intermediate": d.get("n_shared_experts", 0) * d["moe_intermediate_size"],
+            "axes": tuple(a for a in AXES if a not in ("tp", "cp"))}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import ModelAdapter, is_hf
+from .spec import ModelSpec
 
 __all__ = ["OwnAdapter"]
 
@@ -30,6 +31,20 @@ class OwnAdapter(ModelAdapter):
         return (not is_hf(model) and isinstance(layers, nn.ModuleList) and len(layers) > 0
                 and all(isinstance(getattr(getattr(layer, "self_attn", None), "core", None), nn.Module)
                         for layer in layers))
+
+    def describes(self, config):
+        """fusedpar's LlamaConfig / MixtralConfig fields."""
+        return "num_layers" in config and "num_heads" in config
+
+    def plan_spec(self, config, name):
+        experts = config.get("num_experts", 0)
+        I = config["intermediate_size"]
+        return ModelSpec(
+            name=name, vocab=config["vocab_size"], hidden=config["hidden_size"],
+            layers=config["num_layers"], heads=config["num_heads"], kv_heads=config["num_kv_heads"],
+            head_dim=config["hidden_size"] // config["num_heads"], intermediate=I, experts=experts,
+            top_k=config.get("top_k", 0) if experts else 0, expert_intermediate=I if experts else 0,
+            tie_embeddings=config.get("tie_embeddings", False), router_unit="experts")
 
     def output(self, model, loss, logits, aux):
         """MixtralForCausalLM adds its layers' mean aux loss to the loss."""
