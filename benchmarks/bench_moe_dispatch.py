@@ -4,7 +4,8 @@ process on one GPU (loopback symmetric buffers, docs/design.md §6), with identi
     dispatched = moe_dispatch_loopback(xs, topk_idxs, topk_weights, E, max_tokens_per_rank=M)
     outs = moe_combine_loopback([recv_x for recv_x, _, _ in dispatched], handles)
 
-three ways:
+three ways (and ``test_loopback_float8``: the dispatch in fp8, ``float8="rowwise"``, with
+its row scales, the combine in bf16):
 
 - ``unpadded``: ``M=None``; the sizes come from the exchanged counts, read on the host
   (one small device-to-host copy per dispatch);
@@ -95,5 +96,42 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, record_profile, synced,
                bytes_moved=None if mode == "padded_graph" else moved,  # a replay runs no Python to count
                lower_bound=_lower_bound(case[1], EXPERTS // world, element_size), **notes)
     record_profile(OP, mode, shape, median, busy, kernels)
+    benchmark.group = f"{OP} loopback {name(shape)}"
+    benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)
+
+
+# ---- fp8 dispatch (issue 44): tokens as fp8 rows with their row scales, combine in bf16 ----------
+FP8_MODES = ["fp8_unpadded", "fp8_padded"]
+
+
+def _fp8_round_trip(xs, idxs, weights, max_tokens):
+    """The dispatch in fp8 (``float8="rowwise"``: H bytes and a 4-byte scale a row), the
+    identity experts' outputs (the dequantised rows, bf16) back in bf16."""
+    dispatched = moe_dispatch_loopback(xs, idxs, weights, EXPERTS, max_tokens_per_rank=max_tokens,
+                                       float8="rowwise")
+    ys = [(data.float() * scale[..., None]).to(DTYPE) for (data, scale), _, _ in dispatched]
+    return moe_combine_loopback(ys, [h for _, _, h in dispatched])
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_loopback_float8(benchmark, gpu, gpu_times, record_row, synced, mode, tokens):
+    world = W_LOOPBACK
+    case = _case(world, tokens, gpu)
+    fn = lambda: _fp8_round_trip(*case, None if mode == "fp8_unpadded" else tokens)  # noqa: E731
+    outs, moved = or_skip(counted, fn)
+    err = max(rel_err(out, x.float() * w.sum(1, keepdim=True)) for out, x, w in zip(outs, case[0], case[2]))
+    assert err < 5e-2, f"{mode}: relative error {err} (beyond e4m3 rounding)"
+    median, p20, p80 = gpu_times(fn)
+    key = (world, tokens)
+    notes = {"top_k": TOP_K, "experts": EXPERTS, "host_ms": f"{host_ms(fn):.2f}"}
+    bf16 = "unpadded" if mode == "fp8_unpadded" else "padded"
+    if (key, bf16) in _medians:
+        notes[f"x_{bf16}_bf16"] = f"{_medians[key, bf16] / median:.2f}"
+    shape = (world, tokens, HIDDEN)
+    crossing = _lower_bound(case[1], EXPERTS // world, 1) // (2 * HIDDEN)  # copies crossing ranks
+    record_row(OP, mode, shape, torch.float8_e4m3fn, world, median, p20, p80,
+               algo_bytes=world * tokens * TOP_K * (HIDDEN + 4 + 2 * HIDDEN), bytes_moved=moved,
+               lower_bound=crossing * (HIDDEN + 4 + 2 * HIDDEN), **notes)  # fp8 + scale there, bf16 back
     benchmark.group = f"{OP} loopback {name(shape)}"
     benchmark.pedantic(synced(fn), rounds=10, warmup_rounds=2, iterations=1)

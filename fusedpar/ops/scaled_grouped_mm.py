@@ -119,10 +119,12 @@ class Reference(Backend):
         a, b, sa, sb = call.a, call.b, call.scale_a, call.scale_b
         M, N = a.shape[-2], b.shape[-1]
         for g, (start, end) in enumerate(_ranges(call)):
+            if (call.k_grouped or call.n_grouped) and a.device.type == "cuda" and (end - start) % 16:
+                what = "K" if call.k_grouped else "columns of b"
+                raise ValueError(f"fusedpar.{OP}: group {g} spans {what} {start}:{end}, not a multiple "
+                                 "of 16 as torch._scaled_mm on CUDA needs; pad each group to a multiple "
+                                 "of 16 or use backend='triton'")
             if call.k_grouped:
-                if end > start and a.device.type == "cuda" and (end - start) % 16:
-                    raise ValueError(f"fusedpar.{OP}: group {g} spans K {start}:{end}, not a multiple "
-                                     "of 16 as torch._scaled_mm on CUDA needs; pad each group of offs")
                 pieces = (out[g], a[:, start:end], b[start:end], sa[g * M:(g + 1) * M], sb[g * N:(g + 1) * N])
             elif call.n_grouped:
                 pieces = (out[:, start:end], a[g], b[:, start:end], sa[g], sb[start:end])
