@@ -569,7 +569,7 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """One line, e.g. ``"dp_replicate=1 dp_shard=4 cp=1 tp=2 ep=1 (world 8)"`` (with
-        ``pp=2 (1F1B, 4 microbatches) `` first when pp > 1)."""
+        ``pp=2 (1F1B, 4 microbatches) `` first when pp > 1, ``float8=RECIPE`` before the world)."""
         world = self.world_size
         suffix = f"(world {world})" if world is not None else "(world: not resolved)"
         pipeline = ""
@@ -578,7 +578,7 @@ class ParallelConfig:
             pipeline = f"pp={self.pp} ({self.pp_schedule}{micro}) "
         return pipeline + (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} "
-            f"tp={self.tp} ep={self.ep} {suffix}"
+            f"tp={self.tp} ep={self.ep} " + (f"float8={self.float8} " if self.float8 else "") + suffix
         )
 
     def __str__(self) -> str:

@@ -516,6 +516,11 @@ def test_float8_keys(d, expected):
     assert ParallelConfig.from_dict(d) == ParallelConfig(**expected)
 
 
+def test_float8_describe():
+    assert ParallelConfig(float8="rowwise", dp_shard=4).describe() == \
+        "dp_replicate=1 dp_shard=4 cp=1 tp=1 ep=1 float8=rowwise (world 4)"
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(float8="rowwize"), "float8='rowwize': torchao has no such float8 recipe; choose one of "
                              "tensorwise, rowwise, rowwise_with_gw_hp (did you mean 'rowwise'?)"),
