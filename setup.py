@@ -259,7 +259,8 @@ def main() -> None:
     write_build_info(build, reason, on_purpose, archs)
     setup(
         packages=find_packages_checked(),
-        package_data={"fusedpar.ops": ["tuning_defaults.json"]},  # the default tuning table
+        # the default tuning table; the planner's measured facts (benchmarks/report.py)
+        package_data={"fusedpar.ops": ["tuning_defaults.json"], "fusedpar.plan": ["measured.json"]},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

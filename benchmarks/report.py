@@ -1,4 +1,5 @@
-"""Generate ``benchmarks/results/README.md`` (and one PNG per op family) from the CSV rows.
+"""Generate ``benchmarks/results/README.md`` (and one PNG per op family) from the CSV rows,
+and the planner's measured facts that ship with the package (``fusedpar/plan/measured.json``).
 
     python benchmarks/report.py            # rewrite README.md, draw plots/<family>.png
     python benchmarks/report.py --check    # exit 1 if README.md is not this script's output
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 from pathlib import Path
@@ -27,6 +29,8 @@ from targets import (AUTO, AUTO_OPS, AUTO_TARGET, BASELINES, FAMILIES, ROW_TARGE
                      runs_baseline)
 
 RESULTS = Path(__file__).parent / "results"
+# the planner's measured facts, shipped with the package (fusedpar.plan.speed reads them)
+PLANNER_FACTS = Path(__file__).parent.parent / "fusedpar" / "plan" / "measured.json"
 # notes that tell cases of one op and shape apart (all other notes are measurements)
 CASE_NOTES = ("mode", "causal", "routing", "top_k", "experts")
 
@@ -241,6 +245,20 @@ several GPUs.
 """
 
 
+def planner_facts(rows: dict[str, list[dict]]) -> str:
+    """The JSON the planner ships: per device, its fastest ``matmul_roofline`` row's TFLOP/s
+    and where it comes from (``fusedpar.plan.speed.measured_peak_tflops``)."""
+    best: dict[str, dict] = {}
+    for row in rows.get("matmul_roofline", []):
+        tflops = parse_notes(row.get("notes", "")).get("tflops")
+        if tflops is None or float(tflops) <= best.get(row["device"], {}).get("tflops", -1.0):
+            continue
+        best[row["device"]] = {"device": row["device"], "tflops": float(tflops),
+                               "source": f"matmul_roofline.csv {row['shape']} {row['dtype']} on "
+                                         f"{row['device']}, {row['date']}"}
+    return json.dumps({"matmul_peaks": [best[d] for d in sorted(best)]}, indent=1) + "\n"
+
+
 def merge(new: Path, results: Path) -> list[str]:
     """Append the rows of ``new/*.csv`` to ``results/`` (a new file is copied; an existing one
     must have the same header) and copy ``new/profiles/*`` over; returns what it did."""
@@ -340,19 +358,23 @@ def main(argv=None) -> int:
     parser.add_argument("--no-plots", action="store_true", help="write README.md only")
     parser.add_argument("--merge", type=Path, metavar="DIR",
                         help="first append DIR's CSV rows and profiles to the results folder")
+    parser.add_argument("--facts", type=Path, default=None,
+                        help="the planner's facts file (default: fusedpar/plan/measured.json for "
+                             "the committed results, else measured.json in --results)")
     args = parser.parse_args(argv)
+    facts = args.facts or (PLANNER_FACTS if args.results == RESULTS else args.results / "measured.json")
     if args.merge and not args.check:
         print("\n".join(merge(args.merge, args.results)))
     rows = load(args.results)
-    page = render(rows)
-    readme = args.results / "README.md"
+    outputs = {args.results / "README.md": render(rows), facts: planner_facts(rows)}
     if args.check:
-        if not readme.exists() or readme.read_text() != page:
-            print(f"{readme} is not what benchmarks/report.py generates: run it", file=sys.stderr)
-            return 1
-        return 0
-    readme.write_text(page)
-    print(f"wrote {readme}")
+        stale = [path for path, text in outputs.items() if not path.exists() or path.read_text() != text]
+        for path in stale:
+            print(f"{path} is not what benchmarks/report.py generates: run it", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     if not args.no_plots:
         try:
             for path in draw(rows, args.results / "plots"):

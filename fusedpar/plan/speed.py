@@ -5,8 +5,8 @@ The model (a roofline, per rank, summed over the step):
 - **compute** = training FLOPs / world / the device's peak matmul rate. FLOPs per token:
   ``6 x active parameters`` (forward 2, backward 4) plus causal attention
   ``6 x layers x seq x q_dim`` (``12 x .. / 2``); activation checkpointing adds one forward
-  (``x 4/3``). The peak is the best ``matmul_roofline`` row of ``benchmarks/results`` on
-  this device where one exists, else the datasheet's dense bf16 rate, labelled as such.
+  (``x 4/3``). The peak is the best measured matmul of this device where one exists
+  (package data ``measured.json``, made from ``benchmarks/results`` by ``benchmarks/report.py``), else the datasheet's dense bf16 rate, labelled as such.
   No efficiency factor below 1: the estimate is a lower bound, meant for ranking.
 - **communication per axis**, ring algorithms, bytes this rank sends at the link's bandwidth
   (an axis whose ranks sit inside one node uses NVLink, else the network; ``tp`` is
@@ -26,10 +26,9 @@ The model (a roofline, per rank, summed over the step):
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import glob
-import os
+import json
+from importlib import resources
 
 from .memory import Candidate, Training, dtype_bytes, micro_batches
 from .model import ModelSpec, parameter_shapes
@@ -79,7 +78,7 @@ class Device:
     @classmethod
     def named(cls, name: str = "H100", memory: int | None = None, **overrides) -> Device:
         """A datasheet device (``"H100"``, ``"H200"``, ``"A100"``), its peak replaced by the
-        best measured matmul row of ``benchmarks/results`` for that GPU when one exists."""
+        best measured matmul of that GPU when one exists (:func:`measured_peak_tflops`)."""
         key = next((k for k in _DATASHEET if k.lower() in name.lower()), None)
         if key is None:
             raise ValueError(f"unknown GPU {name!r}: choose one of {sorted(_DATASHEET)} or build "
@@ -94,23 +93,15 @@ class Device:
         return cls(**fields)
 
 
-def measured_peak_tflops(gpu: str, results_dir: str | None = None) -> tuple[float, str] | None:
-    """``(tflops, "file: device, date")`` of the fastest ``matmul_roofline`` row whose device
-    names ``gpu``, or None. The rows are committed in ``benchmarks/results``; installed
-    packages have none."""
-    if results_dir is None:
-        results_dir = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
-    best = None
-    for path in glob.glob(os.path.join(results_dir, "*.csv")):
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                if row.get("op") != "matmul_roofline" or gpu.lower() not in row.get("device", "").lower():
-                    continue
-                notes = dict(kv.split("=", 1) for kv in row.get("notes", "").split(";") if "=" in kv)
-                if "tflops" in notes and (best is None or float(notes["tflops"]) > best[0]):
-                    best = (float(notes["tflops"]),
-                            f"{os.path.basename(path)} {row['shape']} {row['dtype']} on {row['device']}, {row['date']}")
-    return best
+def measured_peak_tflops(gpu: str) -> tuple[float, str] | None:
+    """``(tflops, source)`` of the fastest measured matmul of a device whose name contains
+    ``gpu``, or None: the package data ``fusedpar/plan/measured.json``, which
+    ``benchmarks/report.py`` regenerates from the committed ``matmul_roofline`` rows (so an
+    installed wheel and a checkout plan the same)."""
+    facts = json.loads(resources.files(__package__).joinpath("measured.json").read_text())
+    rows = [r for r in facts["matmul_peaks"] if gpu.lower() in r["device"].lower()]
+    best = max(rows, key=lambda r: r["tflops"], default=None)
+    return None if best is None else (best["tflops"], best["source"])
 
 
 DEVICES = tuple(_DATASHEET)
