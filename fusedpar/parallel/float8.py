@@ -41,6 +41,7 @@ a bf16 config. gloo has no float8 dtype: fusedpar's FSDP all-gather moves fp8 as
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -116,32 +117,33 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
 
 def install_scale_precompute(model: nn.Module) -> None:
     """Tensorwise fp8 all-gather: torchao's ``precompute_float8_dynamic_scale_for_fsdp``
-    runs before the forward of any FSDP unit holding a float8 weight when a weight changed
-    since it last ran (so once per optimizer step, with every weight sharded)."""
+    runs before the forward of an FSDP unit holding a float8 weight that changed since it
+    last ran (so once per optimizer step, with every weight sharded: one all-reduce)."""
     from torch.distributed.fsdp import FSDPModule
 
     weights = [p for p in model.parameters()
                if isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)]
     if not weights:
         return
-    hook = _PrecomputeScales(model, weights)
+    scales = _PrecomputeScales(model, weights)
     owned = {id(w) for w in weights}
     for unit in model.modules():
-        if isinstance(unit, FSDPModule) and any(id(p) in owned for p in unit.parameters()):
-            unit.register_forward_pre_hook(hook, prepend=True)
+        if isinstance(unit, FSDPModule):
+            mine = [p for p in unit.parameters() if id(p) in owned]
+            if mine:
+                unit.register_forward_pre_hook(functools.partial(scales.refresh, mine), prepend=True)
 
 
 class _PrecomputeScales:
     def __init__(self, model: nn.Module, weights: list[torch.Tensor]):
-        self.model, self.weights, self.versions = model, weights, None
+        self.model, self.weights, self.versions = model, weights, {}
 
-    def __call__(self, module, args) -> None:
-        versions = [w._version for w in self.weights]
-        if versions != self.versions:
+    def refresh(self, weights: list[torch.Tensor], module, args) -> None:
+        """Before ``module``'s all-gather: recompute every scale if one of its ``weights``
+        changed (parameter version counters)."""
+        if any(self.versions.get(id(w)) != w._version for w in weights):
             precompute_float8_dynamic_scale_for_fsdp(self.model)
-            self.versions = versions
-
-
+            self.versions = {id(w): w._version for w in self.weights}
 
 
 class GatheredFloat8Weight(Float8TrainingTensor):
