@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import secrets
+import signal
 import tempfile
 import time
 
@@ -103,32 +104,63 @@ def root_cause(traceback_text: str) -> tuple[str, str]:
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*(: |$)")
 
 
-def _rank_failures(ctx, killed: list[int]) -> list[str]:
-    """What failed, the earliest failure first: its rank's traceback up to the root cause,
-    once, then one line per distinct root cause naming the ranks it ended."""
-    found = []
+#: What a rank raises when a peer died or stalled: a consequence, not the root cause.
+_TRANSPORT = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|DistNetworkError|"
+                        r"DistBackendError|FusedparTimeoutError|[Tt]imed out|remote process exited|"
+                        r"communicator was aborted")
+
+
+def _rank_failures(ctx, killed: list[int], exited: dict[int, float]) -> list[str]:
+    """What failed, the root cause first: the earliest rank killed by a signal, exiting
+    without a traceback, or raising something other than a transport error (its traceback
+    up to the root cause, once); then one line per other distinct cause naming its ranks;
+    the survivors' transport errors (peers gone) in one line. ``exited``: when each rank
+    was seen to exit."""
+    found = []  # (secondary, when, rank, cause line, traceback text or None)
     for rank, (proc, path) in enumerate(zip(ctx.processes, ctx.error_files)):
+        when = exited.get(rank, float("inf"))
         if os.path.exists(path):
             try:
                 with open(path, "rb") as f:
                     text = pickle.load(f)
-                found.append((os.path.getmtime(path), rank, text))
+                when = os.path.getmtime(path)
             except (OSError, EOFError, pickle.UnpicklingError) as e:
-                found.append((float("inf"), rank, f"RuntimeError: its traceback is unreadable: {e}"))
+                text = f"RuntimeError: its traceback is unreadable: {e}"
+            cause, shown = root_cause(text)
+            found.append((bool(_TRANSPORT.search(cause)), when, rank, cause, shown))
         elif rank not in killed and proc.exitcode not in (0, None):
-            found.append((float("inf"), rank, f"exited with status {proc.exitcode} without a Python "
-                                     "exception (killed by a signal or exited from native code)"))
-    found.sort(key=lambda t: (t[0], t[1]))
-    lines = []
-    if found:
-        first_rank, first_text = found[0][1], found[0][2]
-        lines += [f"rank {first_rank} (the first to fail):", root_cause(first_text)[1], ""]
+            code = proc.exitcode
+            if code < 0:
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = f"signal {-code}"
+                cause = f"was killed by {name} (exit status {code})"
+            else:
+                cause = (f"exited with status {code} without a Python exception (exited from "
+                         "native code or called os._exit)")
+            found.append((False, when, rank, cause, None))
+    if not found:
+        return ["a rank failed, and no rank left a traceback"]
+    found.sort(key=lambda t: t[:3])
+    _, _, first, cause, shown = found[0]
+    lines = [f"a rank failed: rank {first} {cause}" if cause.startswith(("was killed", "exited"))
+             else f"a rank failed: rank {first} raised {cause}"]
+    if shown is not None:
+        lines += ["", shown, ""]
     same: dict[str, list[int]] = {}  # ranks that failed the same way are named together
-    for _, rank, text in found:
-        same.setdefault(root_cause(text)[0], []).append(rank)
-    for cause, ranks in same.items():
+    for secondary, _, rank, text, _ in found:
+        same.setdefault("" if secondary and rank != first else text, []).append(rank)
+    for text, ranks in same.items():
+        if ranks == [first]:  # the first line said it
+            continue
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {sorted(ranks)}"
-        lines.append(f"{who} {cause}" if cause.startswith("exited with status") else f"{who}: {cause}")
+        if not text:
+            example = next(t[3] for t in found[1:] if t[0])
+            lines.append(f"{who} then lost {'its' if len(ranks) == 1 else 'their'} peers "
+                         f"(e.g. {example[:200]})")
+        else:
+            lines.append(f"{who} {text}" if text.startswith(("was killed", "exited")) else f"{who}: {text}")
     if killed:
         lines.append(f"ranks {killed} were killed after the failure")
     return lines
@@ -141,15 +173,19 @@ def _wait_for_ranks(ctx, timeout: float) -> str | None:
 
     deadline = time.monotonic() + timeout
     procs = ctx.processes
+    exited: dict[int, float] = {}  # on the clock of the error files' mtimes
     while True:
         codes = [p.exitcode for p in procs]
+        for rank, code in enumerate(codes):
+            if code is not None:
+                exited.setdefault(rank, time.time())
         if all(c == 0 for c in codes):
             return None
         if any(c not in (0, None) for c in codes):
             time.sleep(0.5)  # let peers that fail on their own record their tracebacks
             killed = [r for r, p in enumerate(procs) if p.is_alive()]
             _kill(procs)
-            return "a rank failed:\n\n" + "\n".join(_rank_failures(ctx, killed))
+            return "\n".join(_rank_failures(ctx, killed, exited))
         if time.monotonic() > deadline:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
             _kill(procs)
@@ -241,7 +277,11 @@ def spawn(target, spec: dict, world: int, device: str, timeout: float, name: str
 
 @contextlib.contextmanager
 def torchrun_rank(timeout: float):
-    """Join the torchrun job's default process group; yields ``(device, backend)``."""
+    """Join the torchrun job's default process group; yields ``(device, backend)``.
+
+    After a restart (``--max-restarts``) the job's store still holds the previous attempt's
+    keys, among them the dead ranks' gloo addresses (pytorch#135712): the group's keys go
+    under a prefix naming the attempt."""
     import torch.distributed as dist
 
     if torch.cuda.is_available():
@@ -250,7 +290,10 @@ def torchrun_rank(timeout: float):
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fusedpar/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
         yield device, backend
     finally:

@@ -30,7 +30,7 @@ import time
 import torch
 
 import fusedpar
-from fusedpar.cli import bounds, launch, preflight
+from fusedpar.cli import bounds, inputs, launch, preflight
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.nn.linear import local
 from fusedpar.parallel.config import KEY_ALIASES as PARALLEL_KEYS
@@ -53,6 +53,9 @@ class TrainConfig:
     lr: float = 1e-2
     seed: int = 0
     moe: bool = False
+    model: str | None = None  # a Hugging Face model folder (else fusedpar's demo model)
+    data: str | None = None  # a token file or a datasets.save_to_disk folder (else synthetic)
+    data_dtype: str = "uint16"
 
 
 #: Training keys a config file may use -> our field (ours and Axolotl's names).
@@ -94,11 +97,29 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="model and data seed (default 0)")
     p.add_argument("--moe", action="store_true", default=None,
                    help="the Mixtral-style model (MoE MLPs) instead of the Llama-style one")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="a Hugging Face model folder (config.json; with weights: fine-tune "
+                        "them, without: train from scratch) of a family parallelize supports")
+    p.add_argument("--data", metavar="PATH", default=None,
+                   help="token ids: a flat file (nanoGPT's train.bin) or a datasets.save_to_disk "
+                        "folder with an input_ids column (default: synthetic tokens)")
+    p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
+                   help="the token file's integer type (default uint16, as nanoGPT writes)")
     p.add_argument("--save", metavar="DIR",
-                   help="save a checkpoint (torch.distributed.checkpoint: model, optimizer, "
-                        "step) after the last step")
-    p.add_argument("--resume", metavar="DIR",
-                   help="load a checkpoint saved by --save and continue up to --steps")
+                   help="checkpoint into DIR/step-<n> (torch.distributed.checkpoint: model, "
+                        "optimizer, step, RNG), crash-safe, after the last step and every "
+                        "--save-every steps")
+    p.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="with --save: also checkpoint after every N steps")
+    p.add_argument("--keep", type=int, default=None, metavar="K",
+                   help="with --save: keep only the newest K complete checkpoints")
+    p.add_argument("--resume", metavar="auto|DIR",
+                   help="continue from a checkpoint up to --steps: DIR one that --save wrote "
+                        "(a step-<n> folder, or the --save folder: its newest), auto the newest "
+                        "in --save's folder (none yet: start at step 0)")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a NaN or Inf loss stops the run (default) naming the step, or skips "
+                        "that step's update")
     p.add_argument("--no-compare", action="store_true",
                    help="skip the single-process run at the end")
     p.add_argument("--metrics", metavar="FILE",
@@ -187,6 +208,13 @@ def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, lis
     if not given & set(DEGREES):
         base = dataclasses.replace(base, **(DEFAULT_PARALLEL_MOE if tcfg.moe else DEFAULT_PARALLEL))
     pcfg = dataclasses.replace(base, **flags).validate(world)
+    if tcfg.model:
+        if tcfg.moe:
+            raise SystemExit("fusedpar train: --moe picks fusedpar's demo MoE model; with --model "
+                             "the folder's config.json says what the model is: drop --moe")
+        tcfg.model = os.path.abspath(tcfg.model)
+    if tcfg.data:
+        tcfg.data = os.path.abspath(tcfg.data)
     for field in ("steps", "batch_size", "seq_len"):
         if getattr(tcfg, field) < 1:
             raise SystemExit(f"fusedpar train: {field}={getattr(tcfg, field)} must be at least 1")
@@ -198,16 +226,23 @@ def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, lis
 
 
 def model_config(tcfg: TrainConfig):
+    if tcfg.model:
+        return inputs.hf_config(tcfg.model)
     return MixtralConfig() if tcfg.moe else LlamaConfig()
 
 
 def model_name(tcfg: TrainConfig) -> str:
+    if tcfg.model:
+        return f"{type(model_config(tcfg)).__name__.removesuffix('Config')} (from {tcfg.model})"
     return "Mixtral-style MoE" if tcfg.moe else "Llama-style"
 
 
 def build_model(tcfg: TrainConfig, device, config=None) -> torch.nn.Module:
     """fusedpar's Llama (Mixtral for a ``MixtralConfig``) of ``config``, by default the
-    demo's (``model_config``), initialized from ``tcfg.seed``."""
+    demo's (``model_config``), initialized from ``tcfg.seed``; with ``tcfg.model`` (and no
+    ``config``) that folder's Hugging Face model."""
+    if tcfg.model and config is None:
+        return inputs.load_model(tcfg.model, tcfg.seed, device)
     config = config or model_config(tcfg)
     cls = MixtralForCausalLM if isinstance(config, MixtralConfig) else LlamaForCausalLM
     return cls(config, device=device, seed=tcfg.seed)
@@ -276,20 +311,86 @@ class Progress:
             print(flush=True)
 
 
-def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = None):
+def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = None,
+               on_nonfinite: str = "stop"):
     """One AdamW step on the causal-LM loss of ``input_ids`` (the labels are the inputs;
     the model shifts them); returns the loss (the global batch's mean token loss).
-    ``memory`` (a dict) receives :func:`state_bytes` while the gradients still exist."""
+    ``memory`` (a dict) receives :func:`state_bytes` while the gradients still exist. A NaN
+    or Inf loss (the same on every rank) raises ``FloatingPointError``, or with
+    ``on_nonfinite="skip"`` leaves the parameters and the optimizer as they were."""
     if hasattr(model, "step"):  # pipeline parallel: forward and backward in one call
         loss = model.step(input_ids, input_ids)
     else:
         loss = model(input_ids, labels=input_ids).loss
         loss.backward()
+    loss = loss.detach()
+    if not torch.isfinite(loss):
+        optimizer.zero_grad()
+        if on_nonfinite != "skip":
+            raise FloatingPointError(f"the loss is {float(loss)}")
+        return loss
     optimizer.step()
     if memory is not None:
         memory.update(state_bytes(model, optimizer))
     optimizer.zero_grad()
-    return loss.detach()
+    return loss
+
+
+def rng_states(rank: int, device) -> dict[str, torch.Tensor]:
+    """This rank's random-number generator states, as checkpoint entries of its own."""
+    out = {f"rng/{rank}/cpu": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def resume(path: str, model, optimizer, rank: int, device) -> int:
+    """Load the checkpoint ``path`` (DCP reshards it to this run's layout) and this rank's
+    RNG states when it has them (saved at the same world size); returns its step."""
+    import torch.distributed.checkpoint as dcp
+
+    from fusedpar.parallel import checkpoint
+
+    saved = set(dcp.FileSystemReader(checkpoint.readable(path)).read_metadata().state_dict_metadata)
+    rng = {k: v.clone() for k, v in rng_states(rank, device).items() if k in saved}
+    extra = {"step": torch.zeros((), dtype=torch.int64), **rng}
+    checkpoint.load(path, model, optimizer, extra=extra)
+    for key in rng:
+        if key.endswith("/cuda"):
+            torch.cuda.set_rng_state(extra[key], device)
+        else:
+            torch.set_rng_state(extra[key])
+    return int(extra["step"])
+
+
+def save_step(folder: str, done: int, model, optimizer, rank: int, device, keep: int | None) -> str:
+    """Checkpoint after ``done`` steps into ``folder/step-<done>``, then (rank 0) delete all
+    but the newest ``keep``; a failed write names the newest complete checkpoint left."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fusedpar.parallel import checkpoint
+
+    path = checkpoint.step_path(folder, done)
+    try:
+        checkpoint.save(path, model, optimizer,
+                        extra={"step": torch.tensor(done), **rng_states(rank, device)})
+    except (Exception, CheckpointException) as e:
+        kept = checkpoint.complete_steps(folder)
+        raise RuntimeError(f"saving step {done} into {path} failed ({_cause(e)}); the newest "
+                           f"complete checkpoint is {kept[-1][1] if kept else 'none'}: make room "
+                           "there and rerun with --resume auto") from e
+    if rank == 0 and keep:
+        checkpoint.prune(folder, keep)
+    return path
+
+
+def _cause(e: BaseException) -> str:
+    """The first underlying error of ``e`` (DCP's ``CheckpointException`` holds one per rank)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    return f"{type(e).__name__}: {e}"
 
 
 def train_rank(group, device, spec: dict) -> dict:
@@ -297,24 +398,22 @@ def train_rank(group, device, spec: dict) -> dict:
     the single-process run. Rank 0's result is the report's data."""
     import torch.distributed as dist
 
-    from fusedpar.parallel import checkpoint
-
     pcfg = fusedpar.ParallelConfig(**spec["parallel"])
     tcfg = TrainConfig(**spec["train"])
     rank = dist.get_rank(group)
     vocab = model_config(tcfg).vocab_size
     model = parallel_model(tcfg, pcfg, device)
+    global_batch = (inputs.Batches(inputs.open_data(tcfg.data, tcfg.data_dtype), tcfg.batch_size,
+                                   tcfg.seq_len) if tcfg.data
+                    else lambda step: synthetic_batch(tcfg, vocab, step))
 
     def batches(step):  # this data-parallel rank's rows of the global batch
-        return fusedpar.parallel.shard_batch(synthetic_batch(tcfg, vocab, step),
-                                             model.fusedpar_mesh).to(device)
+        return fusedpar.parallel.shard_batch(global_batch(step), model.fusedpar_mesh).to(device)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr)
     first = 0
-    if spec.get("resume"):  # DCP: reshards to this run's layout
-        saved = {"step": torch.zeros((), dtype=torch.int64)}
-        checkpoint.load(spec["resume"], model, optimizer, extra=saved)
-        first = int(saved["step"])
+    if spec.get("resume"):
+        first = resume(spec["resume"], model, optimizer, rank, device)
         if first >= tcfg.steps:
             raise ValueError(f"the checkpoint in {spec['resume']} is at step {first}: ask for "
                              f"more steps (--steps > {first}) to continue")
@@ -324,7 +423,8 @@ def train_rank(group, device, spec: dict) -> dict:
     routed = bounds.RoutedRows(model, pcfg.param_dtype)
     progress = Progress(tcfg.steps, enabled=rank == 0)
     tokens = tcfg.batch_size * tcfg.seq_len
-    record = {"losses": [], "seconds": [], "comm": []}
+    record = {"losses": [], "seconds": [], "comm": [], "skipped": [], "saved": []}
+    every = spec.get("save_every") or tcfg.steps
     for step in range(first, tcfg.steps):
         start = time.perf_counter()
         mem = {}
@@ -332,10 +432,16 @@ def train_rank(group, device, spec: dict) -> dict:
             torch.cuda.reset_peak_memory_stats()
         routed.start()
         with fusedpar.comm.count_bytes() as counter:
-            loss = train_step(model, optimizer, batches(step), mem)
+            try:
+                loss = train_step(model, optimizer, batches(step), mem, spec.get("on_nonfinite", "stop"))
+            except FloatingPointError as e:
+                raise FloatingPointError(f"step {step + 1}, rank {rank}: {e}; the run stops here "
+                                         "(--on-nonfinite skip skips such steps)") from None
         elapsed = time.perf_counter() - start
         record["losses"].append(float(loss))  # the global batch's: the same on every rank
         record["seconds"].append(elapsed)
+        if not torch.isfinite(loss):
+            record["skipped"].append(step + 1)
         comm = {op: 0 for op in static}
         for (op, _), n in counter.by_op().items():
             comm[op] = comm.get(op, 0) + n
@@ -343,21 +449,24 @@ def train_rank(group, device, spec: dict) -> dict:
         moe = routed.bounds(set(comm)) if pcfg.pp == 1 else {}  # the last step's are reported
         record["lower_bounds"] = {**static, **{op: bound for op, (bound, _) in moe.items()}}
         record["per_copy_bytes"] = {op: copies for op, (_, copies) in moe.items()}
-        record["state_bytes"] = mem
+        record["state_bytes"] = mem or record.get("state_bytes", {})
         record["peak_bytes"] = (torch.cuda.max_memory_allocated() if torch.device(device).type == "cuda"
                                 else None)
+        note = "  (not finite: step skipped)" if step + 1 in record["skipped"] else ""
         progress.update(step, f"loss {record['losses'][-1]:.4f}  {tokens / elapsed:,.0f} tok/s  "
-                              f"params+grads+optimizer {_fmt_bytes(sum(mem.values()))}/rank")
+                              f"params+grads+optimizer {_fmt_bytes(sum(record['state_bytes'].values()))}"
+                              f"/rank{note}")
+        if spec.get("save") and ((step + 1) % every == 0 or step + 1 == tcfg.steps):
+            record["saved"].append(save_step(spec["save"], step + 1, model, optimizer, rank, device,
+                                             spec.get("keep")))
     progress.close()
-    if spec.get("save"):
-        checkpoint.save(spec["save"], model, optimizer, extra={"step": torch.tensor(tcfg.steps)})
     result = {"first_step": first, **record,
               "parameters": sum(p.numel() for p in build_model(tcfg, "meta").parameters())}
     if rank == 0 and spec["compare"]:
         print("single-process run of the same seed ...", flush=True)
         single = build_model(tcfg, device)
         opt = torch.optim.AdamW(single.parameters(), lr=tcfg.lr)
-        ref = [float(train_step(single, opt, synthetic_batch(tcfg, vocab, step).to(device)))
+        ref = [float(train_step(single, opt, global_batch(step).to(device)))
                for step in range(tcfg.steps)]
         result["reference_losses"] = ref[first:]
     return result
@@ -432,9 +541,75 @@ def report(result: dict, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig) -> li
     return lines
 
 
+def _usage_problem(args) -> str | None:
+    """Flags that make no sense together."""
+    if args.save_every is not None and args.save_every < 1 or args.keep is not None and args.keep < 1:
+        return "--save-every and --keep must be at least 1"
+    if not args.save and (args.save_every or args.keep or args.resume == "auto"):
+        return ("--save-every, --keep and --resume auto act on the --save folder: give "
+                "--save DIR")
+    return None
+
+
+def resume_path(resume: str | None, save: str | None) -> tuple[str | None, str | None]:
+    """``(the checkpoint --resume names, a problem)``: ``auto`` the newest complete one in
+    ``save`` (None while there is none); a ``--save`` folder its newest; a folder that a
+    crashed save left incomplete is a problem."""
+    from fusedpar.parallel import checkpoint
+
+    if not resume:
+        return None, None
+    folder = save if resume == "auto" else os.path.abspath(resume)
+    steps = checkpoint.complete_steps(folder)
+    if steps:
+        return steps[-1][1], None
+    if resume == "auto":
+        return None, None
+    if os.path.isdir(folder) and any(os.scandir(folder)):
+        try:
+            checkpoint.readable(folder)
+        except checkpoint.IncompleteCheckpointError as e:
+            return None, f"--resume {resume}: {e}"
+    return folder, None
+
+
+def save_problem(folder: str, tcfg: TrainConfig) -> str | None:
+    """Why ``--save folder`` would fail at the first checkpoint: not writable (a probe
+    write), or less free space than one checkpoint (fp32 weights and two AdamW moments)."""
+    import shutil
+
+    probe = os.path.join(folder, f".fusedpar-probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+        os.unlink(probe)
+    except OSError as e:
+        return f"--save {folder}: cannot write there ({type(e).__name__}: {e}); choose a folder you can write"
+    need = 12 * sum(p.numel() for p in build_model(tcfg, "meta").parameters())
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        return (f"--save {folder}: one checkpoint needs about {_fmt_bytes(need)} and only "
+                f"{_fmt_bytes(free)} is free there; make room or choose another folder")
+    return None
+
+
+def run_spec(args, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, resume: str | None) -> dict:
+    """What every rank's :func:`train_rank` is given (JSON-able)."""
+    return {"parallel": dataclasses.asdict(pcfg), "train": dataclasses.asdict(tcfg),
+            "save": args.save and os.path.abspath(args.save), "save_every": args.save_every,
+            "keep": args.keep, "resume": resume, "on_nonfinite": args.on_nonfinite,
+            "compare": not args.no_compare}
+
+
 def run(args, parser) -> int:
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    usage = _usage_problem(args)
+    if usage:
+        parser.error(usage)
     torchrun = launch.under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or DEFAULT_WORLD)
     try:
@@ -442,20 +617,28 @@ def run(args, parser) -> int:
     except fusedpar.ParallelConfigError as e:
         print(f"fusedpar train: {e}", file=sys.stderr)
         return 2
-    spec = {"parallel": dataclasses.asdict(pcfg), "train": dataclasses.asdict(tcfg),
-            "save": args.save and os.path.abspath(args.save),
-            "resume": args.resume and os.path.abspath(args.resume),
-            "compare": not args.no_compare}
+    save = args.save and os.path.abspath(args.save)
+    resume, problem = resume_path(args.resume, save)
+    spec = run_spec(args, pcfg, tcfg, resume)
     # what would fail on every rank after the model is built fails here, once
-    problem = preflight.backend_problem() or (args.resume and preflight.resume_problem(
-        args.resume, tcfg, build_model, model_name))
+    problem = (problem or preflight.backend_problem()
+               or (tcfg.model and inputs.model_problem(tcfg.model))
+               or (tcfg.data and inputs.data_problem(tcfg.data, tcfg.data_dtype,
+                                                     model_config(tcfg).vocab_size,
+                                                     tcfg.batch_size, tcfg.seq_len))
+               or (resume and preflight.resume_problem(resume, tcfg, build_model, model_name))
+               or (save and save_problem(save, tcfg)))
     if problem:
         print(f"fusedpar train: {problem}", file=sys.stderr)
         return 2
     header = [f"fusedpar train: {model_name(tcfg)} model, {pcfg}, {tcfg.steps} steps of "
-              f"{tcfg.batch_size} x {tcfg.seq_len} tokens, seed {tcfg.seed}"]
+              f"{tcfg.batch_size} x {tcfg.seq_len} tokens "
+              f"({f'from {tcfg.data}' if tcfg.data else 'synthetic'}), seed {tcfg.seed}"]
     if ignored:
         header.append(f"  (config keys not used by fusedpar train, ignored: {', '.join(ignored)})")
+    if args.resume:
+        header.append(f"  resuming from {resume}" if resume else
+                      f"  --resume auto: no checkpoint in {save} yet, starting at step 0")
     if torchrun:
         import torch.distributed as dist
 
