@@ -4,6 +4,7 @@ ranks loads at dp_shard=2 on 2 ranks and continues with the same losses; the ful
 dict loads into the plain Hugging Face model and gives its loss."""
 
 import copy
+import logging
 import os
 
 import pytest
@@ -51,7 +52,13 @@ def _save_then_continue_steps(path: str) -> list[float]:
     # the full state dict loads into the plain Hugging Face model and gives its loss
     import transformers
 
-    state = checkpoint.full_state_dict(model)
+    # quietly: torch's "2 sequential all_gather operations" warning on every rank is dropped
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    gathered = StateDictOptions(full_state_dict=True)
+    assert _sequential_warnings(lambda: get_model_state_dict(model, options=gathered)) == 1
+    state = {}
+    assert _sequential_warnings(lambda: state.update(checkpoint.full_state_dict(model))) == 0
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"],
         num_hidden_layers=TINY["num_layers"], num_attention_heads=TINY["num_heads"],
@@ -64,6 +71,24 @@ def _save_then_continue_steps(path: str) -> list[float]:
     torch.testing.assert_close(hf(input_ids=ids, labels=labels).loss, plain(ids, labels=labels).loss,
                                rtol=1e-5, atol=1e-6)
     return losses[0]
+
+
+def _sequential_warnings(fn) -> int:
+    """How many of DTensor's "N sequential ... operations" warnings ``fn()`` logs (torch
+    warns once per mesh and process: its memo is emptied first)."""
+    from torch.distributed.tensor import _redistribute
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(_redistribute.__name__)
+    _redistribute._warned_flatten_issues.clear()
+    logger.addHandler(handler)
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+    return sum("sequential" in m for m in seen)
 
 
 def _load_resharded(path: str) -> list[float]:
