@@ -29,8 +29,10 @@ FSDP2 all-gathers the converted weights in fp8 (``float8_all_gather``, default):
   column amax all-reduced over the shard group; ``rowwise_with_gw_hp``: one scale), so
   the numbers are torchao's ``Float8Linear``'s. The forward's fp8 weight is kept for
   nothing: each layer is re-gathered for backward, which needs FSDP2 to reshard it after
-  forward (the decoder layers' units; not under pp or activation checkpointing, where
-  rowwise weights are gathered in ``param_dtype`` and cast by torchao as without FSDP).
+  forward (the decoder layers' units; under pp a unit that torch's pipelining keeps
+  unsharded after a backward is resharded before its next forward). Not under activation
+  checkpointing (the recomputed forward runs in backward): there rowwise weights are
+  gathered in ``param_dtype`` and cast by torchao as without FSDP.
 
 Master weights, gradients (reduce-scatter in ``reduce_dtype``), optimizer state and
 checkpoints stay in high precision: a float8 run's DCP checkpoint loads into a float8 or
@@ -62,7 +64,7 @@ try:
 except ImportError as e:  # the fp8 extra is not installed
     raise ImportError(f"float8 training needs torchao ({e}): {INSTALL_HINT}") from None
 
-__all__ = ["Float8LinearGatheredRowwise", "RowwiseFloat8Weight", "convert", "install_scale_precompute"]
+__all__ = ["Float8LinearGatheredRowwise", "RowwiseFloat8Weight", "convert", "install_hooks"]
 
 aten = torch.ops.aten
 
@@ -104,7 +106,7 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
         raise ParallelConfigError(
             f"float8={cfg.float8!r}: no linear layer to convert (the head, layers whose dims are "
             f"not multiples of 16 and float8_exclude={cfg.float8_exclude} are left out)")
-    if not tensorwise and cfg.float8_all_gather and cfg.pp == 1 and not activation_checkpointing:
+    if not tensorwise and cfg.float8_all_gather and not activation_checkpointing:
         for layer in layers:
             for module in layer.modules():
                 if isinstance(module, Float8Linear):
@@ -115,23 +117,35 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
                         requires_grad=module.weight.requires_grad)
 
 
-def install_scale_precompute(model: nn.Module) -> None:
-    """Tensorwise fp8 all-gather: torchao's ``precompute_float8_dynamic_scale_for_fsdp``
-    runs before the forward of an FSDP unit holding a float8 weight that changed since it
-    last ran (so once per optimizer step, with every weight sharded: one all-reduce)."""
+def install_hooks(model: nn.Module) -> None:
+    """Forward pre-hooks on the FSDP units of a parallelized ``model`` (prepended: they run
+    before FSDP2's all-gather). Tensorwise fp8 all-gather: torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` when one of the unit's float8 weights
+    changed since it last ran (so once per optimizer step, every weight sharded: one
+    all-reduce). Rowwise: ``unit.reshard()`` when the unit is still unsharded from a
+    backward (torch's pipelining keeps units unsharded across microbatches), so FSDP2
+    gathers the forward's cast again."""
     from torch.distributed.fsdp import FSDPModule
 
     weights = [p for p in model.parameters()
-               if isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)]
-    if not weights:
-        return
+               if isinstance(getattr(p, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+               and not isinstance(p._local_tensor, RowwiseFloat8Weight)]
     scales = _PrecomputeScales(model, weights)
     owned = {id(w) for w in weights}
     for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            mine = [p for p in unit.parameters() if id(p) in owned]
-            if mine:
-                unit.register_forward_pre_hook(functools.partial(scales.refresh, mine), prepend=True)
+        if not isinstance(unit, FSDPModule):
+            continue
+        mine = [p for p in unit.parameters() if id(p) in owned]
+        if mine:
+            unit.register_forward_pre_hook(functools.partial(scales.refresh, mine), prepend=True)
+        rowwise = [m for m in unit.modules() if isinstance(m, Float8LinearGatheredRowwise)]
+        if rowwise:
+            unit.register_forward_pre_hook(functools.partial(_regather_for_forward, rowwise), prepend=True)
+
+
+def _regather_for_forward(linears: list[nn.Module], unit, args) -> None:
+    if any(isinstance(m.weight, GatheredFloat8Weight) and m.weight._axiswise_dim != -1 for m in linears):
+        unit.reshard()
 
 
 class _PrecomputeScales:

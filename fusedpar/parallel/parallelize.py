@@ -119,7 +119,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
                         activation_checkpointing=activation_checkpointing, backend=backend,
                         tp_group=tp_group, dp_group=get_submesh(mesh, "dp").get_group() if cfg.dp > 1 else None)
         if float8 is not None:
-            float8.install_scale_precompute(model)
+            float8.install_hooks(model)
         model.fusedpar_mesh, model.fusedpar_config = mesh, cfg
         return model
     router_aux = None
@@ -128,7 +128,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     apply_all(model, adapter, layout.layers, cfg, mesh, ep_mesh,
               activation_checkpointing=activation_checkpointing, backend=backend)
     if float8 is not None:
-        float8.install_scale_precompute(model)
+        float8.install_hooks(model)
     dp_cp = get_submesh(mesh, "dp_cp").get_group().group_name
     model._fusedpar_plan = Plan(adapter, cfg, mesh, tp_group,
                                 mesh["cp"].get_group().group_name if cfg.cp > 1 else None,

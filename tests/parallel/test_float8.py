@@ -189,7 +189,8 @@ def _train(model, opt, data) -> list[float]:
 @pytest.mark.timeout(600)
 def test_float8_fsdp_matches_torchao_single_process(pools):
     cases = [("tensorwise", dict(dp_shard=4)), ("rowwise", dict(dp_shard=4)),
-             ("rowwise_with_gw_hp", dict(dp_shard=4)), ("tensorwise", dict(pp=2, dp_shard=2))]
+             ("rowwise_with_gw_hp", dict(dp_shard=4)), ("tensorwise", dict(pp=2, dp_shard=2)),
+             ("rowwise", dict(pp=2, dp_shard=2))]
     assert pools(4).run(_check_float8_matches_torchao, cases, MATCH_STEPS, timeout=500) == [True] * 4
 
 
