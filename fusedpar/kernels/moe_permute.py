@@ -14,6 +14,8 @@ contiguous buffer, and the inverse: a weighted sum of each token's k rows.
   slot after the counts, which the MoE exchanges send along with them (the ids are never read
   on the host).
 - ``gather_rows_kernel``: ``out[pos[i]] = x[i // k] (* w[i])`` for every kept copy ``i``.
+- ``gather_rows_float8_kernel``: the same gather casting each copy to fp8 on the way (a
+  float8 dispatch's rows: the fp8 bytes, then the fp32 scale's bytes, as uint8).
 - ``combine_rows_kernel``: ``out[t] = sum_j w[t, j] * y[pos[t*k + j]]`` in fp32: each
   program owns its output tile, so no atomics and a deterministic sum.
 The row kernels take a 2-D grid (row blocks x column blocks of BLOCK_H): a decode-sized
@@ -127,6 +129,56 @@ def gather_rows_kernel(x_ptr, pos_ptr, w_ptr, out_ptr, n, H, k,
 
 
 @triton.jit
+def _round_to_fp8_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``v`` (fp32, within the fp8 range) rounded to the nearest fp8 value, ties to even: a
+    multiple of the ulp of its binade (2^(exponent - MANTISSA), subnormals below MIN_EXP)."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    ulp = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    t = tl.abs(v) / ulp  # exact: a power of 2
+    r = tl.floor(t + 0.5)
+    r = tl.where((r - t == 0.5) & (r % 2 == 1), r - 1, r)
+    return tl.where(v < 0, -r, r) * ulp
+
+
+@triton.jit
+def gather_rows_float8_kernel(x_ptr, pos_ptr, out_ptr, n, H, k, FP8_MAX: tl.constexpr,
+                              E5M2: tl.constexpr, POW2: tl.constexpr, RTNE: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row ``pos[i]`` of ``out [rows, H + 4]`` (uint8) = copy i's token ``x[i // k]`` cast as
+    ``float8_scales.quantize(x, dtype, -1, POW2)`` casts it: its H fp8 bytes, then the bytes
+    of its fp32 scale (the reciprocal of the multiplier, little-endian). One program owns
+    BLOCK_R copies and walks H twice: the row's amax, then the cast (round to nearest even,
+    saturating, as torch casts; ``RTNE``: rounded explicitly first, for the interpreter, whose
+    fp8 cast does not round so)."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pos = tl.load(pos_ptr + i, mask=i < n, other=-1)
+    keep = pos >= 0
+    src = (i // k).to(tl.int64) * H
+    dst = pos.to(tl.int64) * (H + 4)
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        row = tl.load(x_ptr + src[:, None] + h[None, :], mask=keep[:, None] & (h < H)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(row.to(tl.float32)), axis=1))
+    # torchao's amax_to_scale: the division in fp64, then fp32; a power of 2 by its exponent bits
+    s = (FP8_MAX / tl.maximum(amax.to(tl.float64), 1e-12)).to(tl.float32)
+    if POW2:
+        s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = keep[:, None] & (h < H)[None, :]
+        row = tl.load(x_ptr + src[:, None] + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(row * s[:, None], -FP8_MAX), FP8_MAX)
+        if RTNE:  # the interpreter's fp8 cast does not round to nearest even: round first
+            q = _round_to_fp8_grid(q, 2 if E5M2 else 3, -14 if E5M2 else -6)
+        q = q.to(tl.float8e5) if E5M2 else q.to(tl.float8e4nv)
+        tl.store(out_ptr + dst[:, None] + h[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
+    bits = tl.math.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), s).to(tl.int32, bitcast=True)
+    for b in tl.static_range(4):
+        tl.store(out_ptr + dst + H + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8), mask=keep)
+
+
+@triton.jit
 def combine_rows_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, T, H, k,
                         WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -184,6 +236,24 @@ def gather_rows(x: torch.Tensor, pos: torch.Tensor, k: int, rows: int,
     return out
 
 
+def gather_rows_float8(x: torch.Tensor, pos: torch.Tensor, k: int, rows: int, dtype: torch.dtype,
+                       pow2: bool) -> torch.Tensor:
+    """``gather_rows`` casting each copy to fp8 ``dtype`` (one scale per row, rounded down to
+    a power of 2 if ``pow2``): ``[rows, H + 4]`` uint8, each row the fp8 bytes then the fp32
+    scale's (``ops.moe.exchange.pack_float8``'s layout); rows no copy lands on are zero.
+    ``x`` contiguous ``[T, H]``. On CUDA compute capability 8.9+ (Triton has no e4m3 cast
+    before)."""
+    H = x.shape[1]
+    out = x.new_zeros(rows, H + 4, dtype=torch.uint8)
+    n = pos.numel()
+    if n:
+        cfg = row_blocks()
+        gather_rows_float8_kernel[(max(1, cdiv(n, cfg["BLOCK_R"])),)](
+            x, pos, out, n, H, k, FP8_MAX=torch.finfo(dtype).max, E5M2=dtype == torch.float8_e5m2,
+            POW2=pow2, RTNE=interpreting(), **cfg)
+    return out
+
+
 def combine_rows(y: torch.Tensor, pos: torch.Tensor, k: int, tokens: int,
                  weights: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
     """``out[t] = sum_j weights[t*k+j] * y[pos[t*k+j]]`` (dropped copies add nothing),
@@ -216,8 +286,11 @@ AOT_EXAMPLES = [
        {"num_warps": SORT_WARPS}) for e_pad in (8, 128, 256)],
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),
     (gather_rows_kernel, _ROW_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=False)),
-    # a float8 dispatch's rows: fp8 bytes and their scale as uint8 (moe_dispatch(float8=))
-    (gather_rows_kernel, dict(_ROW_SIG, x_ptr="*u8", out_ptr="*u8"), dict(ROW_BLOCK_GPU, WEIGHTED=False)),
+    # a float8 dispatch's rows: the fp8 bytes and their scale, as uint8 (moe_dispatch(float8=))
+    *[(gather_rows_float8_kernel, {"x_ptr": f"*{t}", "pos_ptr": "*i32", "out_ptr": "*u8", "n": "i32",
+                                   "H": "i32", "k": "i32"},
+       dict(ROW_BLOCK_GPU, FP8_MAX=448.0, E5M2=False, POW2=True, RTNE=False), {"arch": 90})
+      for t in ("bf16", "fp32")],  # Triton casts to e4m3 from sm_89 on (ops.moe: torch's cast before)
     (combine_rows_kernel, _COMBINE_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=True)),
     (combine_rows_kernel, _COMBINE_SIG, dict(ROW_BLOCK_GPU, WEIGHTED=False)),
 ]

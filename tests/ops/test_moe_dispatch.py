@@ -12,6 +12,7 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import get_buffer, get_loopback_buffers, layout
 from fusedpar.kernels import moe_dispatch as dispatch_kernels
+from fusedpar.kernels import moe_permute as permute_kernels
 from fusedpar.ops import float8_scales
 from fusedpar.ops import protocol as C
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
@@ -416,3 +417,24 @@ def test_float8_dispatch_refuses_a_tensorwise_cast():
     with pytest.raises(ValueError, match=r"float8='tensorwise' casts the input with one scale per tensor.*'rowwise'"):
         moe_dispatch_loopback([torch.zeros(2, 16)] * 2, [torch.zeros(2, 1, dtype=torch.long)] * 2,
                               [torch.ones(2, 1)] * 2, 2, float8="tensorwise")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_gather_casts_each_copy_as_torchao(dtype):
+    """The permutation kernel that casts each copy as it gathers it (the staged rows of an
+    fp8 dispatch) gives ``float8_scales.quantize``'s bytes and scales (torchao's cast) bit for
+    bit: rows over six decades, a zero row, bf16 and fp32 x, power-of-2 scales or not;
+    rows no copy lands on stay zero."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 100, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+    x[3] = 0
+    pos = torch.tensor([4, -1, 0, 7, 2, 5, 1, 3, 6, 8, 9, -1, 11, 10, 12, 13, 14, 15], dtype=torch.int32)
+    for x in (x, x.bfloat16()):
+        for pow2 in (True, False):
+            out = permute_kernels.gather_rows_float8(x, pos, 2, 17, dtype, pow2)
+            data, scale = float8_scales.quantize(x, dtype, -1, pow2)
+            want = torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], 1)
+            for i, p in enumerate(pos.tolist()):
+                if p >= 0:
+                    assert torch.equal(out[p], want[i // 2]), (x.dtype, pow2, i)
+            assert not out[16].any()

@@ -15,17 +15,16 @@ from ...comm import counters, get_buffer, get_loopback_buffers, layout, resolve_
 from ...comm.groups import host_collective_device
 from ...errors import FusedparError
 from ...kernels import moe_dispatch as dispatch_kernels
-from .. import float8_scales, protocol
+from .. import protocol
 from ..backend import Backend, Dispatcher
 from ..registry import register
-from .exchange import (Permute, Unpermute, all_to_all_rows, check_routing, check_same_everywhere,
-                       checked_counts, eager_under_compile, exchange_counts, host_to_device,
-                       invalid_ids_error, permute, sort_by_expert, unpermute)
+from .exchange import (SCALE_BYTES, Permute, Unpermute, all_to_all_rows, check_routing, check_same_everywhere,
+                       checked_counts, eager_under_compile, exchange_counts, float8_cast, host_to_device,
+                       invalid_ids_error, permute_float8, sort_by_expert, unpack_float8, unpermute)
 from .routing import topk_route
 
 OP = "moe_dispatch"
 EXCHANGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)  # uint8: fp8 rows + scales
-SCALE_BYTES = 4  # an fp8 row's fp32 scale travels after its bytes
 
 
 @dataclass
@@ -61,10 +60,28 @@ class RoutingCall:
     group: object
     world_size: int
     max_tokens_per_rank: int | None = None
+    float8: str | None = None  # a recipe: rows travel as fp8 bytes + scale (``pack_float8``)
+
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype of the exchanged rows: x's, or uint8 for float8 rows."""
+        return self.x.dtype if self.float8 is None else torch.uint8
+
+    @property
+    def row_width(self) -> int:
+        """Elements of an exchanged row: H, or H fp8 bytes + the scale's for float8 rows."""
+        return self.x.shape[1] + (0 if self.float8 is None else SCALE_BYTES)
+
+    def sorted_rows(self, pos: torch.Tensor, k: int, rows: int) -> torch.Tensor:
+        """The copies in expert order, as they are staged: ``Permute`` (differentiable), or
+        each copy cast to fp8 as it is gathered (``permute_float8``)."""
+        if self.float8 is None:
+            return Permute.apply(self.x, pos, k, rows)
+        return permute_float8(self.x, pos, k, rows, self.float8)
 
     def cache_key(self):
         name = self.group.group_name if self.group is not None else f"loopback{self.world_size}"
-        return (name, self.x.device.type, self.x.dtype)
+        return (name, self.x.device.type, self.rows_dtype)
 
     def describe(self):
         return (f"x {tuple(self.x.shape)} {self.x.dtype} on {self.x.device.type}, topk_idx "
@@ -116,8 +133,9 @@ class ReferenceDispatch(Backend):
         M = call.max_tokens_per_rank
         world = dist.get_world_size(group)
         local = num_experts // world
-        check_same_everywhere(OP, group, [x.shape[1], topk_idx.shape[1], num_experts,
-                                          symmetric.dtype_code(x.dtype), M or 0],
+        H = call.row_width
+        check_same_everywhere(OP, group, [H, topk_idx.shape[1], num_experts,
+                                          symmetric.dtype_code(call.rows_dtype), M or 0],
                               "hidden size, k, num_experts, dtype, max_tokens_per_rank")
         pos, header = sort_by_expert(topk_idx, num_experts)
         send_counts, recv_counts = exchange_counts(OP, topk_idx, header, group)
@@ -129,14 +147,14 @@ class ReferenceDispatch(Backend):
                 raise _capacity_error(M, f"a rank passes {int(worst[0])} tokens and some expert "
                                          f"gets {int(worst[1])} copies from one rank")
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        sorted_x = Permute.apply(x, pos, topk_idx.shape[1], sum(send))
+        sorted_x = call.sorted_rows(pos, topk_idx.shape[1], sum(send))
         received = _AllToAll.apply(sorted_x, send, recv, group, OP)
         expert_order, source_order = _expert_major(recv_counts, x.device)
         per_expert = recv_counts.sum(0)
         recv_x, padded_rows = received[expert_order], None
         if M is not None:
             padded_rows = host_to_device(_padded_rows(per_expert, world * M), x.device)
-            recv_x = x.new_zeros(local * world * M, x.shape[1]).index_put((padded_rows,), recv_x)
+            recv_x = recv_x.new_zeros(local * world * M, H).index_put((padded_rows,), recv_x)
         handle = MoEHandle(group, pos, topk_idx.shape[1], x.shape[0], weights, self.name,
                            recv_x.shape[0], M, send, recv, expert_order, source_order, padded_rows)
         if M is not None:
@@ -350,8 +368,8 @@ class TritonDispatch(Backend):
 
     def not_supported_reasons(self, call: RoutingCall) -> list[str]:
         reasons = protocol.triton_reasons(call)
-        if call.x.dtype not in EXCHANGE_DTYPES:
-            reasons.append(f"dtype {call.x.dtype} (the exchange kernel takes float32, float16, bfloat16 "
+        if call.rows_dtype not in EXCHANGE_DTYPES:
+            reasons.append(f"dtype {call.rows_dtype} (the exchange kernel takes float32, float16, bfloat16 "
                            "and uint8, the bytes of float8 rows)")
         return reasons
 
@@ -366,11 +384,11 @@ class TritonDispatch(Backend):
         rank) the rows move by the differentiable custom op, else (loopback) directly."""
         first = calls[0]
         W, E, M = first.world_size, first.num_experts, first.max_tokens_per_rank
-        L, k, H = E // W, first.topk_idx.shape[1], first.x.shape[1]
+        L, k, H = E // W, first.topk_idx.shape[1], first.row_width
         sorts = [sort_by_expert(c.topk_idx, E, c.x.shape[0]) for c in calls]  # T, or the id flag
-        meta = symmetric.fingerprint(OP, first.x.dtype, H, E, k, M)
+        meta = symmetric.fingerprint(OP, first.rows_dtype, H, E, k, M)
         tables = _gather_counts(views, [header for _, header in sorts], meta,
-                                _describe(first.x.dtype, H, E, k, M))
+                                _describe(first.rows_dtype, H, E, k, M))
         if M is not None:
             send_rows = [c.x.shape[0] * k for c in calls]
             recv_rows = [L * W * M] * len(calls)
@@ -387,10 +405,9 @@ class TritonDispatch(Backend):
                   for i, (table, (recv_src, send_src, _)) in enumerate(zip(tables, route_tables))]
         if group is not None:
             (pos, _), mine = sorts[0], routes[0]
-            recvs = [_pull_op(Permute.apply(first.x, pos, k, mine.send_rows), mine, group, OP,
-                              M is not None)]
+            recvs = [_pull_op(first.sorted_rows(pos, k, mine.send_rows), mine, group, OP, M is not None)]
         else:
-            sorted_rows = [permute(c.x, pos, k, r.send_rows) for c, (pos, _), r in zip(calls, sorts, routes)]
+            sorted_rows = [c.sorted_rows(pos, k, r.send_rows) for c, (pos, _), r in zip(calls, sorts, routes)]
             recvs = _pull(routes, sorted_rows, OP, M is not None)
         out = []
         for c, (pos, _), r, (*_, per_expert), recv in zip(calls, sorts, routes, route_tables, recvs):
@@ -407,35 +424,7 @@ class TritonDispatch(Backend):
         return Unpermute.apply(back, handle.weights, handle.pos, handle.k)
 
 
-# ---- float8 rows: each token cast per row, its bytes and its fp32 scale sent as one uint8 row -----
-
-
-def float8_cast(recipe: str) -> float8_scales.Cast:
-    """The per-token cast of ``recipe``'s GEMM input (``float8_scales.RECIPES``): dispatch
-    casts each row by itself, so only a rowwise input cast can travel."""
-    cast = float8_scales.recipe(recipe).x
-    if not cast.rowwise:
-        raise ValueError(f"fusedpar.{OP}: float8={recipe!r} casts the input with one scale per "
-                         "tensor, which needs every rank's tokens; dispatch casts each token by "
-                         "itself: use float8='rowwise' (or 'rowwise_with_gw_hp')")
-    return cast
-
-
-def pack_float8(x: torch.Tensor, recipe: str) -> torch.Tensor:
-    """``x [T, H]`` cast per row as ``recipe`` casts a GEMM input (``float8_scales.quantize``
-    along H), as uint8 rows ``[T, H + 4]``: the fp8 bytes, then the fp32 scale's bytes (gloo
-    has no float8 dtype; one row carries both, so one exchange moves them)."""
-    cast = float8_cast(recipe)
-    data, scale = float8_scales.quantize(x, cast.dtype, -1, float8_scales.recipe(recipe).round_pow2)
-    return torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
-
-
-def unpack_float8(rows: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale)`` of ``pack_float8``'s rows (``[..., H + 4]`` uint8): fp8 ``[..., H]``
-    and fp32 ``[...]`` (a zero row, the padding, has scale 0)."""
-    H = rows.shape[-1] - SCALE_BYTES
-    data = rows[..., :H].contiguous().view(float8_cast(recipe).dtype)
-    return data, rows[..., H:].contiguous().view(torch.float32).squeeze(-1)
+# ---- float8 rows: differentiable through the exchange --------------------------------------------
 
 
 class _Float8Dispatch(torch.autograd.Function):
@@ -529,8 +518,9 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     ``recv_x`` is then the pair ``(data fp8 [rows, H], scale fp32 [rows])`` (padded: ``[E_local,
     W*M, H]`` and ``[E_local, W*M]``, the padding's scales 0), what ``scaled_grouped_mm`` takes,
     and ``moe_combine`` sends the expert outputs back in their own dtype (bf16). The fp8 rows
-    carry no gradient: ``moe_experts(..., float8=)`` is the differentiable layer. The cast
-    is a pass of its own before the exchange (not inside the exchange kernel).
+    carry no gradient: ``moe_experts(..., float8=)`` is the differentiable layer. Where the
+    permutation kernels run (CUDA, the interpreter) each copy is cast as it is gathered into
+    the staged rows (``gather_rows_float8``: no pass of its own over x).
 
     Backends: ``reference`` (counts and rows by ``all_to_all_single``; the splits are read on
     the host), ``triton`` (symmetric memory with per-source flags, see ``TritonDispatch``).
@@ -549,8 +539,8 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     world = dist.get_world_size(group)
     check_routing(OP, x, topk_idx, topk_weights, num_experts, world, max_tokens_per_rank)
     if float8 is not None:
-        x = pack_float8(x, float8)
-    call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank)
+        float8_cast(float8)  # a recipe whose input cast can travel per token
+    call = RoutingCall(x, topk_idx, topk_weights, num_experts, group, world, max_tokens_per_rank, float8)
     chosen = DISPATCHER.select(call, backend or _default_backend(call))
     _check_capturable(x, max_tokens_per_rank, chosen.name)
     recv_x, per_expert, handle = chosen.run(call)
@@ -599,8 +589,8 @@ def moe_dispatch_loopback(xs: list, topk_idxs: list, topk_weights: list, num_exp
                              f"{first.dtype} on {first.device} with k={topk_idxs[0].shape[1]}; the "
                              "hidden size, dtype, device and k must match (T may differ)")
     if float8 is not None:
-        xs = [pack_float8(x, float8) for x in xs]
-    calls = [RoutingCall(x, idx, w, num_experts, None, world, max_tokens_per_rank)
+        float8_cast(float8)
+    calls = [RoutingCall(x, idx, w, num_experts, None, world, max_tokens_per_rank, float8)
              for x, idx, w in zip(xs, topk_idxs, topk_weights)]
     backend = DISPATCHER.select(calls[0], "triton")
     device = first.device
@@ -632,4 +622,4 @@ def moe_combine_loopback(ys: list, handles: list) -> list:
 
 
 # no example call for ``fusedpar info``: a dispatch exchanges routing counts over a group
-register(DISPATCHER, (moe_dispatch, moe_combine, moe_dispatch_loopback, moe_combine_loopback, topk_route))
+register(DISPATCHER, (moe_dispatch, moe_combine, moe_dispatch_loopback, moe_combine_loopback, topk_route), checks="fusedpar.testing.moe_cases")

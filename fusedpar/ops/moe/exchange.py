@@ -12,8 +12,10 @@ import torch.distributed as dist
 from ...comm.groups import host_collective_device
 from ...kernels import moe_permute as permute_kernels
 from ...kernels.interpreter import interpreting
-from .. import protocol
+from .. import float8_scales, protocol
 from .routing import expert_counts
+
+SCALE_BYTES = 4  # a float8 row's fp32 scale travels after its fp8 bytes
 
 #: The exchange ops size their buffers from routing counts read on the host and return
 #: data-dependent row counts, so ``torch.compile`` does not trace into them: it breaks the
@@ -109,6 +111,44 @@ def unpermute(y, pos, k, tokens, weights=None):
     w = kept.float() if weights is None else torch.where(kept, weights.reshape(-1).float(), 0.0)
     rows = y[pos.clamp(min=0).long()].float() * w[:, None]
     return rows.view(tokens, k, -1).sum(1).to(y.dtype)
+
+
+def float8_cast(recipe: str) -> float8_scales.Cast:
+    """The per-token cast of ``recipe``'s GEMM input (``float8_scales.RECIPES``): dispatch
+    casts each row by itself, so only a rowwise input cast can travel."""
+    cast = float8_scales.recipe(recipe).x
+    if not cast.rowwise:
+        raise ValueError(f"fusedpar.moe_dispatch: float8={recipe!r} casts the input with one scale per "
+                         "tensor, which needs every rank's tokens; dispatch casts each token by "
+                         "itself: use float8='rowwise' (or 'rowwise_with_gw_hp')")
+    return cast
+
+
+def pack_float8(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x [T, H]`` cast per row as ``recipe`` casts a GEMM input (``float8_scales.quantize``
+    along H), as uint8 rows ``[T, H + 4]``: the fp8 bytes, then the fp32 scale's bytes (gloo
+    has no float8 dtype; one row carries both, so one exchange moves them)."""
+    cast = float8_cast(recipe)
+    data, scale = float8_scales.quantize(x, cast.dtype, -1, float8_scales.recipe(recipe).round_pow2)
+    return torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def unpack_float8(rows: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of ``pack_float8``'s rows (``[..., H + 4]`` uint8): fp8 ``[..., H]``
+    and fp32 ``[...]`` (a zero row, the padding, has scale 0)."""
+    H = rows.shape[-1] - SCALE_BYTES
+    data = rows[..., :H].contiguous().view(float8_cast(recipe).dtype)
+    return data, rows[..., H:].contiguous().view(torch.float32).squeeze(-1)
+
+
+def permute_float8(x, pos, k, rows, recipe: str) -> torch.Tensor:
+    """``permute`` of ``pack_float8(x, recipe)``'s rows: ``[rows, H + 4]`` uint8. Where the
+    kernels run, each copy is cast as it is gathered (one pass over x's copies; on CUDA from
+    compute capability 8.9, where Triton casts to e4m3)."""
+    if _kernels_run_on(x.device) and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 9)):
+        return permute_kernels.gather_rows_float8(x.contiguous(), pos, k, rows, float8_cast(recipe).dtype,
+                                                  float8_scales.recipe(recipe).round_pow2)
+    return permute(pack_float8(x, recipe), pos, k, rows)
 
 
 class Permute(torch.autograd.Function):

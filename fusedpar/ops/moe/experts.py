@@ -29,8 +29,8 @@ from ..backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from ..grouped_mm import grouped_mm
 from ..registry import register
 from ..scaled_grouped_mm import float8_grouped_mm
-from .dispatch import float8_cast, float8_dispatch, moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
-from .exchange import check_routing, eager_under_compile
+from .dispatch import float8_dispatch, moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
+from .exchange import check_routing, eager_under_compile, float8_cast
 from .experts_call import OP, ExpertsCall, check_expert_weights
 from .experts_fused import Fused, fused_loopback
 from .experts_pipelined import Pipelined
@@ -185,4 +185,4 @@ def moe_experts_loopback(xs: list, topk_idxs: list, topk_weights: list, w13s: li
 
 
 # no example call for ``fusedpar info``: a call exchanges routing counts over a group
-register(DISPATCHER, (moe_experts, moe_experts_loopback))
+register(DISPATCHER, (moe_experts, moe_experts_loopback), checks="fusedpar.testing.moe_cases")
