@@ -149,8 +149,9 @@ WIDE = dict(hidden_size=64, intermediate_size=256)
 
 
 def _check_float8_checkpoint(path: str, recipe: str) -> bool:
-    """A float8 run saved with DCP after 2 steps: a fresh float8 model loaded from it
-    continues with identical losses; a bf16 config loads it too (same weights)."""
+    """A float8 run saved with DCP after 2 steps: a fresh float8 model loaded from it, and the
+    run itself loaded back after 2 more steps, continue with identical losses; a bf16
+    config loads it too (same weights)."""
     from fusedpar.parallel import checkpoint
 
     torch.set_num_threads(1)
@@ -165,7 +166,10 @@ def _check_float8_checkpoint(path: str, recipe: str) -> bool:
         fresh = fusedpar.parallelize(make_model("llama", seed=7), cfg)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
         checkpoint.load(path, fresh, fresh_opt)
-        assert _train(model, opt, data[2:]) == _train(fresh, fresh_opt, data[2:])
+        resumed = _train(fresh, fresh_opt, data[2:])
+        assert _train(model, opt, data[2:]) == resumed
+        checkpoint.load(path, model, opt)  # a model that trained past the checkpoint: its
+        assert _train(model, opt, data[2:]) == resumed  # tensorwise scales follow the load
         bf16 = fusedpar.parallelize(make_model("llama", seed=7), {"dp_shard": 4, "param_dtype": "bfloat16"})
         checkpoint.load(path, bf16)
         for name, value in checkpoint.full_state_dict(bf16).items():
