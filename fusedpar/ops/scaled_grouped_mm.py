@@ -110,6 +110,10 @@ class Reference(Backend):
         if call.a.device.type != "cuda":
             return []
         reasons = _needs_k16(call, "torch._scaled_mm")
+        capability = torch.cuda.get_device_capability(call.a.device)
+        if capability < (8, 9):
+            reasons.append(f"torch._scaled_mm on CUDA needs compute capability 8.9+, this GPU has "
+                           f"{capability[0]}.{capability[1]}")
         if torch.float8_e5m2 == call.a.dtype == call.b.dtype:
             reasons.append("torch._scaled_mm on CUDA does not multiply e5m2 by e5m2")
         return reasons
@@ -197,10 +201,10 @@ class Torch(Backend):
             reasons.append("torch._scaled_grouped_mm needs a row-major a and a column-major b "
                            "(b.transpose(-2, -1).contiguous().transpose(-2, -1))")
         if call.k_grouped or call.n_grouped:
-            reasons += plain.torch_layout_reasons(call) or [
-                "its groups along K are unit-stride in a row-major a: a size not a multiple of 16 "
-                "bytes fails a device-side assert (fatal to the CUDA context), and the sizes are on "
-                "the device"]
+            reasons.append(f"groups along {'K' if call.k_grouped else 'the columns of b'}: "
+                           "torch._scaled_grouped_mm asserts on the device (fatal to the CUDA context) "
+                           "that each group spans a multiple of 16 bytes, and the group sizes are on "
+                           "the device (reading them is a host sync); the triton backend takes any sizes")
         return reasons + _needs_k16(call, "torch._scaled_grouped_mm")
 
     def run(self, call: ScaledCall) -> torch.Tensor:

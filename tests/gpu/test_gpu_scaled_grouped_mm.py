@@ -118,3 +118,34 @@ def test_gpu_cuda_backends_refuse_with_reasons():
     with pytest.raises(BackendNotSupportedError, match=r"column-major b"):
         scaled_grouped_mm(a16, b16.contiguous(), sa, sb, offs, backend="torch")
     assert scaled_grouped_mm(a, b, sa, sb, offs, backend="triton").shape == (64, 32)
+
+
+@requires_sm90
+def test_gpu_float8_dispatch_casts_as_torchao():
+    """moe_dispatch(float8="rowwise") on CUDA (the loopback of 4 simulated ranks): the
+    permutation kernel's cast (cvt with round to nearest even, fp64 scale division) gives
+    float8_scales.quantize's bytes and scales bit for bit, and the rows come back through a
+    bf16 combine within e4m3 rounding."""
+    from fusedpar.ops import float8_scales
+    from fusedpar.ops.moe import moe_combine_loopback, moe_dispatch_loopback
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    world, T, H, k, E = 4, 33, 200, 2, 8
+    xs = [(torch.randn(T, H, generator=g, device="cuda") * 10 ** (r - 2)).bfloat16() for r in range(world)]
+    idxs = [torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(T)]) for _ in range(world)]
+    ws = [torch.ones(T, k, device="cuda") for _ in range(world)]
+    results = moe_dispatch_loopback(xs, idxs, ws, E, float8="rowwise")
+    casts = [float8_scales.quantize(x, E4M3, -1, True) for x in xs]
+    ys = []
+    for r, ((data, scale), per_expert, _) in enumerate(results):
+        # recv_x's rows: (local expert, source, token) order, as moe_dispatch's docstring says
+        order = [(s, t) for e in range(r * (E // world), (r + 1) * (E // world))
+                 for s in range(world) for t in range(T) for _ in range(int((idxs[s][t] == e).sum()))]
+        want_data = torch.stack([casts[s][0][t] for s, t in order])
+        want_scale = torch.stack([casts[s][1][t, 0] for s, t in order])
+        assert int(per_expert.sum()) == len(order)
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+        ys.append((data.float() * scale[:, None]).bfloat16())
+    for out, x in zip(moe_combine_loopback(ys, [h for *_, h in results]), xs):
+        torch.testing.assert_close(out.float(), 2 * x.float(), rtol=2 ** -3, atol=1e-6)
