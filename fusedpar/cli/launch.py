@@ -161,8 +161,10 @@ def _rank_failures(ctx, killed: list[int], exited: dict[int, float]) -> list[str
                          f"(e.g. {example[:200]})")
         else:
             lines.append(f"{who} {text}" if text.startswith(("was killed", "exited")) else f"{who}: {text}")
-    if killed:
-        lines.append(f"ranks {killed} were killed after the failure")
+    quiet = [r for r in killed if r not in {t[2] for t in found}]
+    if quiet:  # the ranks still running, with nothing to report
+        lines.append(f"rank {quiet[0]} was killed after the failure" if len(quiet) == 1
+                     else f"ranks {quiet} were killed after the failure")
     return lines
 
 

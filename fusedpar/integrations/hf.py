@@ -195,6 +195,10 @@ class FusedparTrainer(transformers.Trainer):
         # the weights come with the optimizer state (_load_optimizer_and_scheduler): DCP
         # loads both into the sharded model
         if not os.path.isdir(os.path.join(resume_from_checkpoint, DCP_DIR)):
+            if os.path.isdir(os.path.join(resume_from_checkpoint, f".{DCP_DIR}{checkpoint.PARTIAL}")):
+                raise checkpoint.IncompleteCheckpointError(
+                    f"{resume_from_checkpoint}: the run stopped while writing its {DCP_DIR}/ "
+                    "(only the partial folder is there): resume from the checkpoint before it")
             raise ValueError(f"{resume_from_checkpoint} has no {DCP_DIR}/ folder: resume a "
                              "FusedparTrainer from a checkpoint a FusedparTrainer saved")
 

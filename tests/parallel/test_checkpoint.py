@@ -264,3 +264,12 @@ def test_keep_the_newest_complete_steps(tmp_path):
     assert [s for s, _ in checkpoint.complete_steps(tmp_path)] == [2, 4, 10]
     assert checkpoint.prune(tmp_path, 2) == [str(tmp_path / "step-2")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-12", "step-4"]
+
+
+def test_a_trainer_checkpoint_whose_save_did_not_finish_is_named(tmp_path):
+    """``FusedparTrainer(...).train(resume_from_checkpoint=...)`` on a checkpoint-N whose DCP
+    save was cut short (only the partial folder): said so, not "not a FusedparTrainer's"."""
+    hf = pytest.importorskip("fusedpar.integrations.hf")
+    (tmp_path / "checkpoint-4" / f".{hf.DCP_DIR}.partial").mkdir(parents=True)
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="stopped while writing its fusedpar_dcp/"):
+        hf.FusedparTrainer._load_from_checkpoint(None, str(tmp_path / "checkpoint-4"))
