@@ -73,7 +73,8 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
             *, activation_checkpointing: bool) -> None:
     """``convert_to_float8_training`` on ``model`` with ``cfg.float8``'s recipe (see the
     module docstring), before TP/FSDP; rowwise weights in ``layers`` get
-    :class:`RowwiseFloat8Weight` when they can be all-gathered in fp8. Raises
+    :class:`RowwiseFloat8Weight` when they can be all-gathered in fp8 (not under activation
+    checkpointing; rows divisible by FSDP's shard degree). ``cfg``: resolved. Raises
     ``ParallelConfigError`` for a forced layer whose dims are not multiples of 16 and
     when nothing would be converted."""
     config = Float8LinearConfig.from_recipe_name(cfg.float8)
@@ -107,9 +108,10 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
             f"float8={cfg.float8!r}: no linear layer to convert (the head, layers whose dims are "
             f"not multiples of 16 and float8_exclude={cfg.float8_exclude} are left out)")
     if not tensorwise and cfg.float8_all_gather and not activation_checkpointing:
+        shards = cfg.dp_shard * cfg.cp  # FSDP2 pads an uneven shard, and its scales would not be
         for layer in layers:
             for module in layer.modules():
-                if isinstance(module, Float8Linear):
+                if isinstance(module, Float8Linear) and module.out_features % shards == 0:
                     module.__class__ = Float8LinearGatheredRowwise
                     module.weight = nn.Parameter(RowwiseFloat8Weight(
                         module.weight.data, module.linear_mm_config,

@@ -148,6 +148,21 @@ def _check_float8_against_bf16(recipes, steps: int) -> dict:
 WIDE = dict(hidden_size=64, intermediate_size=256)
 
 
+def _check_byte_all_gather() -> bool:
+    """FusedparAllGather on 1-byte buffers (fp8 alone, fp8 beside other dtypes as uint8),
+    sizes not a multiple of 4 included: rank r's bytes are r * 16 + i."""
+    from fusedpar.parallel.fsdp import FusedparAllGather
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for n, dtype in ((7, torch.uint8), (1, torch.uint8), (12, torch.float8_e4m3fn)):
+        mine = (torch.arange(n, dtype=torch.uint8) + 16 * rank).view(dtype)
+        out = torch.full((world * n,), 255, dtype=torch.uint8).view(dtype)
+        assert FusedparAllGather()(out, mine, dist.group.WORLD) is None
+        want = torch.cat([torch.arange(n, dtype=torch.uint8) + 16 * r for r in range(world)])
+        assert torch.equal(out.view(torch.uint8), want), (n, dtype, out.view(torch.uint8))
+    return True
+
+
 def _check_float8_checkpoint(path: str, recipe: str) -> bool:
     """A float8 run saved with DCP after 2 steps: a fresh float8 model loaded from it, and the
     run itself loaded back after 2 more steps, continue with identical losses; a bf16
@@ -204,6 +219,11 @@ def test_float8_loss_and_all_gather_bytes_against_bf16(pools):
     print(results[0])
 
 
+@pytest.mark.timeout(120)
+def test_fsdp_all_gather_moves_bytes(pools):
+    assert pools(4).run(_check_byte_all_gather, timeout=60) == [True] * 4
+
+
 @pytest.mark.timeout(600)
 def test_float8_checkpoint_resumes_and_loads_into_bf16(pools, tmp_path):
     for recipe in ("tensorwise", "rowwise"):
@@ -225,12 +245,14 @@ def test_float8_layer_choice_and_errors():
 
     # what FSDP2 all-gathers: fp8 weights (torchao's class for tensorwise, fusedpar's for
     # rowwise), or the high-precision weight where rowwise layers would not be re-gathered
-    # for backward (activation checkpointing recomputes the forward there) or it is off
+    # for backward (activation checkpointing recomputes the forward there), where FSDP2
+    # would pad their rows (the scales could not follow) or where it is off
     for recipe, checkpointing, options, expected in [
             ("tensorwise", False, {}, "WeightWithDynamicFloat8CastTensor"),
             ("rowwise", False, {}, "RowwiseFloat8Weight"),
             ("rowwise", True, {}, "Parameter"),
-            ("rowwise_with_gw_hp", False, dict(float8_all_gather=False), "Parameter")]:
+            ("rowwise_with_gw_hp", False, dict(float8_all_gather=False), "Parameter"),
+            ("rowwise", False, dict(dp_shard=3), "Parameter")]:  # uneven shards: padded
         model = make_model("llama")
         converted(model, recipe, checkpointing, **options)
         assert gathered_as(model) == {expected}, (recipe, checkpointing, gathered_as(model))
