@@ -702,5 +702,5 @@ def attend_block_backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: fl
     return DISPATCHER.backends[backend].backward(call, out, lse, dout, dlse)
 
 
-register(DISPATCHER, (flash_attention,), example=lambda device: AttentionCall(
+register(DISPATCHER, (flash_attention,), checks="fusedpar.testing.flash_attention_cases", example=lambda device: AttentionCall(
     *[torch.zeros(1, 2 * EXAMPLE_WORLD, 2, 16, device=device)] * 3, True, 0.25))

@@ -505,6 +505,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
         return _grouped_mm_op(a, b, offs, masked_m, out_dtype, backend or "")
 
 
-register(DISPATCHER, (grouped_mm,), example=lambda device: GroupedCall(
+register(DISPATCHER, (grouped_mm,), checks="fusedpar.testing.grouped_mm_cases", example=lambda device: GroupedCall(
     torch.zeros(2 * EXAMPLE_WORLD, 8, device=device), torch.zeros(2, 8, 4, device=device),
     torch.tensor([4, 8], dtype=torch.int32, device=device)))

@@ -2,8 +2,10 @@
 
 An op's check module (``register(..., checks="<module>")``) defines ``cases(world)``: the
 op's :class:`Case` objects for a world of ``world`` ranks. ``fusedpar check`` runs every
-case of every registered op on every backend available, in ``DTYPES``, through the op's
-public function on a process group and, where the op has one, its ``*_loopback`` variant.
+case of every registered op on every backend available, in the case's ``dtypes``, through
+the op's public function on a process group and, where the op has one, its ``*_loopback``
+variant: bit for bit, or within the case's ``atol`` (forward and backward against float64
+plain torch).
 """
 
 from __future__ import annotations
@@ -25,6 +27,23 @@ class Case:
     # True: the distributed result is compared with the op's oracle backend on the same
     # group; False: with :meth:`expected` (plain torch, every rank's inputs)
     against_oracle_backend = False
+    #: the dtypes the case runs in
+    dtypes: tuple = DTYPES
+    #: 0: bit for bit; else the largest |error| allowed in every tensor of the result (then
+    #: a dict ``{what: tensor}``, e.g. the output and each input's gradient)
+    atol: float = 0.0
+
+    def title(self) -> str:
+        """The op the report names (a dispatcher may serve several: moe_dispatch / moe_combine)."""
+        return self.op
+
+    def compare(self, actual, expected) -> tuple[bool, float | None, str | None]:
+        """``(correct, max |error|, where the worst one is)``; the last two None when bit
+        for bit."""
+        if not self.atol:
+            return same(actual, expected), None, None
+        err, worst = max((max_abs_diff(actual[k], e), k) for k, e in expected.items())
+        return err <= self.atol, err, worst
 
     def shape(self) -> str:
         """The input shape(s), as the report shows them."""
@@ -47,8 +66,13 @@ class Case:
         raise NotImplementedError
 
     def lower_bound(self, args, world: int) -> int:
-        """The bytes a rank must receive for this call."""
+        """The bytes a rank must receive for this call (0: a local op, no bytes to move)."""
         raise NotImplementedError
+
+    def how(self) -> str:
+        """One line for the report's legend: what is compared and the lower bound ("" for
+        the cases the legend already explains)."""
+        return ""
 
     def loopback_backends(self) -> list[str]:
         """The backends the op's loopback variant takes ([] where it has none)."""

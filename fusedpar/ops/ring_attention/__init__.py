@@ -251,7 +251,7 @@ LOOPBACK_PLANS = Plans(f"{OP}_loopback")
 
 
 # no reference backend: the tests' oracle is plain-torch attention over the whole sequence
-register(DISPATCHER, (ring_attention, ring_attention_with_lse, ring_attention_loopback), oracle=None,
+register(DISPATCHER, (ring_attention, ring_attention_with_lse, ring_attention_loopback), oracle=None, checks="fusedpar.testing.flash_attention_cases",
          example=lambda device: RingCall(
              *[torch.zeros(1, 2 * EXAMPLE_WORLD, 2, 16, device=device)] * 3, None, True, 0.25,
              "zigzag", world_size=EXAMPLE_WORLD))
