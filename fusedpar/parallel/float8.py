@@ -31,8 +31,9 @@ FSDP2 all-gathers the converted weights in fp8 (``float8_all_gather``, default):
   nothing: each layer is re-gathered for backward, which needs FSDP2 to reshard it after
   forward (the decoder layers' units; under pp a unit that torch's pipelining keeps
   unsharded after a backward is resharded before its next forward). Not under activation
-  checkpointing (the recomputed forward runs in backward): there rowwise weights are
-  gathered in ``param_dtype`` and cast by torchao as without FSDP.
+  checkpointing (the recomputed forward runs in backward), nor for weights whose rows
+  FSDP2 would pad (not divisible by ``dp_shard * cp``): those are gathered in
+  ``param_dtype`` and cast by torchao as without FSDP.
 
 Master weights, gradients (reduce-scatter in ``reduce_dtype``), optimizer state and
 checkpoints stay in high precision: a float8 run's DCP checkpoint loads into a float8 or
