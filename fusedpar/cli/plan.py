@@ -106,8 +106,7 @@ def dry_runs(args, result) -> list[str]:
         pcfg = ParallelConfig.from_dict({**keys, "param_dtype": args.compute_dtype}).validate(world)
         micro = args.micro_batch or 1
         got = dry_run(config, pcfg, world, seq_len=args.seq, micro_batch=micro, activation_checkpointing=ac)
-        cand = Candidate(dp_replicate=pcfg.dp_replicate, dp_shard=pcfg.dp_shard, cp=pcfg.cp, tp=pcfg.tp,
-                         ep=pcfg.ep, activation_checkpointing=ac)
+        cand = Candidate.from_config(pcfg, activation_checkpointing=ac)
         planned = estimate_memory(result.model, cand, Training(
             seq_len=args.seq, global_batch=micro * cand.dp, param_dtype=args.param_dtype,
             compute_dtype=args.compute_dtype, optimizer="adamw", foreach=False, units_in_flight=1)).peak

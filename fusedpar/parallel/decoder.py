@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from ..nn.sequence import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "CausalLMOutput", "causal_lm_loss", "run_decoder", "run_layers",
+           "shift_labels", "valid_labels"]
 
 
 @dataclass
@@ -28,6 +31,11 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Hugging Face's causal shift: position ``i`` predicts ``labels[:, i + 1]``; the last
     position predicts nothing (``-100``)."""
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def valid_labels(target: torch.Tensor) -> torch.Tensor:
+    """How many labels the loss counts (those not ``IGNORE_INDEX``; ``target`` shifted)."""
+    return (target != IGNORE_INDEX).sum()
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

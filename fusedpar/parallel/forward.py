@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import ModelAdapter, find_adapter, is_hf
-from .decoder import IGNORE_INDEX, CausalLMOutput, run_decoder, shift_labels
+from .decoder import IGNORE_INDEX, CausalLMOutput, run_decoder, shift_labels, valid_labels
 
 __all__ = ["decoder_forward", "mean_loss"]
 
@@ -38,7 +38,7 @@ def mean_loss(per_token: torch.Tensor, target: torch.Tensor, group: str | None, 
     (``dp_cp``, ``ranks`` of them; None when one), over which the sum and count are
     all-reduced; each rank's gradient is scaled by ``ranks``, because FSDP averages the
     gradients over them while the true gradient is their sum."""
-    total, count = per_token.sum(), (target != IGNORE_INDEX).sum()
+    total, count = per_token.sum(), valid_labels(target)
     if group is None:
         return total / count
     both = torch.stack([total.detach(), count.to(total.dtype)])

@@ -43,7 +43,7 @@ from torch import nn
 from ..errors import ParallelConfigError
 from .adapters import ModelAdapter, ModelLayout, is_hf, is_moe
 from .config import ParallelConfig
-from .decoder import IGNORE_INDEX, run_layers, shift_labels
+from .decoder import run_layers, shift_labels, valid_labels
 from .forward import check_sequence_length, cp_shard, token_losses
 from .steps import apply_fsdp, apply_model_parallel
 
@@ -299,7 +299,7 @@ def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
     cfg = run.cfg
     _check_step(run, input_ids, labels, position_ids)
     target = shift_labels(labels)
-    count = (target != IGNORE_INDEX).sum().to(torch.float32)
+    count = valid_labels(target).to(torch.float32)
     if run.dp_group is not None:
         dist.all_reduce(count, group=run.dp_group)
     run.count = count

@@ -114,6 +114,13 @@ class Candidate:
     pp: int = 1
     activation_checkpointing: bool = False
 
+    @classmethod
+    def from_config(cls, config, activation_checkpointing: bool = False) -> Candidate:
+        """The candidate of a validated :class:`~fusedpar.parallel.ParallelConfig`."""
+        return cls(dp_replicate=config.dp_replicate, dp_shard=config.dp_shard, cp=config.cp,
+                   tp=config.tp, ep=config.ep, pp=config.pp,
+                   activation_checkpointing=activation_checkpointing)
+
     @property
     def world(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
