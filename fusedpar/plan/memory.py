@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..parallel import config
 from .model import ModelSpec, Tensor, parameter_shapes
 
 __all__ = ["Candidate", "Memory", "Tensor", "Training", "estimate_memory", "parameter_shapes",
@@ -48,7 +49,9 @@ __all__ = ["Candidate", "Memory", "Tensor", "Training", "estimate_memory", "para
 GiB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
-PP_SCHEDULES = ("1F1B", "GPipe")
+#: The pipeline schedules the planner models: ParallelConfig's (``parallel.config.PP_SCHEDULES``)
+#: that run one stage per rank.
+PP_SCHEDULES = tuple(sorted(set(config.PP_SCHEDULES.values()) - set(config.MULTI_STAGE_SCHEDULES)))
 
 
 def dtype_bytes(name: str) -> int:
