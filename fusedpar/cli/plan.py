@@ -4,8 +4,9 @@
         --seq 8192 --global-batch 256 [--json] [--plot plan.png]
 
 prints the configs that fit, fastest first, with each one's memory per GPU, then the ones
-that do not fit and by how much. ``--model``: a Hugging Face ``config.json`` (Llama, Qwen2,
-Mistral, Mixtral, Qwen-MoE, GPT-2 keys), a JSON file of fusedpar's ``LlamaConfig`` /
+that do not fit and by how much. ``--model``: a Hugging Face ``config.json`` of any family
+``parallelize`` has an adapter for (its ``model_type``, read by that adapter:
+``fusedpar.parallel.adapters.adapter_for_config``), a JSON file of fusedpar's ``LlamaConfig`` /
 ``MixtralConfig`` fields, or ``llama`` / ``mixtral`` (fusedpar's small demo models).
 """
 
