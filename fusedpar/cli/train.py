@@ -113,6 +113,9 @@ def add_parser(sub) -> None:
                    help="with --save: also checkpoint after every N steps")
     p.add_argument("--keep", type=int, default=None, metavar="K",
                    help="with --save: keep only the newest K complete checkpoints")
+    p.add_argument("--async-save", action="store_true",
+                   help="with --save: write each checkpoint in the background while training "
+                        "goes on (a copy of the state in CPU memory; DCP's async_save)")
     p.add_argument("--resume", metavar="auto|DIR",
                    help="continue from a checkpoint up to --steps: DIR one that --save wrote "
                         "(a step-<n> folder, or the --save folder: its newest), auto the newest "
@@ -363,25 +366,41 @@ def resume(path: str, model, optimizer, rank: int, device) -> int:
     return int(extra["step"])
 
 
-def save_step(folder: str, done: int, model, optimizer, rank: int, device, keep: int | None) -> str:
-    """Checkpoint after ``done`` steps into ``folder/step-<done>``, then (rank 0) delete all
-    but the newest ``keep``; a failed write names the newest complete checkpoint left."""
+def save_step(folder: str, done: int, model, optimizer, rank: int, device, keep: int | None,
+              async_save: bool = False):
+    """Checkpoint after ``done`` steps into ``folder/step-<done>``; returns ``finish()``,
+    which waits for the write (``async_save``: DCP writes in the background meanwhile), then
+    (rank 0) deletes all but the newest ``keep``, and returns the path. A failed write names
+    the newest complete checkpoint left."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from fusedpar.parallel import checkpoint
 
     path = checkpoint.step_path(folder, done)
-    try:
-        checkpoint.save(path, model, optimizer,
-                        extra={"step": torch.tensor(done), **rng_states(rank, device)})
-    except (Exception, CheckpointException) as e:
+
+    def failed(e: BaseException) -> RuntimeError:
         kept = checkpoint.complete_steps(folder)
-        raise RuntimeError(f"saving step {done} into {path} failed ({_cause(e)}); the newest "
-                           f"complete checkpoint is {kept[-1][1] if kept else 'none'}: make room "
-                           "there and rerun with --resume auto") from e
-    if rank == 0 and keep:
-        checkpoint.prune(folder, keep)
-    return path
+        return RuntimeError(f"saving step {done} into {path} failed ({_cause(e)}); the newest "
+                            f"complete checkpoint is {kept[-1][1] if kept else 'none'}: make room "
+                            "there and rerun with --resume auto")
+
+    try:
+        pending = checkpoint.save(path, model, optimizer, async_save=async_save,
+                                  extra={"step": torch.tensor(done), **rng_states(rank, device)})
+    except (Exception, CheckpointException) as e:
+        raise failed(e) from e
+
+    def finish() -> str:
+        try:
+            if pending is not None:
+                pending.wait()
+        except (Exception, CheckpointException) as e:
+            raise failed(e) from e
+        if rank == 0 and keep:
+            checkpoint.prune(folder, keep)
+        return path
+
+    return finish
 
 
 def _cause(e: BaseException) -> str:
@@ -425,6 +444,7 @@ def train_rank(group, device, spec: dict) -> dict:
     tokens = tcfg.batch_size * tcfg.seq_len
     record = {"losses": [], "seconds": [], "comm": [], "skipped": [], "saved": []}
     every = spec.get("save_every") or tcfg.steps
+    saving = None  # finishes the last checkpoint (save_step)
     for step in range(first, tcfg.steps):
         start = time.perf_counter()
         mem = {}
@@ -457,8 +477,12 @@ def train_rank(group, device, spec: dict) -> dict:
                               f"params+grads+optimizer {_fmt_bytes(sum(record['state_bytes'].values()))}"
                               f"/rank{note}")
         if spec.get("save") and ((step + 1) % every == 0 or step + 1 == tcfg.steps):
-            record["saved"].append(save_step(spec["save"], step + 1, model, optimizer, rank, device,
-                                             spec.get("keep")))
+            if saving is not None:  # the previous one's background write
+                record["saved"].append(saving())
+            saving = save_step(spec["save"], step + 1, model, optimizer, rank, device,
+                               spec.get("keep"), spec.get("async_save", False))
+    if saving is not None:
+        record["saved"].append(saving())
     progress.close()
     result = {"first_step": first, **record,
               "parameters": sum(p.numel() for p in build_model(tcfg, "meta").parameters())}
@@ -545,9 +569,9 @@ def _usage_problem(args) -> str | None:
     """Flags that make no sense together."""
     if args.save_every is not None and args.save_every < 1 or args.keep is not None and args.keep < 1:
         return "--save-every and --keep must be at least 1"
-    if not args.save and (args.save_every or args.keep or args.resume == "auto"):
-        return ("--save-every, --keep and --resume auto act on the --save folder: give "
-                "--save DIR")
+    if not args.save and (args.save_every or args.keep or args.async_save or args.resume == "auto"):
+        return ("--save-every, --keep, --async-save and --resume auto act on the --save folder: "
+                "give --save DIR")
     return None
 
 
@@ -600,7 +624,8 @@ def run_spec(args, pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, resume: str
     """What every rank's :func:`train_rank` is given (JSON-able)."""
     return {"parallel": dataclasses.asdict(pcfg), "train": dataclasses.asdict(tcfg),
             "save": args.save and os.path.abspath(args.save), "save_every": args.save_every,
-            "keep": args.keep, "resume": resume, "on_nonfinite": args.on_nonfinite,
+            "keep": args.keep, "async_save": args.async_save, "resume": resume,
+            "on_nonfinite": args.on_nonfinite,
             "compare": not args.no_compare}
 
 

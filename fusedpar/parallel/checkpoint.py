@@ -133,7 +133,8 @@ class AsyncSave:
         return self.path
 
 
-_ASYNC_GROUP = []  # a gloo group of its own for the background saves (one per process)
+#: The background saves' own gloo group, and the default group it was made in.
+_ASYNC_GROUP: dict = {"world": None, "group": None}
 
 
 def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -158,9 +159,9 @@ def save(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     if async_save:
         group = None
         if dist.is_available() and dist.is_initialized():
-            if not _ASYNC_GROUP:  # the training's collectives keep the default group
-                _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
-            group = _ASYNC_GROUP[0]
+            if _ASYNC_GROUP["world"] is not dist.group.WORLD:  # the training keeps the default group
+                _ASYNC_GROUP.update(world=dist.group.WORLD, group=dist.new_group(backend="gloo"))
+            group = _ASYNC_GROUP["group"]
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
         return AsyncSave(getattr(future, "upload_completion", future), tmp, path)
     dcp.save(state, checkpoint_id=tmp)

@@ -126,6 +126,16 @@ def test_model_folder_and_data_train_like_one_process_at_2_and_4_ranks(pools, in
 
 
 @pytest.mark.timeout(300)
+def test_async_saves_keep_the_newest_and_change_no_loss(pools, inputs, uninterrupted, tmp_path):
+    spec = _spec([*_argv(inputs), "--tp", "1", "--save", str(tmp_path), "--save-every", "2",
+                  "--keep", "2", "--async-save"], 2)
+    record = pools(2).run(_train, spec, timeout=200)[0]
+    assert record["losses"] == uninterrupted[2]["losses"]
+    assert record["saved"] == [str(tmp_path / f"step-{n}") for n in (2, 4, 6)]
+    assert sorted(os.listdir(tmp_path)) == ["step-4", "step-6"]
+
+
+@pytest.mark.timeout(300)
 def test_a_nan_loss_stops_the_run_or_is_skipped(pools, inputs):
     spec = _spec(_argv(inputs), 2)
     stopped = pools(2).run(_train, spec, nan_at=3, timeout=200)
@@ -251,7 +261,7 @@ def test_a_full_disk_while_saving_names_the_step_and_the_checkpoint_kept(tmp_pat
 
     model = train.build_model(train.TrainConfig(), "cpu")
     optimizer = torch.optim.AdamW(model.parameters())
-    train.save_step(str(tmp_path), 2, model, optimizer, 0, "cpu", None)
+    assert train.save_step(str(tmp_path), 2, model, optimizer, 0, "cpu", None)() == str(tmp_path / "step-2")
 
     def full(*_, **__):
         raise OSError(errno.ENOSPC, "No space left on device")
