@@ -16,6 +16,12 @@ Plain-PyTorch equivalent of one rank's job (the single-process run is the same w
 Without a GPU it spawns ``--world-size`` CPU ranks (gloo); under ``torchrun`` each rank
 uses its GPU (NCCL). The config comes from flags or a YAML/JSON file (``--config``) with
 fusedpar's names or Axolotl's keys; flags win over the file.
+
+A real run: ``--model PATH`` (a Hugging Face folder) and ``--data PATH`` (:mod:`.inputs`)
+instead of the demo model and synthetic tokens; ``--save DIR`` crash-safe checkpoints in
+``DIR/step-<n>`` (``--save-every``, ``--keep``, ``--async-save``), ``--resume auto|DIR``
+(model, optimizer, step, RNG); ``--on-nonfinite``. What would fail on every rank (a wrong
+folder, out-of-vocabulary tokens, an unwritable ``--save``) is refused before any starts.
 """
 
 from __future__ import annotations
@@ -83,7 +89,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "train", aliases=["demo"],
         help="train a small Llama-style (or --moe Mixtral-style) model on synthetic tokens, "
-             "parallelized, and compare with one process")
+             "parallelized, and compare with one process; or a real run: --model, --data, "
+             "--save, --resume")
     launch.add_launch_arguments(p, default_world=DEFAULT_WORLD, default_timeout=600.0)
     p.add_argument("--config", metavar="FILE",
                    help="YAML or JSON file: parallel degrees (dp_shard, tp, ... or Axolotl's "
@@ -481,6 +488,9 @@ def train_rank(group, device, spec: dict) -> dict:
                 record["saved"].append(saving())
             saving = save_step(spec["save"], step + 1, model, optimizer, rank, device,
                                spec.get("keep"), spec.get("async_save", False))
+            if not spec.get("async_save"):  # written: prune now
+                record["saved"].append(saving())
+                saving = None
     if saving is not None:
         record["saved"].append(saving())
     progress.close()
