@@ -22,7 +22,6 @@ import torch.distributed as dist
 from ..comm import counters, group_name, resolve_group, symmetric
 from . import protocol as C
 from .all_gather_matmul import symm_mem_reasons
-from ..kernels.interpreter import triton_device_reasons
 from .all_gather import all_gather, all_gather_loopback
 from .backend import Backend, Dispatcher
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
@@ -305,10 +304,10 @@ def triton_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale
 
 
 def _triton_reasons(call: ScaledCall) -> list[str]:
-    """Why the Triton fp8 GEMM cannot run ``call``: no Triton here, a GPU without fp8 tensor
-    cores (sm_80: refused rather than emulated), an fp16 output (the kernel stores bf16 or
-    fp32)."""
-    reasons = triton_device_reasons(call.x.device)
+    """Why the triton backends cannot run ``call``: no Triton here or no symmetric memory for
+    its group, a GPU without fp8 tensor cores (sm_80: refused rather than emulated), an fp16
+    output (the GEMM stores bf16 or fp32)."""
+    reasons = C.triton_reasons(call)  # Triton here; symmetric memory for the group's collective
     if not reasons and call.x.is_cuda:
         capability = torch.cuda.get_device_capability(call.x.device)
         if capability < (8, 9):
@@ -349,7 +348,7 @@ class AgTriton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        reasons = _triton_reasons(call) + C.triton_reasons(call)
+        reasons = _triton_reasons(call)
         if (call.x.numel() * call.x.element_size()) % 4:
             reasons.append(f"A_shard's {call.x.numel()} fp8 bytes travel as int32 words: make them a "
                            "multiple of 4")
@@ -498,7 +497,7 @@ class RsTriton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call):
-        reasons = _triton_reasons(call) + C.triton_reasons(call)
+        reasons = _triton_reasons(call)
         if call.last_dim:
             reasons.append("scatters a leading dim of A only (the output's columns: reference)")
         return reasons
