@@ -16,7 +16,7 @@ import json
 import sys
 
 from fusedpar.plan import plan as make_plan
-from fusedpar.plan.memory import PP_SCHEDULES
+from fusedpar.plan.memory import PLANNED_SCHEDULES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
     p.add_argument("--ac", choices=("both", "on", "off"), default="both",
                    help="activation checkpointing per block (default: try both)")
-    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1F1B",
+    p.add_argument("--pp-schedule", choices=PLANNED_SCHEDULES, default="1F1B",
                    help="pipeline schedule of the pp > 1 configs (default 1F1B)")
     p.add_argument("--unfused", action="store_true",
                    help="time TP/CP/EP communication as not overlapped with compute")

@@ -39,7 +39,7 @@ import fusedpar
 from fusedpar.cli import bounds, inputs, launch, preflight
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.nn.linear import local
-from fusedpar.parallel.config import KEY_ALIASES as PARALLEL_KEYS
+from fusedpar.parallel.config import FLOAT8_RECIPES, KEY_ALIASES as PARALLEL_KEYS
 
 DEFAULT_WORLD = 4
 #: The demo: tensor parallelism with sequence parallelism inside data-parallel sharding;
@@ -75,7 +75,7 @@ TRAIN_KEYS = {
 }
 #: Flags that set ParallelConfig fields (its degrees and FSDP options).
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep")
-PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm", "pp_schedule")
+PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm", "pp_schedule", "float8")
 DEGREE_HELP = {
     "dp_shard": "FSDP degree (-1: the remaining ranks, the default)",
     "dp_replicate": "HSDP replicas (-1: the remaining ranks)",
@@ -151,6 +151,10 @@ def add_parallel_arguments(p) -> None:
     p.add_argument("--fsdp-comm", choices=("fusedpar", "torch"), default=None,
                    help="FSDP's all-gather / reduce-scatter on fusedpar's ops (default) or "
                         "torch's collectives")
+    p.add_argument("--float8", choices=FLOAT8_RECIPES, default=None,
+                   help="float8 training with torchao's recipe (pip install 'fusedpar[fp8]'): "
+                        "linears compute in fp8 and FSDP all-gathers their weights in fp8 "
+                        "(FSDP and pp so far; the demo's default tp=2 becomes dp_shard)")
 
 
 # ---- configuration ----------------------------------------------------------------------
@@ -216,7 +220,10 @@ def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, lis
     flags = {name: getattr(args, name) for name in PARALLEL_FLAGS if getattr(args, name) is not None}
     given = {PARALLEL_KEYS[k] for k, v in parallel_keys.items() if v is not None} | set(flags)
     if not given & set(DEGREES):
-        base = dataclasses.replace(base, **(DEFAULT_PARALLEL_MOE if tcfg.moe else DEFAULT_PARALLEL))
+        default = DEFAULT_PARALLEL_MOE if tcfg.moe else DEFAULT_PARALLEL
+        if flags.get("float8") or base.float8:  # float8 runs under FSDP (and pp) so far
+            default = {"dp_shard": -1}
+        base = dataclasses.replace(base, **default)
     pcfg = dataclasses.replace(base, **flags).validate(world)
     if tcfg.model:
         if tcfg.moe:
@@ -520,13 +527,12 @@ def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -
     microbatches and schedule and rank 0's (the measured) first stage (None for a schedule
     the planner does not model)."""
     from fusedpar.plan import Candidate, Training, model_spec
-    from fusedpar.plan.memory import PP_SCHEDULES, stage_memories
+    from fusedpar.plan.memory import PLANNED_SCHEDULES, stage_memories
 
-    cand = Candidate(dp_replicate=pcfg.dp_replicate, dp_shard=pcfg.dp_shard, cp=pcfg.cp, tp=pcfg.tp,
-                     ep=pcfg.ep, pp=pcfg.pp)
+    cand = Candidate.from_config(pcfg)
     micro = None
     if pcfg.pp > 1:
-        if pcfg.pp_schedule not in PP_SCHEDULES or pcfg.pp_stages_per_rank > 1:
+        if pcfg.pp_schedule not in PLANNED_SCHEDULES or pcfg.pp_stages_per_rank > 1:
             return None
         micro = tcfg.batch_size // pcfg.dp // (pcfg.pp_microbatches or pcfg.pp_stages)
     train = Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, micro_batch=micro,

@@ -31,6 +31,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       f"'fusedpar[hf]' ({e})") from e
 
 from ..parallel import checkpoint, get_submesh
+from ..parallel.decoder import valid_labels
 
 __all__ = ["DCP_DIR", "FusedparTrainer", "prepare_accelerator", "unparallelized"]
 
@@ -114,10 +115,6 @@ def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # under Accelerate's AcceleratedOptimizer
 
 
-def _valid_labels(labels: torch.Tensor) -> torch.Tensor:
-    return labels[..., 1:].ne(-100).sum()  # the causal shift: position 0 predicts nothing
-
-
 class FusedparTrainer(transformers.Trainer):
     """``transformers.Trainer`` for a model parallelized by ``fusedpar.parallelize``
     (``FusedparTrainer(model=parallelized_model, args=TrainingArguments(...), ...)``), as
@@ -166,7 +163,7 @@ class FusedparTrainer(transformers.Trainer):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples or "labels" not in batch_samples[0]:
             return batch_samples, None
-        local = sum(_valid_labels(b["labels"]) for b in batch_samples)
+        local = sum(valid_labels(b["labels"][..., 1:]) for b in batch_samples)  # the causal shift
         return batch_samples, self._dp_sum(torch.as_tensor(local))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -175,7 +172,7 @@ class FusedparTrainer(transformers.Trainer):
         outputs = model(**inputs)
         loss = outputs.loss
         if num_items_in_batch is not None:
-            loss = loss * (self._dp_sum(_valid_labels(inputs["labels"])) / num_items_in_batch)
+            loss = loss * (self._dp_sum(valid_labels(inputs["labels"][..., 1:])) / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

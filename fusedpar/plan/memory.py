@@ -51,7 +51,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 #: The pipeline schedules the planner models: ParallelConfig's (``parallel.config.PP_SCHEDULES``)
 #: that run one stage per rank.
-PP_SCHEDULES = tuple(sorted(set(config.PP_SCHEDULES.values()) - set(config.MULTI_STAGE_SCHEDULES)))
+PLANNED_SCHEDULES = tuple(sorted(set(config.PP_SCHEDULES.values()) - set(config.MULTI_STAGE_SCHEDULES)))
 
 
 def dtype_bytes(name: str) -> int:
@@ -98,8 +98,8 @@ class Training:
         for name in ("seq_len", "global_batch", "units_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"pp_schedule={self.pp_schedule!r}: the planner models {' and '.join(PP_SCHEDULES)}")
+        if self.pp_schedule not in PLANNED_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}: the planner models {' and '.join(PLANNED_SCHEDULES)}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch} must be at least 1 (or None)")
 

@@ -248,3 +248,16 @@ def test_pp_train_matches_one_process(tmp_path):
     assert (m["parallel"]["pp"], m["parallel"]["dp_shard"]) == (2, 2)
     assert train.max_rel_diff(m["losses"], m["reference_losses"]) <= 1e-5, m
     assert "pp=2 (1F1B)" in res.stdout
+
+
+def test_float8_flag_picks_fsdp_unless_degrees_are_given(tmp_path):
+    """``--float8 RECIPE`` sets the config key; without degrees the demo's tp=2 (which float8
+    refuses so far) becomes FSDP over every rank; a config file's ``fp8: true`` does the same."""
+    pcfg, _, _ = _resolve(["--float8", "rowwise"])
+    assert (pcfg.float8, pcfg.tp, pcfg.dp_shard) == ("rowwise", 1, 4)
+    pcfg, _, _ = _resolve(["--float8", "tensorwise", "--pp", "2"])
+    assert (pcfg.float8, pcfg.pp, pcfg.tp) == ("tensorwise", 2, 1)
+    path = tmp_path / "fp8.json"
+    path.write_text('{"fp8": true}')
+    pcfg, _, _ = _resolve(["--config", str(path)])
+    assert pcfg.float8 is not None and (pcfg.tp, pcfg.dp_shard) == (1, 4)
