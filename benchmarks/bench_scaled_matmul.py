@@ -3,8 +3,9 @@ to the bf16 op they replace and the fp8 paths a user would pick instead (docs/de
 
 * ``test_loopback`` (one GPU, no torchrun): the GEMM each of W=8 simulated ranks runs on
   the gathered A, in fp8 (``torch._scaled_mm``, tensorwise and rowwise scales, bf16 out)
-  next to the bf16 ``torch.matmul`` of the bf16 op: what fp8 buys in compute alone (the
-  fp8 ops have no loopback variant: they have no symmetric-memory backend yet).
+  next to the bf16 ``torch.matmul`` of the bf16 op (what fp8 buys in compute alone), and
+  ``triton``: ``all_gather_scaled_matmul_loopback`` (every rank's loopback all-gather of the
+  fp8 bytes, then the Triton fp8 GEMM; not overlapped).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each fusedpar
   backend of the fp8 ops against torch's ``symm_mem.fused_all_gather_scaled_matmul`` /
   ``fused_scaled_matmul_reduce_scatter`` and the unfused NCCL collective + ``_scaled_mm``,
@@ -34,7 +35,7 @@ AG, RS = "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"
 FP8 = torch.float8_e4m3fn
 SHAPES = [(8192, 8192, 1280), (8192, 8192, 7168)]  # M, K, N
 SCALINGS = ("tensorwise", "rowwise")
-LOOPBACK = ("torch.matmul.bf16", "torch._scaled_mm")
+LOOPBACK = ("torch.matmul.bf16", "torch._scaled_mm", "triton")
 AG_ROWS = ("nccl+_scaled_mm", "symm_mem.fused_all_gather_scaled_matmul", "all_gather_matmul.bf16",
            "pipelined", "reference", "symm_mem", AUTO)
 RS_ROWS = ("_scaled_mm+nccl", "symm_mem.fused_scaled_matmul_reduce_scatter", "matmul_reduce_scatter.bf16",
@@ -81,6 +82,16 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend,
 
         def fn():
             return [a_hp @ b_hp for _ in range(W_LOOPBACK)]
+    elif backend == "triton":  # every rank: the loopback all-gather, then the Triton fp8 GEMM
+        rows = m // W_LOOPBACK
+        shards = [a[r * rows:(r + 1) * rows] for r in range(W_LOOPBACK)]
+        scales = [a_scale if a_scale.numel() == 1 else a_scale[r * rows:(r + 1) * rows]
+                  for r in range(W_LOOPBACK)]
+
+        def fn():
+            return fusedpar.ops.all_gather_scaled_matmul_loopback(shards, [b], scales, [b_scale])
+        out = fn()[0][1][0]
+        assert rel_err(out, exact) <= 1e-2, rel_err(out, exact)
     else:
         bt = b.t().contiguous().t()  # cuBLAS: B column-major
 

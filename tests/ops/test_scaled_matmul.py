@@ -12,6 +12,7 @@ import fusedpar
 from fusedpar.ops import registry
 from fusedpar.ops.scaled_matmul import AG, ROWWISE, ROWWISE_GATHERED, ROWWISE_SHARD, RS, TENSORWISE
 from fusedpar.testing import scaled_matmul as cases
+from fusedpar.testing.cases import same
 from tests.ops.collective_cases import capture_errors, cpu_backends, interpreter_cast_slack, poisoned_allocations
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -235,12 +236,7 @@ def test_loopback_matches_float64_torch_bit_for_bit(world):
         expected = case.expected(inputs, torch.bfloat16)
         with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
             outs = case.loopback(inputs, "triton")
-        for got, want in zip(outs, expected):
-            if case.op == AG:
-                assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), case.label
-                assert all(torch.equal(o, e) for o, e in zip(got[1], want[1])), case.label
-            else:
-                assert torch.equal(got, want), case.label
+        assert same(outs, expected), case.label  # dtypes, shapes and bits (fp8 A_gathered too)
         assert counter.total() == world * case.lower_bound(inputs[0], world), case.label
 
 
@@ -258,3 +254,29 @@ def test_triton_refuses_gpus_without_fp8_tensor_cores(monkeypatch):
                          [torch.bfloat16])
     (reason,) = sm._triton_reasons(call)
     assert "compute capability 8.9+" in reason and "has 8.0" in reason and "pipelined" in reason
+
+
+def _fake_shapes():
+    """The fake impls (what torch.compile traces) give the real calls' shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    world = dist.get_world_size()
+    a, bs, a_scale, b_scales = cases.scaled_inputs(AG, (2, world, 32), (16, 8), ROWWISE_SHARD, 1,
+                                                   dist.get_rank(), world, 0, "cpu")
+    name, ops = dist.group.WORLD.group_name, torch.ops.fusedpar
+
+    def calls(a, b0, b1, sa, sb0, sb1):
+        gathered, outs = ops.all_gather_scaled_matmul(a, [b0, b1], sa, [sb0, sb1], 1, name,
+                                                      out_dtypes=[torch.bfloat16, torch.float32])
+        scattered = ops.scaled_matmul_reduce_scatter(a, b0, sa, sb0, "sum", 1, name, out_dtype=torch.float32)
+        return [(tuple(t.shape), t.dtype) for t in (gathered, *outs, scattered)]
+
+    tensors = (a, bs[0], bs[1], a_scale, b_scales[0], b_scales[1])
+    real = calls(*tensors)
+    with FakeTensorMode() as mode:
+        fake = calls(*[mode.from_tensor(t) for t in tensors])
+    return real == fake
+
+
+def test_fake_impls_match_the_real_calls(pools):
+    assert pools(2).run(_fake_shapes) == [True, True]
