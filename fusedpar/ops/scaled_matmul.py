@@ -61,7 +61,8 @@ class ScaledCall(MatmulCall):
         dispatcher caches its choice by this)."""
         words = (self.x.numel() * self.x.element_size()) % 4 == 0
         return super().cache_key() + (self.a_mode, self.last_dim, self.x.dim() == 2 and self.dim == 0,
-                                      torch.float16 in self.out_dtypes, words)
+                                      torch.float16 in self.out_dtypes, words,
+                                      tuple(s.numel() > 1 for s in self.b_scales))
 
     def fingerprint(self) -> int:
         return symmetric.fingerprint(super().fingerprint(), self.a_mode, tuple(self.a_scale.shape),
@@ -166,8 +167,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
             b_scale = b_scale.reshape(1, 1).expand(1, b.shape[1]).contiguous()
     elif not a_rowwise:
         a_scale, b_scale = a_scale.reshape(()), b_scale.reshape(())
-    if a.is_cuda and b.stride(0) != 1:
-        b = b.t().contiguous().t()
+    if a.is_cuda:
+        b = _col_major(b)
     return torch._scaled_mm(a.contiguous(), b, a_scale.reshape(a.shape[0], 1) if a_rowwise else a_scale,
                             b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
@@ -274,18 +275,34 @@ class AgPipelined(Backend):
         return _ag_results(call, gathered, outs)
 
 
+def _one_granularity(call: ScaledCall) -> list[str]:
+    """torch's fused ops hand the scales to ``_scaled_mm`` as they are: both tensorwise or
+    both rowwise."""
+    a_rowwise = call.a_mode != TENSORWISE
+    if any((s.numel() > 1) != a_rowwise for s in call.b_scales):
+        return ["torch's fused scaled ops take A and B scales of one granularity (both tensorwise "
+                "or both rowwise); expand the tensorwise one, or use another backend"]
+    return []
+
+
+def _col_major(b: torch.Tensor) -> torch.Tensor:
+    """``b`` column-major, as cuBLAS's fp8 GEMM takes it (a copy only if needed)."""
+    return b if b.stride(0) == 1 else b.t().contiguous().t()
+
+
 class AgSymmMem(Backend):
     """torch's ``torch.ops.symm_mem.fused_all_gather_scaled_matmul`` (forward only)."""
 
     name = "symm_mem"
 
     def not_supported_reasons(self, call):
-        return symm_mem_reasons(call, "fused_all_gather_scaled_matmul")
+        return symm_mem_reasons(call, "fused_all_gather_scaled_matmul") + _one_granularity(call)
 
     def run(self, call: ScaledCall):
         n = len(call.bs)
         gathered, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
-            call.x, call.bs, call.a_scale, call.b_scales, call.dim, call.group.group_name,
+            call.x, [_col_major(b) for b in call.bs], call.a_scale, call.b_scales, call.dim,
+            call.group.group_name,
             [None] * n, [None] * n, call.out_dtypes, [call.use_fast_accum] * n)
         return gathered.contiguous() if call.return_a else None, [o.contiguous() for o in outs]
 
@@ -475,14 +492,14 @@ class RsSymmMem(Backend):
     name = "symm_mem"
 
     def not_supported_reasons(self, call):
-        reasons = symm_mem_reasons(call, "fused_scaled_matmul_reduce_scatter")
+        reasons = symm_mem_reasons(call, "fused_scaled_matmul_reduce_scatter") + _one_granularity(call)
         if call.x.dim() != 2 or call.dim != 0:
             reasons.append("torch's fused_scaled_matmul_reduce_scatter is called here for a 2-D A "
                            "scattered along dim 0 only")
         return reasons
 
     def run(self, call: ScaledCall):
-        a, b = call.x, call.bs[0]
+        a, b = call.x, _col_major(call.bs[0])
         total = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
             a, b, call.a_scale, call.b_scales[0], call.reduce_op, 0, 0, call.group.group_name,
             [a.shape[0], b.shape[1]], out_dtype=torch.float32, use_fast_accum=call.use_fast_accum)
