@@ -169,7 +169,7 @@ def check_offs(call: GroupedCall) -> None:
                          f"offs = {offs.tolist()}")
 
 
-def _ranges(call: GroupedCall) -> list[tuple[int, int]]:
+def group_ranges(call: GroupedCall) -> list[tuple[int, int]]:
     """Each group's ``(start, end)`` along the grouped extent (a host read)."""
     if call.offs is not None:
         ends = call.offs.tolist()
@@ -190,7 +190,7 @@ class Reference(Backend):
             a, flat = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
         else:
             flat = out
-        for g, (start, end) in enumerate(_ranges(call)):
+        for g, (start, end) in enumerate(group_ranges(call)):
             if call.k_grouped:
                 flat[g] = a[:, start:end] @ b[start:end]
             elif call.n_grouped:
@@ -278,7 +278,7 @@ class Torch(Backend):
         out = torch._grouped_mm(call.a, call.b, call.offs,
                                 out_dtype=None if call.out_dtype == call.a.dtype else call.out_dtype)
         if not call.k_grouped:  # the rows (columns) past offs[-1]
-            _zero_past(out[None], call.offs.contiguous(), call.groups - 1, columns=call.n_grouped)
+            zero_past(out[None], call.offs.contiguous(), call.groups - 1, columns=call.n_grouped)
         return out
 
 
@@ -344,7 +344,7 @@ def _bmm_masked(call: GroupedCall) -> torch.Tensor:
     bmm = lambda x, y: torch.bmm(x, y) if call.out_dtype == x.dtype else torch.bmm(x, y, call.out_dtype)
     if call.batched:
         out = bmm(call.a, call.b)
-        _zero_past(out, counts)
+        zero_past(out, counts)
         return out
     groups, size = call.groups, pad_rows(call)
     # copies of a's and b's blocks with the K past each count zeroed, on both sides since
@@ -362,7 +362,7 @@ def _valid_rows(t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.where(keep[..., None], t, 0)
 
 
-def _zero_past(out: torch.Tensor, ends: torch.Tensor, first: int = 0, columns: bool = False) -> None:
+def zero_past(out: torch.Tensor, ends: torch.Tensor, first: int = 0, columns: bool = False) -> None:
     """``out[g, ends[first + g]:] = 0`` (``columns``: ``out[g, :, ends[first + g]:] = 0``) for
     ``out [G, R, C]``, without a host read: the Triton kernel for rows where Triton runs and
     rows are contiguous (it writes only the rows past the bounds), else a masked fill over

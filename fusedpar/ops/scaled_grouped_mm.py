@@ -12,7 +12,7 @@ from ..kernels.interpreter import triton_device_reasons
 from . import float8_scales
 from . import grouped_mm as plain
 from .backend import Backend, Dispatcher
-from .grouped_mm import GroupedCall, _ranges, _zero_past, check_inputs, check_offs
+from .grouped_mm import GroupedCall, group_ranges, zero_past, check_inputs, check_offs
 from .registry import EXAMPLE_WORLD, register
 
 OP = "scaled_grouped_mm"
@@ -122,7 +122,7 @@ class Reference(Backend):
         out = call.a.new_zeros(call.out_shape(), dtype=call.out_dtype)
         a, b, sa, sb = call.a, call.b, call.scale_a, call.scale_b
         M, N = a.shape[-2], b.shape[-1]
-        for g, (start, end) in enumerate(_ranges(call)):
+        for g, (start, end) in enumerate(group_ranges(call)):
             if (call.k_grouped or call.n_grouped) and a.device.type == "cuda" and (end - start) % 16:
                 what = "K" if call.k_grouped else "columns of b"
                 raise ValueError(f"fusedpar.{OP}: group {g} spans {what} {start}:{end}, not a multiple "
@@ -211,7 +211,7 @@ class Torch(Backend):
         out = torch._scaled_grouped_mm(call.a, call.b, call.scale_a, call.scale_b, call.offs,
                                        out_dtype=call.out_dtype)
         if call.offs is not None:  # the rows form: rows past offs[-1]
-            _zero_past(out[None], call.offs.contiguous(), call.groups - 1)
+            zero_past(out[None], call.offs.contiguous(), call.groups - 1)
         return out
 
 
@@ -389,7 +389,8 @@ def float8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, r
     return _Float8GroupedMM.apply(a, b, offs, recipe, out_dtype, backend or "", a_cast)
 
 
-register(DISPATCHER, (scaled_grouped_mm, float8_grouped_mm), example=lambda device: ScaledCall(
+register(DISPATCHER, (scaled_grouped_mm, float8_grouped_mm), checks="fusedpar.testing.scaled_grouped_mm_cases",
+         example=lambda device: ScaledCall(
     torch.zeros(2 * EXAMPLE_WORLD, 16, device=device).to(torch.float8_e4m3fn),
     torch.zeros(2, 16, 16, device=device).to(torch.float8_e4m3fn).transpose(1, 2),
     torch.tensor([4, 8], dtype=torch.int32, device=device), None, torch.bfloat16,
