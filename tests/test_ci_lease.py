@@ -167,7 +167,7 @@ def test_headline_cases_exist_one_op_each(gpu_all):
     suites = {c.split("::")[0] for c in gpu_all.HEADLINE}
     assert {f"bench_{op}.py" for op in ("all_gather", "reduce_scatter", "all_gather_matmul",
                                         "matmul_reduce_scatter", "flash_attention", "ring_attention",
-                                        "grouped_mm", "moe_dispatch", "moe", "train",
+                                        "grouped_mm", "moe_dispatch", "moe", "train", "scaled_matmul",
                                         "gemm_tiles")} == suites
 
 
