@@ -104,8 +104,6 @@ HEADLINE = [
     "bench_grouped_mm.py::test_scaled_grouped_mm[fusedpar.triton-skewed]",
     "bench_moe_dispatch.py::test_loopback[unpadded-128]",
     "bench_moe_dispatch.py::test_loopback[padded_graph-128]",
-    "bench_moe_dispatch.py::test_loopback_float8[fp8_unpadded-128]",
-    "bench_moe_dispatch.py::test_loopback_float8[fp8_unpadded-128]",
     "bench_moe.py::test_loopback[mixtral-unfused]",
     "bench_moe.py::test_loopback[mixtral-fused]",
     # last: a ~1B Llama's training step, ~6-10 s a case (its torch.compile row: the bench stage)
