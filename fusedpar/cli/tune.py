@@ -211,8 +211,12 @@ def run_model(args) -> int:
         return 2
     try:
         config = model_config(args.model)
-        options = argparse.Namespace(**vars(args), config=None, steps=1, lr=None, seed=None,
-                                     moe=isinstance(config, MixtralConfig))
+        # train's run fields tune has no flag for (data, ...) keep their defaults
+        unset = {f: None for f in train.TrainConfig.__dataclass_fields__ if f not in vars(args)}
+        # tune's --model names a demo model (moe picks it), train's a Hugging Face folder
+        options = argparse.Namespace(**{**unset, **vars(args), "model": None, "config": None,
+                                        "steps": 1, "lr": None, "seed": None,
+                                        "moe": isinstance(config, MixtralConfig)})
         pcfg, tcfg, _ = train.resolve(options, int(os.environ["WORLD_SIZE"]))
     except (OSError, ValueError, TypeError, KeyError, fusedpar.ParallelConfigError) as e:
         print(f"fusedpar tune: --model {args.model}: {e}")
