@@ -117,6 +117,13 @@ BENCH = f"{PYTEST} --benchmark-only --max-timeout=45"
 # them and lose this order); the AOT compiles stay in CI (collecting test_aot.py starts them)
 TEST_PATHS = ("tests/test_build.py tests/gpu $(ls -d tests/*/ | grep -v -e '^tests/gpu/$' "
               "-e __pycache__) tests/test_*.py --ignore=tests/kernels/test_aot.py")
+# spawned ranks: the rows against symm_mem.fused_* and the graph replays first (the stage is
+# slow and is often cut), then tests/gpu's other files and the other directories
+FIRST_SHARED = ("tests/gpu/test_gpu_shared_rows.py", "tests/gpu/test_gpu_graphs.py",
+                "tests/gpu/test_gpu_ring_graphs.py")
+SHARED_PATHS = (f"tests/test_build.py {' '.join(FIRST_SHARED)} $(ls tests/gpu/test_*.py | grep -v "
+                + " ".join(f"-e {p.split('/')[-1]}" for p in FIRST_SHARED)
+                + ") " + TEST_PATHS.split(" tests/gpu ", 1)[1])
 
 
 @dataclasses.dataclass
@@ -142,12 +149,12 @@ STAGES = [
     Stage("build", 60, "build fusedpar._C (where not built) and fusedpar info",
           f"[ -f fusedpar/_build_info.py ] || TORCH_CUDA_ARCH_LIST=${{TORCH_CUDA_ARCH_LIST:-9.0a}} "
           f"{PY} setup.py -q build_ext --inplace && {PY} -m fusedpar info"),
-    Stage("tests", 110, "GPU tests in the pytest process and the build checks",
+    Stage("tests", 100, "GPU tests in the pytest process and the build checks",
           f"{PYTEST} --max-timeout=60 --ranks=in-process {TEST_PATHS}", "gpu or build"),
-    Stage("headline", 130, "headline rows, one per op at its flagship shape, with profiles",
+    Stage("headline", 160, "headline rows, one per op at its flagship shape, with profiles",
           f"FUSEDPAR_BENCH_PROFILE=1 {BENCH} {HEADLINE_IDS}", ""),
     Stage("shared", None, "GPU tests on ranks spawned onto the one GPU",
-          f"{PYTEST} --max-timeout=90 --ranks=spawned {TEST_PATHS}", "gpu or build"),
+          f"{PYTEST} --max-timeout=90 --ranks=spawned {SHARED_PATHS}", "gpu or build"),
     Stage("bench", 60, "the remaining benchmark rows",
           f"{BENCH} benchmarks " + " ".join(f"--deselect {shlex.quote('benchmarks/' + c)}"
                                              for c in HEADLINE), ""),

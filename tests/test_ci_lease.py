@@ -74,6 +74,8 @@ def test_dry_run_walks_the_stages_within_the_lease(gpu_all):
     assert "--ranks=in-process" in tests and "--ranks=spawned" in shared
     assert "-k 'gpu or build'" in tests and "-k 'gpu or build'" in shared
     assert "FUSEDPAR_BENCH_PROFILE=1" in headline and "--deselect" in bench
+    # the spawned-rank rows and graph replays run before the stage's other tests
+    assert shared.index("tests/gpu/test_gpu_shared_rows.py") < shared.index("$(ls tests/gpu/")
 
 
 def test_a_later_slice_of_the_spawned_rank_tests(gpu_all):
