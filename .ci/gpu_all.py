@@ -90,6 +90,14 @@ HEADLINE = [
     "bench_scaled_matmul.py::test_loopback[8192x8192x1280-torch.matmul.bf16-tensorwise]",
     "bench_scaled_matmul.py::test_loopback[8192x8192x1280-torch._scaled_mm-tensorwise]",
     "bench_scaled_matmul.py::test_loopback[8192x8192x1280-triton-tensorwise]",
+    "bench_grouped_mm.py::test_scaled_grouped_mm[torch._scaled_grouped_mm-skewed]",
+    "bench_grouped_mm.py::test_scaled_grouped_mm[fusedpar.triton-skewed]",
+    # a ~1B Llama's training step, ~6-10 s a case, bf16 and float8 (its torch.compile row: the
+    # bench stage); before the ops the lease of 2026-11-27 measured
+    "bench_train.py::test_step[torch]",
+    "bench_train.py::test_step[auto]",
+    "bench_train.py::test_step[float8.tensorwise]",
+    "bench_train.py::test_step[float8.rowwise]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd-sdpa_flash]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd-triton]",
     "bench_flash_attention.py::test_kernel[16384-causal-fwd+bwd-sdpa_flash]",
@@ -100,15 +108,10 @@ HEADLINE = [
     "bench_grouped_mm.py::test_grouped_mm[torch._grouped_mm-skewed]",
     "bench_grouped_mm.py::test_grouped_mm[fusedpar.triton-skewed]",
     "bench_grouped_mm.py::test_grouped_mm[auto-skewed]",
-    "bench_grouped_mm.py::test_scaled_grouped_mm[torch._scaled_grouped_mm-skewed]",
-    "bench_grouped_mm.py::test_scaled_grouped_mm[fusedpar.triton-skewed]",
     "bench_moe_dispatch.py::test_loopback[unpadded-128]",
     "bench_moe_dispatch.py::test_loopback[padded_graph-128]",
     "bench_moe.py::test_loopback[mixtral-unfused]",
     "bench_moe.py::test_loopback[mixtral-fused]",
-    # last: a ~1B Llama's training step, ~6-10 s a case (its torch.compile row: the bench stage)
-    "bench_train.py::test_step[torch]",
-    "bench_train.py::test_step[auto]",
 ]
 HEADLINE_IDS = " ".join(shlex.quote(f"benchmarks/{case}") for case in HEADLINE)
 PYTEST = f"{PY} -m pytest -v -rs --tb=short -p no:cacheprovider -p triton_compiles -p lease_stage"

@@ -108,8 +108,10 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
         raise ParallelConfigError(
             f"float8={cfg.float8!r}: no linear layer to convert (the head, layers whose dims are "
             f"not multiples of 16 and float8_exclude={cfg.float8_exclude} are left out)")
-    if not tensorwise and cfg.float8_all_gather and not activation_checkpointing:
-        shards = cfg.dp_shard * cfg.cp  # FSDP2 pads an uneven shard, and its scales would not be
+    # rows split evenly only (FSDP2 pads an uneven shard, which its row scales would not be);
+    # one shard: FSDP2 gathers nothing (its one-rank path copies a single all-gather input)
+    shards = cfg.dp_shard * cfg.cp
+    if not tensorwise and cfg.float8_all_gather and not activation_checkpointing and shards > 1:
         for layer in layers:
             for module in layer.modules():
                 if isinstance(module, Float8Linear) and module.out_features % shards == 0:

@@ -246,11 +246,12 @@ def test_float8_layer_choice_and_errors():
     # what FSDP2 all-gathers: fp8 weights (torchao's class for tensorwise, fusedpar's for
     # rowwise), or the high-precision weight where rowwise layers would not be re-gathered
     # for backward (activation checkpointing recomputes the forward there), where FSDP2
-    # would pad their rows (the scales could not follow) or where it is off
+    # would pad their rows (the scales could not follow), has one shard or where it is off
     for recipe, checkpointing, options, expected in [
             ("tensorwise", False, {}, "WeightWithDynamicFloat8CastTensor"),
-            ("rowwise", False, {}, "RowwiseFloat8Weight"),
-            ("rowwise", True, {}, "Parameter"),
+            ("rowwise", False, dict(dp_shard=2), "RowwiseFloat8Weight"),
+            ("rowwise", False, {}, "Parameter"),  # one shard: FSDP2 gathers nothing
+            ("rowwise", True, dict(dp_shard=2), "Parameter"),
             ("rowwise_with_gw_hp", False, dict(float8_all_gather=False), "Parameter"),
             ("rowwise", False, dict(dp_shard=3), "Parameter")]:  # uneven shards: padded
         model = make_model("llama")
