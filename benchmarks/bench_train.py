@@ -62,8 +62,8 @@ remaining row, 45 s a test), which it may not reach or may exceed; all three row
 limit: ``.ci/gpu bench -k bench_train`` (~1.5-2 minutes).
 
 ``test_steps_on_cpu`` (CPU, no timing, a few seconds): every case's build and step code at a
-tiny size on a one-rank gloo group: the losses finite, falling, and the same in every
-cases; the compiled layers share one graph (Dynamo's ``eager`` backend there: no C++ or
+tiny size on a one-rank gloo group: the losses finite, falling, and the same in every case
+(float8 within its rounding); the compiled layers share one graph (Dynamo's ``eager`` backend there: no C++ or
 Triton codegen on CPU).
 """
 
