@@ -153,8 +153,9 @@ def add_parallel_arguments(p) -> None:
                         "torch's collectives")
     p.add_argument("--float8", choices=FLOAT8_RECIPES, default=None,
                    help="float8 training with torchao's recipe (pip install 'fusedpar[fp8]'): "
-                        "linears compute in fp8 and FSDP all-gathers their weights in fp8 "
-                        "(FSDP and pp so far; the demo's default tp=2 becomes dp_shard)")
+                        "linears compute in fp8 and FSDP all-gathers their weights in fp8, tp "
+                        "gathers fp8 inputs (FSDP, tp and pp so far; without degrees the demo "
+                        "runs FSDP over every rank)")
 
 
 # ---- configuration ----------------------------------------------------------------------
@@ -221,7 +222,7 @@ def resolve(args, world: int) -> tuple[fusedpar.ParallelConfig, TrainConfig, lis
     given = {PARALLEL_KEYS[k] for k, v in parallel_keys.items() if v is not None} | set(flags)
     if not given & set(DEGREES):
         default = DEFAULT_PARALLEL_MOE if tcfg.moe else DEFAULT_PARALLEL
-        if flags.get("float8") or base.float8:  # float8 runs under FSDP (and pp) so far
+        if flags.get("float8") or base.float8:  # FSDP over every rank: its all-gathers move fp8
             default = {"dp_shard": -1}
         base = dataclasses.replace(base, **default)
     pcfg = dataclasses.replace(base, **flags).validate(world)

@@ -54,49 +54,64 @@ def _local_gemm(a, b, sa, sb, rowwise: bool, orig: torch.dtype) -> torch.Tensor:
 
 
 class _Column(torch.autograd.Function):
-    """``x`` ``[m, K]`` (this rank's rows), ``weight`` ``[N / W, K]``."""
+    """``x`` ``[m, K]`` (this rank's rows), ``weights`` each ``[N_i / W, K]``: one gather of
+    ``x`` for every weight; outputs each ``[M, N_i / W]``, then the gathered fp8 ``x`` where
+    ``return_gathered`` (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, x, weight, name, r: Recipe, backend):
+    def forward(ctx, x, name, r: Recipe, backend, return_gathered, *weights):
         group = resolve_group(name)
         orig = x.dtype
         xq, xs = _q(x, r.x, -1, r, None if r.x.rowwise else group)
-        wq, ws = _q(weight.t(), r.w, 0, r, None if r.w.rowwise else group)
-        keep = not r.x.rowwise  # tensorwise: dW reuses the gathered fp8 x
-        gathered, (y,) = all_gather_scaled_matmul(xq, [wq], xs, [ws], 0, group,
-                                                  out_dtypes=[_out_dtype(r.x.rowwise, orig)],
-                                                  return_A=keep, use_fast_accum=True, backend=backend)
-        ctx.save_for_backward(x, weight, gathered, xs)
+        wqs = [_q(w.t(), r.w, 0, r, None if r.w.rowwise else group) for w in weights]
+        keep = return_gathered or not r.x.rowwise  # tensorwise: dW reuses the gathered fp8 x
+        gathered, ys = all_gather_scaled_matmul(xq, [q for q, _ in wqs], xs, [s for _, s in wqs], 0, group,
+                                                out_dtypes=[_out_dtype(r.x.rowwise, orig)] * len(weights),
+                                                return_A=keep, use_fast_accum=True, backend=backend)
+        ctx.save_for_backward(x, gathered, xs, *weights)
         ctx.group, ctx.recipe, ctx.backend = group, r, backend
-        return y.to(orig)
+        if not return_gathered:
+            return tuple(y.to(orig) for y in ys)
+        ctx.mark_non_differentiable(gathered)
+        return (*(y.to(orig) for y in ys), gathered)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight, gathered, xs = ctx.saved_tensors
-        group, r, orig = ctx.group, ctx.recipe, dy.dtype
-        dyq, dys = _q(dy, r.dy, -1, r, group)  # a row of dy spans N: sharded
-        wq, ws = _q(weight.t(), r.w_for_dx, -1, r, group)  # [K, N / W] per row over N
-        rowwise = r.dy.rowwise or r.w_for_dx.rowwise
-        if rowwise:  # unit scales into bf16, then the scales (torchao without fast accumulation)
-            one = torch.ones((), device=dy.device)
-            dx = scaled_matmul_reduce_scatter(dyq, wq.t(), one, one, "sum", 0, group,
-                                              out_dtype=torch.bfloat16, backend=ctx.backend)
-            rank, world = dist.get_rank(group), dist.get_world_size(group)
-            rows = dys.expand(dy.shape[0], 1).chunk(world, 0)[rank]
-            dx *= rows * ws.reshape(1, -1)
-            dx = dx.to(orig)
-        else:
-            dx = scaled_matmul_reduce_scatter(dyq, wq.t(), dys, ws, "sum", 0, group, out_dtype=orig,
-                                              backend=ctx.backend)
-        if r.dy_for_dw.dtype is None:  # high-precision weight gradient
-            dw = dy.t() @ all_gather(x, 0, group)
-        elif not r.x_for_dw.rowwise:  # tensorwise: the forward's fp8 x, the dy cast above
-            dw = _local_gemm(dyq.t(), gathered, dys, xs, False, orig)
-        else:  # per column over all rows: dy's are here, x's amax over the group, x gathered in fp8
-            dyq0, dys0 = _q(dy, r.dy_for_dw, 0, r, None)
-            xq0, xs0 = _q(x, r.x_for_dw, 0, r, group)
-            dw = _local_gemm(dyq0.t(), gather_rows(xq0, group), dys0, xs0, True, orig)
-        return dx, dw, None, None, None
+    def backward(ctx, *grads):
+        x, gathered, xs, *weights = ctx.saved_tensors
+        group, r = ctx.group, ctx.recipe
+        dx, dws, x_for_dw = None, [], None
+        for dy, weight in zip(grads, weights):  # torchao's layers each, their dx summed
+            if dy is None:
+                dws.append(None)
+                continue
+            orig = dy.dtype
+            dyq, dys = _q(dy, r.dy, -1, r, group)  # a row of dy spans N: sharded
+            wq, ws = _q(weight.t(), r.w_for_dx, -1, r, group)  # [K, N / W] per row over N
+            if r.dy.rowwise or r.w_for_dx.rowwise:  # unit scales into bf16, then the scales
+                one = torch.ones((), device=dy.device)  # (torchao without fast accumulation)
+                part = scaled_matmul_reduce_scatter(dyq, wq.t(), one, one, "sum", 0, group,
+                                                    out_dtype=torch.bfloat16, backend=ctx.backend)
+                rank, world = dist.get_rank(group), dist.get_world_size(group)
+                rows = dys.expand(dy.shape[0], 1).chunk(world, 0)[rank]
+                part *= rows * ws.reshape(1, -1)
+                part = part.to(orig)
+            else:
+                part = scaled_matmul_reduce_scatter(dyq, wq.t(), dys, ws, "sum", 0, group, out_dtype=orig,
+                                                    backend=ctx.backend)
+            dx = part if dx is None else dx + part
+            if r.dy_for_dw.dtype is None:  # high-precision weight gradient
+                if x_for_dw is None:
+                    x_for_dw = all_gather(x, 0, group)
+                dws.append(dy.t() @ x_for_dw)
+            elif not r.x_for_dw.rowwise:  # tensorwise: the forward's fp8 x, the dy cast above
+                dws.append(_local_gemm(dyq.t(), gathered, dys, xs, False, orig))
+            else:  # per column over all rows: dy's here, x's amax over the group, x gathered in fp8
+                if x_for_dw is None:
+                    xq0, xs0 = _q(x, r.x_for_dw, 0, r, group)
+                    x_for_dw = gather_rows(xq0, group), xs0
+                dyq0, dys0 = _q(dy, r.dy_for_dw, 0, r, None)
+                dws.append(_local_gemm(dyq0.t(), x_for_dw[0], dys0, x_for_dw[1], True, orig))
+        return (dx, None, None, None, None, *dws)
 
 
 class _Row(torch.autograd.Function):
@@ -161,10 +176,21 @@ def column_parallel_float8(x: torch.Tensor, weight: torch.Tensor, dim: int, grou
     """``all_gather(x, dim, group) @ weight.T`` in float8 as torchao's ``Float8Linear``
     computes it with ``recipe``: ``x`` ``[..., K]`` this rank's part of ``dim``; ``weight``
     ``[N / W, K]`` this rank's rows. Differentiable in ``x`` and ``weight``."""
+    (y,), _ = column_parallel_float8_outputs(x, [weight], dim, group, recipe=recipe, backend=backend)
+    return y
+
+
+def column_parallel_float8_outputs(x: torch.Tensor, weights: list[torch.Tensor], dim: int, group=None, *,
+                                   recipe: str = "tensorwise", backend: str | None = None,
+                                   return_gathered: bool = False):
+    """``[column_parallel_float8(x, w, ...) for w in weights]`` with one gather of ``x``
+    (q/k/v, gate/up), and the gathered fp8 ``x`` in ``x``'s layout where
+    ``return_gathered`` (else None): ``(outputs, gathered)``."""
     dim = dim % x.dim()
-    rows = _rows(x, dim)
-    y = _Column.apply(rows, weight, group_name(group), get_recipe(recipe), backend or "")
-    return _unrows(y, x, dim)
+    outs = _Column.apply(_rows(x, dim), group_name(group), get_recipe(recipe), backend or "",
+                         return_gathered, *weights)
+    ys = [_unrows(y, x, dim) for y in outs[:len(weights)]]
+    return ys, _unrows(outs[-1], x, dim) if return_gathered else None
 
 
 def row_parallel_float8(x: torch.Tensor, weight: torch.Tensor, dim: int, group=None, *,

@@ -49,6 +49,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from ..comm import resolve_group
 from ..ops import all_gather_matmul, matmul_reduce_scatter
 from ..ops.backend import check_backend_name
+from ..ops.float8_scales import recipe as float8_recipe
+from .float8_linear import column_parallel_float8_outputs, row_parallel_float8
 
 __all__ = [
     "ColumnParallelLinear",
@@ -136,7 +138,7 @@ class TPLinear(nn.Module):
     """What both layers share: the group, the sizes, the sequence dim, the backend."""
 
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool,
-                 sequence_dim: int | None, backend: str | None):
+                 sequence_dim: int | None, backend: str | None, float8: str | None = None):
         super().__init__()
         pg = resolve_group(group)
         # what the parameters' mesh is made from (a name, not the unpicklable group)
@@ -149,6 +151,13 @@ class TPLinear(nn.Module):
         self.sequence_dim = sequence_dim
         check_backend_name(backend)  # a typo fails here, not at the first forward
         self.backend = backend
+        if float8 is not None:
+            float8_recipe(float8)  # an unknown recipe fails here
+            if not self.sequence_parallel:
+                raise ValueError(f"{type(self).__name__}(float8={float8!r}) needs "
+                                 "sequence_parallel=True: float8 runs through the fused fp8 ops, "
+                                 "which gather or reduce-scatter the sequence")
+        self.float8 = float8
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -210,11 +219,13 @@ class TPLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, group=None, *, sequence_parallel: bool = False,
-                    sequence_dim: int | None = None, backend: str | None = None):
+                    sequence_dim: int | None = None, backend: str | None = None,
+                    float8: str | None = None):
         """A new layer holding this rank's shard of ``linear``'s weight (and bias), on its
         device and dtype, so ``parent.proj = cls.from_linear(parent.proj, group)`` swaps it
         in place. ``linear`` is any module with a ``weight`` ``[out, in]`` (``nn.Linear``)
-        and an optional ``bias``; it is left untouched (the shard is a copy)."""
+        and an optional ``bias``; it is left untouched (the shard is a copy). ``float8``:
+        a torchao recipe to compute in (see the layers' docstrings)."""
         weight = linear.weight
         if weight.dim() != 2:
             raise ValueError(f"{cls.__name__}.from_linear: expected a [out, in] weight, got "
@@ -223,7 +234,7 @@ class TPLinear(nn.Module):
         out_features, in_features = weight.shape
         layer = cls(in_features, out_features, bias is not None, group,
                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                    backend=backend, device="meta", dtype=weight.dtype)
+                    backend=backend, float8=float8, device="meta", dtype=weight.dtype)
         with torch.no_grad():
             layer.weight = layer._param(layer.shard_weight(weight.detach()).clone(),
                                         layer.WEIGHT_PLACEMENT, weight.requires_grad)
@@ -237,7 +248,8 @@ class TPLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}, "
                 f"sequence_parallel={self.sequence_parallel}, local_weight={tuple(local(self.weight).shape)}"
-                + (f", backend={self.backend!r}" if self.backend else ""))
+                + (f", backend={self.backend!r}" if self.backend else "")
+                + (f", float8={self.float8!r}" if self.float8 else ""))
 
 
 class ColumnParallelLinear(TPLinear):
@@ -254,6 +266,10 @@ class ColumnParallelLinear(TPLinear):
       ``[T/W, in]``); one ``fusedpar.ops.all_gather_matmul`` gathers it along the sequence
       dim while multiplying (``backend`` is passed to it).
     - Output: ``[..., S, out/W]`` (the full sequence, this rank's output features).
+    - ``float8`` (a torchao recipe, with ``sequence_parallel=True``): the gather and matmul run
+      in fp8 as torchao's ``Float8Linear`` computes (``fusedpar.ops.all_gather_scaled_matmul``:
+      :func:`~fusedpar.nn.float8_linear.column_parallel_float8`), the input cast before the
+      gather, so the gather moves fp8.
 
     Layers reading the same input (q/k/v, gate/up) can share one gather: see
     :meth:`share_gather` / :class:`SharedGather`. ``group``: ProcessGroup, 1-D DeviceMesh,
@@ -263,8 +279,9 @@ class ColumnParallelLinear(TPLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None, *,
                  sequence_parallel: bool = False, sequence_dim: int | None = None,
-                 backend: str | None = None, device=None, dtype=None):
-        super().__init__(in_features, out_features, group, sequence_parallel, sequence_dim, backend)
+                 backend: str | None = None, float8: str | None = None, device=None, dtype=None):
+        super().__init__(in_features, out_features, group, sequence_parallel, sequence_dim, backend,
+                         float8)
         self._check_divisible(out_features, "out_features")
         self.out_features_per_rank = out_features // self.tp_size
         factory = {"device": device, "dtype": dtype}
@@ -314,12 +331,17 @@ class RowParallelLinear(TPLinear):
       splits along the sequence dim: output ``[B, S/W, out]`` (2-D or 3-D input, sequence
       length divisible by W). Each rank adds the bias to its own tokens only, so the bias
       gradient is all-reduced over the group in backward.
+    - ``float8`` (a torchao recipe, with ``sequence_parallel=True``): the matmul runs in fp8 as
+      torchao's ``Float8Linear`` computes, its partials reduce-scattered in fp32
+      (``fusedpar.ops.scaled_matmul_reduce_scatter``:
+      :func:`~fusedpar.nn.float8_linear.row_parallel_float8`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None, *,
                  sequence_parallel: bool = False, sequence_dim: int | None = None,
-                 backend: str | None = None, device=None, dtype=None):
-        super().__init__(in_features, out_features, group, sequence_parallel, sequence_dim, backend)
+                 backend: str | None = None, float8: str | None = None, device=None, dtype=None):
+        super().__init__(in_features, out_features, group, sequence_parallel, sequence_dim, backend,
+                         float8)
         self._check_divisible(in_features, "in_features")
         self.in_features_per_rank = in_features // self.tp_size
         factory = {"device": device, "dtype": dtype}
@@ -345,6 +367,10 @@ class RowParallelLinear(TPLinear):
                 f"{self.tp_size}), got shape {tuple(x.shape)}"
             )
         weight, bias = local(self.weight), local(self.bias)
+        if self.float8:
+            y = row_parallel_float8(x, weight, self._seq_dim(x), self.group_name, recipe=self.float8,
+                                    backend=self.backend)
+            return y if bias is None else y + copy_to_tp(bias, self.group_name)
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, weight.t(), "sum", self._seq_dim(x),
                                       self.group_name, backend=self.backend)
@@ -365,8 +391,13 @@ def _column_outputs(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list
     if not head.sequence_parallel:
         x = copy_to_tp(x, head.group_name)
         return [F.linear(x, local(layer.weight), local(layer.bias)) for layer in layers]
-    _, outs = all_gather_matmul(x, [local(layer.weight).t() for layer in layers], head._seq_dim(x),
-                                head.group_name, return_A=False, backend=head.backend)
+    if head.float8:
+        outs, _ = column_parallel_float8_outputs(x, [local(layer.weight) for layer in layers],
+                                                 head._seq_dim(x), head.group_name, recipe=head.float8,
+                                                 backend=head.backend)
+    else:
+        _, outs = all_gather_matmul(x, [local(layer.weight).t() for layer in layers], head._seq_dim(x),
+                                    head.group_name, return_A=False, backend=head.backend)
     return [out if layer.bias is None else out + local(layer.bias) for out, layer in zip(outs, layers)]
 
 
@@ -403,7 +434,8 @@ class SharedGather:
                                 "ColumnParallelLinear")
             if layer._shared_gather is not None:
                 raise ValueError(f"SharedGather: layer {i} already shares a gather")
-            for attr in ("group_name", "in_features", "sequence_parallel", "sequence_dim", "backend"):
+            for attr in ("group_name", "in_features", "sequence_parallel", "sequence_dim", "backend",
+                         "float8"):
                 if getattr(layer, attr) != getattr(head, attr):
                     raise ValueError(f"SharedGather: layer {i} has {attr}={getattr(layer, attr)!r} "
                                      f"but layer 0 has {getattr(head, attr)!r}; shared layers "
@@ -431,9 +463,14 @@ class SharedGather:
             if x.shape[-1] != head.in_features:
                 raise ValueError(f"SharedGather: expected an input [..., {head.in_features}], "
                                  f"got shape {tuple(x.shape)}")
-            gathered, outs = all_gather_matmul(
-                x, [local(layer.weight).t() for layer in self.layers], head._seq_dim(x),
-                head.group_name, return_A=True, backend=head.backend)
+            weights = [local(layer.weight) for layer in self.layers]
+            if head.float8:  # the gathered input in fp8: what a forward reads of it is its shape
+                outs, gathered = column_parallel_float8_outputs(
+                    x, weights, head._seq_dim(x), head.group_name, recipe=head.float8,
+                    backend=head.backend, return_gathered=True)
+            else:
+                gathered, outs = all_gather_matmul(x, [w.t() for w in weights], head._seq_dim(x),
+                                                   head.group_name, return_A=True, backend=head.backend)
             self._stash = {i: out if layer.bias is None else out + local(layer.bias)
                            for i, (out, layer) in enumerate(zip(outs, self.layers))}
             prepared = gathered
@@ -465,6 +502,10 @@ class SharedGather:
             if not self._stash:
                 self.clear()
             return out
+        if layer.float8:
+            raise RuntimeError("SharedGather: a float8 layer was called twice on one prepared input "
+                               "(its gathered input is fp8, held for its shape); call the layers once "
+                               "each, or build them without float8")
         return F.linear(x, local(layer.weight), local(layer.bias))  # x is already gathered / replicated
 
 

@@ -347,13 +347,12 @@ class ParallelConfig:
                 raise ParallelConfigError(f"{name}={getattr(self, name)!r}: give module-name "
                                           "substrings, e.g. ('lm_head', 'mlp.down_proj')")
             object.__setattr__(self, name, tuple(names))
-        split = [f"{axis}={getattr(self, axis)}" for axis in ("tp", "cp", "ep") if getattr(self, axis) > 1]
+        split = [f"{axis}={getattr(self, axis)}" for axis in ("cp", "ep") if getattr(self, axis) > 1]
         if recipe is not None and split:
             raise ParallelConfigError(
                 f"float8={recipe!r} with {' and '.join(split)}: float8 training runs under FSDP "
-                "(dp_shard, dp_replicate) and pp so far; fp8 through the fused TP/SP, CP and "
-                "expert-parallel ops is still to come (issues 44 and 45): use tp=1, cp=1, ep=1, "
-                "or drop float8")
+                "(dp_shard, dp_replicate), tp and pp so far; under context and expert "
+                "parallelism it is still to come (issue 45): use cp=1 and ep=1, or drop float8")
 
     # ------------------------------------------------------------------ derived sizes
 

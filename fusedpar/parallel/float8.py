@@ -35,6 +35,10 @@ FSDP2 all-gathers the converted weights in fp8 (``float8_all_gather``, default):
   FSDP2 would pad (not divisible by ``dp_shard * cp``): those are gathered in
   ``param_dtype`` and cast by torchao as without FSDP.
 
+Under tp the projections the recipe converts become fusedpar's TP layers with ``float8``
+(``ColumnParallelLinear`` / ``RowParallelLinear``: the fused fp8 ops, torchao's numbers), so
+the TP all-gathers move fp8 inputs; their FSDP all-gather moves ``param_dtype`` weights.
+
 Master weights, gradients (reduce-scatter in ``reduce_dtype``), optimizer state and
 checkpoints stay in high precision: a float8 run's DCP checkpoint loads into a float8 or
 a bf16 config. gloo has no float8 dtype: fusedpar's FSDP all-gather moves fp8 as bytes
@@ -80,7 +84,8 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
     when nothing would be converted."""
     config = Float8LinearConfig.from_recipe_name(cfg.float8)
     tensorwise = cfg.float8 == "tensorwise"
-    if tensorwise and cfg.float8_all_gather:
+    fsdp_fp8 = cfg.float8_all_gather and cfg.tp == 1  # under tp the TP ops move the fp8
+    if tensorwise and fsdp_fp8:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     problems, converted = [], []
 
@@ -111,7 +116,7 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
     # rows split evenly only (FSDP2 pads an uneven shard, which its row scales would not be);
     # one shard: FSDP2 gathers nothing (its one-rank path copies a single all-gather input)
     shards = cfg.dp_shard * cfg.cp
-    if not tensorwise and cfg.float8_all_gather and not activation_checkpointing and shards > 1:
+    if not tensorwise and fsdp_fp8 and not activation_checkpointing and shards > 1:
         for layer in layers:
             for module in layer.modules():
                 if isinstance(module, Float8Linear) and module.out_features % shards == 0:
@@ -120,6 +125,13 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
                         module.weight.data, module.linear_mm_config,
                         module.config.cast_config_weight.target_dtype),
                         requires_grad=module.weight.requires_grad)
+
+
+def tp_recipe(cfg):
+    """For ``apply_tp``'s ``float8``: a projection :func:`convert` made torchao's
+    ``Float8Linear`` computes in ``cfg.float8`` through the fused fp8 ops, the others in
+    high precision."""
+    return lambda layer: cfg.float8 if isinstance(layer, Float8Linear) else None
 
 
 def install_hooks(model: nn.Module) -> None:

@@ -64,8 +64,12 @@ def apply_model_parallel(model: nn.Module, adapter: ModelAdapter, layers: list[n
     tp_mesh = mesh["tp"]
     moe = any(is_moe(layer.mlp) for layer in layers)
     if cfg.tp > 1:
+        float8 = None
+        if cfg.float8 is not None:  # the layers float8.convert made torchao's, in fp8 under tp too
+            from .float8 import tp_recipe
+            float8 = tp_recipe(cfg)
         for layer in layers:
-            adapter.apply_tp(layer, tp_mesh, backend, split_mlp=not is_moe(layer.mlp))
+            adapter.apply_tp(layer, tp_mesh, backend, split_mlp=not is_moe(layer.mlp), float8=float8)
         adapter.apply_vocab_parallel(model, tp_mesh, backend)
         if adapter.final_norm(model) is not None:  # it runs on sequence shards
             sync_replicated_grads(adapter.final_norm(model), tp_mesh)

@@ -127,7 +127,7 @@ def _is_attention_width(attn: nn.Module, heads: dict[str, int]) -> bool:
 
 
 def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
-             backend: str | None = None, split_mlp: bool = True) -> nn.Module:
+             backend: str | None = None, split_mlp: bool = True, float8=None) -> nn.Module:
     """Shard a Llama-style decoder block over the tensor-parallel group, in place; returns it.
 
     What it expects (duck typing; Hugging Face ``LlamaDecoderLayer`` names, also Mistral /
@@ -175,6 +175,10 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
 
     ``tp_mesh``: a 1-D DeviceMesh, a mesh with a ``"tp"`` axis, ``(mesh, axis_name)``, a
     ProcessGroup, a group name or None (world). ``backend`` goes to the fused ops.
+    ``float8``: a torchao recipe name for every projection, or a function of a projection
+    returning its recipe or None; those layers compute in fp8 through the fused fp8 ops and
+    their gathers move fp8 (``ColumnParallelLinear`` / ``RowParallelLinear``'s ``float8``;
+    needs ``sequence_parallel=True``).
     Whole models: apply it to each layer; sharding the sequence of the embeddings'
     output and gathering before the head are the caller's (``fusedpar.parallelize``'s) part.
     """
@@ -187,18 +191,26 @@ def apply_tp(block: nn.Module, tp_mesh=None, sequence_parallel: bool = True, *,
     attn, mlp, parts = _expect(block, split_mlp)
     heads = _check_divisible(attn, parts, world)
 
+    def recipe(layer):
+        return float8(layer) if callable(float8) else float8
+
     def column(layer):
         return ColumnParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
-                                                backend=backend)
+                                                backend=backend, float8=recipe(layer))
 
     def row(layer):
         return RowParallelLinear.from_linear(layer, axis, sequence_parallel=sequence_parallel,
-                                             backend=backend)
+                                             backend=backend, float8=recipe(layer))
 
     for owner, _, columns, row_name in parts:
         for name in columns:
             setattr(owner, name, column(getattr(owner, name)))
         setattr(owner, row_name, row(getattr(owner, row_name)))
+        recipes = {name: getattr(owner, name).float8 for name in columns}
+        if len(set(recipes.values())) > 1:
+            raise ValueError(f"apply_tp: float8 {recipes}: {', '.join(columns)} share one gather of "
+                             "their input, so they compute in float8 all or none; convert or exclude "
+                             "them together")
         shared = SharedGather(*(getattr(owner, name) for name in columns))
         shared.register_input_hook(owner)
     for name, value in heads.items():

@@ -251,8 +251,8 @@ def test_pp_train_matches_one_process(tmp_path):
 
 
 def test_float8_flag_picks_fsdp_unless_degrees_are_given(tmp_path):
-    """``--float8 RECIPE`` sets the config key; without degrees the demo's tp=2 (which float8
-    refuses so far) becomes FSDP over every rank; a config file's ``fp8: true`` does the same."""
+    """``--float8 RECIPE`` sets the config key; without degrees the demo's tp=2 becomes FSDP
+    over every rank (whose all-gathers move fp8); a config file's ``fp8: true`` does the same."""
     pcfg, _, _ = _resolve(["--float8", "rowwise"])
     assert (pcfg.float8, pcfg.tp, pcfg.dp_shard) == ("rowwise", 1, 4)
     pcfg, _, _ = _resolve(["--float8", "tensorwise", "--pp", "2"])

@@ -204,7 +204,11 @@ def _check_init_and_errors() -> bool:
                 lambda: row(torch.randn(3, 16)),  # the full input instead of this rank's shard
                 lambda: ColumnParallelLinear(16, 8, sequence_parallel=True)(torch.randn(3, 8)),
                 lambda: SharedGather(col, ColumnParallelLinear(16, 8, sequence_parallel=True)),
-                lambda: SharedGather(col, RowParallelLinear(16, 24))):
+                lambda: SharedGather(col, RowParallelLinear(16, 24)),
+                lambda: ColumnParallelLinear(16, 8, float8="tensorwise"),  # float8 needs SP
+                lambda: RowParallelLinear(16, 8, sequence_parallel=True, float8="rowwize"),
+                lambda: SharedGather(ColumnParallelLinear(16, 8, sequence_parallel=True),
+                                     ColumnParallelLinear(16, 8, sequence_parallel=True, float8="rowwise"))):
         try:
             bad()
         except (ValueError, TypeError) as e:
@@ -215,6 +219,21 @@ def _check_init_and_errors() -> bool:
     assert "in_features" in messages[1]
     assert "this rank's shard" in messages[2]
     assert "sequence_parallel" in messages[4]
+    assert "float8='tensorwise') needs sequence_parallel=True" in messages[6]
+    assert "unknown recipe 'rowwize'" in messages[7]
+    assert "layer 1 has float8='rowwise' but layer 0 has None" in messages[8]
+    # a float8 layer called twice on one prepared input: its gathered input is fp8
+    pair = [ColumnParallelLinear(16, 16, sequence_parallel=True, float8="tensorwise") for _ in range(2)]
+    shared = SharedGather(*pair)
+    prepared = shared.prepare_input(torch.randn(2, 4, 16))
+    assert prepared.shape == (2, 4 * world, 16) and prepared.dtype == torch.float8_e4m3fn
+    pair[0](prepared)
+    try:
+        pair[0](prepared)
+    except RuntimeError as e:
+        assert "called twice on one prepared input" in str(e)
+    else:
+        raise AssertionError("no error raised")
     return True
 
 

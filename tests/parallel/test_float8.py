@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedpar
+from fusedpar.comm import count_bytes
 from fusedpar.errors import ParallelConfigError
+from fusedpar.nn import ColumnParallelLinear, RowParallelLinear
 from fusedpar.parallel import ParallelConfig, get_submesh
 from fusedpar.parallel.decoder import IGNORE_INDEX, shift_labels
 from fusedpar.models import LlamaConfig, LlamaForCausalLM
@@ -67,12 +69,18 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
     model = make_model("llama")
     for recipe, config in cases:
         cfg = ParallelConfig(**config, float8=recipe)
-        with reference_backends():
+        with reference_backends(), count_bytes() as counter:
             par = fusedpar.parallelize(copy.deepcopy(model), cfg)
             if cfg.pp > 1:
                 got = (pipeline_run(par, data), None)
             else:
                 got = parallel_run(par, data, get_submesh(par.fusedpar_mesh, "dp").get_group())
+        if cfg.tp > 1:  # the decoder's TP layers compute in fp8 through the fused fp8 ops, the head not
+            tp_layers = {name: m.float8 for name, m in par.named_modules()
+                         if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+            assert tp_layers.pop("lm_head") is None and set(tp_layers.values()) == {recipe}, tp_layers
+            ops = {op for op, _ in counter.by_op()}
+            assert {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"} <= ops, ops
         if dist.get_rank():  # every rank has the same losses and gradients: rank 0 checks
             continue
         microbatches = (cfg.pp_microbatches or cfg.pp_stages) if cfg.pp > 1 else 1  # each its own forward
@@ -110,8 +118,6 @@ def _check_float8_against_bf16(recipes, steps: int) -> dict:
     """bf16 FSDP (param_dtype) against the same with float8: every step's loss within 3% of
     the bf16 run's, and the first step's all-gathered bytes at most 0.55x. Returns
     ``{recipe: (largest loss difference, bytes ratio)}``."""
-    from fusedpar.comm import count_bytes
-
     torch.set_num_threads(1)
     data = batches(steps=steps)
     torch.manual_seed(0)
@@ -209,7 +215,8 @@ def _train(model, opt, data) -> list[float]:
 def test_float8_fsdp_matches_torchao_single_process(pools):
     cases = [("tensorwise", dict(dp_shard=4)), ("rowwise", dict(dp_shard=4)),
              ("rowwise_with_gw_hp", dict(dp_shard=4)), ("tensorwise", dict(pp=2, dp_shard=2)),
-             ("rowwise", dict(pp=2, dp_shard=2))]
+             ("rowwise", dict(pp=2, dp_shard=2)), ("tensorwise", dict(tp=2, dp_shard=2)),
+             ("rowwise", dict(tp=2, dp_shard=2))]
     assert pools(4).run(_check_float8_matches_torchao, cases, MATCH_STEPS, timeout=500) == [True] * 4
 
 

@@ -276,8 +276,11 @@ def _check_errors() -> list[str]:
 
     odd = Block()
     odd.self_attn.num_heads = 3
+    mixed = Block()  # q in float8, k and v not: they share one gather
+    only_q = dict(float8=lambda layer: "rowwise" if layer is mixed.self_attn.q_proj else None)
     for make, options in ((NoMLP, {}), (lambda: odd, {}), (lambda: apply_tp(Block(), None), {}),
-                          (Block, dict(sequence_parallel=False, split_mlp=False))):
+                          (Block, dict(sequence_parallel=False, split_mlp=False)),
+                          (lambda: mixed, only_q)):
         try:
             apply_tp(make(), None, **options)
         except (TypeError, ValueError) as e:
@@ -343,12 +346,13 @@ def test_apply_tp_current_hf_attention(pools, sp, backend):
 
 @pytest.mark.timeout(300)
 def test_apply_tp_explains_what_it_expects(pools):
-    no_mlp, odd_heads, twice, replicated_whole_mlp = pools(2).run(_check_errors)[0]
+    no_mlp, odd_heads, twice, replicated_whole_mlp, mixed_float8 = pools(2).run(_check_errors)[0]
     assert "Llama-style decoder block" in no_mlp and "no submodule 'mlp'" in no_mlp
     assert "post_attention_layernorm" in no_mlp
     assert "self_attn.num_heads=3" in odd_heads
     assert "already a ColumnParallelLinear" in twice
     assert "split_mlp=False needs sequence_parallel=True" in replicated_whole_mlp
+    assert "q_proj, k_proj, v_proj share one gather" in mixed_float8 and "all or none" in mixed_float8
 
 
 @pytest.mark.timeout(300)

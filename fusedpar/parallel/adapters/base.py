@@ -160,12 +160,15 @@ class ModelAdapter:
         would not; none for a known family."""
         return []
 
-    def apply_tp(self, layer: nn.Module, tp_mesh, backend: str | None, split_mlp: bool) -> None:
+    def apply_tp(self, layer: nn.Module, tp_mesh, backend: str | None, split_mlp: bool,
+                 float8=None) -> None:
         """Tensor + sequence parallelism on one decoder layer
-        (:func:`fusedpar.parallel.tp.apply_tp`: Llama's q/k/v/o and gate/up/down)."""
+        (:func:`fusedpar.parallel.tp.apply_tp`: Llama's q/k/v/o and gate/up/down; ``float8``
+        as there)."""
         from ..tp import apply_tp
 
-        apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend, split_mlp=split_mlp)
+        apply_tp(layer, tp_mesh, sequence_parallel=True, backend=backend, split_mlp=split_mlp,
+                 float8=float8)
 
     def parallel_problems(self, model: nn.Module, tp: int, cp: int) -> list[str]:
         """Why this family cannot take the given tp / cp (beyond the divisibility checks)."""

@@ -131,9 +131,10 @@ class GPT2Adapter(HFAdapter):
         return t.drop(tokens(input_ids) + t.wpe(position_ids))
 
     # ---- the parallelisms
-    def apply_tp(self, layer, tp_mesh, backend, split_mlp):
+    def apply_tp(self, layer, tp_mesh, backend, split_mlp, float8=None):
         """c_attn (q/k/v) and c_fc column-split, both c_proj row-split (:class:`Conv1DParallel`);
-        the attention keeps this rank's heads; ln_1 / ln_2 run on sequence shards."""
+        the attention keeps this rank's heads; ln_1 / ln_2 run on sequence shards. ``float8``
+        has nothing to take: Conv1D layers are not ``nn.Linear``, which torchao converts."""
         from ...nn import sync_replicated_grads
 
         attn, mlp, world = layer.attn, layer.mlp, tp_mesh.size()
