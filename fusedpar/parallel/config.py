@@ -347,12 +347,11 @@ class ParallelConfig:
                 raise ParallelConfigError(f"{name}={getattr(self, name)!r}: give module-name "
                                           "substrings, e.g. ('lm_head', 'mlp.down_proj')")
             object.__setattr__(self, name, tuple(names))
-        split = [f"{axis}={getattr(self, axis)}" for axis in ("cp", "ep") if getattr(self, axis) > 1]
-        if recipe is not None and split:
+        if recipe is not None and self.cp > 1:
             raise ParallelConfigError(
-                f"float8={recipe!r} with {' and '.join(split)}: float8 training runs under FSDP "
-                "(dp_shard, dp_replicate), tp and pp so far; under context and expert "
-                "parallelism it is still to come (issue 45): use cp=1 and ep=1, or drop float8")
+                f"float8={recipe!r} with cp={self.cp}: float8 training runs under FSDP (dp_shard, "
+                "dp_replicate), tp, ep and pp so far; under context parallelism it is still to "
+                "come (issue 45): use cp=1, or drop float8")
 
     # ------------------------------------------------------------------ derived sizes
 
