@@ -137,11 +137,12 @@ def tp_recipe(cfg):
 def install_hooks(model: nn.Module) -> None:
     """Forward pre-hooks on the FSDP units of a parallelized ``model`` (prepended: they run
     before FSDP2's all-gather). Tensorwise fp8 all-gather: torchao's
-    ``precompute_float8_dynamic_scale_for_fsdp`` when one of the unit's float8 weights
-    changed since it last ran (so once per optimizer step, every weight sharded: one
-    all-reduce). Rowwise: ``unit.reshard()`` when the unit is still unsharded from a
-    backward (torch's pipelining keeps units unsharded across microbatches), so FSDP2
-    gathers the forward's cast again."""
+    ``precompute_float8_dynamic_scale_for_fsdp`` when one of the float8 weights changed since
+    it last ran (so once per optimizer step, every weight sharded: one all-reduce), on the
+    outermost units (the model, or each pipeline stage), whose forward a compiled layer is
+    inside of, not around. Rowwise: ``unit.reshard()`` when the unit is still unsharded
+    from a backward (torch's pipelining keeps units unsharded across microbatches), so
+    FSDP2 gathers the forward's cast again."""
     from torch.distributed.fsdp import FSDPModule
 
     weights = [p for p in model.parameters()
@@ -149,11 +150,11 @@ def install_hooks(model: nn.Module) -> None:
                and not isinstance(p._local_tensor, RowwiseFloat8Weight)]
     scales = _PrecomputeScales(model, weights)
     owned = {id(w) for w in weights}
-    for unit in model.modules():
-        if not isinstance(unit, FSDPModule):
-            continue
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for name, unit in units.items():
+        outer = not any(other == "" or name.startswith(other + ".") for other in units if other != name)
         mine = [p for p in unit.parameters() if id(p) in owned]
-        if mine:
+        if mine and outer:
             unit.register_forward_pre_hook(functools.partial(scales.refresh, mine), prepend=True)
         rowwise = [m for m in unit.modules() if isinstance(m, Float8LinearGatheredRowwise)]
         if rowwise:
@@ -169,6 +170,7 @@ class _PrecomputeScales:
     def __init__(self, model: nn.Module, weights: list[torch.Tensor]):
         self.model, self.weights, self.versions = model, weights, {}
 
+    @torch.compiler.disable  # host logic: a whole compiled model breaks its graph here
     def refresh(self, weights: list[torch.Tensor], module, args) -> None:
         """Before ``module``'s all-gather: recompute every scale if one of its ``weights``
         changed (parameter version counters)."""
@@ -279,6 +281,11 @@ class Float8LinearGatheredRowwise(Float8Linear):
     """torchao's ``Float8Linear`` whose weight FSDP2 gathers in fp8 (rowwise recipes)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a traced backward cannot take the re-gathered weight
+            raise RuntimeError(
+                "fusedpar float8: the rowwise fp8 all-gather does not compile (its backward "
+                "re-gathers the weight as FSDP2 casts it for that pass); with torch.compile set "
+                "float8_all_gather=False (torchao's rowwise: weights all-gathered in param_dtype)")
         if not isinstance(self.weight, GatheredFloat8Weight):  # not gathered by FSDP2
             return super().forward(input)
         output = GatheredRowwiseMatmul.apply(input, self.weight, self)

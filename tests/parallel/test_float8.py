@@ -217,6 +217,36 @@ def _check_float8_checkpoint(path: str, recipe: str) -> bool:
     return True
 
 
+def _check_float8_compiled_layers() -> dict:
+    """Each decoder layer compiled (``layer.compile(fullgraph=True)``, torchtitan's way;
+    Dynamo + AOTAutograd with eager kernels: no compiler on CPU ranks) after parallelize,
+    where torchao's float8 compiles (tensorwise with its fp8 all-gather, rowwise gathering
+    in param_dtype): the same losses as eager over 3 steps. fusedpar's rowwise fp8
+    all-gather (torchao has none) refuses compile naming the fix. Returns
+    ``{case: largest relative difference}``."""
+    torch.set_num_threads(1)
+    data = batches(steps=3)
+    out = {}
+
+    def run(config, compiled):
+        torch._dynamo.reset()
+        with reference_backends():
+            model = fusedpar.parallelize(make_model("llama"), {"dp_shard": 4, **config})
+            if compiled:
+                for layer in model.model.layers:
+                    layer.compile(backend="aot_eager", fullgraph=True)
+            return torch.tensor(_train(model, torch.optim.AdamW(model.parameters(), lr=LR), data))
+
+    for config in (dict(float8="tensorwise"), dict(float8="rowwise", float8_all_gather=False)):
+        eager, compiled = run(config, False), run(config, True)
+        out[str(config)] = float(((compiled - eager).abs() / eager.abs()).max())
+        assert out[str(config)] <= 1e-6, (config, eager, compiled)
+    with pytest.raises(Exception, match="set float8_all_gather=False"):
+        run(dict(float8="rowwise"), True)
+    torch._dynamo.reset()
+    return out
+
+
 def _train(model, opt, data) -> list[float]:
     losses = []
     for batch in data:
@@ -244,6 +274,11 @@ def test_float8_matches_torchao_single_process(pools):
 def test_float8_loss_and_all_gather_bytes_against_bf16(pools):
     results = pools(4).run(_check_float8_against_bf16, ("tensorwise", "rowwise"), BF16_STEPS, timeout=500)
     print(results[0])
+
+
+@pytest.mark.timeout(300)
+def test_float8_layers_compile_fullgraph(pools):
+    print(pools(4).run(_check_float8_compiled_layers, timeout=250)[0])
 
 
 @pytest.mark.timeout(120)
