@@ -80,8 +80,8 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
     module docstring), before TP/FSDP; rowwise weights in ``layers`` get
     :class:`RowwiseFloat8Weight` when they can be all-gathered in fp8 (not under activation
     checkpointing; rows divisible by FSDP's shard degree). ``cfg``: resolved. Raises
-    ``ParallelConfigError`` for a forced layer whose dims are not multiples of 16 and
-    when nothing would be converted."""
+    ``ParallelConfigError`` for a compute dtype ``_scaled_mm`` cannot output, a forced
+    layer whose dims are not multiples of 16 and when nothing would be converted."""
     config = Float8LinearConfig.from_recipe_name(cfg.float8)
     tensorwise = cfg.float8 == "tensorwise"
     fsdp_fp8 = cfg.float8_all_gather and cfg.tp == 1  # under tp the TP ops move the fp8
@@ -103,6 +103,13 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
         converted.append(name)
         return True
 
+    computes = {getattr(torch, cfg.param_dtype)} if cfg.param_dtype else \
+        {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)}
+    if computes - {torch.float32, torch.bfloat16, torch.float16}:
+        raise ParallelConfigError(
+            f"float8={cfg.float8!r}: the linear layers compute in {sorted(map(str, computes))}, "
+            "and torch._scaled_mm outputs float32, bfloat16 or float16 only; cast the model "
+            "(model.float()) or set param_dtype='bfloat16'")
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     if problems:
         raise ParallelConfigError(

@@ -5,6 +5,7 @@ against the same loop in one process (this test's process) on the plain model.""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import pytest
@@ -19,6 +20,9 @@ from tests.parallel.parallel_cases import make_model, reference_backends  # noqa
 pytestmark = pytest.mark.multirank
 
 SEQ, ROWS, STEPS, GA, MICRO = 16, 40, 5, 2, 4  # MICRO: the global micro-batch (rows)
+# float8's recipe here: every cast scales per token or per weight row (its weight gradient in
+# high precision), so one process's batch of MICRO rows casts as each rank's row does
+FLOAT8 = "rowwise_with_gw_hp"
 PARALLEL = {"tp": 2, "dp_shard": 2}
 TRAIN_ARGS = dict(max_steps=STEPS, gradient_accumulation_steps=GA, learning_rate=1e-2,
                   max_grad_norm=0.5, logging_steps=1, save_strategy="steps", save_steps=3,
@@ -68,14 +72,20 @@ def losses_of(trainer, after: int = 0) -> list[tuple[float, float]]:
 
 
 def trainer_losses(out: str, parallel: dict | None, resume_step: int | None = None, seed: int = 0,
-                   **args) -> list[tuple[float, float]]:
-    """(loss, grad norm) of each step of a Trainer run (a FusedparTrainer when ``parallel``)."""
+                   float8: str | None = None, **args) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each step of a Trainer run (a FusedparTrainer when ``parallel``;
+    ``float8``: the plain model converted by torchao as parallelize converts it)."""
     from transformers import Trainer, TrainingArguments
 
     import fusedpar
     from fusedpar.integrations.hf import FusedparTrainer
 
     model, cls, batch = make_model("hf-qwen2", seed=seed), Trainer, MICRO
+    if float8 is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8),
+                                   module_filter_fn=lambda m, name: name != "lm_head")
     if parallel is not None:
         model = fusedpar.parallelize(model, parallel, device_type="cpu")
         cls, batch = FusedparTrainer, MICRO // model.fusedpar_config.dp
@@ -184,14 +194,16 @@ def _hf_cases(out: str):
                 lambda: trainer_losses(out + "-bf16", {**PARALLEL, "param_dtype": "bfloat16"},
                                        bf16=True, max_steps=2),
                 bf16_without_param_dtype,
-                generate_cases):
+                generate_cases,
+                lambda: trainer_losses(out + "-fp8", {"dp_shard": 4, "float8": FLOAT8}, max_steps=2)
+                if importlib.util.find_spec("torchao") else None):
         with reference_backends(), accelerate_env(*rank_world):
             results.append(run())
     return results
 
 
 def test_trainer_and_accelerate_match_one_process_and_resume(pools, tmp_path):
-    run, resumed, acc_run, acc_resumed, bf16, bf16_refusal, generated = pools(4).run(
+    run, resumed, acc_run, acc_resumed, bf16, bf16_refusal, generated, fp8 = pools(4).run(
         _hf_cases, str(tmp_path / "parallel"), timeout=500)[0]
     with accelerate_env():
         single = trainer_losses(str(tmp_path / "single"), None)
@@ -221,3 +233,12 @@ def test_trainer_and_accelerate_match_one_process_and_resume(pools, tmp_path):
         assert "unparallelized(model)" in refusal and "full_state_dict" in refusal
         assert "fusedpar.parallel.checkpoint.save" in save_refusal
         assert tokens == expected
+
+    # float8: FusedparTrainer trains the float8 model as torchao's in one process
+    if importlib.util.find_spec("torchao") is not None:
+        with accelerate_env():
+            single_fp8 = trainer_losses(str(tmp_path / "single-fp8"), None, float8=FLOAT8, max_steps=2)
+        assert len(fp8) == len(single_fp8) == 2 and fp8[0][0] != run[0][0], (fp8, run)
+        for (loss, norm), (ref_loss, ref_norm) in zip(fp8, single_fp8):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (fp8, single_fp8)
+            assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (fp8, single_fp8)

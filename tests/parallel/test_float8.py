@@ -320,6 +320,8 @@ def test_float8_layer_choice_and_errors():
         converted(model, recipe, checkpointing, **options)
         assert gathered_as(model) == {expected}, (recipe, checkpointing, gathered_as(model))
 
+    with pytest.raises(ParallelConfigError, match=r"layers compute in \['torch.float64'\], and torch._scaled_mm"):
+        converted(make_model("llama").double())
     names = converted(make_model("llama"))
     assert len(names) == 14 and "lm_head" not in names, names
     assert "lm_head" in converted(make_model("llama"), float8_include=("lm_head",))
