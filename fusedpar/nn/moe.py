@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import resolve_group
 from ..ops.moe import expert_counts, experts_dense, moe_experts, topk_route
+from ..ops.moe.exchange import float8_cast
 from .linear import local, tp_device_mesh
 
 
@@ -135,11 +136,15 @@ class ExpertParallelMoE(nn.Module):
     ``max_tokens_per_rank``: at most that many tokens per rank and call (``x``'s rows); the
     exchange then keeps its sizes on the device (``moe_experts(..., max_tokens_per_rank=)``),
     so the whole block, backward included, can be captured in a CUDA graph.
+
+    ``float8``: a rowwise recipe (``"rowwise"``, ``"rowwise_with_gw_hp"``): the experts'
+    GEMMs run in fp8 and the tokens travel as fp8 rows with their scales
+    (``moe_experts(..., float8=)``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2,
                  group=None, *, renormalize: bool = True, max_tokens_per_rank: int | None = None,
-                 device=None, dtype=None):
+                 float8: str | None = None, device=None, dtype=None):
         super().__init__()
         pg = resolve_group(group)
         world = dist.get_world_size(pg)
@@ -153,7 +158,7 @@ class ExpertParallelMoE(nn.Module):
         self.group_name = pg.group_name
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_rank, self.float8 = max_tokens_per_rank, _float8(float8, max_tokens_per_rank)
         self.aux_group, self.aux_grad_scale = None, 1.0  # see set_aux_loss_group
         self.num_local_experts = num_experts // world
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
@@ -165,8 +170,8 @@ class ExpertParallelMoE(nn.Module):
         MoEBlock.reset_parameters(self)
 
     @classmethod
-    def from_module(cls, block: nn.Module, group=None, *,
-                    max_tokens_per_rank: int | None = None) -> "ExpertParallelMoE":
+    def from_module(cls, block: nn.Module, group=None, *, max_tokens_per_rank: int | None = None,
+                    float8: str | None = None) -> "ExpertParallelMoE":
         """This rank's share of ``block``: a :class:`MoEBlock`, or a Hugging Face MoE block
         routed by softmax top-k (transformers 5, found by structure: ``gate.weight [E, H]``,
         ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, SiLU), such as
@@ -180,7 +185,8 @@ class ExpertParallelMoE(nn.Module):
         num_experts, two_i, hidden = w13.shape
         pg = resolve_group(group)
         out = cls(hidden, two_i // 2, num_experts, top_k, group, renormalize=renormalize,
-                  max_tokens_per_rank=max_tokens_per_rank, device=w13.device, dtype=w13.dtype)
+                  max_tokens_per_rank=max_tokens_per_rank, float8=float8, device=w13.device,
+                  dtype=w13.dtype)
         with torch.no_grad():
             out.router.weight.copy_(router)
             local(out.w13).copy_(w13.chunk(dist.get_world_size(pg))[dist.get_rank(pg)])
@@ -194,7 +200,7 @@ class ExpertParallelMoE(nn.Module):
         flat = x.reshape(-1, self.hidden_size)
         topk_idx, topk_weights, aux_loss = _route(self, flat)
         y = moe_experts(flat, topk_idx, topk_weights, local(self.w13), local(self.w2), self.group_name,
-                        max_tokens_per_rank=self.max_tokens_per_rank)
+                        max_tokens_per_rank=self.max_tokens_per_rank, float8=self.float8)
         # not a view (y is this call's own): FSDP2, which wraps this module on its own,
         # warns about a view output, whose in-place update would lose its backward hook
         return torch.ops.aten._unsafe_view(y, x.shape), aux_loss
@@ -203,7 +209,8 @@ class ExpertParallelMoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts} ({self.num_local_experts} here), "
                 f"top_k={self.top_k}, group={self.group_name!r}" +
-                (f", max_tokens_per_rank={self.max_tokens_per_rank}" if self.max_tokens_per_rank else ""))
+                (f", max_tokens_per_rank={self.max_tokens_per_rank}" if self.max_tokens_per_rank else "") +
+                (f", float8={self.float8!r}" if self.float8 else ""))
 
 
 class ExpertParallelExperts(nn.Module):
@@ -216,10 +223,10 @@ class ExpertParallelExperts(nn.Module):
     ``gate_up_proj`` / ``down_proj``: DTensors ``Shard(0)`` of HF's global ``[E, 2I, H]`` /
     ``[E, H, I]`` on the ep mesh (see :class:`ExpertParallelMoE`), under HF's names. The
     block keeps HF's router (``gate``), which routes this rank's tokens.
-    ``max_tokens_per_rank``: as in :class:`ExpertParallelMoE`."""
+    ``max_tokens_per_rank``, ``float8``: as in :class:`ExpertParallelMoE`."""
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group=None, *,
-                 max_tokens_per_rank: int | None = None):
+                 max_tokens_per_rank: int | None = None, float8: str | None = None):
         super().__init__()
         pg = resolve_group(group)
         world = dist.get_world_size(pg)
@@ -228,26 +235,37 @@ class ExpertParallelExperts(nn.Module):
                              f"divisible by the ep group size {world}; pick an ep size that divides it")
         self.group_name = pg.group_name
         self.num_experts, self.max_tokens_per_rank = gate_up_proj.shape[0], max_tokens_per_rank
+        self.float8 = _float8(float8, max_tokens_per_rank)
         rank = dist.get_rank(pg)
         self.gate_up_proj = _expert_param(gate_up_proj.detach().chunk(world)[rank].clone(), group)
         self.down_proj = _expert_param(down_proj.detach().chunk(world)[rank].clone(), group)
 
     @classmethod
-    def from_module(cls, block: nn.Module, group=None, *,
-                    max_tokens_per_rank: int | None = None) -> "ExpertParallelExperts":
+    def from_module(cls, block: nn.Module, group=None, *, max_tokens_per_rank: int | None = None,
+                    float8: str | None = None) -> "ExpertParallelExperts":
         """This rank's experts of a Hugging Face MoE block with stacked SwiGLU experts
         (``block.experts.gate_up_proj`` / ``down_proj``: Mixtral, Qwen2/3-MoE, OLMoE,
         DeepSeek-V3, ...); the block keeps its router, shared experts and the rest."""
         w13, w2 = _stacked_experts(block, "ExpertParallelExperts.from_module")
-        return cls(w13, w2, group, max_tokens_per_rank=max_tokens_per_rank)
+        return cls(w13, w2, group, max_tokens_per_rank=max_tokens_per_rank, float8=float8)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return moe_experts(hidden_states, top_k_index, top_k_weights, local(self.gate_up_proj),
                            local(self.down_proj), self.group_name,
-                           max_tokens_per_rank=self.max_tokens_per_rank)
+                           max_tokens_per_rank=self.max_tokens_per_rank, float8=self.float8)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, group={self.group_name!r}"
+
+
+def _float8(recipe: str | None, max_tokens_per_rank: int | None) -> str | None:
+    """``recipe`` checked now rather than at the first forward (``moe_experts``' rules)."""
+    if recipe is not None:
+        float8_cast(recipe)  # a recipe whose input cast is not per token cannot travel
+        if max_tokens_per_rank is not None:
+            raise ValueError(f"float8={recipe!r} with max_tokens_per_rank={max_tokens_per_rank}: the "
+                             "padded exchange has no fp8 form yet; drop one of them")
+    return recipe
 
 
 def _expert_param(local_experts: torch.Tensor, group) -> nn.Parameter:

@@ -77,7 +77,9 @@ def apply_model_parallel(model: nn.Module, adapter: ModelAdapter, layers: list[n
         adapter.apply_context_parallel(model, layers, mesh["cp"])
     expert_units = []
     if cfg.ep > 1:
-        experts = _apply_expert_parallel(layers, ep_mesh["ep"])
+        # float8: the experts and their dispatch in fp8 where the recipe casts per token
+        experts = _apply_expert_parallel(layers, ep_mesh["ep"],
+                                         cfg.float8 if cfg.float8 not in (None, "tensorwise") else None)
         efsdp = ep_mesh["dp_replicate", "efsdp"] if cfg.dp_replicate > 1 else ep_mesh["efsdp"]
         expert_units = [(block, efsdp) for block in experts]
     if moe:
@@ -132,23 +134,24 @@ def _sync_moe_over_tp(layers: list[nn.Module], tp_mesh, ep: int) -> None:
             sync_replicated_grads(layer.mlp, tp_mesh, skip=(layer.mlp.experts,) if ep > 1 else ())
 
 
-def _apply_expert_parallel(layers: list[nn.Module], ep_mesh) -> list[nn.Module]:
+def _apply_expert_parallel(layers: list[nn.Module], ep_mesh, float8: str | None) -> list[nn.Module]:
     """Split the experts of each MoE block over the 1-D ``ep_mesh`` and return the modules
     holding them (FSDP2 shards those over ``efsdp``). fusedpar's ``MoEBlock`` becomes an
     ``ExpertParallelMoE`` (same parameter names); its router sees only this rank's tokens
     and sits in the experts' FSDP unit, so its gradient is also summed over the ep group.
     A Hugging Face block keeps its router (in the layer's FSDP unit, reduced over every
-    data-parallel rank) and gets ``ExpertParallelExperts`` under HF's names."""
+    data-parallel rank) and gets ``ExpertParallelExperts`` under HF's names. ``float8``: a
+    rowwise recipe for the experts' GEMMs and dispatch, or None."""
     from ..nn.moe import ExpertParallelExperts, ExpertParallelMoE, MoEBlock
 
     units = []
     for layer in layers:
         if isinstance(layer.mlp, MoEBlock):
-            layer.mlp = ExpertParallelMoE.from_module(layer.mlp, ep_mesh)
+            layer.mlp = ExpertParallelMoE.from_module(layer.mlp, ep_mesh, float8=float8)
             sync_replicated_grads(layer.mlp.router, ep_mesh)
             units.append(layer.mlp)
         elif is_moe(layer.mlp):  # dense layers (DeepSeek-V3's first ones) stay as they are
-            layer.mlp.experts = ExpertParallelExperts.from_module(layer.mlp, ep_mesh)
+            layer.mlp.experts = ExpertParallelExperts.from_module(layer.mlp, ep_mesh, float8=float8)
             units.append(layer.mlp.experts)
     return units
 

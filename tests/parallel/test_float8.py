@@ -5,8 +5,10 @@ so the reference sees the ranks' tensors) and sums the token losses over the glo
 of valid labels; plus the fp8 all-gather's bytes, DCP resume and the config errors."""
 
 import copy
+import functools
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -20,6 +22,11 @@ from fusedpar.nn import ColumnParallelLinear, RowParallelLinear
 from fusedpar.parallel import ParallelConfig, get_submesh
 from fusedpar.parallel.decoder import IGNORE_INDEX, shift_labels
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from fusedpar.nn import ExpertParallelMoE, MoEBlock
+from fusedpar.ops import topk_route
+from fusedpar.ops.moe.exchange import pack_float8, unpack_float8
+from fusedpar.ops.moe.mlp import swiglu
+from fusedpar.ops.scaled_grouped_mm import float8_grouped_mm
 from tests.parallel.parallel_cases import (LR, TINY, assert_matches, batches, make_model, parallel_run,
                                            reference_backends, reference_run)
 
@@ -41,6 +48,39 @@ def torchao_model(model, recipe: str):
     torchao_float8.convert_to_float8_training(
         model, config=config,
         module_filter_fn=lambda m, name: name != "lm_head" and not any(d % 16 for d in m.weight.shape))
+    return model
+
+
+def _float8_moe_forward(block, x):
+    """``MoEBlock.forward`` with its experts as ``moe_experts(..., float8=)`` computes them, in
+    one process: each token's copies grouped by expert through ``float8_grouped_mm``
+    (torchao's float8 MoE training: test_scaled_grouped_mm) on the rows the fp8 dispatch
+    delivers (cast per token; their dequantised values, where the weight gradient needs
+    them, and the gradient straight back to x, as DeepEP's), weighted in fp32 and summed."""
+    flat = x.reshape(-1, block.hidden_size)
+    idx, weights, aux = topk_route(block.router(flat), block.top_k, renormalize=block.renormalize)
+    order = idx.reshape(-1).argsort(stable=True)
+    rows = flat.repeat_interleave(block.top_k, 0)[order]
+    cast = pack_float8(rows.detach(), block.float8)
+    data, scale = unpack_float8(cast, block.float8)
+    rows = rows + ((data.float() * scale[:, None]).to(rows.dtype) - rows).detach()
+    offs = torch.bincount(idx.reshape(-1), minlength=block.num_experts).cumsum(0).to(torch.int32)
+    gemm = functools.partial(float8_grouped_mm, offs=offs, recipe=block.float8, out_dtype=x.dtype)
+    h = gemm(rows, block.w13.transpose(1, 2), a_cast=(data, scale))
+    y = gemm(swiglu(h), block.w2.transpose(1, 2))
+    y = torch.zeros_like(y).index_copy(0, order, y).view(-1, block.top_k, block.hidden_size)
+    return (y.float() * weights[..., None].float()).sum(1).to(x.dtype).view(x.shape), aux
+
+
+def float8_experts(model, recipe: str):
+    """``model`` (a copy) whose MoE blocks run their experts in float8 as parallelize's
+    expert parallelism does with a per-token recipe; tensorwise leaves them."""
+    model = copy.deepcopy(model)
+    if recipe != "tensorwise":
+        for block in model.modules():
+            if isinstance(block, MoEBlock):
+                block.float8 = recipe  # a bound method: deepcopy rebinds it to the copy
+                block.forward = types.MethodType(_float8_moe_forward, block)
     return model
 
 
@@ -74,11 +114,11 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
     process, fp32: the first step's loss and every gradient within rtol 1e-5, and the loss of
     every step within :data:`STEP_RTOL` of the recipe."""
     torch.set_num_threads(1)
-    data = batches(steps=steps)
     models = {"llama": make_model("llama"), "moe": moe_model()}
     for recipe, config in cases:
         config = dict(config)
         model = models[config.pop("model", "llama")]
+        data = batches(steps=config.pop("steps", steps))
         cfg = ParallelConfig(**config, float8=recipe)
         with reference_backends(), count_bytes() as counter:
             par = fusedpar.parallelize(copy.deepcopy(model), cfg)
@@ -92,10 +132,14 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
             assert tp_layers.pop("lm_head") is None and set(tp_layers.values()) == {recipe}, tp_layers
             ops = {op for op, _ in counter.by_op()}
             assert {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"} <= ops, ops
+        if cfg.ep > 1:  # per-token recipes: the experts and their dispatch in fp8
+            blocks = [m for m in par.modules() if isinstance(m, ExpertParallelMoE)]
+            assert blocks and {m.float8 for m in blocks} == {None if recipe == "tensorwise" else recipe}
         what, failure = f"float8={recipe} {config}", None
         if dist.get_rank() == 0:  # every rank has the same losses and gradients: rank 0 checks
             microbatches = (cfg.pp_microbatches or cfg.pp_stages) if cfg.pp > 1 else 1  # each its own forward
-            want = reference_run(torchao_model(model, recipe), data, per_rank_loss(cfg.dp * microbatches))
+            reference = torchao_model(float8_experts(model, recipe) if cfg.ep > 1 else model, recipe)
+            want = reference_run(reference, data, per_rank_loss(cfg.dp * microbatches))
             try:
                 if got[1] is not None:
                     assert_matches((got[0][:1], got[1]), (want[0][:1], want[1]), what)
@@ -116,6 +160,8 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
 #: between FSDP's gradient reduce-scatter and one process's accumulation moves a scale and
 #: flips fp8 roundings: equal to 1.1e-7 for 12 steps, then 9e-5, 7e-4 by step 20.
 STEP_RTOL = {"tensorwise": 2e-3, "rowwise": 1e-5, "rowwise_with_gw_hp": 1e-5}
+# The MoE model with fp8 experts (rowwise_with_gw_hp, ep=2): equal to 1e-5 for 17 steps, then
+# 4.5e-5 by step 20 (the experts' fp32 sums run in another order, which moves a token's amax)
 
 
 def pipeline_run(model, data):
@@ -266,7 +312,8 @@ def test_float8_matches_torchao_single_process(pools):
              ("rowwise_with_gw_hp", dict(dp_shard=4)), ("tensorwise", dict(pp=2, dp_shard=2)),
              ("rowwise", dict(pp=2, dp_shard=2)), ("tensorwise", dict(tp=2, dp_shard=2)),
              ("rowwise", dict(tp=2, dp_shard=2)), ("tensorwise", dict(dp_shard=4, ep=2, model="moe")),
-             ("rowwise", dict(dp_shard=4, ep=2, model="moe"))]
+             # fp8 experts and dispatch (their fp8 GEMMs on CPU are slow: fewer steps)
+             ("rowwise_with_gw_hp", dict(dp_shard=4, ep=2, model="moe", steps=2))]
     assert pools(4).run(_check_float8_matches_torchao, cases, MATCH_STEPS, timeout=500) == [True] * 4
 
 
@@ -279,6 +326,22 @@ def test_float8_loss_and_all_gather_bytes_against_bf16(pools):
 @pytest.mark.timeout(300)
 def test_float8_layers_compile_fullgraph(pools):
     print(pools(4).run(_check_float8_compiled_layers, timeout=250)[0])
+
+
+def _expert_float8_errors() -> list[str]:
+    messages = []
+    for options in (dict(float8="tensorwise"), dict(float8="rowwise", max_tokens_per_rank=8)):
+        with pytest.raises(ValueError) as info:
+            ExpertParallelMoE(32, 64, 4, 2, dist.group.WORLD, **options)
+        messages.append(str(info.value))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_float8_refuses_what_cannot_travel_per_token(pools):
+    tensorwise, padded = pools(4).run(_expert_float8_errors, timeout=60)[0]
+    assert "one scale per tensor" in tensorwise and "float8='rowwise'" in tensorwise
+    assert "the padded exchange has no fp8 form yet" in padded
 
 
 @pytest.mark.timeout(120)
