@@ -1,13 +1,16 @@
 """``fusedpar plan``: which parallel config fits and trains fastest (:func:`fusedpar.plan.plan`).
 
     python -m fusedpar plan --model config.json --gpus 8 --nodes 2 --gpu-mem 80GiB \\
-        --seq 8192 --global-batch 256 [--json] [--plot plan.png]
+        --seq 8192 --global-batch 256 [--float8 rowwise] [--json] [--plot plan.png]
 
 prints the configs that fit, fastest first, with each one's memory per GPU, then the ones
 that do not fit and by how much. ``--model``: a Hugging Face ``config.json`` of any family
 ``parallelize`` has an adapter for (its ``model_type``, read by that adapter:
 ``fusedpar.parallel.adapters.adapter_for_config``), a JSON file of fusedpar's ``LlamaConfig`` /
 ``MixtralConfig`` fields, or ``llama`` / ``mixtral`` (fusedpar's small demo models).
+``--float8 RECIPE``: float8 training (``ParallelConfig.float8``): fp8 FSDP all-gathers, the
+fp8 GEMM peak and the fp8 weights in memory (:mod:`fusedpar.plan.float8`); the header says
+what it assumed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 
+from fusedpar.parallel.config import FLOAT8_RECIPES
 from fusedpar.plan import plan as make_plan
 from fusedpar.plan.memory import PLANNED_SCHEDULES
 
@@ -44,6 +48,11 @@ def add_parser(sub) -> None:
                    help="activation checkpointing per block (default: try both)")
     p.add_argument("--pp-schedule", choices=PLANNED_SCHEDULES, default="1F1B",
                    help="pipeline schedule of the pp > 1 configs (default 1F1B)")
+    p.add_argument("--float8", choices=FLOAT8_RECIPES, default=None,
+                   help="plan float8 training with torchao's recipe: fp8 FSDP all-gathers, the "
+                        "fp8 GEMM peak, fp8 weights in memory")
+    p.add_argument("--no-float8-all-gather", dest="float8_all_gather", action="store_false",
+                   help="with --float8: FSDP all-gathers the weights in the compute dtype")
     p.add_argument("--unfused", action="store_true",
                    help="time TP/CP/EP communication as not overlapped with compute")
     p.add_argument("--limit", type=int, default=None, help="rows per table (default all)")
@@ -124,7 +133,8 @@ def run(args) -> int:
             global_batch=args.global_batch, micro_batch=args.micro_batch,
             param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
             optimizer=args.optimizer, activation_checkpointing={"both": None, "on": True, "off": False}[args.ac],
-            gpu=args.gpu, nodes=args.nodes, fused=not args.unfused, pp_schedule=args.pp_schedule)
+            gpu=args.gpu, nodes=args.nodes, fused=not args.unfused, pp_schedule=args.pp_schedule,
+            float8=args.float8, float8_all_gather=args.float8_all_gather)
     except (OSError, ValueError, TypeError, KeyError) as e:
         print(f"fusedpar plan: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,10 @@ What fusedpar's ``parallelize`` builds, term by term (bytes, the most loaded ran
 - **transient**: the loss (logits, their fp32 copy, the softmax's gradient), a block's
   backward workspace, and the optimizer step's temporaries (``foreach`` AdamW: one
   parameter-sized list).
+- **float8** (``Training.float8``): the unsharded weights FSDP gathers in fp8 take 1 byte an
+  element (rowwise: and a float32 scale per row; :mod:`fusedpar.plan.float8` says which),
+  and a converted linear's backward holds fp8 copies of its input, its output's gradient
+  and its weight; master weights, gradients and optimizer state are unchanged.
 - **symmetric memory** (fusedpar's fused backends): one buffer per group, as large as the
   largest call stages, rounded up to a power of two (``fusedpar.comm.symmetric``); it is
   outside torch's caching allocator, so not in ``max_memory_allocated``.
@@ -41,6 +45,7 @@ import dataclasses
 import math
 
 from ..parallel import config
+from .float8 import converted, gather_form, gathered_bytes
 from .model import ModelSpec, Tensor, parameter_shapes
 
 __all__ = ["Candidate", "Memory", "Tensor", "Training", "estimate_memory", "parameter_shapes",
@@ -74,7 +79,10 @@ class Training:
     collectives such as gloo's); ``fsdp_comm="fusedpar"``: FSDP2's collectives on fusedpar's
     ops (their results are copied into FSDP's buffers, and they use symmetric memory);
     ``capacity_factor``: MoE rows a rank receives, relative to balanced routing;
-    ``pp_schedule``: torch's pipeline schedule with ``pp > 1`` (``"1F1B"`` or ``"GPipe"``).
+    ``pp_schedule``: torch's pipeline schedule with ``pp > 1`` (``"1F1B"`` or ``"GPipe"``);
+    ``float8``: a torchao recipe (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``)
+    or None, ``float8_all_gather``: FSDP gathers the converted weights in fp8 (see
+    :mod:`fusedpar.plan.float8`).
     """
 
     seq_len: int
@@ -89,6 +97,8 @@ class Training:
     fsdp_comm: str = "fusedpar"
     capacity_factor: float = 1.0
     pp_schedule: str = "1F1B"
+    float8: str | None = None
+    float8_all_gather: bool = True
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "reduce_dtype"):
@@ -100,6 +110,9 @@ class Training:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.pp_schedule not in PLANNED_SCHEDULES:
             raise ValueError(f"pp_schedule={self.pp_schedule!r}: the planner models {' and '.join(PLANNED_SCHEDULES)}")
+        if self.float8 is not None and self.float8 not in config.FLOAT8_RECIPES:
+            raise ValueError(f"float8={self.float8!r}: choose one of {', '.join(config.FLOAT8_RECIPES)} "
+                             "(torchao's recipes) or None")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch} must be at least 1 (or None)")
 
@@ -285,9 +298,14 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     local = sum(held(t) * _shard(t.dim0, degree[t.unit]) * t.rest for t in shapes)
     n_tensors = sum(held(t) for t in shapes)
 
-    def unsharded(unit: str, per_layer: bool) -> int:  # one unit's gathered parameters (padded)
-        return sum((1 if per_layer else held(t)) * _shard(t.dim0, degree[t.unit]) * degree[t.unit] * t.rest
-                   for t in shapes if t.unit == unit and held(t))
+    fp8 = converted(spec) if train.float8 else set()
+
+    def unsharded(unit: str, per_layer: bool, elem: int, gathered: bool = False) -> int:
+        """Bytes of one unit's unsharded parameters (padded) of ``elem`` bytes an element;
+        ``gathered``: as FSDP all-gathers them (float8: fp8 weights, row scales)."""
+        return sum((1 if per_layer else held(t)) * degree[t.unit] * gathered_bytes(
+            _shard(t.dim0, degree[t.unit]), t.rest, gather_form(t, fp8, cand, train) if gathered else None, elem)
+            for t in shapes if t.unit == unit and held(t))
 
     params, grads = local * p, local * p
     states = _OPTIMIZER_STATES[train.optimizer]
@@ -298,10 +316,10 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     # (PipelineStage.perform_reduce_grad): the stage's whole unsharded gradients, in the
     # reduce dtype FSDP2 accumulates them in, exist from the first backward on instead
     accumulated = grads if count > 1 and not pipelined else 0
-    stage_grads = sum(unsharded(u, False) for u in ("root", "layer", "experts")) * r if pipelined else 0
+    stage_grads = sum(unsharded(u, False, r) for u in ("root", "layer", "experts")) if pipelined else 0
 
-    unit = (unsharded("layer", True) + unsharded("experts", True)) * c
-    root = unsharded("root", False) * c
+    unit = unsharded("layer", True, c, True) + unsharded("experts", True, c, True)
+    root = unsharded("root", False, c, True)
     # the root's gradients that exist during the blocks' backward: head and final norm
     root_grads = sum(_shard(t.dim0, cand.fsdp) * cand.fsdp * t.rest for t in shapes
                      if t.unit == "root" and t.stage == "last" and last) * c
@@ -351,7 +369,10 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
     # larger of the two moments (``recompute``: the activations held at it)
     if gather > recompute + mlp_bwd:
         recompute, mlp_bwd = 0, gather
-    block_bwd = seq_shard * h * c + mlp_bwd
+    # float8: a converted linear's backward also holds fp8 casts (1 byte an element) of its
+    # input, its output's gradient and its weight: the largest linear's
+    fp8_casts = max((tokens * (t.dim0 + t.rest) + t.dim0 * t.rest for t in shapes if t.name in fp8), default=0)
+    block_bwd = seq_shard * h * c + mlp_bwd + fp8_casts
     # pp: the schedule's receive buffers, one per micro-batch for the stage's input (not the
     # first stage) and for its output's gradient (not the last), kept from step to step, and
     # the input gradients already sent back (.grad of the receive buffers, kept until the
@@ -398,18 +419,20 @@ def _stage_memory(spec: ModelSpec, cand: Candidate, train: Training, device, sta
             acts += recompute - logits_saved - head_saved
         uns = root + (train.units_in_flight * unit if phase == "block backward" else 0)
         g = accumulated + (late_forward if forward else bwd_grads)
-    symmetric = _symmetric(spec, cand, train, tokens, seq_shard, c, r, unit, root, shapes, held) if device is None or device.symmetric else 0
+    rs_unit = max(unsharded("layer", True, r) + unsharded("experts", True, r), unsharded("root", False, r))
+    symmetric = _symmetric(spec, cand, train, tokens, seq_shard, c, rs_unit) if device is None or device.symmetric else 0
     reserve = device.reserve(peak) if device is not None else 0
     return Memory(params=params, grads=g, optimizer=optimizer, activations=acts, unsharded=uns,
                   transient=transient, peak=peak, phase=phase, symmetric=symmetric, reserve=reserve,
                   phases={k: v for k, (v, _) in moments.items()}, stage=stage)
 
 
-def _symmetric(spec, cand, train, tokens, seq_shard, c, r, unit, root, shapes, held) -> int:
-    """fusedpar's symmetric buffers: one per group, sized by its largest staged call."""
+def _symmetric(spec, cand, train, tokens, seq_shard, c, rs_unit) -> int:
+    """fusedpar's symmetric buffers: one per group, sized by its largest staged call
+    (``rs_unit``: the largest unit's gradients in the reduce dtype)."""
     sizes = []
     if cand.fsdp > 1 and train.fsdp_comm == "fusedpar":  # reduce-scatter stages the whole unit
-        sizes.append(max(unit, root) // c * r)
+        sizes.append(rs_unit)
     if cand.tp > 1:  # matmul_reduce_scatter stages the [tokens, hidden] product
         sizes.append(tokens * spec.hidden * c)
     if cand.cp > 1:  # the ring stages this rank's K and V

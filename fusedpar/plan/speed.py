@@ -8,12 +8,18 @@ The model (a roofline, per rank, summed over the step):
   (``x 4/3``). The peak is the best measured matmul of this device where one exists
   (package data ``measured.json``, made from ``benchmarks/results`` by ``benchmarks/report.py``), else the datasheet's dense bf16 rate, labelled as such.
   No efficiency factor below 1: the estimate is a lower bound, meant for ranking.
+  With ``float8`` the converted linears' GEMMs (:mod:`fusedpar.plan.float8`; all three of
+  forward, input gradient and weight gradient, ``rowwise_with_gw_hp`` the first two) run at
+  the fp8 peak: a measured fp8 matmul (``measured.json``'s ``float8_matmul_peaks``) where
+  one exists, else twice the bf16 peak (H100 / H200 datasheets: dense fp8 is 2x bf16),
+  labelled as assumed; A100 has no fp8 GEMM.
 - **communication per axis**, ring algorithms, bytes this rank sends at the link's bandwidth
   (an axis whose ranks sit inside one node uses NVLink, else the network; ``tp`` is
   innermost, then ``cp``, ``dp_shard``, ``dp_replicate``, ``pp``):
-  FSDP all-gathers each block twice and reduce-scatters its gradients once per
-  micro-batch; HSDP/DDP all-reduce the gradients; TP/SP all-gathers and reduce-scatters
-  ``[tokens, hidden]`` four times per block forward and backward; CP passes K/V around the
+  FSDP all-gathers each block twice (float8: the converted weights in fp8) and
+  reduce-scatters its gradients once per micro-batch; HSDP/DDP all-reduce the gradients; TP/SP all-gathers and reduce-scatters
+  ``[tokens, hidden]`` four times per block forward and backward (float8: the two gathers
+  in fp8, the two reduce-scatters in float32 partials); CP passes K/V around the
   ring (forward once, backward K/V and their gradients); EP dispatches and combines each
   routed copy forward and backward; PP sends each micro-batch's activations and gradients.
 - **exposed** communication: FSDP's gathers and the data-parallel reductions overlap the
@@ -30,6 +36,7 @@ import dataclasses
 import json
 from importlib import resources
 
+from .float8 import converted, fsdp_all_gather_bytes
 from .memory import Candidate, Training, dtype_bytes, micro_batches
 from .model import ModelSpec, parameter_shapes
 
@@ -38,13 +45,13 @@ __all__ = ["DEVICES", "Device", "StepTime", "estimate_step_time", "measured_peak
 GB = 1e9
 GiB = 1 << 30
 
-#: Datasheet values (dense bf16 TFLOP/s, memory, NVLink bandwidth per direction):
-#: NVIDIA's H100 SXM / H200 / A100 SXM specifications. Network default: one 400 Gb/s NIC
-#: per GPU (50 GB/s).
+#: Datasheet values (dense bf16 TFLOP/s, memory, NVLink bandwidth per direction, dense fp8
+#: over bf16 GEMM rate: 0 where there is no fp8 GEMM): NVIDIA's H100 SXM / H200 / A100 SXM
+#: specifications. Network default: one 400 Gb/s NIC per GPU (50 GB/s).
 _DATASHEET = {
-    "H100": dict(memory=80 * GiB, tflops=989.0, nvlink=450.0),
-    "H200": dict(memory=141 * GiB, tflops=989.0, nvlink=450.0),
-    "A100": dict(memory=80 * GiB, tflops=312.0, nvlink=300.0),
+    "H100": dict(memory=80 * GiB, tflops=989.0, nvlink=450.0, fp8=2.0),
+    "H200": dict(memory=141 * GiB, tflops=989.0, nvlink=450.0, fp8=2.0),
+    "A100": dict(memory=80 * GiB, tflops=312.0, nvlink=300.0, fp8=0.0),
 }
 
 
@@ -56,7 +63,9 @@ class Device:
     the datasheet); ``nvlink_gbps`` / ``network_gbps``: bytes per second one GPU sends
     inside a node / across nodes (GB/s); ``context_bytes``: the CUDA context and library
     workspaces; ``fragmentation``: the allocator's reserve over the peak, as a fraction;
-    ``symmetric``: fusedpar's fused backends (symmetric memory) run here.
+    ``symmetric``: fusedpar's fused backends (symmetric memory) run here;
+    ``fp8_peak_tflops`` / ``fp8_peak_source``: the fp8 GEMM rate (0: none) and where it comes
+    from.
     """
 
     name: str
@@ -69,6 +78,8 @@ class Device:
     context_bytes: int = GiB
     fragmentation: float = 0.05
     symmetric: bool = True
+    fp8_peak_tflops: float = 0.0
+    fp8_peak_source: str = "no fp8 GEMM"
 
     def reserve(self, peak: int) -> int:
         """Bytes the GPU needs beyond the allocated peak: context + fragmentation (stated
@@ -87,19 +98,25 @@ class Device:
         measured = measured_peak_tflops(key)
         peak, source = ((measured[0], f"measured: {measured[1]}") if measured else
                         (sheet["tflops"], f"{key} datasheet dense bf16 (no benchmark row)"))
+        fp8 = measured_peak_tflops(key, "float8_matmul_peaks")
+        fp8_peak, fp8_source = ((fp8[0], f"measured: {fp8[1]}") if fp8 else
+                                (sheet["fp8"] * peak, f"assumed: {sheet['fp8']:g}x the bf16 peak, the {key} "
+                                 "datasheet ratio; no fp8 matmul measured") if sheet["fp8"] else
+                                (0.0, f"{key} has no fp8 GEMM"))
         fields = dict(name=key, memory=memory or sheet["memory"], peak_tflops=peak, peak_source=source,
-                      nvlink_gbps=sheet["nvlink"])
+                      nvlink_gbps=sheet["nvlink"], fp8_peak_tflops=fp8_peak, fp8_peak_source=fp8_source)
         fields.update(overrides)
         return cls(**fields)
 
 
-def measured_peak_tflops(gpu: str) -> tuple[float, str] | None:
+def measured_peak_tflops(gpu: str, kind: str = "matmul_peaks") -> tuple[float, str] | None:
     """``(tflops, source)`` of the fastest measured matmul of a device whose name contains
     ``gpu``, or None: the package data ``fusedpar/plan/measured.json``, which
     ``benchmarks/report.py`` regenerates from the committed ``matmul_roofline`` rows (so an
-    installed wheel and a checkout plan the same)."""
+    installed wheel and a checkout plan the same). ``kind``: ``"matmul_peaks"`` (bf16) or
+    ``"float8_matmul_peaks"`` (fp8 GEMMs; absent until measured)."""
     facts = json.loads(resources.files(__package__).joinpath("measured.json").read_text())
-    rows = [r for r in facts["matmul_peaks"] if gpu.lower() in r["device"].lower()]
+    rows = [r for r in facts.get(kind, []) if gpu.lower() in r["device"].lower()]
     best = max(rows, key=lambda r: r["tflops"], default=None)
     return None if best is None else (best["tflops"], best["source"])
 
@@ -123,14 +140,16 @@ class StepTime:
         return self.compute + sum(self.exposed.values())
 
 
-def training_flops(spec: ModelSpec, train: Training, activation_checkpointing: bool) -> float:
-    """FLOPs of one step over the whole global batch."""
+def training_flops(spec: ModelSpec, train: Training, activation_checkpointing: bool) -> tuple[float, float]:
+    """FLOPs of one step over the whole global batch: ``(all, the part in fp8 GEMMs)``."""
     tokens = train.global_batch * train.seq_len
     attention = 6 * spec.layers * train.seq_len * spec.q_dim  # causal: half of 12 L s d
     per_token = 6 * spec.active_parameters() + attention
-    if activation_checkpointing:
-        per_token *= 4 / 3
-    return per_token * tokens
+    fp8 = converted(spec) if train.float8 else set()
+    gemms = 4 if train.float8 == "rowwise_with_gw_hp" else 6  # its weight gradient in high precision
+    fp8_per_token = gemms * sum(t.numel for t in parameter_shapes(spec, 1, 1) if t.name in fp8)
+    scale = 4 / 3 if activation_checkpointing else 1
+    return per_token * tokens * scale, fp8_per_token * tokens * scale
 
 
 def _bandwidth(cand: Candidate, axis: str, device: Device, nodes: int) -> float:
@@ -149,24 +168,31 @@ def estimate_step_time(spec: ModelSpec, cand: Candidate, train: Training, device
     """:class:`StepTime` of ``cand`` (see the module docstring for the model)."""
     c, r = dtype_bytes(train.compute_dtype), dtype_bytes(train.reduce_dtype)
     micro, count = micro_batches(cand, train)
-    flops = training_flops(spec, train, cand.activation_checkpointing)
+    flops, fp8_flops = training_flops(spec, train, cand.activation_checkpointing)
+    if train.float8 and not device.fp8_peak_tflops:
+        raise ValueError(f"float8={train.float8!r} on {device.name}: {device.fp8_peak_source} "
+                         "(torch._scaled_mm needs sm_89 or later); plan it for H100 or H200, or "
+                         "give Device(fp8_peak_tflops=...)")
     peak = device.peak_tflops * 1e12
-    compute_plain = flops / cand.world / peak
+    compute_plain = (flops - fp8_flops) / cand.world / peak
+    if fp8_flops:
+        compute_plain += fp8_flops / cand.world / (device.fp8_peak_tflops * 1e12)
     bubble = (count + cand.pp - 1) / count if cand.pp > 1 else 1.0
     compute = compute_plain * bubble
     tokens = micro * train.seq_len // cand.cp  # per rank per forward
     layers = -(-spec.layers // cand.pp)
     shapes = parameter_shapes(spec, cand.tp, cand.ep)
     stage_params = sum(t.numel * layers // spec.layers if t.stage == "layer" else t.numel for t in shapes)
+    gathered = fsdp_all_gather_bytes(spec, cand, train, c, layers)
     experts = sum(t.numel for t in shapes if t.unit == "experts") * layers // spec.layers
     comm, exposed = {}, {}
     bw = lambda axis: _bandwidth(cand, axis, device, nodes)  # noqa: E731
     ring = lambda n: (n - 1) / n  # noqa: E731 - the fraction a rank sends in a ring collective
     if cand.fsdp > 1 or (cand.ep > 1 and cand.efsdp > 1):
         # all-gather forward and backward, reduce-scatter the gradients: per micro-batch
-        fsdp_bytes = count * (2 * stage_params * c + stage_params * r) * ring(cand.fsdp)
+        fsdp_bytes = count * (gathered + stage_params * r * ring(cand.fsdp))
         comm["fsdp"] = fsdp_bytes / bw("dp_shard")
-        first_unit = (stage_params / max(layers, 1)) * c * ring(cand.fsdp) / bw("dp_shard")
+        first_unit = gathered / 2 / max(layers, 1) / bw("dp_shard")
         exposed["fsdp"] = max(0.0, comm["fsdp"] - compute_plain) + first_unit
     if cand.dp_replicate > 1:
         shard = (stage_params - experts) / cand.fsdp + experts / max(cand.efsdp, 1)
@@ -175,7 +201,8 @@ def estimate_step_time(spec: ModelSpec, cand: Candidate, train: Training, device
     # one micro-batch's causal attention FLOPs on this rank (forward + backward)
     attention_flops = 6 * layers * tokens * train.seq_len * spec.q_dim / cand.tp
     if cand.tp > 1:
-        tp_bytes = count * layers * 8 * tokens * spec.hidden * c * ring(cand.tp)
+        per_elem = 4 * 1 + 4 * 4 if train.float8 else 8 * c  # fp8 gathers, float32 partials
+        tp_bytes = count * layers * per_elem * tokens * spec.hidden * ring(cand.tp)
         comm["tp"] = tp_bytes / bw("tp")
         gemm = compute_plain - count * attention_flops / peak
         exposed["tp"] = max(0.0, comm["tp"] - gemm) if fused else comm["tp"]

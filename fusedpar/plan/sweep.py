@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .memory import Candidate, Memory, Training, estimate_memory, micro_batches
-from .model import ModelSpec, model_spec
+from ..errors import ParallelConfigError
+from ..parallel.config import ParallelConfig
+from .float8 import converted, fsdp_all_gather_bytes
+from .memory import Candidate, Memory, Training, dtype_bytes, estimate_memory, micro_batches
+from .model import ModelSpec, model_spec, parameter_shapes
 from .speed import Device, StepTime, estimate_step_time
 
 __all__ = ["Estimate", "Plan", "candidates", "estimate", "parse_bytes", "plan"]
@@ -36,12 +39,15 @@ def parse_bytes(text: str | int | float) -> int:
 
 @dataclasses.dataclass
 class Estimate:
-    """One config: its memory per rank, its step time, whether ``total`` fits the GPU."""
+    """One config: its memory per rank, its step time, whether ``total`` fits the GPU;
+    ``all_gather_bytes``: what one rank receives through FSDP's all-gathers per step (the
+    most loaded pipeline stage's)."""
 
     candidate: Candidate
     memory: Memory
     time: StepTime
     gpu_memory: int
+    all_gather_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -58,7 +64,7 @@ class Estimate:
                 "fits": self.fits, "over_by_bytes": self.over_by,
                 "memory": {**m.breakdown(), "peak": m.peak, "total": m.total, "phase": m.phase,
                            "stage": m.stage},
-                "step_seconds": t.total, "compute_seconds": t.compute, "bubble": t.bubble,
+                "fsdp_all_gather_bytes": self.all_gather_bytes, "step_seconds": t.total, "compute_seconds": t.compute, "bubble": t.bubble,
                 "comm_seconds": t.comm, "exposed_seconds": t.exposed}
 
 
@@ -66,8 +72,12 @@ def estimate(model, candidate: Candidate, train: Training, device: Device, *, no
              fused: bool = True) -> Estimate:
     """The :class:`Estimate` of one user-picked config."""
     spec = model_spec(model)
+    count = micro_batches(candidate, train)[1]  # FSDP2 gathers per micro-batch
+    gathered = count * fsdp_all_gather_bytes(spec, candidate, train, dtype_bytes(train.compute_dtype),
+                                             -(-spec.layers // candidate.pp))
     return Estimate(candidate, estimate_memory(spec, candidate, train, device),
-                    estimate_step_time(spec, candidate, train, device, nodes, fused), device.memory)
+                    estimate_step_time(spec, candidate, train, device, nodes, fused), device.memory,
+                    gathered)
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,7 +91,8 @@ def candidates(spec: ModelSpec, world: int, train: Training, *, gpus_per_node: i
     with ``seq_len`` divisible by ``2 cp``, data parallelism as FSDP (``dp_shard``), DDP
     (``dp_replicate``) or HSDP (sharded inside a node, replicated across), ``ep`` dividing
     the experts (MoE models), each with and without activation checkpointing (or as
-    ``activation_checkpointing`` says)."""
+    ``activation_checkpointing`` says); with ``train.float8`` the degrees
+    :class:`~fusedpar.parallel.ParallelConfig` takes with float8."""
     acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
     out = []
     axes = set(spec.axes)
@@ -111,8 +122,20 @@ def candidates(spec: ModelSpec, world: int, train: Training, *, gpus_per_node: i
                                 continue
                             if pp > 1 and count < pp:  # fewer micro-batches than stages
                                 continue
+                            if train.float8 and not _float8_runs(cand, train.float8):
+                                continue
                             out.append(cand)
     return out
+
+
+def _float8_runs(cand: Candidate, recipe: str) -> bool:
+    """Whether ``parallelize`` takes ``recipe`` with ``cand``'s degrees."""
+    try:
+        ParallelConfig(dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, cp=cand.cp, tp=cand.tp,
+                       ep=cand.ep, pp=cand.pp, float8=recipe)
+    except ParallelConfigError:
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -154,7 +177,29 @@ class Plan:
                 f"  peak {d.peak_tflops:.0f} TFLOP/s ({d.peak_source}); links {d.nvlink_gbps:.0f} GB/s "
                 f"inside a node, {d.network_gbps:.0f} GB/s across (defaults unless overridden)",
                 f"  reserve per GPU: {d.context_bytes / GiB:.2f} GiB CUDA context + "
-                f"{d.fragmentation:.0%} of the peak for fragmentation (assumed, not measured)"]
+                f"{d.fragmentation:.0%} of the peak for fragmentation (assumed, not measured)",
+                *self._float8_lines()]
+
+    def _float8_lines(self) -> list[str]:
+        """What a float8 plan assumed (:mod:`fusedpar.plan.float8`)."""
+        t, m = self.train, self.model
+        if not t.float8:
+            return []
+        shapes = parameter_shapes(m, 1, 1)
+        fp8 = converted(m)
+        share = sum(s.numel for s in shapes if s.name in fp8) / max(m.num_parameters(), 1)
+        if not t.float8_all_gather:
+            gather = f"in {t.compute_dtype} (float8_all_gather off)"
+        elif t.float8 == "tensorwise":
+            gather = "in fp8, 1 B an element (the scale is all-reduced beforehand, not gathered)"
+        else:
+            gather = ("in fp8 with a float32 scale per row, forward and again backward (decoder layers "
+                      f"whose rows divide the shard degree, not with AC; else in {t.compute_dtype})")
+        return [f"  float8 {t.float8}: {', '.join(sorted(fp8)) or 'no linear'} in fp8 ({share:.0%} of the "
+                f"parameters; not the head, nor dims that are not multiples of 16); FSDP all-gathers them "
+                f"{gather}, under tp in {t.compute_dtype} (tp's gathers move fp8 inputs); no cp (parallelize refuses float8 with it)",
+                f"  fp8 GEMM peak {self.device.fp8_peak_tflops:.0f} TFLOP/s ({self.device.fp8_peak_source})"
+                + ("; the weight gradient in high precision" if t.float8 == "rowwise_with_gw_hp" else "")]
 
     def table(self, limit: int | None = None) -> str:
         """The fitting configs fastest first with their memory breakdown, then the rest
@@ -162,17 +207,18 @@ class Plan:
         lines = self.header()
         cols = ("params", "grads", "optimizer", "activations", "fsdp unsharded", "transient", "symmetric")
         head = f"  {'config':<26} {'step s':>8} {'tok/s/gpu':>10} {'total':>8}  " + " ".join(
-            f"{c[:9]:>9}" for c in cols) + "  peak at"
+            f"{c[:9]:>9}" for c in cols) + f" {'fsdp AG':>9}  peak at"
         tokens = self.train.global_batch * self.train.seq_len
 
         def row(e: Estimate) -> str:
             b = e.memory.breakdown()
             return (f"  {e.candidate.name:<26} {e.time.total:>8.3f} {tokens / e.time.total / self.world:>10,.0f} "
                     f"{_gib(e.memory.total):>8}  " + " ".join(f"{_gib(b[c]):>9}" for c in cols)
-                    + f"  {e.memory.phase}")
+                    + f" {_gib(e.all_gather_bytes):>9}  {e.memory.phase}")
 
         fits, misfits = self.fits, self.misfits
-        lines += ["", f"fits ({len(fits)}), fastest first (GiB per GPU):", head]
+        lines += ["", f"fits ({len(fits)}), fastest first (GiB per GPU; fsdp AG: received through "
+                      "FSDP's all-gathers per step):", head]
         lines += [row(e) for e in fits[:limit]] or ["  none"]
         lines += ["", f"does not fit ({len(misfits)}), closest first:"]
         lines += [f"  {e.candidate.name:<26} needs {_gib(e.memory.total)} GiB: {_gib(e.over_by)} GiB "
@@ -223,7 +269,7 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
          reduce_dtype: str = "float32", optimizer: str = "adamw",
          activation_checkpointing: bool | None = None, gpu: str = "H100", nodes: int = 1,
          fused: bool = True, device: Device | None = None, max_pp: int | None = None,
-         pp_schedule: str = "1F1B") -> Plan:
+         pp_schedule: str = "1F1B", float8: str | None = None, float8_all_gather: bool = True) -> Plan:
     """Estimate every parallel config of ``world`` GPUs (``nodes`` nodes) for ``model`` (a
     fusedpar or Hugging Face config, a model holding one, a config JSON path or a
     :class:`ModelSpec`) and return the :class:`Plan`.
@@ -233,6 +279,8 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
     one exists), or pass ``device``. ``activation_checkpointing``: None tries both.
     ``fused``: fusedpar's fused ops hide TP / CP / EP communication behind compute.
     ``pp_schedule``: the pipeline schedule of the pp > 1 configs (``"1F1B"`` or ``"GPipe"``).
+    ``float8``: a torchao recipe (``ParallelConfig.float8``) and ``float8_all_gather``
+    (see :mod:`fusedpar.plan.float8`); the plan's header says what it assumed.
 
     Plain-PyTorch equivalent: none; torchtitan's estimator runs one config under fake
     tensors (see :func:`fusedpar.plan.dry_run`), DeepSpeed's counts model states only.
@@ -247,7 +295,8 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
         device = dataclasses.replace(device, memory=parse_bytes(gpu_memory))
     train = Training(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                      param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-                     optimizer=optimizer, pp_schedule=pp_schedule)
+                     optimizer=optimizer, pp_schedule=pp_schedule, float8=float8,
+                     float8_all_gather=float8_all_gather)
     found = candidates(spec, world, train, gpus_per_node=device.gpus_per_node,
                        activation_checkpointing=activation_checkpointing, max_pp=max_pp)
     if not found:
