@@ -1,0 +1,83 @@
+"""``fusedpar plan --float8 RECIPE`` (:mod:`fusedpar.plan.float8`): fp8 FSDP all-gather bytes,
+the fp8 GEMM peak, fp8 weights in memory, what the output says it assumed. The plan's
+all-gather bytes against a counted float8 run: tests/cli/test_bounds.py."""
+
+import json
+
+import pytest
+
+from fusedpar.plan import Candidate, Device, Training, plan, speed
+from fusedpar.plan.float8 import converted, fsdp_all_gather_bytes
+from fusedpar.plan.model import model_spec
+
+#: Llama-3-8B's sizes (Hugging Face config keys).
+LLAMA_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
+RUN = dict(seq_len=4096, global_batch=8, micro_batch=1)
+
+
+def _plans(**options) -> dict:
+    return {recipe: plan(LLAMA_8B, 8, **RUN, float8=recipe, **options)
+            for recipe in (None, "tensorwise", "rowwise", "rowwise_with_gw_hp")}
+
+
+def test_float8_halves_the_fsdp_all_gather_and_speeds_the_gemms():
+    """fsdp8: the linears (82% of the weights) gathered in fp8, the embedding and head in
+    bf16: ~0.53x the bytes (rowwise: plus a scale per row); fp8 GEMMs at twice the bf16
+    peak (rowwise_with_gw_hp: the weight gradient's in bf16); the unsharded unit in fp8."""
+    plans = _plans(activation_checkpointing=False)
+    bf16 = plans[None].find("fsdp8")
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        e = plans[recipe].find("fsdp8")
+        assert 0.5 < e.all_gather_bytes / bf16.all_gather_bytes < 0.55, recipe
+        assert e.time.compute < bf16.time.compute and e.time.comm["fsdp"] < bf16.time.comm["fsdp"], recipe
+        assert e.memory.phases["block backward"] < bf16.memory.phases["block backward"], recipe
+    tw, rw, hp = (plans[r].find("fsdp8") for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    assert tw.all_gather_bytes < rw.all_gather_bytes == hp.all_gather_bytes  # row scales
+    assert tw.time.compute == rw.time.compute < hp.time.compute
+    assert "cp2" not in {e.candidate.name.split(" x ")[0] for e in plans["rowwise"].estimates}
+
+
+def test_what_is_gathered_in_fp8_follows_parallelize():
+    """Not under tp (the TP ops move fp8 inputs) nor with float8_all_gather=False; rowwise
+    not under activation checkpointing or with rows FSDP2 pads; tensorwise always."""
+    spec = model_spec(LLAMA_8B)
+    assert converted(spec) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    def gathered(recipe, cand, **options):
+        return fsdp_all_gather_bytes(spec, cand, Training(**RUN, float8=recipe, **options), 2)
+
+    fsdp, ac, tp = Candidate(dp_shard=8), Candidate(dp_shard=8, activation_checkpointing=True), Candidate(tp=2, dp_shard=4)
+    bf16 = gathered(None, fsdp)
+    assert gathered("rowwise", fsdp, float8_all_gather=False) == bf16
+    assert gathered("rowwise", ac) == bf16 and gathered("tensorwise", ac) == gathered("tensorwise", fsdp) < bf16
+    assert gathered("tensorwise", tp) == gathered(None, tp)
+    assert gathered("rowwise", Candidate(dp_shard=3)) == gathered(None, Candidate(dp_shard=3))  # no rows divide 3
+
+
+def test_cli_says_what_it_assumed(capsys):
+    from fusedpar.cli import main
+
+    args = ["plan", "--model", "llama", "--gpus", "4", "--seq", "64", "--global-batch", "8", "--ac", "off"]
+    assert main([*args, "--float8", "rowwise"]) == 0
+    out = capsys.readouterr().out
+    assert "float8 rowwise: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj in fp8" in out
+    assert "a float32 scale per row" in out and "fsdp AG" in out
+    assert "fp8 GEMM peak 1482 TFLOP/s (assumed: 2x the bf16 peak" in out
+    assert main([*args, "--float8", "tensorwise", "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)["fits"]
+    assert all(e["cp"] == 1 and e["fsdp_all_gather_bytes"] >= 0 for e in fits)
+    assert main([*args, "--float8", "tensorwise", "--gpu", "A100"]) == 2
+    assert "A100 has no fp8 GEMM" in capsys.readouterr().err
+
+
+def test_fp8_peak_measured_where_the_package_data_has_one(monkeypatch, tmp_path):
+    (tmp_path / "measured.json").write_text(json.dumps({
+        "matmul_peaks": [{"device": "NVIDIA H200", "tflops": 700.0, "source": "a bf16 row"}],
+        "float8_matmul_peaks": [{"device": "NVIDIA H200", "tflops": 1200.0, "source": "an fp8 row"}]}))
+    monkeypatch.setattr(speed.resources, "files", lambda package: tmp_path)
+    h200, h100 = Device.named("H200"), Device.named("H100")
+    assert (h200.fp8_peak_tflops, h200.fp8_peak_source) == (1200.0, "measured: an fp8 row")
+    assert h100.fp8_peak_tflops == 2 * h100.peak_tflops and h100.fp8_peak_source.startswith("assumed")
+    with pytest.raises(ValueError, match="float8='bf8'"):
+        Training(**RUN, float8="bf8")
