@@ -2,7 +2,8 @@
 
 - :func:`plan` sweeps every config of a world size (DDP, FSDP, HSDP, TP, CP, EP, PP, with
   and without activation checkpointing) through closed-form memory (:mod:`.memory`) and
-  step-time (:mod:`.speed`) estimates; the result prints as a table, JSON or a plot.
+  step-time (:mod:`.speed`) estimates, float8 training included (:mod:`.float8`); the
+  result prints as a table, JSON or a plot.
 - :func:`estimate` does the same for one config; :func:`~fusedpar.plan.dry_run.dry_run`
   runs the real parallelized model under fake tensors for the configs a user picks.
 """
