@@ -10,7 +10,7 @@ that do not fit and by how much. ``--model``: a Hugging Face ``config.json`` of 
 ``MixtralConfig`` fields, or ``llama`` / ``mixtral`` (fusedpar's small demo models).
 ``--float8 RECIPE``: float8 training (``ParallelConfig.float8``): fp8 FSDP all-gathers, the
 fp8 GEMM peak and the fp8 weights in memory (:mod:`fusedpar.plan.float8`); the header says
-what it assumed.
+what it assumed; ``--dry-run`` then fakes the float8 model (needs torchao).
 """
 
 from __future__ import annotations
@@ -113,13 +113,15 @@ def dry_runs(args, result) -> list[str]:
     world, lines = args.gpus * args.nodes, ["", "dry runs (fake tensors, one CPU process; rank 0):"]
     for text in args.dry_run:
         keys, ac = _parse_config(text)
-        pcfg = ParallelConfig.from_dict({**keys, "param_dtype": args.compute_dtype}).validate(world)
+        pcfg = ParallelConfig.from_dict({**keys, "param_dtype": args.compute_dtype, "float8": args.float8,
+                                         "float8_all_gather": args.float8_all_gather}).validate(world)
         micro = args.micro_batch or 1
         got = dry_run(config, pcfg, world, seq_len=args.seq, micro_batch=micro, activation_checkpointing=ac)
         cand = Candidate.from_config(pcfg, activation_checkpointing=ac)
         planned = estimate_memory(result.model, cand, Training(
             seq_len=args.seq, global_batch=micro * cand.dp, param_dtype=args.param_dtype,
-            compute_dtype=args.compute_dtype, optimizer="adamw", foreach=False, units_in_flight=1)).peak
+            compute_dtype=args.compute_dtype, optimizer="adamw", foreach=False, units_in_flight=1,
+            float8=args.float8, float8_all_gather=args.float8_all_gather)).peak
         lines.append(f"  {cand.name:<26} peak {_size(got.peak)} (formula, one FSDP unit in flight: "
                      f"{_size(planned)}); params {_size(got.params)}, grads {_size(got.grads)}, "
                      f"optimizer {_size(got.optimizer)}; {got.seconds:.0f} s")

@@ -69,6 +69,9 @@ def test_cli_says_what_it_assumed(capsys):
     assert all(e["cp"] == 1 and e["fsdp_all_gather_bytes"] >= 0 for e in fits)
     assert main([*args, "--float8", "tensorwise", "--gpu", "A100"]) == 2
     assert "A100 has no fp8 GEMM" in capsys.readouterr().err
+    pytest.importorskip("torchao.float8")
+    assert main([*args, "--float8", "rowwise", "--dry-run", "dp_shard=4"]) == 0  # the float8 model, faked
+    assert "dry runs (fake tensors" in capsys.readouterr().out
 
 
 def test_fp8_peak_measured_where_the_package_data_has_one(monkeypatch, tmp_path):
