@@ -128,12 +128,14 @@ DEVICES = tuple(_DATASHEET)
 class StepTime:
     """Seconds per step: ``compute`` (with the pipeline bubble), the communication of each
     axis (``comm``) and the part of it nothing hides (``exposed``); ``total`` = compute +
-    every exposed part."""
+    every exposed part. ``all_gather_bytes``: what one rank receives through FSDP's
+    all-gathers per step (:func:`fusedpar.plan.float8.fsdp_all_gather_bytes` per micro-batch)."""
 
     compute: float
     bubble: float
     comm: dict[str, float]
     exposed: dict[str, float]
+    all_gather_bytes: int = 0
 
     @property
     def total(self) -> float:
@@ -183,7 +185,7 @@ def estimate_step_time(spec: ModelSpec, cand: Candidate, train: Training, device
     layers = -(-spec.layers // cand.pp)
     shapes = parameter_shapes(spec, cand.tp, cand.ep)
     stage_params = sum(t.numel * layers // spec.layers if t.stage == "layer" else t.numel for t in shapes)
-    gathered = fsdp_all_gather_bytes(spec, cand, train, c, layers)
+    gathered = fsdp_all_gather_bytes(spec, cand, train, c, layers)  # per micro-batch
     experts = sum(t.numel for t in shapes if t.unit == "experts") * layers // spec.layers
     comm, exposed = {}, {}
     bw = lambda axis: _bandwidth(cand, axis, device, nodes)  # noqa: E731
@@ -220,4 +222,4 @@ def estimate_step_time(spec: ModelSpec, cand: Candidate, train: Training, device
     if cand.pp > 1:
         comm["pp"] = count * 2 * tokens * spec.hidden * c / bw("pp")
         exposed["pp"] = comm["pp"] / count  # the first micro-batch's sends wait; later ones overlap
-    return StepTime(compute=compute, bubble=bubble, comm=comm, exposed=exposed)
+    return StepTime(compute=compute, bubble=bubble, comm=comm, exposed=exposed, all_gather_bytes=count * gathered)

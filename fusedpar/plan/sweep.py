@@ -8,8 +8,8 @@ import json
 
 from ..errors import ParallelConfigError
 from ..parallel.config import ParallelConfig
-from .float8 import converted, fsdp_all_gather_bytes
-from .memory import Candidate, Memory, Training, dtype_bytes, estimate_memory, micro_batches
+from .float8 import converted
+from .memory import Candidate, Memory, Training, estimate_memory, micro_batches
 from .model import ModelSpec, model_spec, parameter_shapes
 from .speed import Device, StepTime, estimate_step_time
 
@@ -39,15 +39,12 @@ def parse_bytes(text: str | int | float) -> int:
 
 @dataclasses.dataclass
 class Estimate:
-    """One config: its memory per rank, its step time, whether ``total`` fits the GPU;
-    ``all_gather_bytes``: what one rank receives through FSDP's all-gathers per step (the
-    most loaded pipeline stage's)."""
+    """One config: its memory per rank, its step time, whether ``total`` fits the GPU."""
 
     candidate: Candidate
     memory: Memory
     time: StepTime
     gpu_memory: int
-    all_gather_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -64,7 +61,8 @@ class Estimate:
                 "fits": self.fits, "over_by_bytes": self.over_by,
                 "memory": {**m.breakdown(), "peak": m.peak, "total": m.total, "phase": m.phase,
                            "stage": m.stage},
-                "fsdp_all_gather_bytes": self.all_gather_bytes, "step_seconds": t.total, "compute_seconds": t.compute, "bubble": t.bubble,
+                "fsdp_all_gather_bytes": t.all_gather_bytes, "step_seconds": t.total,
+                "compute_seconds": t.compute, "bubble": t.bubble,
                 "comm_seconds": t.comm, "exposed_seconds": t.exposed}
 
 
@@ -72,12 +70,8 @@ def estimate(model, candidate: Candidate, train: Training, device: Device, *, no
              fused: bool = True) -> Estimate:
     """The :class:`Estimate` of one user-picked config."""
     spec = model_spec(model)
-    count = micro_batches(candidate, train)[1]  # FSDP2 gathers per micro-batch
-    gathered = count * fsdp_all_gather_bytes(spec, candidate, train, dtype_bytes(train.compute_dtype),
-                                             -(-spec.layers // candidate.pp))
     return Estimate(candidate, estimate_memory(spec, candidate, train, device),
-                    estimate_step_time(spec, candidate, train, device, nodes, fused), device.memory,
-                    gathered)
+                    estimate_step_time(spec, candidate, train, device, nodes, fused), device.memory)
 
 
 def _divisors(n: int) -> list[int]:
@@ -214,7 +208,7 @@ class Plan:
             b = e.memory.breakdown()
             return (f"  {e.candidate.name:<26} {e.time.total:>8.3f} {tokens / e.time.total / self.world:>10,.0f} "
                     f"{_gib(e.memory.total):>8}  " + " ".join(f"{_gib(b[c]):>9}" for c in cols)
-                    + f" {_gib(e.all_gather_bytes):>9}  {e.memory.phase}")
+                    + f" {_gib(e.time.all_gather_bytes):>9}  {e.memory.phase}")
 
         fits, misfits = self.fits, self.misfits
         lines += ["", f"fits ({len(fits)}), fastest first (GiB per GPU; fsdp AG: received through "
