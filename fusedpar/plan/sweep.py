@@ -287,6 +287,10 @@ def plan(model, world: int, gpu_memory: int | str | None = None, *, seq_len: int
                               gpus_per_node=world // nodes)
     elif gpu_memory is not None:
         device = dataclasses.replace(device, memory=parse_bytes(gpu_memory))
+    if float8 and not converted(spec):
+        raise ValueError(f"float8={float8!r}: {spec.name} has no linear layer float8 converts (nn.Linear "
+                         "with dims that are multiples of 16, not the head), as parallelize would "
+                         "refuse; plan it without --float8")
     train = Training(seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                      param_dtype=param_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                      optimizer=optimizer, pp_schedule=pp_schedule, float8=float8,

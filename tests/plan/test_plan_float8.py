@@ -9,6 +9,7 @@ import pytest
 from fusedpar.plan import Candidate, Device, Training, plan, speed
 from fusedpar.plan.float8 import converted, fsdp_all_gather_bytes
 from fusedpar.plan.model import model_spec
+from tests.plan.test_plan import GPT2_XL
 
 #: Llama-3-8B's sizes (Hugging Face config keys).
 LLAMA_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
@@ -55,7 +56,7 @@ def test_what_is_gathered_in_fp8_follows_parallelize():
     assert gathered("rowwise", Candidate(dp_shard=3)) == gathered(None, Candidate(dp_shard=3))  # no rows divide 3
 
 
-def test_cli_says_what_it_assumed(capsys):
+def test_cli_says_what_it_assumed(capsys, tmp_path):
     from fusedpar.cli import main
 
     args = ["plan", "--model", "llama", "--gpus", "4", "--seq", "64", "--global-batch", "8", "--ac", "off"]
@@ -69,6 +70,9 @@ def test_cli_says_what_it_assumed(capsys):
     assert all(e["cp"] == 1 and e["fsdp_all_gather_bytes"] >= 0 for e in fits)
     assert main([*args, "--float8", "tensorwise", "--gpu", "A100"]) == 2
     assert "A100 has no fp8 GEMM" in capsys.readouterr().err
+    (tmp_path / "gpt2.json").write_text(json.dumps(GPT2_XL))
+    assert main([*args[:2], str(tmp_path / "gpt2.json"), *args[3:], "--float8", "rowwise"]) == 2  # Conv1D only
+    assert "has no linear layer float8 converts" in capsys.readouterr().err
     pytest.importorskip("torchao.float8")
     assert main([*args, "--float8", "rowwise", "--dry-run", "dp_shard=4"]) == 0  # the float8 model, faked
     assert "dry runs (fake tensors" in capsys.readouterr().out
