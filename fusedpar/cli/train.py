@@ -539,7 +539,8 @@ def planned_peak(pcfg: fusedpar.ParallelConfig, tcfg: TrainConfig, cuda: bool) -
     train = Training(seq_len=tcfg.seq_len, global_batch=tcfg.batch_size, micro_batch=micro,
                      compute_dtype=pcfg.param_dtype or "float32", foreach=cuda,
                      units_in_flight=2 if cuda else 1, fsdp_comm=pcfg.fsdp_comm,
-                     pp_schedule=pcfg.pp_schedule if pcfg.pp > 1 else "1F1B")
+                     pp_schedule=pcfg.pp_schedule if pcfg.pp > 1 else "1F1B",
+                     float8=pcfg.float8, float8_all_gather=pcfg.float8_all_gather)
     stages = stage_memories(model_spec(model_config(tcfg)), cand, train)
     return stages["first" if pcfg.pp > 1 else "all"].peak
 
