@@ -36,6 +36,11 @@ A later lease can take another slice: ``--only`` runs the build and the stages n
     .ci/gpu all --only shared bench -- --deselect tests/gpu/test_gpu_pool.py
 
 ``--dry-run`` runs nothing: it prints the stages, their limits and commands.
+
+The GPU image has no torchao: the float8 rows and tests skip without it. Carry its wheel
+(``pip download --no-deps --only-binary=:all: --python-version 3.12 ... torchao==0.18.*``
+into an ignored ``.whl``, ``carry=[".whl"]``) and install it first:
+``pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``.
 """
 
 from __future__ import annotations
