@@ -13,7 +13,7 @@ import fusedpar
 from fusedpar.comm import layout, symmetric
 from fusedpar.errors import FusedparError
 from fusedpar.kernels import all_gather, signal
-from fusedpar.ops import protocol as C
+from fusedpar.ops import protocol
 from tests.comm.test_symmetric import record
 from tests.dist_pool import leftover_shm
 from tests.ops.collective_cases import env, subgroup
@@ -161,9 +161,9 @@ def test_gpu_side_stream_copy_and_flag_land_while_every_sm_spins():
     sms = torch.cuda.get_device_properties(pad.device).multi_processor_count
     _spin_kernel[(64 * sms,)](pad_table, layout.GATHERED, 1, int(5e9), num_warps=4)
     time.sleep(0.2)  # the spinning programs hold every SM by now
-    with torch.cuda.stream(C.side_stream(pad.device)):
+    with torch.cuda.stream(protocol.side_stream(pad.device)):
         dst.copy_(src)
-        C.write_flag(pad, layout.GATHERED, 1)
+        protocol.write_flag(pad, layout.GATHERED, 1)
     torch.cuda.synchronize()
     assert pad[layout.STATUS].item() == 0, "the spin timed out: the side-stream copy needed an SM"
     assert torch.equal(dst, src)
@@ -181,7 +181,7 @@ def test_a_failed_call_returns_nan_and_raises_at_its_end():
     def pull(buf, staged, epoch):
         out = torch.zeros(2, 4, 3)
         meta = 7 + buf.rank  # rank 0 matches the published 7, rank 1 does not
-        stats = C.stats_tensor(out.device)
+        stats = protocol.stats_tensor(out.device)
         all_gather.all_gather_pull(out, staged, buf.pad_table, buf.rank, 2, epoch, meta, 1, 12,
                                    buf.timeout_ns, stats)
         outs.append(out)
@@ -189,7 +189,7 @@ def test_a_failed_call_returns_nan_and_raises_at_its_end():
 
     desc = symmetric.describe_words(0, torch.float32, (4, 3), 0)
     with pytest.raises(ValueError, match="rank 1 and rank 0 of group .poison. passed different"):
-        C.run_staged("all_gather", C.TRITON_LAUNCHERS, bufs, xs, 7, desc, pull)
+        protocol.run_staged("all_gather", protocol.TRITON_LAUNCHERS, bufs, xs, 7, desc, pull)
     assert torch.equal(outs[0], torch.stack(xs))
     assert outs[1].isnan().all()
 
@@ -215,7 +215,7 @@ def _missing_peer_in_every_plain_torch_wait():
     x = torch.ones(8, 4)
     q = torch.ones(1, 4, 2, 8)
     calls = {
-        "exchange": lambda g: [w.wait() for w in C.exchange(x, torch.empty_like(x), 1, 1, g)],
+        "exchange": lambda g: [w.wait() for w in protocol.exchange(x, torch.empty_like(x), 1, 1, g)],
         "all_gather_matmul pipelined": lambda g: fusedpar.ops.all_gather_matmul(
             x, [torch.ones(4, 3)], 0, g, backend="pipelined"),
         "matmul_reduce_scatter pipelined": lambda g: fusedpar.ops.matmul_reduce_scatter(

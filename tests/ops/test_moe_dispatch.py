@@ -14,7 +14,7 @@ from fusedpar.comm import get_buffer, get_loopback_buffers, layout
 from fusedpar.kernels import moe_dispatch as dispatch_kernels
 from fusedpar.kernels import moe_permute as permute_kernels
 from fusedpar.ops import float8_scales
-from fusedpar.ops import protocol as C
+from fusedpar.ops import protocol
 from fusedpar.ops.moe import moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
 from tests.ops.collective_cases import (captured, poison_symmetric, requires_cuda, scalar_arguments,
                                         stalled_peer_error, subgroup)
@@ -116,7 +116,7 @@ def test_loopback_on_gpu(M):
     _loopback_case(4, 40, 2, 16, M, torch.bfloat16, "cuda")
 
 
-EPOCH_LAUNCHERS = [(C.TRITON_LAUNCHERS, name) for name in ("wait_flags", "signal_peers", "all_gather_pull")] + [
+EPOCH_LAUNCHERS = [(protocol.TRITON_LAUNCHERS, name) for name in ("wait_flags", "signal_peers", "all_gather_pull")] + [
     (dispatch_kernels, "check_capacity")]
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import resolve_group
 from fusedpar.ops import float8_scales
-from fusedpar.ops import protocol as C
+from fusedpar.ops import protocol
 from fusedpar.ops.scaled_grouped_mm import float8_grouped_mm
 from fusedpar.ops.moe import experts_dense, swiglu, topk_route
 from fusedpar.ops.moe import moe_experts, moe_experts_loopback
@@ -384,9 +384,9 @@ def _fused_with_a_stalled_peer(T):
     torch.manual_seed(0)
     x, w13, w2 = torch.randn(5, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
     idx, w, _ = topk_route(torch.randn(5, 4), 2)
-    stage = C.stage
+    stage = protocol.stage
     if dist.get_rank() == 1:
-        C.stage = lambda *args, **kwargs: (time.sleep(2 * T), stage(*args, **kwargs))[1]
+        protocol.stage = lambda *args, **kwargs: (time.sleep(2 * T), stage(*args, **kwargs))[1]
     start = time.monotonic()
     try:
         with env(FUSEDPAR_TIMEOUT=T):
@@ -395,7 +395,7 @@ def _fused_with_a_stalled_peer(T):
     except fusedpar.FusedparTimeoutError as e:
         return time.monotonic() - start, str(e)
     finally:
-        C.stage = stage
+        protocol.stage = stage
 
 
 def test_fused_a_stalled_peer_fails_within_the_timeout(pools):
