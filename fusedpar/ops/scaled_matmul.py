@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import counters, group_name, resolve_group, symmetric
-from . import protocol as C
+from . import protocol
 from .all_gather_matmul import symm_mem_reasons
 from .all_gather import all_gather, all_gather_loopback
 from .backend import Backend, Dispatcher
@@ -183,7 +183,7 @@ def gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
     ``[W * m, K]``: ``dist.all_gather_single`` on their bytes (gloo has no float8)."""
     world = dist.get_world_size(group)
     out = torch.empty(world * rows.numel() * rows.element_size(), dtype=torch.uint8, device=rows.device)
-    C.all_gather_single(out, _bytes(rows), group)
+    protocol.all_gather_single(out, _bytes(rows), group)
     return out.view(rows.dtype).view(world * rows.shape[0], rows.shape[1])
 
 
@@ -219,7 +219,7 @@ class AgReference(Backend):
     name = "reference"
 
     def run(self, call: ScaledCall):
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         rows = call.rows()
         gathered = gather_rows(rows, call.group)
         scale = None
@@ -241,8 +241,8 @@ class AgPipelined(Backend):
 
     def run(self, call: ScaledCall):
         group, world = call.group, call.world_size
-        rank, left, right = C.ring_neighbours(group)
-        C.raise_on_mismatch(call)
+        rank, left, right = protocol.ring_neighbours(group)
+        protocol.raise_on_mismatch(call)
         a = call.rows().contiguous()
         m, k = a.shape
         with_scale = call.a_mode == ROWWISE_SHARD
@@ -257,7 +257,7 @@ class AgPipelined(Backend):
         for step in range(world):
             src = (rank - step) % world
             if step < world - 1:
-                requests = C.exchange(messages[src], messages[(src - 1) % world], left, right, group)
+                requests = protocol.exchange(messages[src], messages[(src - 1) % world], left, right, group)
             shard = messages[src, :m * k].view(a.dtype).view(m, k)
             if with_scale:
                 scale = messages[src, m * k:].view(torch.float32).view(m, 1)
@@ -324,7 +324,7 @@ def _triton_reasons(call: ScaledCall) -> list[str]:
     """Why the triton backends cannot run ``call``: no Triton here or no symmetric memory for
     its group, a GPU without fp8 tensor cores (sm_80: refused rather than emulated), an fp16
     output (the GEMM stores bf16 or fp32)."""
-    reasons = C.triton_reasons(call)  # Triton here; symmetric memory for the group's collective
+    reasons = protocol.triton_reasons(call)  # Triton here; symmetric memory for the group's collective
     if not reasons and call.x.is_cuda:
         capability = torch.cuda.get_device_capability(call.x.device)
         if capability < (8, 9):
@@ -432,7 +432,7 @@ class RsReference(Backend):
     name = "reference"
 
     def run(self, call: ScaledCall):
-        C.raise_on_mismatch(call)
+        protocol.raise_on_mismatch(call)
         world = call.world_size
         product = _rs_partial(call, *_rs_rows(call))  # [rows, N]
         if call.last_dim:
@@ -440,7 +440,7 @@ class RsReference(Backend):
         product = product.contiguous()
         out = torch.empty(product.shape[0] // world, product.shape[1], dtype=torch.float32,
                           device=product.device)
-        C.reduce_scatter_single(out.view(-1), product.view(-1), call.group)
+        protocol.reduce_scatter_single(out.view(-1), product.view(-1), call.group)
         counters.record(RS, self.name, _rs_moved(call))
         if not call.last_dim:
             return _rs_finish(call, out)
@@ -463,8 +463,8 @@ class RsPipelined(Backend):
 
     def run(self, call: ScaledCall):
         group, world = call.group, call.world_size
-        rank, left, right = C.ring_neighbours(group)
-        C.raise_on_mismatch(call)
+        rank, left, right = protocol.ring_neighbours(group)
+        protocol.raise_on_mismatch(call)
         rows, scales = _rs_rows(call)
         chunks = rows.unflatten(0, (world, -1))
         scale_chunks = scales.unflatten(0, (world, -1)) if call.a_mode != TENSORWISE else None
@@ -475,7 +475,7 @@ class RsPipelined(Backend):
         acc = partial((rank - 1) % world)
         incoming = torch.empty_like(acc)
         for step in range(1, world):
-            requests = C.exchange(acc, incoming, left, right, group)
+            requests = protocol.exchange(acc, incoming, left, right, group)
             nxt = partial((rank - step - 1) % world)
             for request in requests:
                 request.wait()

@@ -243,7 +243,7 @@ def test_loopback_matches_float64_torch_bit_for_bit(world):
 def test_triton_refuses_gpus_without_fp8_tensor_cores(monkeypatch):
     from fusedpar.ops import scaled_matmul as sm
 
-    monkeypatch.setattr(sm.C, "triton_reasons", lambda call: [])  # as if Triton ran on a GPU here
+    monkeypatch.setattr(sm.protocol, "triton_reasons", lambda call: [])  # as if Triton ran on a GPU here
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
 
     class FakeCuda(torch.Tensor):
