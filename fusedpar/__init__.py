@@ -1,8 +1,8 @@
 """fusedpar: kernels that fuse inter-GPU communication with the compute around it.
 
 Public names: ``ops`` (``torch.ops.fusedpar.*`` custom ops), ``nn`` (drop-in TP/SP
-layers), ``comm`` (groups, symmetric memory, byte counters), ``ParallelConfig`` and
-``apply_tp``. Importing touches no GPU.
+layers), ``comm`` (groups, symmetric memory, byte counters), ``ParallelConfig``,
+``apply_tp``, ``parallelize`` and ``forward_backward``. Importing touches no GPU.
 """
 
 from . import _extension, comm, nn, ops
@@ -12,7 +12,7 @@ from .errors import (
     FusedparTimeoutError,
     ParallelConfigError,
 )
-from .parallel import ParallelConfig, apply_tp, parallelize
+from .parallel import ParallelConfig, apply_tp, forward_backward, parallelize
 
 __version__ = "0.1.0"
 
@@ -26,6 +26,7 @@ __all__ = [
     "ParallelConfigError",
     "apply_tp",
     "comm",
+    "forward_backward",
     "nn",
     "ops",
     "parallelize",

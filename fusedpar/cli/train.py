@@ -39,6 +39,7 @@ import fusedpar
 from fusedpar.cli import bounds, inputs, launch, preflight
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.nn.linear import local
+from fusedpar.parallel import forward_backward
 from fusedpar.parallel.config import FLOAT8_RECIPES, KEY_ALIASES as PARALLEL_KEYS
 
 DEFAULT_WORLD = 4
@@ -79,7 +80,7 @@ PARALLEL_FLAGS = (*DEGREES, "param_dtype", "fsdp_comm", "pp_schedule", "float8")
 DEGREE_HELP = {
     "dp_shard": "FSDP degree (-1: the remaining ranks, the default)",
     "dp_replicate": "HSDP replicas (-1: the remaining ranks)",
-    "pp": "pipeline stages (the outermost axis; one step is model.step(input_ids, labels))",
+    "pp": "pipeline stages (the outermost axis; the schedule runs each step's forward and backward)",
     "tp": "tensor (+ sequence) parallel degree; with no degree given anywhere the run is "
           "tp=2 x dp_shard (--moe: ep=2 x dp_shard)",
 }
@@ -336,12 +337,7 @@ def train_step(model, optimizer, input_ids: torch.Tensor, memory: dict | None = 
     ``memory`` (a dict) receives :func:`state_bytes` while the gradients still exist. A NaN
     or Inf loss (the same on every rank) raises ``FloatingPointError``, or with
     ``on_nonfinite="skip"`` leaves the parameters and the optimizer as they were."""
-    if hasattr(model, "step"):  # pipeline parallel: forward and backward in one call
-        loss = model.step(input_ids, input_ids)
-    else:
-        loss = model(input_ids, labels=input_ids).loss
-        loss.backward()
-    loss = loss.detach()
+    loss = forward_backward(model, input_ids, input_ids)
     if not torch.isfinite(loss):
         optimizer.zero_grad()
         if on_nonfinite != "skip":

@@ -47,7 +47,9 @@ def _mesh(model: nn.Module):
                         "fusedpar.parallelize(model, config) first")
     if model.fusedpar_config.pp > 1:
         raise ValueError("fusedpar.integrations.hf: pipeline parallelism (pp > 1) runs its own "
-                         "schedule, not one forward and backward per batch; use pp=1")
+                         "schedule, not one forward and backward per batch; use pp=1, or "
+                         "train it in a loop around fusedpar.forward_backward(model, input_ids, "
+                         "labels)")
     return mesh
 
 

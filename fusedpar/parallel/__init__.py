@@ -1,4 +1,5 @@
-"""Parallel configuration, device meshes, model adapters, ``parallelize`` and ``shard_batch``."""
+"""Parallel configuration, device meshes, model adapters, ``parallelize``, ``shard_batch`` and
+``forward_backward`` (one training step's forward and backward, the same call in every config)."""
 
 from fusedpar.errors import ParallelConfigError
 from fusedpar.parallel.config import (
@@ -12,7 +13,7 @@ from fusedpar.parallel.adapters import ModelAdapter, find_adapter, register_adap
 from fusedpar.parallel.cp import (sequence_shard, sequence_unshard, zigzag_positions, zigzag_shard,
                                   zigzag_unshard)
 from fusedpar.parallel.tp import apply_tp
-from fusedpar.parallel.parallelize import parallelize, shard_batch  # noqa: E402
+from fusedpar.parallel.parallelize import forward_backward, parallelize, shard_batch  # noqa: E402
 
 __all__ = [
     "EP_MESH_AXES",
@@ -23,6 +24,7 @@ __all__ = [
     "ParallelConfigError",
     "apply_tp",
     "find_adapter",
+    "forward_backward",
     "get_submesh",
     "parallelize",
     "register_adapter",

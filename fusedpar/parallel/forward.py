@@ -97,7 +97,11 @@ def check_batch(model: nn.Module, args, kwargs) -> None:
             rows_end = torch.ones(restarts.shape[0], 1, dtype=torch.bool)
             plan.documents = document_ends(torch.cat([restarts, rows_end], 1).flatten()[:-1],
                                            positions.device)
-    mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
+    check_attention_mask(kwargs.get("attention_mask", args[3] if len(args) > 3 else None))
+
+
+def check_attention_mask(mask: torch.Tensor | None) -> None:
+    """None or all ones: the parallelized forward attends over whole causal rows."""
     if mask is not None and not bool(mask.all()):  # one host read, only when a mask is passed
         raise ValueError("parallelized forward: attention_mask masks some positions, and the "
                          "parallelized forward runs causal attention over whole rows; pass no "

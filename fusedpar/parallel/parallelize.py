@@ -20,8 +20,9 @@ Plain-PyTorch (torchtitan-style) equivalent, for ``mesh = config.build_mesh()``:
 
 The model's family is found by :func:`fusedpar.parallel.adapters.find_adapter` (where
 its parts are, what its forward does around them); with ``pp > 1`` the layers are cut into
-pipeline stages first and each stage gets the steps above (:mod:`fusedpar.parallel.pipeline`:
-a training step is then ``loss = model.step(input_ids, labels)``). Without pp, the
+pipeline stages first and each stage gets the steps above (:mod:`fusedpar.parallel.pipeline`).
+One training step is the same call in every config: ``loss = forward_backward(model,
+input_ids, labels)`` (pp: the schedule's step; otherwise forward + ``backward``). Without pp, the
 model's ``forward(input_ids, labels=None, position_ids=None, attention_mask=None)``
 (the mask all ones: no padding; no other arguments) is replaced by one that
 takes this data-parallel rank's batch (:func:`shard_batch`; the same on every rank of a
@@ -49,11 +50,11 @@ from ..comm.groups import settle_gloo_workers_at_exit
 from .adapters import find_adapter, is_hf
 from .adapters.hf import adds_router_aux_loss
 from .config import ParallelConfig, get_submesh
-from .forward import Plan, check_batch, parallel_forward
+from .forward import Plan, check_attention_mask, check_batch, parallel_forward
 from .pipeline import check_pipeline, pipeline_stages
 from .steps import RouterAuxLoss, apply_all, check, tokens_group
 
-__all__ = ["parallelize", "shard_batch"]
+__all__ = ["forward_backward", "parallelize", "shard_batch"]
 
 
 GENERATE_HINT = (
@@ -157,6 +158,39 @@ def _resolve(config) -> ParallelConfig:
         raise RuntimeError("fusedpar.parallelize: torch.distributed is not initialized; launch with "
                            "torchrun (or call init_process_group) first")
     return config.validate(dist.get_world_size())
+
+
+def forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                     position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward and backward on this data-parallel rank's batch (``[batch, seq]``, as
+    :func:`shard_batch` gives it), the same call for every config: a pipeline-parallel model
+    (``pp > 1``) runs its schedule's step (the microbatches through every stage, forward
+    and backward), any other model ``model(input_ids, labels=labels,
+    position_ids=position_ids).loss.backward()``. Returns the loss (detached: the global
+    batch's mean token loss, the same on every rank); the gradients are in ``.grad``, and
+    ``optimizer.step()`` / ``zero_grad()`` stay the caller's. ``attention_mask``: None or
+    all ones (a Hugging Face batch's; the parallelized forward attends over whole rows).
+
+    Plain-PyTorch equivalent on one process (which this also runs, for any model whose
+    forward takes these arguments and returns ``.loss``)::
+
+        loss = model(input_ids, labels=labels, position_ids=position_ids,
+                     attention_mask=attention_mask).loss  # the mask only where given
+        loss.backward()
+    """
+    pipeline = getattr(model, "_fusedpar_pipeline", None)
+    if pipeline is not None:
+        check_attention_mask(attention_mask)
+        return pipeline.step(input_ids, labels, position_ids)
+    mask = {} if attention_mask is None else {"attention_mask": attention_mask}
+    # the output (and its logits) dropped at once: not held through the backward
+    loss = getattr(model(input_ids, labels=labels, position_ids=position_ids, **mask), "loss", None)
+    if loss is None:
+        raise TypeError(f"forward_backward: {type(model).__name__}'s forward returned no loss "
+                        "(output.loss); pass a causal LM that computes it from labels")
+    loss.backward()
+    return loss.detach()
 
 
 def shard_batch(batch, mesh):

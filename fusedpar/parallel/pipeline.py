@@ -6,11 +6,12 @@ pp_stages_per_rank`` stages at layer boundaries (balanced by layer count, or at
 loss with the last), keeps this rank's stages in ``model`` (the others' layers are
 dropped; parameter names are unchanged, so DCP checkpoints load across pp degrees), gives
 each stage TP/SP, CP, EP, activation checkpointing and FSDP2 as without pp, and wraps it
-in a ``PipelineStage`` run by the config's schedule. One training step is
-``loss = model.step(input_ids, labels, position_ids=None)`` (this data-parallel rank's rows,
-as :func:`~fusedpar.parallel.shard_batch` gives them; ``position_ids`` restarting inside a
-row pack documents, as without pp), which returns the global batch's mean token loss on
-every rank; then ``optimizer.step()`` as usual.
+in a ``PipelineStage`` run by the config's schedule (built in ``_Run``). One training step
+is ``loss = fusedpar.parallel.forward_backward(model, input_ids, labels, position_ids=None)``,
+as for every other config (this data-parallel rank's rows, as
+:func:`~fusedpar.parallel.shard_batch` gives them; ``position_ids`` restarting inside a row
+pack documents, as without pp), which runs the schedule's step and returns the global
+batch's mean token loss on every rank; then ``optimizer.step()`` as usual.
 
 Plain-PyTorch (torchtitan-style) equivalent on a pp rank holding stage ``s`` of ``S``::
 
@@ -183,16 +184,49 @@ class _AuxToBackward(torch.autograd.Function):
 
 
 class _Run:
-    """What one ``model.step`` shares with its stages: the global count of valid labels,
-    the MoE aux loss."""
+    """One pipeline-parallel model's schedule and what a step shares with its stages (the
+    global count of valid labels, the MoE aux loss); ``step`` runs it (see
+    :func:`fusedpar.parallel.forward_backward`)."""
 
-    def __init__(self, cfg: ParallelConfig, hf_masks: bool, aux_scale: float | None,
-                 sliding_window: int | None):
-        self.cfg, self.hf_masks, self.aux_scale = cfg, hf_masks, aux_scale
-        self.sliding_window = sliding_window
-        self.count = None
+    def __init__(self, model: nn.Module, adapter: ModelAdapter, layout: ModelLayout,
+                 cfg: ParallelConfig, mesh, ids: list[int], roots: list[_Stage], device,
+                 tp_group: str | None, dp_group):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        self.cfg, self.roots, self.tp_group, self.dp_group = cfg, roots, tp_group, dp_group
+        self.cp_group = mesh["cp"].get_group().group_name if cfg.cp > 1 else None
+        self.has_first, self.has_last = 0 in ids, cfg.pp_stages - 1 in ids
+        # cp: the ring attention applies each layer's window itself, as in parallelize
+        self.hf_masks = is_hf(model) and cfg.cp == 1
+        self.sliding_window = layout.sliding_window if cfg.cp == 1 else None
+        self.microbatches = cfg.pp_microbatches or cfg.pp_stages
+        weight = adapter.aux_loss_weight(model)  # the mean over microbatches of the model's aux term
+        self.aux_scale = None if weight is None else weight / self.microbatches
         self.aux_values: list[torch.Tensor] = []
-        self.aux_calls = 0  # per step: microbatches x this rank's stages with MoE layers
+        # per step: microbatches x this rank's stages with MoE layers
+        self.aux_calls = 0 if weight is None else self.microbatches * sum(
+            any(is_moe(layer.mlp) or hasattr(layer.mlp, "aux_group") for layer in stage.layers.values())
+            for stage in roots)
+        self.count = None
+        pp_group = mesh["pp"].get_group()
+        stages = [PipelineStage(stage, s, cfg.pp_stages, device, group=pp_group)
+                  for s, stage in zip(ids, roots)]
+        schedule_class = get_schedule_class(cfg.pp_schedule)
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        self.schedule = schedule_class(stages[0] if single else stages, self.microbatches,
+                                       loss_fn=self.loss_fn, scale_grads=False)
+        # return_outputs=False where torch has it: the last stage would otherwise keep every
+        # microbatch's logits until the next step, to return them merged (step returns the loss)
+        self.step_options = ({"return_outputs": False}
+                             if "return_outputs" in inspect.signature(self.schedule.step).parameters
+                             else {})
+
+    def loss_fn(self, logits, target):
+        """This microbatch's share of the global mean; FSDP averages the gradients over the
+        dp x cp ranks, whose sum is the true gradient (see forward.mean_loss)."""
+        ranks = self.cfg.dp * self.cfg.cp
+        return token_losses(logits, target, self.tp_group).sum() * (ranks / self.count)
 
     def attach_aux(self, hidden, aux):
         self.aux_values.append(aux.detach() * self.aux_scale)
@@ -204,15 +238,44 @@ class _Run:
         values = self.aux_values[len(self.aux_values) - self.aux_calls:]
         return torch.stack(values).sum() if values else torch.zeros((), device=device)
 
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One pipelined forward and backward over this data-parallel rank's batch; returns
+        the global batch's mean token loss (plus the MoE aux loss) on every rank, the
+        gradients accumulated over the microbatches in ``.grad``."""
+        cfg = self.cfg
+        _check_step(self, input_ids, labels, position_ids)
+        target = shift_labels(labels)
+        count = valid_labels(target).to(torch.float32)
+        if self.dp_group is not None:
+            dist.all_reduce(count, group=self.dp_group)
+        self.count = count
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None \
+            else position_ids
+        positions = positions.expand_as(input_ids)
+        if self.cp_group is not None:
+            input_ids, positions, target = cp_shard(self.cp_group, input_ids, positions, target)
+        self.aux_values = []
+        losses = []
+        args = (input_ids,) if self.has_first else ()
+        self.schedule.step(*args, target=target if self.has_last else None, losses=losses,
+                           position_ids=positions, **self.step_options)
+        total = torch.stack([l.detach().float() for l in losses]).sum() if self.has_last else \
+            torch.zeros((), device=input_ids.device)
+        # each last-stage rank holds its dp x cp rank's share (x dp*cp, see loss_fn), every tp
+        # rank the same; each rank the aux loss of its stages' layers (the same on its dp, cp
+        # and tp peers, whose tokens it was summed over)
+        total = (total + self.aux_total(total.device)) / (cfg.dp * cfg.cp * cfg.tp)
+        dist.all_reduce(total)
+        return total
+
 
 def pipeline_stages(model: nn.Module, adapter: ModelAdapter, layout: ModelLayout,
                     cfg: ParallelConfig, mesh, ep_mesh, *, activation_checkpointing: bool,
                     backend: str | None, tp_group: str | None, dp_group):
-    """Keep this rank's stages in ``model``, parallelize them and build the schedule;
-    ``model.step`` runs it (see the module docstring)."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
+    """Keep this rank's stages in ``model``, parallelize them and build the schedule
+    (``model._fusedpar_pipeline``, which :func:`fusedpar.parallel.forward_backward` runs; see
+    the module docstring)."""
     pp_mesh = mesh["pp"]
     ids = stage_ids(cfg, pp_mesh.get_local_rank())
     ranges = stage_layers(len(layout.layers), cfg)
@@ -228,44 +291,15 @@ def pipeline_stages(model: nn.Module, adapter: ModelAdapter, layout: ModelLayout
     experts = apply_model_parallel(model, adapter, layers, cfg, mesh, ep_mesh,
                                    activation_checkpointing=activation_checkpointing, backend=backend)
     by_index = dict(zip(keep, layers))  # activation checkpointing: the wrapped layers
-    device = _device(mesh)
-    torch_stages, roots = [], []
+    roots = []
     for s in ids:
         stage = _Stage(model, adapter, {i: by_index[i] for i in ranges[s]}, s == 0, s == stages_total - 1)
         stage_experts = [(m, efsdp) for m, efsdp in experts
                          if any(m is x for layer in stage.layers.values() for x in layer.modules())]
         apply_fsdp(stage, list(stage.layers.values()), stage_experts, cfg, mesh)
         roots.append(stage)
-        torch_stages.append(PipelineStage(stage, s, stages_total, device, group=pp_mesh.get_group()))
-    microbatches = cfg.pp_microbatches or stages_total
-    weight = adapter.aux_loss_weight(model)  # the mean over microbatches of the model's aux term
-    # cp: the ring attention applies each layer's window itself, as in parallelize
-    run = _Run(cfg, is_hf(model) and cfg.cp == 1, None if weight is None else weight / microbatches,
-               layout.sliding_window if cfg.cp == 1 else None)
-    ranks = cfg.dp * cfg.cp
-
-    def loss_fn(logits, target):
-        # this microbatch's share of the global mean; FSDP averages the gradients over the
-        # dp x cp ranks, whose sum is the true gradient (see forward.mean_loss)
-        return token_losses(logits, target, tp_group).sum() * (ranks / run.count)
-
-    schedule_class = get_schedule_class(cfg.pp_schedule)
-    single = issubclass(schedule_class, PipelineScheduleSingle)
-    schedule = schedule_class(torch_stages[0] if single else torch_stages, microbatches,
-                              loss_fn=loss_fn, scale_grads=False)
-    model._fusedpar_pipeline = run
-    run.schedule, run.roots, run.microbatches = schedule, roots, microbatches
-    # return_outputs=False where torch has it: the last stage would otherwise keep every
-    # microbatch's logits until the next step, to return them merged (step returns the loss)
-    run.step_options = ({"return_outputs": False}
-                        if "return_outputs" in inspect.signature(schedule.step).parameters else {})
-    run.dp_group, run.tp_group = dp_group, tp_group
-    run.cp_group = mesh["cp"].get_group().group_name if cfg.cp > 1 else None
-    run.has_first, run.has_last = 0 in ids, stages_total - 1 in ids
-    if weight is not None:
-        run.aux_calls = microbatches * sum(any(is_moe(layer.mlp) or hasattr(layer.mlp, "aux_group")
-                                               for layer in stage.layers.values()) for stage in roots)
-    model.step = types.MethodType(step, model)
+    model._fusedpar_pipeline = _Run(model, adapter, layout, cfg, mesh, ids, roots, _device(mesh),
+                                    tp_group, dp_group)
     model.forward = types.MethodType(_no_forward, model)
     return model
 
@@ -278,49 +312,8 @@ def _device(mesh) -> torch.device:
 
 def _no_forward(self, *args, **kwargs):
     raise TypeError("a pipeline-parallel model (pp > 1) runs a whole training step at once: "
-                    "loss = model.step(input_ids, labels, position_ids=None), then "
-                    "optimizer.step()")
-
-
-def step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-         position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """One pipelined forward and backward over this data-parallel rank's batch
-    (``input_ids`` / ``labels`` ``[batch, seq]``, the same on every rank of a pp / tp / cp
-    group); returns the mean token loss over the valid labels of the whole global batch
-    (plus the MoE aux loss), the same on every rank. The gradients are then in ``.grad``
-    (accumulated over the microbatches: call ``optimizer.zero_grad()`` after the step).
-
-    Plain-PyTorch equivalent on one process: ``model(input_ids, labels=labels).loss.backward()``
-    on the global batch. ``position_ids`` (default ``0 .. seq-1`` in every row) go to every
-    stage as without pp: where they restart at 0 inside a row (packed documents, Hugging
-    Face's ``DataCollatorWithFlattening``), a Hugging Face model attends to each document
-    alone. Packed rows under cp > 1 are refused (see :func:`_check_step`)."""
-    run: _Run = self._fusedpar_pipeline
-    cfg = run.cfg
-    _check_step(run, input_ids, labels, position_ids)
-    target = shift_labels(labels)
-    count = valid_labels(target).to(torch.float32)
-    if run.dp_group is not None:
-        dist.all_reduce(count, group=run.dp_group)
-    run.count = count
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None \
-        else position_ids
-    positions = positions.expand_as(input_ids)
-    if run.cp_group is not None:
-        input_ids, positions, target = cp_shard(run.cp_group, input_ids, positions, target)
-    run.aux_values = []
-    losses = []
-    args = (input_ids,) if run.has_first else ()
-    run.schedule.step(*args, target=target if run.has_last else None, losses=losses,
-                      position_ids=positions, **run.step_options)
-    total = torch.stack([l.detach().float() for l in losses]).sum() if run.has_last else \
-        torch.zeros((), device=input_ids.device)
-    # each last-stage rank holds its dp x cp rank's share (x dp*cp, see loss_fn), every tp
-    # rank the same; each rank the aux loss of its stages' layers (the same on its dp, cp
-    # and tp peers, whose tokens it was summed over)
-    total = (total + run.aux_total(total.device)) / (cfg.dp * cfg.cp * cfg.tp)
-    dist.all_reduce(total)
-    return total
+                    "loss = fusedpar.parallel.forward_backward(model, input_ids, labels, "
+                    "position_ids=None), then optimizer.step()")
 
 
 def _check_step(run: _Run, input_ids, labels, position_ids) -> None:
@@ -329,14 +322,14 @@ def _check_step(run: _Run, input_ids, labels, position_ids) -> None:
     cfg = run.cfg
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"model.step: {name} must be a [batch, seq] tensor, got "
+            raise ValueError(f"forward_backward: {name} must be a [batch, seq] tensor, got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
     if labels.shape != input_ids.shape:
-        raise ValueError(f"model.step: labels {tuple(labels.shape)} and input_ids "
+        raise ValueError(f"forward_backward: labels {tuple(labels.shape)} and input_ids "
                          f"{tuple(input_ids.shape)} differ in shape")
     batch, seq = input_ids.shape
     if batch % run.microbatches:
-        raise ValueError(f"model.step: this data-parallel rank's batch of {batch} rows does not "
+        raise ValueError(f"forward_backward: this data-parallel rank's batch of {batch} rows does not "
                          f"split into pp_microbatches={run.microbatches}; pass a multiple of "
                          f"{run.microbatches} rows (or set pp_microbatches)")
     check_sequence_length(seq, cfg, run.sliding_window)
@@ -345,12 +338,12 @@ def _check_step(run: _Run, input_ids, labels, position_ids) -> None:
     shape = getattr(position_ids, "shape", None)
     if not isinstance(position_ids, torch.Tensor) or len(shape) not in (1, 2) or shape[-1] != seq \
             or len(shape) == 2 and shape[0] not in (1, batch):
-        raise ValueError(f"model.step: position_ids must be a tensor of input_ids' shape "
+        raise ValueError(f"forward_backward: position_ids must be a tensor of input_ids' shape "
                          f"{tuple(input_ids.shape)} (or broadcast to it), got "
                          f"{type(position_ids).__name__ if shape is None else shape}")
     # one host read, only under cp
     if cfg.cp > 1 and bool((position_ids.expand_as(input_ids).diff(dim=-1) != 1).any()):
-        raise ValueError(f"model.step: position_ids restart inside a row (packed documents), and "
+        raise ValueError(f"forward_backward: position_ids restart inside a row (packed documents), and "
                          f"pipeline_parallel_size > 1 with cp={cfg.cp} does not take packed "
                          "documents yet: unpack the rows (one document per row, padded with "
                          "labels = -100), or use cp=1 (pp takes packed rows there) or pp=1")

@@ -238,7 +238,7 @@ def test_pp_flags_and_keys(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_pp_train_matches_one_process(tmp_path):
-    """--pp 2 (1F1B, two microbatches per data-parallel rank) x dp_shard=2: model.step's
+    """--pp 2 (1F1B, two microbatches per data-parallel rank) x dp_shard=2: forward_backward's
     loss is the single process's on every step."""
     metrics = tmp_path / "pp.json"
     res = run_cli(["train", "--pp", "2", "--steps", "3", "--metrics", str(metrics)], timeout=240,

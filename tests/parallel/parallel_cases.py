@@ -144,11 +144,12 @@ def reference_run(model, data, loss=_whole_batch_loss):
 
 
 def parallel_run(model, data, dp_group=None, counters: list | None = None):
-    """The same on a parallelized model fed :func:`fusedpar.parallel.shard_batch`; the loss
-    of a step is averaged over the data-parallel ranks. ``counters``: a list that gets the
-    ``fusedpar.comm`` byte counter of the first step's forward + backward."""
+    """The same on a parallelized model (pp or not: :func:`fusedpar.parallel.forward_backward`)
+    fed :func:`fusedpar.parallel.shard_batch`; the loss of a step is averaged over the
+    data-parallel ranks. ``counters``: a list that gets the ``fusedpar.comm`` byte counter of
+    the first step's forward + backward."""
     from fusedpar.comm import count_bytes
-    from fusedpar.parallel import shard_batch
+    from fusedpar.parallel import forward_backward, shard_batch
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads0 = [], None
@@ -156,19 +157,32 @@ def parallel_run(model, data, dp_group=None, counters: list | None = None):
     for step, batch in enumerate(data):
         ids, labels, positions = shard_batch(batch, model.fusedpar_mesh)
         with count_bytes() if (step == 0 and counters is not None) else contextlib.nullcontext() as c:
-            loss = model(input_ids=ids, labels=labels, position_ids=positions,
-                         attention_mask=torch.ones_like(ids)).loss
-            loss.backward()
+            loss = forward_backward(model, ids, labels, position_ids=positions,
+                                    attention_mask=torch.ones_like(ids))
         if c is not None:
             counters.append(c)
         if step == 0:
             grads0 = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
-        value = loss.detach().clone()
+        value = loss.clone()
         dist.all_reduce(value, group=dp_group)
         losses.append(value / dp)
         opt.step()
         opt.zero_grad()
     return losses, grads0
+
+
+def train_curve(model, opt, data) -> list[float]:
+    """The loss of each AdamW step of a parallelized model (pp or not:
+    :func:`fusedpar.parallel.forward_backward`) on this rank's rows of each batch."""
+    from fusedpar.parallel import forward_backward, shard_batch
+
+    curve = []
+    for batch in data:
+        ids, labels, positions = shard_batch(batch, model.fusedpar_mesh)
+        curve.append(float(forward_backward(model, ids, labels, position_ids=positions)))
+        opt.step()
+        opt.zero_grad()
+    return curve
 
 
 def assert_matches(got, want, what: str, rtol: float = 1e-5, atol: float = 1e-6):

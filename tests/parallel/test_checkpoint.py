@@ -12,7 +12,8 @@ import torch
 
 import fusedpar
 from fusedpar.parallel import checkpoint
-from tests.parallel.parallel_cases import LR, TINY, batches, full, make_model, reference_backends
+from tests.parallel.parallel_cases import (LR, TINY, batches, full, make_model, reference_backends,
+                                           train_curve)
 
 pytest.importorskip("transformers")
 
@@ -46,7 +47,7 @@ def _save_then_continue_steps(path: str) -> list[float]:
         assert p.placements == dict(model.named_parameters())[n].placements, n
         assert torch.equal(full(p), saved[n]), f"{n} differs after the DCP round trip"
 
-    losses = [_train(m, o, data[SAVE_AT:]) for m, o in ((model, opt), (fresh, fresh_opt))]
+    losses = [train_curve(m, o, data[SAVE_AT:]) for m, o in ((model, opt), (fresh, fresh_opt))]
     assert losses[0] == losses[1], losses  # identical, not just close
 
     # the full state dict loads into the plain Hugging Face model and gives its loss
@@ -102,7 +103,7 @@ def _load_resharded_steps(path: str) -> list[float]:
     model = fusedpar.parallelize(make_model("llama", seed=7), {"dp_shard": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     checkpoint.load(path, model, opt)
-    return _train(model, opt, data[SAVE_AT:])
+    return train_curve(model, opt, data[SAVE_AT:])
 
 
 @pytest.mark.timeout(600)
@@ -115,18 +116,6 @@ def test_round_trip_resharded_load_and_hf_export(pools, tmp_path):
     for dp_rank, curve in enumerate(resharded):
         torch.testing.assert_close(torch.tensor(curve), torch.tensor(continued[2 * dp_rank]),
                                    rtol=1e-5, atol=1e-6)
-
-
-def _train(model, opt, data) -> list[float]:
-    curve = []
-    for ids, labels, _ in data:
-        ids, labels = fusedpar.parallel.shard_batch((ids, labels), model.fusedpar_mesh)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        curve.append(float(loss))
-    return curve
 
 
 def _expert_parallel_checkpoint(path: str, kind: str) -> bool:
@@ -144,7 +133,7 @@ def _expert_parallel_checkpoint_steps(path: str, kind: str) -> bool:
     base = make_model(kind)
     model = fusedpar.parallelize(copy.deepcopy(base), {"dp_shard": 4, "ep": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    _train(model, opt, data[:1])
+    train_curve(model, opt, data[:1])
     checkpoint.save(path, model, opt)
     state = checkpoint.full_state_dict(model)
     assert {n: s.shape for n, s in state.items()} == {n: s.shape for n, s in base.state_dict().items()}
@@ -156,7 +145,7 @@ def _expert_parallel_checkpoint_steps(path: str, kind: str) -> bool:
     dense = fusedpar.parallelize(make_model(kind, seed=7), {"tp": 2, "dp_shard": 2})
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=LR)
     checkpoint.load(path, dense, dense_opt)
-    continued, resharded = _train(model, opt, data[1:]), _train(dense, dense_opt, data[1:])
+    continued, resharded = train_curve(model, opt, data[1:]), train_curve(dense, dense_opt, data[1:])
     torch.testing.assert_close(torch.tensor(resharded), torch.tensor(continued), rtol=1e-5, atol=1e-6)
     # every rank's loss is the global batch's
     torch.testing.assert_close(torch.tensor(continued[0]), want_loss.detach(), rtol=1e-5, atol=1e-6)

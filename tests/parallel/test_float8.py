@@ -28,7 +28,7 @@ from fusedpar.ops.moe.exchange import pack_float8, unpack_float8
 from fusedpar.ops.moe.mlp import swiglu
 from fusedpar.ops.scaled_grouped_mm import float8_grouped_mm
 from tests.parallel.parallel_cases import (LR, TINY, assert_matches, batches, make_model, parallel_run,
-                                           reference_backends, reference_run)
+                                           reference_backends, reference_run, train_curve)
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -122,10 +122,9 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
         cfg = ParallelConfig(**config, float8=recipe)
         with reference_backends(), count_bytes() as counter:
             par = fusedpar.parallelize(copy.deepcopy(model), cfg)
+            got = parallel_run(par, data, get_submesh(par.fusedpar_mesh, "dp").get_group())
             if cfg.pp > 1:
-                got = (pipeline_run(par, data), None)
-            else:
-                got = parallel_run(par, data, get_submesh(par.fusedpar_mesh, "dp").get_group())
+                got = (got[0], None)
         if cfg.tp > 1:  # the decoder's TP layers compute in fp8 through the fused fp8 ops, the head not
             tp_layers = {name: m.float8 for name, m in par.named_modules()
                          if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
@@ -162,20 +161,6 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
 STEP_RTOL = {"tensorwise": 2e-3, "rowwise": 1e-5, "rowwise_with_gw_hp": 1e-5}
 # The MoE model with fp8 experts (rowwise_with_gw_hp, ep=2): equal to 1e-5 for 17 steps, then
 # 4.5e-5 by step 20 (the experts' fp32 sums run in another order, which moves a token's amax)
-
-
-def pipeline_run(model, data):
-    """Losses of AdamW steps through ``model.step`` (pp), fed this rank's rows."""
-    from fusedpar.parallel import shard_batch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for batch in data:
-        ids, labels, _ = shard_batch(batch, model.fusedpar_mesh)
-        losses.append(model.step(ids, labels).detach())
-        opt.step()
-        opt.zero_grad()
-    return losses
 
 
 def _check_float8_against_bf16(recipes, steps: int) -> dict:
@@ -245,21 +230,21 @@ def _check_float8_checkpoint(path: str, recipe: str) -> bool:
         cfg = {"dp_shard": 4, "float8": recipe}
         model = fusedpar.parallelize(make_model("llama"), cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        _train(model, opt, data[:2])
+        train_curve(model, opt, data[:2])
         checkpoint.save(path, model, opt)
         saved = checkpoint.full_state_dict(model)
         fresh = fusedpar.parallelize(make_model("llama", seed=7), cfg)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
         checkpoint.load(path, fresh, fresh_opt)
-        resumed = _train(fresh, fresh_opt, data[2:])
-        assert _train(model, opt, data[2:]) == resumed
+        resumed = train_curve(fresh, fresh_opt, data[2:])
+        assert train_curve(model, opt, data[2:]) == resumed
         checkpoint.load(path, model, opt)  # a model that trained past the checkpoint: its
-        assert _train(model, opt, data[2:]) == resumed  # tensorwise scales follow the load
+        assert train_curve(model, opt, data[2:]) == resumed  # tensorwise scales follow the load
         bf16 = fusedpar.parallelize(make_model("llama", seed=7), {"dp_shard": 4, "param_dtype": "bfloat16"})
         checkpoint.load(path, bf16)
         for name, value in checkpoint.full_state_dict(bf16).items():
             assert value.dtype == torch.float32 and torch.equal(value, saved[name]), name
-        _train(bf16, torch.optim.AdamW(bf16.parameters(), lr=LR), data[2:])
+        train_curve(bf16, torch.optim.AdamW(bf16.parameters(), lr=LR), data[2:])
     return True
 
 
@@ -281,7 +266,7 @@ def _check_float8_compiled_layers() -> dict:
             if compiled:
                 for layer in model.model.layers:
                     layer.compile(backend="aot_eager", fullgraph=True)
-            return torch.tensor(_train(model, torch.optim.AdamW(model.parameters(), lr=LR), data))
+            return torch.tensor(train_curve(model, torch.optim.AdamW(model.parameters(), lr=LR), data))
 
     for config in (dict(float8="tensorwise"), dict(float8="rowwise", float8_all_gather=False)):
         eager, compiled = run(config, False), run(config, True)
@@ -291,18 +276,6 @@ def _check_float8_compiled_layers() -> dict:
         run(dict(float8="rowwise"), True)
     torch._dynamo.reset()
     return out
-
-
-def _train(model, opt, data) -> list[float]:
-    losses = []
-    for batch in data:
-        ids, labels, _ = fusedpar.parallel.shard_batch(batch, model.fusedpar_mesh)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.timeout(600)

@@ -12,29 +12,13 @@ import pytest
 import torch
 
 import fusedpar
-from fusedpar.parallel import checkpoint, shard_batch
-from tests.parallel.parallel_cases import LR, batches, clean_name, reference_backends
+from fusedpar.parallel import checkpoint
+from tests.parallel.parallel_cases import LR, batches, clean_name, reference_backends, train_curve
 from tests.parallel.test_pipeline import _check_pipelines, _model
 
 pytest.importorskip("transformers")
 
 SAVE_AT = 2  # steps before the checkpoint
-
-
-def _train(model, opt, data) -> list[float]:
-    """The global batch's loss of each step (``model.step`` under pp)."""
-    curve = []
-    for batch in data:
-        ids, labels, positions = shard_batch(batch, model.fusedpar_mesh)
-        if model.fusedpar_config.pp > 1:
-            loss = model.step(ids, labels, position_ids=positions)
-        else:
-            loss = model(input_ids=ids, labels=labels, position_ids=positions).loss
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        curve.append(float(loss))
-    return curve
 
 
 def _pipeline_and_resharded_checkpoint(path: str) -> set[str]:
@@ -43,9 +27,9 @@ def _pipeline_and_resharded_checkpoint(path: str) -> set[str]:
     with reference_backends():
         saved = fusedpar.parallelize(_model("hf-gpt2", 2), {"tp": 2, "dp_shard": 2})
         opt = torch.optim.AdamW(saved.parameters(), lr=LR)
-        _train(saved, opt, data[:SAVE_AT])
+        train_curve(saved, opt, data[:SAVE_AT])
         checkpoint.save(path, saved, opt)
-        want = _train(saved, opt, data[SAVE_AT:])
+        want = train_curve(saved, opt, data[SAVE_AT:])
         for config in ({"dp_shard": 4}, {"cp": 2, "dp_shard": 2}, {"pp": 2, "dp_shard": 2}):
             fresh = _model("hf-gpt2", 2)
             with torch.no_grad():  # nothing of the saved model's values survives but the load
@@ -54,7 +38,7 @@ def _pipeline_and_resharded_checkpoint(path: str) -> set[str]:
             model = fusedpar.parallelize(copy.deepcopy(fresh), config)
             opt = torch.optim.AdamW(model.parameters(), lr=LR)
             checkpoint.load(path, model, opt)
-            got = _train(model, opt, data[SAVE_AT:])
+            got = train_curve(model, opt, data[SAVE_AT:])
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, c=config: f"loaded at {c}: {m}")
     return checked

@@ -378,3 +378,23 @@ def test_torch_without_custom_fsdp_collectives_falls_back_with_a_notice(pools):
     notices = pools(2).run(_without_custom_comms, timeout=250)
     assert len(notices[0]) == 1 and "FSDP uses torch's own collectives" in notices[0][0], notices
     assert notices[1] == [], notices
+
+
+def test_forward_backward_on_a_plain_model_is_forward_then_backward():
+    """One process, no parallelize: the loss and every gradient of
+    ``model(ids, labels=ids).loss.backward()``; a forward without a loss is refused."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    model, plain = make_model("llama"), make_model("llama")
+    loss = fusedpar.forward_backward(model, ids, ids)
+    want = plain(ids, labels=ids).loss
+    want.backward()
+    assert not loss.requires_grad and torch.equal(loss, want.detach())
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+    class LogitsOnly(torch.nn.Module):
+        def forward(self, input_ids, labels=None, position_ids=None):
+            return model(input_ids, position_ids=position_ids)  # labels dropped: no loss
+
+    with pytest.raises(TypeError, match="LogitsOnly's forward returned no loss"):
+        fusedpar.forward_backward(LogitsOnly(), ids, ids)

@@ -1,5 +1,5 @@
-"""Pipeline parallelism on 4 CPU ranks against the single-process model: ``model.step``'s
-loss and every gradient after one step and the loss after 5 AdamW steps (fp32: rtol 1e-5,
+"""Pipeline parallelism on 4 CPU ranks against the single-process model:
+``fusedpar.parallel.forward_backward``'s loss and every gradient after one step and the loss after 5 AdamW steps (fp32: rtol 1e-5,
 atol 1e-6), for each schedule and pp with every other axis, and packed rows (each document
 attending alone, as the Hugging Face model's own forward does); the zero-bubble schedules'
 refusal where a fusedpar op computes a weight gradient; invalid pipeline configs and packed
@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 import fusedpar
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-from fusedpar.parallel import checkpoint, shard_batch
+from fusedpar.parallel import checkpoint, forward_backward
 from fusedpar.parallel.decoder import causal_lm_loss
-from tests.parallel.parallel_cases import (LR, TINY, assert_matches, batches, clean_name, full,
-                                           make_model, reference_backends, reference_run)
+from tests.parallel.parallel_cases import (LR, TINY, assert_matches, batches, clean_name, make_model,
+                                           parallel_run, reference_backends, reference_run,
+                                           train_curve)
 
 
 def _model(kind: str, layers: int):
@@ -36,21 +37,6 @@ def _model(kind: str, layers: int):
         config.layer_types = [config.layer_types[i % 2] for i in range(layers)]
     torch.manual_seed(0)
     return type(model)(config)
-
-
-def pipeline_run(model, data):
-    """:func:`parallel_cases.parallel_run` for a pipelined model: ``model.step`` per batch;
-    the first step's gradients of this rank's parameters (global tensors)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads0 = [], None
-    for step, batch in enumerate(data):
-        ids, labels, positions = shard_batch(batch, model.fusedpar_mesh)
-        losses.append(model.step(ids, labels, position_ids=positions).detach().clone())
-        if step == 0:
-            grads0 = {clean_name(n): full(p.grad).detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return losses, grads0
 
 
 def microbatched_reference(model, data, dp: int, microbatches: int):
@@ -94,7 +80,7 @@ def _check_pipelines(cases: list) -> list[set]:
             want = reference_run(model, data)
         with reference_backends():
             par = fusedpar.parallelize(copy.deepcopy(model), config)
-            losses, grads = pipeline_run(par, data)
+            losses, grads = parallel_run(par, data)
         assert_matches((losses, grads), (want[0], {n: want[1][n] for n in grads}), f"{kind} {config}")
         checked.append(set(grads))
     return checked
@@ -137,24 +123,6 @@ def test_hugging_face_pipelines_match_single_process(pools):
 SAVE_AT = 2  # steps before the checkpoint
 
 
-def _train(model, opt, data) -> list[float]:
-    curve = []
-    for batch in data:
-        ids, labels, _ = shard_batch(batch, model.fusedpar_mesh)
-        if hasattr(model, "step"):
-            loss = model.step(ids, labels)
-        else:
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        opt.step()
-        opt.zero_grad()
-        curve.append(float(loss))
-    return curve
-
-
 def _save_pipelined(path: str) -> list[float]:
     """Trained at pp=2 x dp_shard=2, saved, then trained on: the curve after the save."""
     torch.set_num_threads(1)
@@ -162,9 +130,9 @@ def _save_pipelined(path: str) -> list[float]:
     with reference_backends():
         model = fusedpar.parallelize(_model("llama", 4), {"pp": 2, "dp_shard": 2})
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        _train(model, opt, data[:SAVE_AT])
+        train_curve(model, opt, data[:SAVE_AT])
         checkpoint.save(path, model, opt)
-        return _train(model, opt, data[SAVE_AT:])
+        return train_curve(model, opt, data[SAVE_AT:])
 
 
 def _load_without_pp(path: str) -> list[float]:
@@ -176,7 +144,7 @@ def _load_without_pp(path: str) -> list[float]:
                                      {"dp_shard": 4})
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         checkpoint.load(path, model, opt)
-        return _train(model, opt, data[SAVE_AT:])
+        return train_curve(model, opt, data[SAVE_AT:])
 
 
 @pytest.mark.timeout(600)
@@ -217,11 +185,13 @@ def _invalid_pipelines() -> dict:
     with reference_backends():  # cp: packed rows are refused under pp x cp
         par = fusedpar.parallelize(copy.deepcopy(llama4), {"pp": 2, "cp": 2})
     ids = torch.zeros(3, 8, dtype=torch.long)
-    calls["step_rows"] = lambda: par.step(ids, ids)
-    calls["step_shapes"] = lambda: par.step(ids, ids[:, :4])
-    calls["step_positions"] = lambda: par.step(ids[:2], ids[:2], position_ids=torch.arange(4))
+    calls["step_rows"] = lambda: forward_backward(par, ids, ids)
+    calls["step_shapes"] = lambda: forward_backward(par, ids, ids[:, :4])
+    calls["step_positions"] = lambda: forward_backward(par, ids[:2], ids[:2], position_ids=torch.arange(4))
     packed = (torch.arange(8) % 4).expand(2, -1)  # two documents per row
-    calls["step_packed_cp"] = lambda: par.step(ids[:2], ids[:2], position_ids=packed)
+    calls["step_packed_cp"] = lambda: forward_backward(par, ids[:2], ids[:2], position_ids=packed)
+    calls["step_padded"] = lambda: forward_backward(par, ids[:2], ids[:2],
+                                                    attention_mask=torch.arange(8).expand(2, -1) < 6)
     calls["forward"] = lambda: par(ids)
     with _NoCommunication():
         errors = capture_errors(calls)
@@ -252,7 +222,8 @@ def test_invalid_pipelines_fail_before_any_communication(pools):
                           "to it), got torch.Size([4])",
         "step_packed_cp": "pipeline_parallel_size > 1 with cp=2 does not take packed documents yet: "
                           "unpack the rows",
-        "forward": "loss = model.step(input_ids, labels, position_ids=None)",
+        "step_padded": "attention_mask masks some positions",
+        "forward": "loss = fusedpar.parallel.forward_backward(model, input_ids, labels, ",
     }
     for errors in pools(4).run(_invalid_pipelines, timeout=250):
         for name, fragment in expected.items():

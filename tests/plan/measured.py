@@ -11,7 +11,7 @@ import torch
 import fusedpar
 from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from fusedpar.nn.linear import local
-from fusedpar.parallel import shard_batch
+from fusedpar.parallel import forward_backward, shard_batch
 from fusedpar.nn import ContextParallelAttention
 from tests.parallel.parallel_cases import reference_backends
 
@@ -59,10 +59,7 @@ def measure(kind: str, parallel: dict, activation_checkpointing: bool) -> dict:
         found = {}
 
         def step():
-            if pipeline is not None:
-                model.step(ids, ids)
-            else:
-                model(ids, labels=ids).loss.backward()
+            forward_backward(model, ids, ids)
             found["grads"] = _bytes(p.grad for p in model.parameters() if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad()
