@@ -275,6 +275,22 @@ def parallel_model(tcfg: TrainConfig, pcfg: fusedpar.ParallelConfig, device, con
                                 device_type=torch.device(device).type)
 
 
+def single_process_model(tcfg: TrainConfig, pcfg: fusedpar.ParallelConfig, device):
+    """``build_model`` as one process trains it for the comparison: under float8 converted
+    as ``parallelize`` converts it (torchao's ``Float8Linear``, the same recipe and layers),
+    so the loss curves compare float8 with float8."""
+    model = build_model(tcfg, device)
+    if pcfg.float8 is not None:
+        from fusedpar.parallel import find_adapter, float8
+
+        one = fusedpar.ParallelConfig(float8=pcfg.float8, float8_include=pcfg.float8_include,
+                                      float8_exclude=pcfg.float8_exclude).validate(1)
+        adapter = find_adapter(model)
+        float8.convert(model, adapter.head(model), adapter.layout(model).layers, one,
+                       activation_checkpointing=False)
+    return model
+
+
 def synthetic_batch(tcfg: TrainConfig, vocab: int, step: int) -> torch.Tensor:
     """The global batch of ``step``: each row counts through the vocabulary from a random
     start with a random stride in 1..3 (learnable, so the loss falls), from ``(seed, step)``
@@ -502,7 +518,7 @@ def train_rank(group, device, spec: dict) -> dict:
               "parameters": sum(p.numel() for p in build_model(tcfg, "meta").parameters())}
     if rank == 0 and spec["compare"]:
         print("single-process run of the same seed ...", flush=True)
-        single = build_model(tcfg, device)
+        single = single_process_model(tcfg, pcfg, device)
         opt = torch.optim.AdamW(single.parameters(), lr=tcfg.lr)
         ref = [float(train_step(single, opt, global_batch(step).to(device)))
                for step in range(tcfg.steps)]

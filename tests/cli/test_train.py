@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import fusedpar
 import fusedpar.models
@@ -261,3 +262,19 @@ def test_float8_flag_picks_fsdp_unless_degrees_are_given(tmp_path):
     path.write_text('{"fp8": true}')
     pcfg, _, _ = _resolve(["--config", str(path)])
     assert pcfg.float8 is not None and (pcfg.tp, pcfg.dp_shard) == (1, 4)
+
+
+def test_the_single_process_run_converts_as_the_parallel_run(tmp_path):
+    """Under ``--float8`` the comparison's one process is torchao's float8 model (the same
+    recipe and layers ``parallelize`` converts), not the plain fp32 one."""
+    float8 = pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    pcfg, tcfg, _ = _resolve(["--float8", "rowwise"])
+    single = train.single_process_model(tcfg, pcfg, "cpu")
+    converted = {n: m.config for n, m in single.named_modules() if isinstance(m, Float8Linear)}
+    names = {n for n, m in single.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(converted) == names - {"lm_head"}
+    assert all(c == float8.Float8LinearConfig.from_recipe_name("rowwise") for c in converted.values())
+    plain = train.single_process_model(tcfg, dataclasses.replace(pcfg, float8=None), "cpu")
+    assert not any(isinstance(m, Float8Linear) for m in plain.modules())
