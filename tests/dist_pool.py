@@ -2,7 +2,7 @@
 
 ``pool.run(fn, *args)`` runs the module-level function ``fn(*args)`` on every rank and
 returns the per-rank results (rank order). If any rank raises, dies or overruns the
-deadline, the pool is torn down (its state can no longer be trusted) and the error,
+deadline (after a rank raised: ``FAILURE_GRACE_S`` more seconds), the pool is torn down (its state can no longer be trusted) and the error,
 with each failing rank's traceback, is raised; the registry starts a new pool next time.
 A pool whose ranks hold more than ``MAX_GROUPS`` process groups is retired the same way
 after the task (see ``MAX_GROUPS``).
@@ -33,6 +33,11 @@ def leftover_shm() -> list[str]:
 #: few hundred tests the ranks of one pool kept the machine's two cores busy; a new pool
 #: costs seconds.
 MAX_GROUPS = 50
+
+
+#: Seconds the other ranks get to report after one rank raised: then the pool is torn down
+#: (a rank waiting for the failed one would otherwise hold the test until its timeout).
+FAILURE_GRACE_S = 15
 
 
 class WorkerDied:
@@ -133,12 +138,16 @@ class WorkerPool:
                 else:
                     results[rank] = None
                     failures.append(f"rank {rank} raised:\n{payload}")
+                    # the others may wait in a collective the raising rank never joins:
+                    # the task has failed anyway, so wait only for their own errors
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         except BaseException:  # a test's timeout (pytest-timeout's signal) or an interrupt: the
             self.close(wait_s=0)  # ranks still run this task, whose results the next would get
             raise
         if failures or any(isinstance(v, WorkerDied) for v in results.values()) \
                 or groups > MAX_GROUPS:
-            self.close()
+            # ranks still in the task will not take the stop request: kill them at once
+            self.close(wait_s=0 if len(results) < self.world_size else 5)
         if failures:
             raise PoolError(f"{fn.__qualname__} failed on a {self.world_size}-rank pool:\n"
                             + "\n".join(failures))

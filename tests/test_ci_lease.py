@@ -341,3 +341,24 @@ def test_a_timeout_inside_a_pool_wait_retires_the_pool(tmp_path):
         signal.signal(signal.SIGALRM, previous)
     assert pool.broken and not any(p.is_alive() for p in pool.procs)
     assert time.monotonic() - start < 10  # killed, not waited for
+
+
+def _raise_on_rank_1(seconds):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1's bad input")
+    time.sleep(seconds)  # rank 0: as if waiting in a collective rank 1 never joins
+
+
+def test_a_raising_rank_does_not_hold_the_pool_until_its_deadline(tmp_path, monkeypatch):
+    """One rank raises while another would wait for it: the pool reports rank 1's error after
+    ``FAILURE_GRACE_S``, not the task's timeout, and is retired."""
+    from tests import dist_pool
+
+    monkeypatch.setattr(dist_pool, "FAILURE_GRACE_S", 1)
+    pool = WorkerPool(2, tmp_path)
+    start = time.monotonic()
+    with pytest.raises(dist_pool.PoolError, match=r"(?s)rank 1 raised.*rank 1's bad input.*ranks \[0\] did not finish"):
+        pool.run(_raise_on_rank_1, 60, timeout=120)
+    assert time.monotonic() - start < 20 and pool.broken
