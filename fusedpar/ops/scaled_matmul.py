@@ -409,11 +409,14 @@ def _rs_rows(call: ScaledCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rs_finish(call: ScaledCall, total: torch.Tensor) -> torch.Tensor:
-    """This rank's reduced float32 chunk (scattered dim first, ``[rows / W, N]``): averaged
-    if asked, rounded once to the output dtype, in the caller's layout."""
+    """This rank's reduced float32 chunk (scattered dim first, ``[rows / W, N]``; scattering
+    the output's columns: ``[rows, N / W]``): averaged if asked, rounded once to the output
+    dtype, in the caller's layout."""
     if call.reduce_op == "avg":
         total = total / call.world_size
     out = total.to(call.out_dtypes[0])
+    if call.last_dim:
+        return out.reshape(*call.x.shape[:-1], -1).contiguous()
     shape = _rs_out_shape(call)
     lead = [shape[call.dim]] + [s for i, s in enumerate(shape[:-1]) if i != call.dim]
     return out.view(*lead, shape[-1]).movedim(0, call.dim).contiguous()
@@ -442,35 +445,37 @@ class RsReference(Backend):
                           device=product.device)
         protocol.reduce_scatter_single(out.view(-1), product.view(-1), call.group)
         counters.record(RS, self.name, _rs_moved(call))
-        if not call.last_dim:
-            return _rs_finish(call, out)
-        if call.reduce_op == "avg":
-            out = out / world
-        return out.t().to(call.out_dtypes[0]).reshape(*call.x.shape[:-1], -1).contiguous()
+        return _rs_finish(call, out.t() if call.last_dim else out)
 
 
 class RsPipelined(Backend):
-    """A ring reduce-scatter of the W row chunks of the float32 product: at step s a rank
+    """A ring reduce-scatter of the W chunks of the float32 product (row chunks; scattering
+    the output's last dim, column chunks: A times B's columns of the chunk): at step s a rank
     computes the partial of chunk ``(rank - s - 1) % W`` while the running float32 sum of the
     previous chunk travels to its right neighbour; the own chunk comes last and is rounded
-    once. A leading ``scatter_dim`` only."""
+    once."""
 
     name = "pipelined"
-
-    def not_supported_reasons(self, call):
-        return ["scatters a leading dim of A only (the output's columns: reference)"] \
-            if call.last_dim else []
 
     def run(self, call: ScaledCall):
         group, world = call.group, call.world_size
         rank, left, right = protocol.ring_neighbours(group)
         protocol.raise_on_mismatch(call)
         rows, scales = _rs_rows(call)
-        chunks = rows.unflatten(0, (world, -1))
-        scale_chunks = scales.unflatten(0, (world, -1)) if call.a_mode != TENSORWISE else None
+        if call.last_dim:
+            b, b_scale = call.bs[0], call.b_scales[0]
+            cols = b.shape[1] // world
 
-        def partial(c):
-            return _rs_partial(call, chunks[c], scales if scale_chunks is None else scale_chunks[c])
+            def partial(c):
+                part = slice(c * cols, (c + 1) * cols)
+                return scaled_mm(rows, b[:, part], scales, b_scale if b_scale.numel() == 1 else
+                                 b_scale[:, part], torch.float32, call.use_fast_accum)
+        else:
+            chunks = rows.unflatten(0, (world, -1))
+            scale_chunks = scales.unflatten(0, (world, -1)) if call.a_mode != TENSORWISE else None
+
+            def partial(c):
+                return _rs_partial(call, chunks[c], scales if scale_chunks is None else scale_chunks[c])
 
         acc = partial((rank - 1) % world)
         incoming = torch.empty_like(acc)
@@ -508,23 +513,25 @@ class RsSymmMem(Backend):
 
 class RsTriton(Backend):
     """The Triton fp8 GEMM (``triton_gemm``) into float32 partials, then fusedpar's
-    symmetric-memory ``reduce_scatter`` (``triton``: float32 sums in rank order), rounded
-    once. A leading ``scatter_dim``. Not yet overlapped: the reduction starts after the GEMM."""
+    symmetric-memory ``reduce_scatter`` (``triton``: float32 sums in rank order) of their
+    rows (scattering the output's last dim: of their columns), rounded once. Not yet
+    overlapped: the reduction starts after the GEMM."""
 
     name = "triton"
 
     def not_supported_reasons(self, call):
-        reasons = _triton_reasons(call)
-        if call.last_dim:
-            reasons.append("scatters a leading dim of A only (the output's columns: reference)")
-        return reasons
+        return _triton_reasons(call)
 
     def partial(self, call: ScaledCall) -> torch.Tensor:
         rows, scale = _rs_rows(call)
         return triton_gemm(rows, call.bs[0], scale, call.b_scales[0], torch.float32)
 
     def run(self, call: ScaledCall):
-        return _rs_finish(call, reduce_scatter(self.partial(call), "sum", 0, call.group, backend=self.name))
+        partial = self.partial(call)
+        if call.last_dim:
+            total = reduce_scatter(partial.t().contiguous(), "sum", 0, call.group, backend=self.name)
+            return _rs_finish(call, total.t())
+        return _rs_finish(call, reduce_scatter(partial, "sum", 0, call.group, backend=self.name))
 
 
 RS_DISPATCHER = Dispatcher(RS, [RsTriton(), RsPipelined(), RsReference(), RsSymmMem()])  # vendor's last
@@ -643,7 +650,7 @@ def scaled_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, A_scale: torc
     partial to ``out_dtype`` before reducing; this op does not). ``A`` 2-D or 3-D fp8,
     ``A_scale`` one element or ``A.shape[:-1] + (1,)``; ``B`` ``[K, N]`` fp8, ``B_scale`` one
     element or ``[1, N]``; ``out_dtype`` None: bfloat16. ``scatter_dim``: a leading dim of A
-    or the last (N's columns; ``reference`` only). Backends: ``triton`` (a Triton fp8 GEMM
+    or the last (N's columns, on every backend but ``symm_mem``). Backends: ``triton`` (a Triton fp8 GEMM
     into float32, then the symmetric-memory reduce-scatter), ``pipelined``, ``reference``,
     ``symm_mem`` (torch's op, CUDA groups, 2-D A along dim 0). Not differentiable (fp8
     inputs): see ``fusedpar.nn.float8_linear``."""
