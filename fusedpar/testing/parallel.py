@@ -1,8 +1,8 @@
 """The multi-rank scenarios of ``fusedpar check``: a ``fusedpar.models`` Llama decoder layer
-under ``apply_tp`` (TP=2, sequence parallel) against the block in one process, ring_attention
-on a cp group and moe_experts on an ep group against float64 plain torch. Each function
-gives the seeded data, the oracle and the bytes a rank must receive; ``fusedpar check``
-runs the ranks."""
+under ``apply_tp`` (TP=2, sequence parallel) against the block in one process, and the data
+and float64 plain-torch oracles of the ring_attention and moe_experts check cases
+(``flash_attention_cases``, ``moe_cases``). Each function gives the seeded data, the oracle
+and the bytes a rank must receive; ``fusedpar check`` runs the ranks."""
 
 from __future__ import annotations
 
@@ -72,14 +72,10 @@ def tp_lower_bound(world: int, dtype=torch.float32) -> int:
     return forward + backward
 
 
+# ---- context and expert parallelism (the registry's ring_attention / moe_experts cases) -
 
-# ---- context and expert parallelism (the first 2 ranks) ---------------------------------
-
-CP_SIZE = EP_SIZE = 2
 CP_BATCH, CP_SEQ, CP_HEADS, CP_KV_HEADS, CP_HEAD_DIM = 1, 16, 4, 2, 16
-CP_OP = f"ring_attention cp={CP_SIZE} (zigzag, causal)"
 EP_TOKENS, EP_HIDDEN, EP_INTERMEDIATE, EP_EXPERTS, EP_TOPK = 6, 16, 24, 4, 2
-EP_OP = f"moe_experts ep={EP_SIZE} ({EP_EXPERTS} experts, top-{EP_TOPK})"
 
 
 def zigzag_part(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
