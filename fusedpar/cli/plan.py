@@ -125,6 +125,11 @@ def dry_runs(args, result) -> list[str]:
         lines.append(f"  {cand.name:<26} peak {_size(got.peak)} (formula, one FSDP unit in flight: "
                      f"{_size(planned)}); params {_size(got.params)}, grads {_size(got.grads)}, "
                      f"optimizer {_size(got.optimizer)}; {got.seconds:.0f} s")
+    if args.float8 == "tensorwise" and args.float8_all_gather:
+        lines.append("  (tensorwise: the dry run's tracker counts torchao's fp8 all-gather outputs "
+                     "saved for backward as activations, though FSDP frees them after each "
+                     "forward, as on real tensors (tests/plan/test_plan_float8.py): its peak is "
+                     "high, as if every layer's gathered weights were held through the backward)")
     return lines
 
 
