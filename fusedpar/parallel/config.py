@@ -269,7 +269,8 @@ class ParallelConfig:
     float8: str | None = None
     """float8 training (torchao): ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
     (torchao's recipe names; ``True`` = ``"tensorwise"``, as Axolotl's ``fp8: true``), or
-    None. Linear layers compute in fp8 and FSDP2 all-gathers their weights in fp8; see
+    None. Linear layers compute in fp8 and FSDP2 all-gathers their weights in fp8, with
+    every other axis (dp_shard, dp_replicate, cp, tp, ep, pp); see
     :mod:`fusedpar.parallel.float8`. Needs ``pip install fusedpar[fp8]``."""
 
     float8_all_gather: bool = True
@@ -347,11 +348,6 @@ class ParallelConfig:
                 raise ParallelConfigError(f"{name}={getattr(self, name)!r}: give module-name "
                                           "substrings, e.g. ('lm_head', 'mlp.down_proj')")
             object.__setattr__(self, name, tuple(names))
-        if recipe is not None and self.cp > 1:
-            raise ParallelConfigError(
-                f"float8={recipe!r} with cp={self.cp}: float8 training runs under FSDP (dp_shard, "
-                "dp_replicate), tp, ep and pp so far; under context parallelism it is still to "
-                "come (issue 45): use cp=1, or drop float8")
 
     # ------------------------------------------------------------------ derived sizes
 

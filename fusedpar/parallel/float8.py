@@ -39,6 +39,20 @@ Under tp the projections the recipe converts become fusedpar's TP layers with ``
 (``ColumnParallelLinear`` / ``RowParallelLinear``: the fused fp8 ops, torchao's numbers), so
 the TP all-gathers move fp8 inputs; their FSDP all-gather moves ``param_dtype`` weights.
 
+Under cp FSDP2 shards every weight over ``dp_shard * cp`` ranks (the flattened
+``dp_shard_cp`` axis, its shard mesh), and the weight scales are reduced over that mesh:
+tensorwise's amax in ``precompute_float8_dynamic_scale_for_fsdp`` (``foreach_norm`` over
+the DTensor shards: one all-reduce), rowwise's backward column amax in
+:meth:`RowwiseFloat8Weight.fsdp_pre_all_gather`; so every rank holding a shard of a weight
+gathers it with the same scales, the whole weight's. Each rank casts its own (zigzag)
+tokens, as torchao's ``Float8Linear`` under torchtitan's cp: an activation's tensorwise
+scale and rowwise's per-feature scales of the weight gradient are those tokens', and the
+weight gradient is the sum of the ranks' (FSDP's reduce-scatter)::
+
+    for r in range(cp):  # one process: what the cp ranks compute together
+        chunks = x.chunk(2 * cp, dim=-2)
+        y_r = float8_linear(torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=-2))
+
 Master weights, gradients (reduce-scatter in ``reduce_dtype``), optimizer state and
 checkpoints stay in high precision: a float8 run's DCP checkpoint loads into a float8 or
 a bf16 config. gloo has no float8 dtype: fusedpar's FSDP all-gather moves fp8 as bytes

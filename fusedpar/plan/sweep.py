@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..errors import ParallelConfigError
-from ..parallel.config import ParallelConfig
 from .float8 import converted
 from .memory import Candidate, Memory, Training, estimate_memory, micro_batches
 from .model import ModelSpec, model_spec, parameter_shapes
@@ -85,8 +83,7 @@ def candidates(spec: ModelSpec, world: int, train: Training, *, gpus_per_node: i
     with ``seq_len`` divisible by ``2 cp``, data parallelism as FSDP (``dp_shard``), DDP
     (``dp_replicate``) or HSDP (sharded inside a node, replicated across), ``ep`` dividing
     the experts (MoE models), each with and without activation checkpointing (or as
-    ``activation_checkpointing`` says); with ``train.float8`` the degrees
-    :class:`~fusedpar.parallel.ParallelConfig` takes with float8."""
+    ``activation_checkpointing`` says); float8 runs with every one of them."""
     acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
     out = []
     axes = set(spec.axes)
@@ -116,20 +113,8 @@ def candidates(spec: ModelSpec, world: int, train: Training, *, gpus_per_node: i
                                 continue
                             if pp > 1 and count < pp:  # fewer micro-batches than stages
                                 continue
-                            if train.float8 and not _float8_runs(cand, train.float8):
-                                continue
                             out.append(cand)
     return out
-
-
-def _float8_runs(cand: Candidate, recipe: str) -> bool:
-    """Whether ``parallelize`` takes ``recipe`` with ``cand``'s degrees."""
-    try:
-        ParallelConfig(dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, cp=cand.cp, tp=cand.tp,
-                       ep=cand.ep, pp=cand.pp, float8=recipe)
-    except ParallelConfigError:
-        return False
-    return True
 
 
 @dataclasses.dataclass
@@ -191,7 +176,7 @@ class Plan:
                       f"whose rows divide the shard degree, not with AC; else in {t.compute_dtype})")
         return [f"  float8 {t.float8}: {', '.join(sorted(fp8)) or 'no linear'} in fp8 ({share:.0%} of the "
                 f"parameters; not the head, nor dims that are not multiples of 16); FSDP all-gathers them "
-                f"{gather}, under tp in {t.compute_dtype} (tp's gathers move fp8 inputs); no cp (parallelize refuses float8 with it)",
+                f"{gather}, under tp in {t.compute_dtype} (tp's gathers move fp8 inputs)",
                 f"  fp8 GEMM peak {self.device.fp8_peak_tflops:.0f} TFLOP/s ({self.device.fp8_peak_source})"
                 + ("; the weight gradient in high precision" if t.float8 == "rowwise_with_gw_hp" else "")]
 

@@ -511,6 +511,7 @@ def test_axolotl_expert_parallel_size_counts_beside_dp_shard():
                                          "precompute_float8_dynamic_scale_for_fsdp": True}}}},
      dict(float8="tensorwise")),  # torchtitan's default recipe
     ({"float8": "tensorwise", "float8_include": "lm_head"}, dict(float8="tensorwise", float8_include=("lm_head",))),
+    ({"fp8": True, "cp": 2, "tp": 2, "ep": 2}, dict(float8="tensorwise", cp=2, tp=2, ep=2)),  # every axis
 ])
 def test_float8_keys(d, expected):
     assert ParallelConfig.from_dict(d) == ParallelConfig(**expected)
@@ -524,7 +525,6 @@ def test_float8_describe():
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(float8="rowwize"), "float8='rowwize': torchao has no such float8 recipe; choose one of "
                              "tensorwise, rowwise, rowwise_with_gw_hp (did you mean 'rowwise'?)"),
-    (dict(float8="rowwise", cp=2, ep=2), "float8='rowwise' with cp=2: float8 training runs under FSDP"),
     (dict(float8="rowwise", float8_exclude=[3]), "float8_exclude=[3]: give module-name substrings"),
     (dict(float8="rowwise", float8_all_gather="yes"), "float8_all_gather='yes': must be True or False"),
 ])

@@ -37,7 +37,8 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 #: at dp_shard=4 and pp=2 x dp_shard=2 (rowwise there: all-gathered in param_dtype), and with
 #: 20 steps tp=2 x dp_shard=2 and the MoE model at ep=2 (tensorwise, rowwise), passes:
 #: float8 vs bf16 losses within 0.54% (tensorwise), 0.80% (rowwise), 0.49% (gw_hp) over 50.
-MATCH_STEPS, BF16_STEPS = 5, 10
+#: With 20 steps cp=2 x dp_shard=2 (every recipe) and tp=2 x cp=2 (tensorwise, rowwise) pass.
+MATCH_STEPS, BF16_STEPS, CP_STEPS = 5, 10, 3
 
 
 def torchao_model(model, recipe: str):
@@ -49,6 +50,25 @@ def torchao_model(model, recipe: str):
         model, config=config,
         module_filter_fn=lambda m, name: name != "lm_head" and not any(d % 16 for d in m.weight.shape))
     return model
+
+
+def zigzag_casts(model, cp: int):
+    """``model`` whose float8 linears cast each context-parallel rank's tokens on their own,
+    as under cp (an fp8 cast scales by the tokens it sees: tensorwise by their amax, rowwise's
+    weight gradient by each feature's over the tokens): the sequence (dim -2) cut into
+    ``2 cp`` chunks, rank r's chunks r and 2 cp - 1 - r (the zigzag) through the layer
+    together, the outputs put back in order. Linears are per token: nothing else changes."""
+    for linear in model.modules():
+        if isinstance(linear, Float8Linear):
+            linear.forward = functools.partial(_zigzag_forward, linear.forward, cp)
+    return model
+
+
+def _zigzag_forward(forward, cp: int, x):
+    chunks, out = x.chunk(2 * cp, -2), [None] * (2 * cp)
+    for r in range(cp):
+        out[r], out[2 * cp - 1 - r] = forward(torch.cat([chunks[r], chunks[2 * cp - 1 - r]], -2)).chunk(2, -2)
+    return torch.cat(out, -2)
 
 
 def _float8_moe_forward(block, x):
@@ -138,6 +158,8 @@ def _check_float8_matches_torchao(cases, steps: int) -> bool:
         if dist.get_rank() == 0:  # every rank has the same losses and gradients: rank 0 checks
             microbatches = (cfg.pp_microbatches or cfg.pp_stages) if cfg.pp > 1 else 1  # each its own forward
             reference = torchao_model(float8_experts(model, recipe) if cfg.ep > 1 else model, recipe)
+            if cfg.cp > 1:
+                reference = zigzag_casts(reference, cfg.cp)
             want = reference_run(reference, data, per_rank_loss(cfg.dp * microbatches))
             try:
                 if got[1] is not None:
@@ -290,6 +312,17 @@ def test_float8_matches_torchao_single_process(pools):
     assert pools(4).run(_check_float8_matches_torchao, cases, MATCH_STEPS, timeout=500) == [True] * 4
 
 
+@pytest.mark.timeout(300)
+def test_float8_under_context_parallel_matches_torchao(pools):
+    """cp=2 x dp_shard=2: FSDP2 shards over dp_shard x cp (the fp8 all-gather's scales agree
+    over those 4 ranks), each rank casts its zigzag tokens (the reference: zigzag_casts, without
+    which rowwise's losses differ by 4e-4 and tensorwise's gradients by 0.16); tp=2 x cp=2:
+    the TP layers' fp8 ops on the cp rank's tokens, FSDP2 over cp."""
+    cases = [("rowwise", dict(cp=2, dp_shard=2)), ("tensorwise", dict(cp=2, dp_shard=2)),
+             ("tensorwise", dict(tp=2, cp=2, dp_shard=1))]
+    assert pools(4).run(_check_float8_matches_torchao, cases, CP_STEPS, timeout=250) == [True] * 4
+
+
 @pytest.mark.timeout(600)
 def test_float8_loss_and_all_gather_bytes_against_bf16(pools):
     results = pools(4).run(_check_float8_against_bf16, ("tensorwise", "rowwise"), BF16_STEPS, timeout=500)
@@ -348,6 +381,7 @@ def test_float8_layer_choice_and_errors():
     for recipe, checkpointing, options, expected in [
             ("tensorwise", False, {}, "WeightWithDynamicFloat8CastTensor"),
             ("rowwise", False, dict(dp_shard=2), "RowwiseFloat8Weight"),
+            ("rowwise", False, dict(dp_shard=1, cp=2), "RowwiseFloat8Weight"),  # FSDP2 shards over cp
             ("rowwise", False, {}, "Parameter"),  # one shard: FSDP2 gathers nothing
             ("rowwise", True, dict(dp_shard=2), "Parameter"),
             ("rowwise_with_gw_hp", False, dict(float8_all_gather=False), "Parameter"),
