@@ -4,8 +4,9 @@ to the bf16 op they replace and the fp8 paths a user would pick instead (docs/de
 * ``test_loopback`` (one GPU, no torchrun): the GEMM each of W=8 simulated ranks runs on
   the gathered A, in fp8 (``torch._scaled_mm``, tensorwise and rowwise scales, bf16 out)
   next to the bf16 ``torch.matmul`` of the bf16 op (what fp8 buys in compute alone), and
-  ``triton``: ``all_gather_scaled_matmul_loopback`` (every rank's loopback all-gather of the
-  fp8 bytes, then the Triton fp8 GEMM; not overlapped).
+  ``triton``: ``all_gather_scaled_matmul_loopback`` (every rank's staged fp8 rows, and row
+  scales, copied from the loopback buffer before that rank's peers-kernel fp8 GEMM: one GPU
+  has no link to overlap them with, as in ``all_gather_matmul_loopback``).
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each fusedpar
   backend of the fp8 ops against torch's ``symm_mem.fused_all_gather_scaled_matmul`` /
   ``fused_scaled_matmul_reduce_scatter`` and the unfused NCCL collective + ``_scaled_mm``,
@@ -82,7 +83,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend,
 
         def fn():
             return [a_hp @ b_hp for _ in range(W_LOOPBACK)]
-    elif backend == "triton":  # every rank: the loopback all-gather, then the Triton fp8 GEMM
+    elif backend == "triton":  # every rank: the loopback gather, then the Triton fp8 peers GEMM
         rows = m // W_LOOPBACK
         shards = [a[r * rows:(r + 1) * rows] for r in range(W_LOOPBACK)]
         scales = [a_scale if a_scale.numel() == 1 else a_scale[r * rows:(r + 1) * rows]

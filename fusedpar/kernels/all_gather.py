@@ -142,5 +142,5 @@ AOT_EXAMPLES = [
       "epoch": "i32", "meta": "i32", "outer": "i32", "inner": "i32", "timeout_ns": "i64", "stats_ptr": "*i64"},
      {"BLOCK_R": 1, "BLOCK_C": BLOCK, "ELEM_BYTES": nbytes, "SLOTS": True, "POISON": False,
       "SIGNAL_DONE": True, "RAISE_GATHERED": True}, {"num_warps": NUM_WARPS})
-    for t, nbytes in (("bf16", 2), ("fp32", 4))
+    for t, nbytes in (("bf16", 2), ("fp32", 4), ("i32", 4))  # i32: all_gather_scaled_matmul's words
 ]

@@ -298,6 +298,21 @@ def tile_product_tma(a_desc, b_desc, m0, n0, expert, k_hi, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def scale_tile(acc, sa_ptr, stride_sa, sb_ptr, stride_sb, m0, n0, m_end, N, live,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scaled GEMMs' epilogue: ``acc * sa[m0:m0+BLOCK_M, None] * sb[None, n0:n0+BLOCK_N]``
+    (fp32 rowwise scales, as ``torch._scaled_mm`` takes them; element i of ``sa`` at
+    ``sa_ptr + i * stride_sa``, of ``sb`` likewise: a stride 0 repeats a tensorwise scale);
+    rows past ``m_end``, columns past ``N`` and a tile that is not ``live`` (a segment of
+    zeros) read no scale."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    sa = tl.load(sa_ptr + rm * stride_sa, mask=(rm < m_end) & live, other=0.0)
+    sb = tl.load(sb_ptr + rn * stride_sb, mask=(rn < N) & live, other=0.0)
+    return acc * sa[:, None] * sb[None, :]
+
+
+@triton.jit
 def store_tile(c_ptr, acc, m0, n0, m_end, N, stride_cm, stride_cn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
@@ -467,6 +482,16 @@ def launch_options(cfg: dict) -> dict:
                 num_stages=cfg["num_stages"])
 
 
+def scaled_options(cfg: dict, scaled: bool) -> dict:
+    """``launch_options`` and SCALED (fp8 operands, scales in the epilogue); fp8 dots run as
+    they are in the interpreter too (it multiplies fp8 exactly; only 16-bit dots need
+    UPCAST)."""
+    options = dict(launch_options(cfg), SCALED=scaled)
+    if scaled:
+        options["UPCAST"] = False
+    return options
+
+
 # b of the fused expert MLP: w.transpose(1, 2) of row-major expert weights in the forward
 # (unit stride along K), the weights themselves in the backward (unit stride along N)
 B_UNIT = {True: ("stride_bk", "stride_bn"), False: ("stride_bn", "stride_bk")}  # kmajor: (unit, other)
@@ -485,6 +510,18 @@ def aot_example(kernel, sig, consts, cfg, arch, kmajor=False, spills_ok=None):
         consts.update(TMA=cfg["TMA"], B_KMAJOR=kmajor and cfg["TMA"])
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "arch": arch}
     return kernel, sig, consts, dict(options, spills_ok=spills_ok) if spills_ok else options
+
+
+def fp8_example(kernel, sig: dict, consts: dict, cfg: dict, kmajor: bool = False, a: str = "fp8e4nv",
+                b: str = "fp8e4nv", spills_ok: str | None = None, **types: str):
+    """A scaled (fp8) GEMM variant on sm_90 (fp8 tensor cores): ``aot_example``'s 16-bit
+    operands (pointers or TMA descriptors) made fp8 (``a``, ``b``: e4m3 ``fp8e4nv`` or e5m2
+    ``fp8e5``), SCALED, c bf16 unless ``types`` (argument name: type) say otherwise."""
+    kernel, sig, consts, options = aot_example(kernel, sig, dict(consts, SCALED=True), cfg, 90, kmajor,
+                                               spills_ok)
+    kinds = dict({"a": a, "a_ptr": a, "b": b, "b_ptr": b}, **types)
+    sig = {k: v.replace("bf16", kinds[k]) if k in kinds else v for k, v in sig.items()}
+    return kernel, sig, consts, options
 
 
 def tile_candidate_examples(kernel, sig: dict, consts: dict, *, num_programs: int | None = None) -> list:

@@ -1,5 +1,6 @@
 """The GEMM over rows that come from peers: the fused expert MLP of ``ops/moe`` and
-all_gather_matmul's GEMM (one expert, a block per source shard).
+all_gather_matmul's GEMM (one expert, a block per source shard), also in fp8 with the scales
+in its epilogue (``SCALED``: all_gather_scaled_matmul).
 
 ``grouped_mm_peers_kernel``: the rows come in blocks listed in a table of ``(src, expert,
 peer_row, local_row, rows)``, ordered own rank first; A rows are local (``a[local_row]``).
@@ -20,9 +21,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm import (EPILOGUES, GPU_CONFIG_FP32, B_UNIT, aot_example, gemm_operands, gpu_config, grouped_tile,
-                   launch_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_candidate_examples,
-                   tile_pair, tile_pair_tma, tile_product, tile_product_tma)
+from .gemm import (EPILOGUES, GPU_CONFIG_FP32, B_UNIT, aot_example, fp8_example, gemm_operands, gpu_config,
+                   grouped_tile, scale_tile, scaled_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue,
+                   tile_candidate_examples, tile_pair, tile_pair_tma, tile_product, tile_product_tma)
 from .signal import (cdiv, GATHERED, INTERPRETER_PROGRAMS, call_epoch, data_ptr, end_call, fence_async_proxy,
                      pad_ptr, sm_count, wait_word)
 
@@ -91,11 +92,13 @@ def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, 
 @triton.jit(do_not_specialize=["rank", "world_size", "epoch", "timeout_ns", "num_runs", "c_row"])
 def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table, rank,
                             world_size, epoch, timeout_ns, num_runs, N, K, c_row, stride_be,
-                            stride_bk, stride_bn, g_ptr, c_numel, g_numel,
+                            stride_bk, stride_bn, g_ptr, c_numel, g_numel, stride_am, sa_ptr,
+                            stride_sa, sb_ptr, stride_sb,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
                             B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
-                            SWIGLU_VJP: tl.constexpr, UPCAST: tl.constexpr, END: tl.constexpr):
+                            SWIGLU_VJP: tl.constexpr, SCALED: tl.constexpr, UPCAST: tl.constexpr,
+                            END: tl.constexpr):
     """``a``, ``b``: pointers, or TMA descriptors (``TMA``; b's strides are then unused).
     Tiles cover runs (``runs_ptr``: first block, blocks, rows), not blocks: a tile may hold
     the rows of several sources, so a source's partial tile does not cost a whole one.
@@ -104,6 +107,11 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
     gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
     ``h``. ``SWIGLU_VJP``: the product P = a @ b is the gradient of SwiGLU's output; C
     (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``.
+    ``SCALED`` (the plain gather of fp8 ``a`` and ``b``: all_gather_scaled_matmul): C tiles
+    are the products times ``sa[row] * sb[col]`` (``gemm.scale_tile``: element i of ``sa`` at
+    ``sa_ptr + i * stride_sa``, a stride 0 repeats a tensorwise scale; of ``sb`` likewise);
+    the scale pointers are unused otherwise. ``stride_am``: a's row stride on pointer loads
+    (K, or more where each row of the staged rows carries its scale after its K elements).
     ``END``: the kernel ends the call: its last program NaN-fills ``c`` (``c_numel``
     elements) and ``g`` (``g_numel``, maybe 0) if this rank recorded a failure."""
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -142,19 +150,22 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
                         acc = tile_product_tma(a, b, local_row + m0, n0, expert, K, BLOCK_M,
                                                BLOCK_N, BLOCK_K, B_KMAJOR, UPCAST)
                 else:
-                    a_rows = a + local_row.to(tl.int64) * K
+                    a_rows = a + local_row.to(tl.int64) * stride_am
                     b_expert = b + tl.cast(expert, tl.int64) * stride_be
                     if SWIGLU:
-                        gate, up = tile_pair(a_rows, b_expert, m0, n0, N + n0, rows, b_cols, K, K, 1,
+                        gate, up = tile_pair(a_rows, b_expert, m0, n0, N + n0, rows, b_cols, K, stride_am, 1,
                                              stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
                     else:
-                        acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, K, 1,
+                        acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, stride_am, 1,
                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
                 if SWIGLU:  # gate columns past N read up columns: computed, never stored
                     swiglu_epilogue(c_base, h_base, gate, up, m0, n0, rows, N, KEEP_H, BLOCK_M, BLOCK_N)
                 elif SWIGLU_VJP:
                     swiglu_vjp_epilogue(c_base, h_base, acc, m0, n0, rows, N, BLOCK_M, BLOCK_N)
                 elif not PUSH:
+                    if SCALED:
+                        acc = scale_tile(acc, sa_ptr + local_row.to(tl.int64) * stride_sa, stride_sa,
+                                         sb_ptr, stride_sb, m0, n0, rows, N, True, BLOCK_M, BLOCK_N)
                     store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
                 else:
                     push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, local_row, acc, m0, n0, rows,
@@ -200,7 +211,7 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
                      world_size: int, epoch: int, timeout_ns: int, *, push: bool, c_row: int = 0,
                      epilogue: str | None = None, h: torch.Tensor | None = None,
                      config: dict | None = None, ends_call: bool = False,
-                     gathered: torch.Tensor | None = None) -> None:
+                     gathered: torch.Tensor | None = None, scales: tuple | None = None) -> None:
     """One launch over the row blocks in ``blocks`` (int32 ``[G, 5]``: src, expert,
     peer_row, local_row, rows), tiled by ``runs`` (int32 ``[R, 3]``, ``block_runs``; their
     rows ``run_rows`` on the host): a tile may hold several sources' rows of one expert, so
@@ -223,18 +234,25 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     contiguous; ``b [E, K, N]`` any strides. ``config``: overrides of the launch config
     (``gemm.gemm_operands``). ``ends_call`` (the plain gather): its last program NaN-fills
     ``c`` and ``gathered`` (contiguous, optional) if this rank recorded a failure
-    (all_gather_matmul; the expert MLP's calls end in ``protocol.release``).
+    (all_gather_matmul; the expert MLP's calls end in ``protocol.release``). ``scales`` (the
+    plain gather of fp8 ``a`` and ``b``): ``(sa, stride_sa, sb, stride_sb)``, fp32 row scales
+    of ``a`` and column scales of ``b`` (stride 0: tensorwise), applied in the epilogue:
+    ``c = P * sa[:, None] * sb[None, :]``. ``a``'s rows may then be strided (each staged row
+    carrying its scale after its K elements: pointer loads).
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
     on a side stream, after a one-program READY wait there) or, without one, before this
     launch in stream order; the grid (``peers_grid``) leaves one SM free for that wait.
     """
-    if epilogue not in (None, *EPILOGUES) or push and epilogue is not None:
-        raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}; the gather "
-                         f"takes None (the product) or one of {EPILOGUES}, the push None")
+    if epilogue not in (None, *EPILOGUES) or push and epilogue is not None or (
+            scales is not None and (push or epilogue is not None)):
+        raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}, scales "
+                         f"{'given' if scales is not None else 'none'}; the gather takes None (the "
+                         f"product, scaled or not) or one of {EPILOGUES}, the push None")
     swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
     sms = sm_count(a.device)
-    plain = not push and epilogue is None  # the tile candidates are compiled for the plain gather
+    # the tile candidates are compiled for the plain gather (in 16 bits; fp8 takes the default tiles)
+    plain = not push and epilogue is None and scales is None
     cfg, a_arg, b_arg, kmajor = gemm_operands(a, b, config, epilogue=epilogue,
                                               shape=(run_rows, N) if plain else None,
                                               sms=max(sms - 1, 1) if sms else None)
@@ -242,13 +260,13 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     if tiles == 0 and not ends_call:
         return
     g = c if gathered is None else gathered
+    sa, stride_sa, sb, stride_sb = scales or (c, 0, c, 0)
     grouped_mm_peers_kernel[peers_grid(tiles, sms, cfg)](
         a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
         timeout_ns, runs.shape[0], N, K, c_row, b.stride(0), b.stride(1), b.stride(2),
-        g, c.numel(), 0 if gathered is None else g.numel(), PUSH=push, TMA=cfg["TMA"],
-        B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
-        SWIGLU_VJP=epilogue == "swiglu_vjp", END=ends_call,
-        **launch_options(cfg))
+        g, c.numel(), 0 if gathered is None else g.numel(), a.stride(0), sa, stride_sa, sb, stride_sb,
+        PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
+        SWIGLU_VJP=epilogue == "swiglu_vjp", END=ends_call, **scaled_options(cfg, scales is not None))
 
 
 class Descriptors:
@@ -295,50 +313,58 @@ def tma_addressable(a: torch.Tensor, b: torch.Tensor) -> bool:
 class GatherLaunch:
     """``grouped_mm_peers`` of all_gather_matmul (the plain gather of one B, ending the
     call) for every call of one signature: the config, grid and launch options made once,
-    and the TMA descriptors kept (``Descriptors``). ``a`` ``[rows, K]``, ``b`` ``[K, N]``."""
+    and the TMA descriptors kept (``Descriptors``). ``a`` ``[rows, K]``, ``b`` ``[K, N]``;
+    ``scaled``: all_gather_scaled_matmul's (fp8, every call passes ``scales``)."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, run_rows: list[int], config: dict | None = None):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, run_rows: list[int], config: dict | None = None,
+                 scaled: bool = False):
         self.config = config
         sms = sm_count(a.device)
-        # the tiles that fill the waves of the SMs the grid takes (``peers_grid``: all but one)
-        self.cfg, _, _, self.kmajor = gemm_operands(a, b.unsqueeze(0), config, shape=(run_rows, b.shape[1]),
+        # the tiles that fill the waves of the SMs the grid takes (``peers_grid``: all but one);
+        # fp8 takes the default tiles (the variants AOT_EXAMPLES compiles)
+        self.cfg, _, _, self.kmajor = gemm_operands(a, b.unsqueeze(0), config,
+                                                    shape=None if scaled else (run_rows, b.shape[1]),
                                                     sms=max(sms - 1, 1) if sms else None)
         cfg = self.cfg
         self.K, self.N = b.shape
         self.b_strides = (0, *b.stride())
         tiles = sum(cdiv(r, cfg["BLOCK_M"]) for r in run_rows) * cdiv(self.N, cfg["BLOCK_N"])
         self.grid = peers_grid(tiles, sms, cfg)
-        self.options = launch_options(cfg)
+        self.options = scaled_options(cfg, scaled)
         self.descriptors = Descriptors(cfg, self.kmajor)
 
     def __call__(self, a, b, c, blocks, runs, run_rows, pad_table, rank, world_size, timeout_ns,
-                 gathered=None) -> None:
+                 gathered=None, scales=None) -> None:
         cfg = self.cfg
         if cfg["TMA"]:
             if not tma_addressable(a, b):  # the general launcher decides
                 grouped_mm_peers(a, b.unsqueeze(0), c, blocks, runs, run_rows, pad_table, rank,
                                  world_size, 0, timeout_ns, push=False, config=self.config,
-                                 ends_call=True, gathered=gathered)
+                                 ends_call=True, gathered=gathered, scales=scales)
                 return
             a_arg, b_arg = self.descriptors.a(a), self.descriptors.b(b)
         else:
             a_arg, b_arg = a, b
         g = c if gathered is None else gathered
         stride_be, stride_bk, stride_bn = self.b_strides
+        sa, stride_sa, sb, stride_sb = scales or (c, 0, c, 0)
         grouped_mm_peers_kernel[self.grid](
             a_arg, b_arg, c, c, blocks, runs, pad_table, rank, world_size, 0, timeout_ns,
             runs.shape[0], self.N, self.K, 0, stride_be, stride_bk, stride_bn, g, c.numel(),
-            0 if gathered is None else g.numel(), PUSH=False, TMA=cfg["TMA"], B_KMAJOR=self.kmajor,
+            0 if gathered is None else g.numel(), a.stride(0), sa, stride_sa, sb, stride_sb,
+            PUSH=False, TMA=cfg["TMA"], B_KMAJOR=self.kmajor,
             SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, END=True, **self.options)
 
 
 _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "blocks_ptr": "*i32",
               "runs_ptr": "*i32", "pad_table": "*i64", "rank": "i32", "world_size": "i32",
               "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32",
-              "c_row": "i32", "stride_be": "i32", "g_ptr": "*bf16", "c_numel": "i32", "g_numel": "i32"}
+              "c_row": "i32", "stride_be": "i32", "g_ptr": "*bf16", "c_numel": "i32", "g_numel": "i32",
+              "stride_am": "i32", "sa_ptr": "*fp32", "stride_sa": "i32", "sb_ptr": "*fp32",
+              "stride_sb": "i32"}
 
 
-_GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, END=False)
+_GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, SCALED=False, END=False)
 # the peers kernel's variants with the B layouts the expert MLP passes (kmajor: ``B_UNIT``):
 # the forward's SwiGLU gather (b = w13ᵀ) with and without the gate/up products kept, the
 # backward's VJP gather (b = w2), the push (w2ᵀ in the forward, w13 in the backward); and
@@ -362,6 +388,10 @@ def _peers_examples(mode: dict, epilogue: str | None, layouts: tuple, tma: bool,
 # fp32 is the exact path for tests and fp32 training, not a fast one
 FP32_SPILLS = ("fp32 FMA tiles: sm_80, 32 B under triton 3.8; sm_90, 60 B under triton 3.6 with the "
                "closing ticket (tests and fp32 training only)")
+# measured (tests/kernels/aot_compile.py's ptxas counts), where in the kernel not located;
+# the bf16 output on the same tiles does not spill
+FP8_FP32_SPILLS = ("fp8 with a float32 output on 128x256 TMA tiles: 60 B under triton 3.8, 52 B under "
+                   "triton 3.6 (the bfloat16 output spills none)")
 AOT_EXAMPLES = (
     [example for mode in PEERS_MODES for major, tma in ((9, True), (9, False), (8, False))
      for example in _peers_examples(*mode, tma, major)]
@@ -372,4 +402,13 @@ AOT_EXAMPLES = (
                    spills_ok=FP32_SPILLS)
        for arch in (90, 80)]
     # all_gather_matmul's plain gather on the other sm_90 tiles it may choose (``choose_tile``)
-    + tile_candidate_examples(grouped_mm_peers_kernel, _PEERS_SIG, dict(_GATHER, END=True)))
+    + tile_candidate_examples(grouped_mm_peers_kernel, _PEERS_SIG, dict(_GATHER, END=True))
+    # all_gather_scaled_matmul's (fp8, sm_90): TMA on the default tiles with B row-major or
+    # column-major (torch._scaled_mm's layout), e5m2 x e4m3, a float32 output; pointer loads (A
+    # rows that carry their scales: rowwise scales of the shards)
+    + [fp8_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
+                   dict(_GATHER, END=True, **{B_UNIT[kmajor][0]: 1}), gpu_config(9, tma), kmajor, a,
+                   spills_ok=FP8_FP32_SPILLS if out == "fp32" else None, g_ptr=a, c_ptr=out, h_ptr=out)
+       for tma, kmajor, a, out in ((True, True, "fp8e4nv", "bf16"), (True, False, "fp8e4nv", "bf16"),
+                                   (True, True, "fp8e5", "bf16"), (True, True, "fp8e4nv", "fp32"),
+                                   (False, True, "fp8e4nv", "bf16"), (False, False, "fp8e5", "bf16"))])

@@ -26,23 +26,11 @@ import triton
 import triton.language as tl
 
 from .gemm import (EPILOGUES, GPU_CONFIG_SM80, POINTER_CONFIG_SM90, B_UNIT, add_tile_product, aot_example,
-                   gemm_operands, gpu_config, grouped_config, grouped_tile, launch_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_pair, tile_pair_tma, tile_product,
-                   tile_product_tma)
+                   fp8_example, gemm_operands, gpu_config, grouped_config, grouped_tile, scale_tile,
+                   scaled_options, store_tile, swiglu_epilogue, swiglu_vjp_epilogue, tile_pair,
+                   tile_pair_tma, tile_product, tile_product_tma)
 from .moe_permute import ROW_BLOCK_GPU, row_blocks
 from .signal import cdiv
-
-
-@triton.jit
-def scale_tile(acc, sa_ptr, sb_ptr, m0, n0, m_end, N, live, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """The scaled GEMMs' epilogue: ``acc * sa[m0:m0+BLOCK_M, None] * sb[None, n0:n0+BLOCK_N]``
-    (fp32 rowwise scales, as ``torch._scaled_mm`` takes them); rows past ``m_end``, columns
-    past ``N`` and a tile that is not ``live`` (a segment of zeros) read no scale."""
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    sa = tl.load(sa_ptr + rm, mask=(rm < m_end) & live, other=0.0)
-    sb = tl.load(sb_ptr + rn, mask=(rn < N) & live, other=0.0)
-    return acc * sa[:, None] * sb[None, :]
 
 
 @triton.jit
@@ -111,7 +99,7 @@ def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, sa_ptr, sb_ptr, T, N, K
                 swiglu_vjp_epilogue(c_ptr, h_ptr, acc, m0, n0, end, N, BLOCK_M, BLOCK_N)
             else:
                 if SCALED:
-                    acc = scale_tile(acc, sa_ptr, sb_ptr + tl.cast(g, tl.int64) * stride_sbg, m0, n0,
+                    acc = scale_tile(acc, sa_ptr, 1, sb_ptr + tl.cast(g, tl.int64) * stride_sbg, 1, m0, n0,
                                      end, N, k_hi > 0, BLOCK_M, BLOCK_N)
                 store_tile(c_ptr, acc, m0, n0, end, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
             tile += step
@@ -153,7 +141,7 @@ def grouped_mm_k_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, sa_ptr, sb_ptr, M, N, E, 
                                        stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
                                        UPCAST)
         if SCALED:
-            acc = scale_tile(acc, sa_ptr + tl.cast(g, tl.int64) * M, sb_ptr + tl.cast(g, tl.int64) * N,
+            acc = scale_tile(acc, sa_ptr + tl.cast(g, tl.int64) * M, 1, sb_ptr + tl.cast(g, tl.int64) * N, 1,
                              m0, n0, M, N, True, BLOCK_M, BLOCK_N)
         store_tile(c_ptr + tl.cast(g, tl.int64) * stride_ce, acc, m0, n0, M, N, stride_cm,
                    stride_cn, BLOCK_M, BLOCK_N)
@@ -232,7 +220,7 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: tor
         a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         sb.stride(0) if scales else 0, TMA=cfg["TMA"], B_KMAJOR=kmajor, MASKED=pad_rows is not None,
         SWIGLU=swiglu, KEEP_H=swiglu and h is not None, SWIGLU_VJP=epilogue == "swiglu_vjp",
-        **_scaled_options(cfg, scales))
+        **scaled_options(cfg, scales is not None))
 
 
 def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.Tensor,
@@ -263,15 +251,7 @@ def grouped_mm_k(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, c: torch.
     grouped_mm_k_kernel[(min(tiles, cfg["NUM_PROGRAMS"]),)](
         a, b, c, offs, sa, sb, M, N, E, pad_rows or 0, sources, a.stride(0), a.stride(1), b.stride(0),
         b.stride(1), c.stride(0), c.stride(1), c.stride(2), MASKED=pad_rows is not None,
-        **_scaled_options(cfg, scales))
-
-
-def _scaled_options(cfg: dict, scales: tuple | None) -> dict:
-    """``launch_options`` and SCALED; fp8 dots run as they are in the interpreter too."""
-    options = dict(launch_options(cfg), SCALED=scales is not None)
-    if scales is not None:
-        options["UPCAST"] = False
-    return options
+        **scaled_options(cfg, scales is not None))
 
 
 # unit inner strides are constexprs, as the JIT specializes them for row-major operands
@@ -307,27 +287,17 @@ _ZERO_SIG = {"c_ptr": "*bf16", "ends_ptr": "*i32", "first": "i32", "R": "i32", "
 _NO_EPILOGUE = dict(SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, SCALED=False)
 
 
-def _fp8_example(kernel, sig: dict, consts: dict, cfg: dict, kmajor: bool = False, a: str = "fp8e4nv",
-                 b: str = "fp8e4nv"):
-    """A ``scaled_grouped_mm`` variant on sm_90 (fp8 tensor cores): ``aot_example``'s
-    16-bit operands (pointers or TMA descriptors) made fp8 (``a``, ``b``: e4m3 ``fp8e4nv``
-    or e5m2 ``fp8e5``), c bf16, scales fp32."""
-    kernel, sig, consts, options = aot_example(kernel, sig, dict(consts, SCALED=True), cfg, 90, kmajor)
-    kinds = {"a": a, "a_ptr": a, "b": b, "b_ptr": b}
-    return kernel, {k: v.replace("bf16", kinds[k]) if k in kinds else v for k, v in sig.items()}, consts, options
-
-
 # the fp8 variants: the rows kernel on TMA with b column-major (torch's contract for
 # scaled_grouped_mm, and the float8 recipes' dgrad) or row-major, e5m2 x e4m3 (the
 # tensorwise recipe's dgrad), on pointer loads (unaligned operands); the K kernel (wgrad:
 # a = gradᵀ, b = the input, as float8_grouped_mm passes them)
 FP8_AOT_EXAMPLES = (
-    [_fp8_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
+    [fp8_example(grouped_mm_rows_kernel, _ROWS_SIG, dict(_ROWS_UNIT, MASKED=masked, **_NO_EPILOGUE),
                   gpu_config(9, tma), kmajor, a)
      for tma, kmajor, a in ((True, True, "fp8e4nv"), (True, False, "fp8e4nv"), (True, True, "fp8e5"),
                             (False, False, "fp8e4nv"))
      for masked in (False, True)]
-    + [_fp8_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=False), POINTER_CONFIG_SM90, a=a)
+    + [fp8_example(grouped_mm_k_kernel, _K_SIG, dict(_K_UNIT, MASKED=False), POINTER_CONFIG_SM90, a=a)
        for a in ("fp8e4nv", "fp8e5")])
 
 AOT_EXAMPLES = (

@@ -416,14 +416,16 @@ AOT_EXAMPLES = [
       "meta": "i32"}, {}, {"num_warps": 4}),
     *[(poison_if_failed_kernel, {"my_pad": "*i32", "out_ptr": f"*{t}", "n": "i32"},
        {"BLOCK": POISON_BLOCK}, {"num_warps": 4}) for t in ("bf16", "fp32")],
-    # the collectives' staging (every dtype all_gather takes), all_gather_matmul's (with the
-    # gathered flags; returning A_gathered: COPY_OUT)
+    # the collectives' staging (every dtype all_gather takes), all_gather_matmul's and
+    # all_gather_scaled_matmul's (with the gathered flags; returning A_gathered: COPY_OUT)
     *[(stage_kernel,
        {"x_ptr": f"*{t}", "dst_ptr": f"*{t}", "out_ptr": f"*{t}", "pad_table": "*i64", "rank": "i32",
         "world_size": "i32", "meta": "i32", "timeout_ns": "i64", "numel": "i32"},
        {"BLOCK": STAGE_BLOCK, "COPY_OUT": copy_out, "GATHER": gather}, {"num_warps": STAGE_WARPS})
       for t, variants in (("bf16", ((False, False), (False, True), (True, True))),
-                          ("fp16", ((False, False),)), ("i32", ((False, False),)), ("i64", ((False, False),)),
+                          ("fp16", ((False, False),)), ("i64", ((False, False),)),
+                          # i32: also all_gather_scaled_matmul's words of fp8 rows (and row scales)
+                          ("i32", ((False, False), (False, True), (True, True))),
                           ("fp32", ((False, False), (False, True), (True, True))))
       for copy_out, gather in variants],
 ]

@@ -170,7 +170,7 @@ class Triton(Backend):
         """``[(gathered or None, [outs])]`` per rank view, rows in gathered order (not
         unflattened); gathered None without ``call.return_a``. ``delays``: see
         ``all_gather_matmul_loopback``."""
-        return _Gather(call, bufs, copy_engine).run(a_rows, call.bs, delays)
+        return _Gather(call, bufs, copy_engine).run(a_rows, [call.bs] * len(bufs), delays)
 
 
 def _rows(a: torch.Tensor, dim: int) -> torch.Tensor:
@@ -189,8 +189,9 @@ def _unflattener(call: MatmulCall):
 
 
 class _View:
-    """One rank view's part of ``_Gather``: its buffer, its data region as the gathered A,
-    its own slot of it, its peers' slots, its block tables."""
+    """One rank view's part of ``_Gather``: its buffer, its data region as the gathered
+    staged rows (``[W * m, k]``: A, or what the GEMM's A is a view of), its own slot of it,
+    its peers' slots, its block tables."""
 
     def __init__(self, buf, dtype, world: int, m: int, k: int):
         self.buf, self.pad_table, self.rank = buf, buf.pad_table, buf.rank
@@ -205,41 +206,52 @@ class _View:
 
 class _Gather:
     """The triton backend's calls of one signature on one set of rank views (one, or W in a
-    loopback): the views (``_View``), the fingerprint and the GEMM's launch, made once."""
+    loopback): the views (``_View``), the fingerprint and the GEMM's launch, made once.
 
-    def __init__(self, call: MatmulCall, bufs, copy_engine: bool):
+    The staged rows are A's (``[m, K]``), or, given ``staged`` (``(dtype, k)``: a subclass's
+    rows of ``k`` elements of ``dtype``, e.g. all_gather_scaled_matmul's fp8 bytes and row
+    scales as int32 words), what the subclass's ``_gemm`` reads the GEMM's operands from.
+    ``operands``: what the GEMMs multiply the gathered rows by (here the Bs)."""
+
+    def __init__(self, call: MatmulCall, bufs, copy_engine: bool, staged: tuple | None = None):
         a, world = call.rows(), call.world_size
-        m, k = a.shape
-        self.world, self.m, self.k = world, m, k
-        self.dtype, self.device = a.dtype, a.device
+        self.world, self.m = world, a.shape[0]
+        self.dtype, self.k = staged or (a.dtype, a.shape[1])
+        self.device = a.device
         self.copy_engine, self.return_a = copy_engine, call.return_a
-        self.meta, self.desc = call.fingerprint(), call.description()
+        self.meta, self.desc, self.op = call.fingerprint(), call.description(), call.op
         self.widths = [b.shape[1] for b in call.bs]
-        self.views = [_View(buf, a.dtype, world, m, k) for buf in bufs]
-        self.gemm = gemm_peers.GatherLaunch(self.views[0].region, call.bs[0], self.views[0].run_rows)
+        self.out_dtypes = [a.dtype] * len(call.bs)
+        self.views = [_View(buf, self.dtype, world, self.m, self.k) for buf in bufs]
+        self.gemm = self._launch(call)
         self.sms = signal_kernels.sm_count(a.device)
         self.timeout_ns = bufs[0].timeout_ns  # a plan lives until the settings change
-        self.moved = (world - 1) * m * k * a.element_size()
+        self.moved = (world - 1) * self.m * self.k * self.dtype.itemsize
 
-    def run(self, a_rows, bs, delays=None) -> list:
-        """Every view's ``(gathered or None, outs)``: all stage before any gathers, so one
-        process can play every rank."""
+    def _launch(self, call: MatmulCall):
+        """The GEMM's launch for this signature, made once."""
+        return gemm_peers.GatherLaunch(self.views[0].region, call.bs[0], self.views[0].run_rows)
+
+    def run(self, a_rows, operands, delays=None) -> list:
+        """Every view's ``(gathered or None, outs)`` (``a_rows``, ``operands``: one per view):
+        all stage before any gathers, so one process can play every rank."""
         for view in self.views:
             view.buf.next_epoch(graphable=True, kernel_advances=True)
         gathered = [self._stage(view, a) for view, a in zip(self.views, a_rows)]
-        results = [self._multiply(view, g, bs, delays) for view, g in zip(self.views, gathered)]
+        results = [self._multiply(view, g, ops, delays)
+                   for view, g, ops in zip(self.views, gathered, operands)]
         for view in self.views:
-            view.buf.finish(OP)
+            view.buf.finish(self.op)
         return results
 
-    def run_one(self, a, bs):
+    def run_one(self, a, operands):
         """``run`` of a group's one view (following its buffer if it grew since)."""
         view = self.views[0]
         if not view.buf.live:
             view = self.views[0] = _View(symmetric.follow(view.buf), self.dtype, self.world, self.m, self.k)
         view.buf.next_epoch(graphable=True, kernel_advances=True)
-        result = self._multiply(view, self._stage(view, a), bs, None)
-        view.buf.finish(OP)
+        result = self._multiply(view, self._stage(view, a), operands, None)
+        view.buf.finish(self.op)
         return result
 
     def _stage(self, view: _View, a: torch.Tensor):
@@ -252,29 +264,38 @@ class _Gather:
                              sms=self.sms)
         return g
 
-    def _multiply(self, view: _View, g, bs, delays):
-        """Gather the peers' rows into the view's gathered A and multiply it by every B."""
+    def _multiply(self, view: _View, g, operands, delays):
+        """Gather the peers' rows into the view's gathered rows and multiply them by every B."""
         a_all = view.region if g is None else g
         rows = self.world * self.m
-        outs = [torch.empty(rows, width, dtype=self.dtype, device=self.device) for width in self.widths]
+        outs = [torch.empty(rows, width, dtype=dtype, device=self.device)
+                for width, dtype in zip(self.widths, self.out_dtypes)]
         if self.copy_engine:
             blocks = [(src, a_all[src * self.m:(src + 1) * self.m], staged) for src, staged in view.peers]
             with protocol.gathering(view.buf, blocks, 0, self.meta, True, delays, signal_done=True):
-                self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
-                          view.rank, self.world, self.timeout_ns, gathered=g)
+                self._gemm(view, a_all, g, operands, outs)
         else:
             if view.peers:
                 all_gather_kernels.all_gather_pull(a_all, a_all, view.pad_table, view.rank, self.world, 0,
                                                    self.meta, 1, self.m * self.k, self.timeout_ns,
                                                    protocol.stats_tensor(self.device), slots=True)
-            self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
-                      view.rank, self.world, self.timeout_ns, gathered=g)
-        counters.record(OP, "triton", self.moved)
-        for b, out in zip(bs[1:], outs[1:]):
-            torch.matmul(a_all, b, out=out)
+            self._gemm(view, a_all, g, operands, outs)
+        counters.record(self.op, "triton", self.moved)
+        for out in self._rest(a_all, operands, outs):
             if g is None:  # the GEMM NaN-filled what it read from: the gathered A
                 signal_kernels.poison_if_failed(view.buf.pad(), out)
         return g, outs
+
+    def _gemm(self, view: _View, a_all, g, bs, outs) -> None:
+        """The peers kernel's launch: ``outs[0] = a_all @ bs[0]`` as the rows land."""
+        self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
+                  view.rank, self.world, self.timeout_ns, gathered=g)
+
+    def _rest(self, a_all, bs, outs) -> list:
+        """The further Bs' products on the gathered A, once it is all here: the outputs written."""
+        for b, out in zip(bs[1:], outs[1:]):
+            torch.matmul(a_all, b, out=out)
+        return outs[1:]
 
 
 @functools.lru_cache(maxsize=64)

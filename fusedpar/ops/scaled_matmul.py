@@ -19,11 +19,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm import counters, group_name, resolve_group, symmetric
+from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group, symmetric
+from ..kernels import gemm_peers
 from . import protocol
-from .all_gather_matmul import symm_mem_reasons
-from .all_gather import all_gather, all_gather_loopback
-from .backend import Backend, Dispatcher
+from .all_gather_matmul import _Gather, _rows, _unflattener, symm_mem_reasons
+from .backend import Backend, Dispatcher, Plans
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .float8_scales import FP8_DTYPES, check_fp8
 from .reduce_scatter import reduce_scatter, reduce_scatter_loopback
@@ -59,10 +59,17 @@ class ScaledCall(MatmulCall):
     def cache_key(self) -> tuple:
         """What the backends' reasons read beyond the group, device and dtype (the
         dispatcher caches its choice by this)."""
-        words = (self.x.numel() * self.x.element_size()) % 4 == 0
+        words = self.x.shape[-1] % 4 == 0  # rows of whole int32 words (AgTriton)
         return super().cache_key() + (self.a_mode, self.last_dim, self.x.dim() == 2 and self.dim == 0,
                                       torch.float16 in self.out_dtypes, words,
                                       tuple(s.numel() > 1 for s in self.b_scales))
+
+    def maker(self):
+        op, dim, world, group, return_a, reduce_op = (self.op, self.dim, self.world_size, self.group,
+                                                      self.return_a, self.reduce_op)
+        out_dtypes, fast, mode = self.out_dtypes, self.use_fast_accum, self.a_mode
+        return lambda a, bs, a_scale, b_scales: ScaledCall(op, a, dim, world, group, bs, a_scale, b_scales,
+                                                           out_dtypes, fast, return_a, reduce_op, mode)
 
     def fingerprint(self) -> int:
         return symmetric.fingerprint(super().fingerprint(), self.a_mode, tuple(self.a_scale.shape),
@@ -335,52 +342,122 @@ def _triton_reasons(call: ScaledCall) -> list[str]:
     return reasons
 
 
-def _pack(call: ScaledCall) -> tuple[torch.Tensor, int, int, bool]:
-    """This rank's message: A's rows' fp8 bytes, then (``rowwise_shard``) their float32
-    scales; with ``(m, k, with_scale)``."""
-    a = call.rows().contiguous()
-    m, k = a.shape
-    with_scale = call.a_mode == ROWWISE_SHARD
-    if not with_scale:
-        return _bytes(a), m, k, False
-    scale = _bytes(call.a_scale.movedim(call.dim, 0).reshape(-1))
-    return torch.cat([_bytes(a), scale]), m, k, True
+def _staged_bytes(call: ScaledCall) -> int:
+    """The bytes of a staged row (``_staged_rows``): K, plus 4 when the scales travel."""
+    return call.x.shape[-1] + (4 if call.a_mode == ROWWISE_SHARD else 0)
 
 
-def _unpack(call: ScaledCall, messages: torch.Tensor, m: int, k: int, with_scale: bool):
-    """Every rank's messages ``[W, width]`` (uint8): the gathered A ``[W * m, k]`` and its scale."""
-    world = messages.shape[0]
-    gathered = messages[:, :m * k].view(call.x.dtype).reshape(world * m, k)  # a copy when scales travel
-    if with_scale:
-        return gathered, messages[:, m * k:].contiguous().view(torch.float32).view(-1, 1)
-    return gathered, _scale_rows(call, None)
+def _staged_rows(rows: torch.Tensor, shard_scale: torch.Tensor | None) -> torch.Tensor:
+    """What a rank stages (``_ScaledGather``): its A rows' fp8 bytes, each row followed by its
+    float32 scale's 4 bytes when the scales travel (``shard_scale``: the shard's, one per
+    row), as int32 words ``[m, (K + 4) / 4]`` (``[m, K / 4]`` without)."""
+    rows = rows.view(torch.uint8)
+    if shard_scale is not None:
+        rows = torch.cat([rows, shard_scale.reshape(-1, 1).view(torch.uint8)], dim=1)
+    return rows.view(torch.int32)
+
+
+def _stride(scale: torch.Tensor) -> int:
+    """A flat scale's stride for the GEMM's epilogue: 0 repeats a tensorwise one."""
+    return scale.stride(0) if scale.numel() > 1 else 0
+
+
+class _ScaledGather(_Gather):
+    """all_gather_matmul's gather (``_Gather``: stage, per-source copies and flags, the peers
+    kernel multiplying each shard's rows as they land) of fp8 rows: the staged rows are int32
+    words of the fp8 bytes and, ``rowwise_shard``, each row's float32 scale after them
+    (``_staged_rows``), so a scale lands with its row; the peers kernel reads A from those
+    bytes (pointer loads with a row stride of K + 4 bytes when scales travel, TMA otherwise)
+    and multiplies each output tile by its rows' and columns' scales in its epilogue
+    (``SCALED``). ``operands``: ``(Bs, A's row scales or None, B_scales)``; the row scales
+    are A_scale (tensorwise) or the gathered rows' (``rowwise_gathered``), None when they
+    travel."""
+
+    def __init__(self, call: ScaledCall, bufs, copy_engine: bool):
+        self.fp8, self.k_bytes = call.x.dtype, call.x.shape[-1]
+        self.with_scale = call.a_mode == ROWWISE_SHARD
+        super().__init__(call, bufs, copy_engine, staged=(torch.int32, _staged_bytes(call) // 4))
+        self.out_dtypes = list(call.out_dtypes)
+
+    def a(self, staged: torch.Tensor) -> torch.Tensor:
+        """The fp8 A ``[rows, K]`` in staged rows (a strided view when scales travel)."""
+        return staged.view(torch.uint8)[:, :self.k_bytes].view(self.fp8)
+
+    def gathered(self, staged: torch.Tensor) -> torch.Tensor:
+        """The returned A_gathered: a contiguous copy when scales travel."""
+        a = self.a(staged)
+        return a.contiguous() if self.with_scale else a
+
+    def _row_scales(self, a_all: torch.Tensor, a_scale) -> torch.Tensor:
+        """A's scale for the gathered rows: ``[rows]`` (strided when they travel) or one element."""
+        if self.with_scale:
+            return a_all.view(torch.uint8)[:, self.k_bytes:].view(torch.float32)[:, 0]
+        return a_scale.reshape(-1)
+
+    def _launch(self, call: ScaledCall):
+        return gemm_peers.GatherLaunch(self.a(self.views[0].region), call.bs[0], self.views[0].run_rows,
+                                       scaled=True)
+
+    def _gemm(self, view, a_all, g, operands, outs) -> None:
+        bs, a_scale, b_scales = operands
+        sa, sb = self._row_scales(a_all, a_scale), b_scales[0].reshape(-1)
+        self.gemm(self.a(a_all), bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
+                  view.rank, self.world, self.timeout_ns, gathered=None if g is None else g.view(self.fp8),
+                  scales=(sa, _stride(sa), sb, _stride(sb)))
+
+    def _rest(self, a_all, operands, outs) -> list:
+        bs, a_scale, b_scales = operands
+        if len(bs) > 1:
+            a, sa = self.a(a_all).contiguous(), self._row_scales(a_all, a_scale)
+            for i in range(1, len(bs)):
+                outs[i] = triton_gemm(a, bs[i], sa, b_scales[i], self.out_dtypes[i])
+        return outs[1:]
 
 
 class AgTriton(Backend):
-    """fusedpar's symmetric-memory ``all_gather`` (``triton``) of every rank's fp8 bytes and
-    row scales in one message (as int32 words), then the Triton fp8 GEMM
-    (``triton_gemm``) per B, scales in its epilogue. Not yet overlapped: the GEMM starts
-    once the whole A is here (the bf16 op's per-shard flags are still to come for fp8)."""
+    """The bf16 all_gather_matmul's overlapped gather (``_ScaledGather``): every rank stages
+    its shard's fp8 rows (with their float32 scales when they are the shard's, as extra bytes
+    of each row) in its symmetric buffer and raises READY; each peer's rows are copied into
+    the local gathered rows (copy engine on a GPU in a group), raising a per-source flag,
+    while one persistent Triton fp8 GEMM (``gemm_peers``' peers kernel, ``SCALED``: fp8
+    ``tl.dot``, fp32 accumulation, ``acc * a_scale[row] * b_scale[col]`` in its epilogue)
+    multiplies each shard's rows as soon as its flag is up, own shard first. Further Bs: the
+    Triton fp8 GEMM (``triton_gemm``) on the gathered A. One plan per signature
+    (``AG_PLANS``); a call can be captured in a CUDA graph as the bf16 op's can."""
 
     name = "triton"
 
     def not_supported_reasons(self, call):
         reasons = _triton_reasons(call)
-        if (call.x.numel() * call.x.element_size()) % 4:
-            reasons.append(f"A_shard's {call.x.numel()} fp8 bytes travel as int32 words: make them a "
-                           "multiple of 4")
+        if call.x.shape[-1] % 4:
+            reasons.append(f"A's rows of {call.x.shape[-1]} fp8 bytes travel as int32 words: make K "
+                           "a multiple of 4")
         return reasons
 
     def run(self, call: ScaledCall):
-        message, m, k, with_scale = _pack(call)
-        words = all_gather(message.view(torch.int32)[None], 0, call.group, backend=self.name)
-        return self.multiply(call, words.view(torch.uint8), m, k, with_scale)
+        return self.plan(call)(call.x, call.bs, call.a_scale, call.b_scales)
 
-    def multiply(self, call: ScaledCall, messages: torch.Tensor, m: int, k: int, with_scale: bool):
-        gathered, scale = _unpack(call, messages, m, k, with_scale)
-        outs = [triton_gemm(gathered, b, scale, s, d)
-                for b, s, d in zip(call.bs, call.b_scales, call.out_dtypes)]
-        return _ag_results(call, gathered, outs)
+    def plan(self, call: ScaledCall):
+        a, world, dim, mode = call.rows(), call.world_size, call.dim, call.a_mode
+        buf = get_buffer(call.group, world * a.shape[0] * _staged_bytes(call), a.device)
+        gather = _ScaledGather(call, [buf], copy_engine=a.is_cuda and world > 1)
+        unflatten = _unflattener(call)
+
+        def run(A, Bs, A_scale, B_scales):
+            staged, a_scale = _ag_staged(A, A_scale, dim, mode)
+            g, outs = gather.run_one(staged, (Bs, a_scale, B_scales))
+            return (None if g is None else unflatten(gather.gathered(g))), [unflatten(o) for o in outs]
+
+        return run
+
+
+def _ag_staged(A, A_scale, dim: int, mode: str):
+    """A rank's staged rows (``_staged_rows``) and A's scale for the GEMM's epilogue (None
+    when it travels with the rows)."""
+    rows = _rows(A, dim)
+    if mode == ROWWISE_SHARD:
+        return _staged_rows(rows, _rows(A_scale, dim)), None
+    return _staged_rows(rows, None), (_rows(A_scale, dim) if mode == ROWWISE_GATHERED else A_scale)
 
 
 AG_DISPATCHER = Dispatcher(AG, [AgTriton(), AgPipelined(), AgReference(), AgSymmMem()])  # vendor's last
@@ -552,13 +629,33 @@ def _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, world, group, out_dtype
                       use_fast_accum, return_A, a_mode=mode)
 
 
+AG_PLANS = Plans(AG)
+
+
+def _signature(*tensors) -> tuple:
+    """The plan key's part from tensors: shapes, strides, dtypes, devices."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
 @torch.library.custom_op(f"fusedpar::{AG}", mutates_args=(), schema=AG_SCHEMA)
 def _ag_op(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
            use_fast_accum=False, backend=""):
+    key = (_signature(A_shard, A_scale, *Bs, *B_scales), len(Bs), gather_dim, group_name,
+           tuple(out_dtypes), return_A, use_fast_accum, backend)
+    plan = AG_PLANS.get(key)
+    if plan is None:
+        plan = AG_PLANS.make(key, A_shard.device,
+                             lambda: _ag_plan(A_shard, Bs, A_scale, B_scales, gather_dim, group_name,
+                                              out_dtypes, return_A, use_fast_accum, backend))
+    return plan(A_shard, Bs, A_scale, B_scales)
+
+
+def _ag_plan(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, out_dtypes, return_A, use_fast_accum,
+             backend):
     group = resolve_group(group_name)
     call = _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, dist.get_world_size(group), group,
                     out_dtypes, return_A, use_fast_accum)
-    return AG_DISPATCHER.select(call, backend).run(call)
+    return AG_DISPATCHER.select(call, backend).plan(call)
 
 
 @_ag_op.register_fake
@@ -625,8 +722,11 @@ def all_gather_scaled_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], A_sc
     e4m3/e5m2; ``A_scale`` one element, ``A_shard.shape[:-1] + (1,)`` (the shard's rows) or
     the gathered A's rows; each B ``[K, N]`` fp8 with a tensorwise or ``[1, N]`` scale;
     ``out_dtypes`` one per B (None: bfloat16). ``gather_dim``: a leading dim. Backends:
-    ``triton`` (the symmetric-memory all-gather of the bytes, then a Triton fp8 GEMM with the
-    scales in its epilogue; GPUs with fp8 tensor cores, sm_89+), ``pipelined``, ``reference``,
+    ``triton`` (all_gather_matmul's overlapped gather: every shard's fp8 rows, each with its
+    float32 scale when the scales are the shard's, land in the symmetric buffer while one
+    persistent Triton fp8 GEMM multiplies each shard's rows as soon as they are here, the
+    scales in its epilogue; bfloat16 or float32 outputs, K a multiple of 4; GPUs with fp8
+    tensor cores, sm_89+), ``pipelined``, ``reference``,
     ``symm_mem`` (torch's op, CUDA groups). Not
     differentiable (fp8 inputs): see ``fusedpar.nn.float8_linear``."""
     dtypes = [d or DEFAULT_OUT_DTYPE for d in (out_dtypes or [None] * len(Bs))]
@@ -673,11 +773,21 @@ def all_gather_scaled_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[tor
     dtypes = [d or DEFAULT_OUT_DTYPE for d in (out_dtypes or [None] * len(Bs))]
     calls = [_ag_call(a, list(Bs), s, list(B_scales), gather_dim, world, None, dtypes, return_A, False)
              for a, s in zip(a_shards, A_scales)]
-    backend = AG_DISPATCHER.select(calls[0], "triton")
-    packed = [_pack(call) for call in calls]
-    words = all_gather_loopback([message.view(torch.int32)[None] for message, *_ in packed], 0)
-    return [backend.multiply(call, w.view(torch.uint8), *rest)
-            for call, w, (_, *rest) in zip(calls, words, packed)]
+    first = calls[0]
+    for r, call in enumerate(calls):
+        if call.x.shape != first.x.shape or call.x.dtype != first.x.dtype or call.a_mode != first.a_mode:
+            raise ValueError(f"fusedpar.{AG}_loopback: a_shards[{r}] / A_scales[{r}] differ from rank 0's "
+                             "in shape, dtype or scale layout")
+    AG_DISPATCHER.select(first, "triton")  # raises why not
+    rows = first.rows()
+    bufs = get_loopback_buffers(world, world * rows.shape[0] * _staged_bytes(first), rows.device)
+    gather = _ScaledGather(first, bufs, copy_engine=False)
+    staged = [_ag_staged(call.x, call.a_scale, call.dim, call.a_mode) for call in calls]
+    results = gather.run([rows for rows, _ in staged],
+                         [(call.bs, a_scale, call.b_scales) for call, (_, a_scale) in zip(calls, staged)])
+    unflatten = _unflattener(first)
+    return [((unflatten(gather.gathered(g)) if return_A else None), [unflatten(o) for o in outs])
+            for g, outs in results]
 
 
 def scaled_matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor],

@@ -92,6 +92,18 @@ def _loopback_call(op: str, salt: int) -> None:
         for gathered, outs in fusedpar.ops.all_gather_matmul_loopback(shards, bs, 0, return_A=True):
             assert torch.equal(gathered, a), salt
             assert all(torch.equal(out, a @ b) for out, b in zip(outs, bs)), salt
+    elif op == "all_gather_scaled_matmul":  # fp8, the shards' row scales travelling with their rows
+        shards = [(rank_data((5, 8), torch.float32, r, salt) % 9 - 4).to(torch.float8_e4m3fn)
+                  for r in range(W)]
+        scales = [torch.full((5, 1), 2.0 ** (r - salt)) for r in range(W)]
+        bs = [_b(8, 7, salt).to(torch.float8_e4m3fn), _b(8, 3, salt + 1).to(torch.float8_e4m3fn)]
+        b_scales = [torch.full((1, 7), 0.5), torch.ones(())]
+        a = torch.cat([s.float() * c for s, c in zip(shards, scales)])
+        for gathered, outs in fusedpar.ops.all_gather_scaled_matmul_loopback(
+                shards, bs, scales, b_scales, 0, out_dtypes=[torch.float32] * 2):
+            assert torch.equal(gathered.float(), torch.cat(shards).float()), salt
+            assert all(torch.equal(out, a @ (b.float() * c))
+                       for out, b, c in zip(outs, bs, b_scales)), salt
     else:
         As = [rank_data((W * 3, 8), torch.float32, r, salt) for r in range(W)]
         Bs = [_b(8, 6, salt, r) for r in range(W)]
@@ -107,7 +119,7 @@ def fresh_loopback_buffers():
     fusedpar.comm.release_buffers()
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", OPS + ["all_gather_scaled_matmul"])
 def test_loopback_launches_freeze_the_same_arguments_under_capture(fresh_loopback_buffers, op):
     """One eager call, then two under a faked capture with new inputs: every call launches the
     same kernels with the same non-tensor arguments, so a graph captured at the second would

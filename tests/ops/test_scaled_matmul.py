@@ -279,3 +279,77 @@ def _fake_shapes():
 
 def test_fake_impls_match_the_real_calls(pools):
     assert pools(2).run(_fake_shapes) == [True, True]
+
+
+# the failed call multiplies rows its peer never staged: scales of garbage may overflow
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("a_mode", [TENSORWISE, ROWWISE_SHARD, ROWWISE_GATHERED])
+def test_triton_multiplies_the_rows_as_they_land_and_nans_a_failed_call(monkeypatch, a_mode):
+    """The triton backend is the bf16 op's overlapped gather: one peers-kernel launch per
+    rank (``GatherLaunch`` with the scales for its epilogue; row scales that travel are read
+    from the staged rows, strided past each row's fp8 bytes), nothing gathered first. Rank 1
+    publishing another fingerprint: rank 0's outputs and gathered A are NaN (the GEMM's last
+    program), the call raises; the next call is right."""
+    from fusedpar.kernels import gemm_peers, signal
+
+    world = 2
+    inputs = [cases.scaled_inputs(AG, (3, 2, 16), (8, 4), a_mode, 1, r, world, 5, "cpu")
+              for r in range(world)]
+    a, bs, a_scales, b_scales = (list(x) for x in zip(*inputs))
+    launches = []
+    real_launch = gemm_peers.GatherLaunch.__call__
+    monkeypatch.setattr(gemm_peers.GatherLaunch, "__call__",
+                        lambda self, a, b, c, *args, gathered=None, scales=None: launches.append((c, scales))
+                        or real_launch(self, a, b, c, *args, gathered=gathered, scales=scales))
+    results = fusedpar.ops.all_gather_scaled_matmul_loopback(a, bs[0], a_scales, b_scales[0], 1,
+                                                               out_dtypes=[torch.bfloat16, torch.float32])
+    assert len(launches) == world and all(scales is not None for _, scales in launches)
+    sa, stride_sa, _, stride_sb = launches[0][1]
+    assert stride_sb == (1 if b_scales[0][0].numel() > 1 else 0)
+    # one scale (stride 0), the gathered rows' given scales, or each row's after its 16 bytes
+    assert stride_sa == {TENSORWISE: 0, ROWWISE_GATHERED: 1, ROWWISE_SHARD: (16 + 4) // 4}[a_mode]
+    expected = cases.ScaledCase(AG, "", (3, 2, 16), 1, (8, 4), a_mode, "", 5).expected(
+        [(*x, torch.bfloat16) for x in inputs], torch.bfloat16)
+    for (g, outs), (eg, eouts) in zip(results, expected):
+        assert torch.equal(g.view(torch.uint8), eg.view(torch.uint8))
+        assert torch.equal(outs[0], eouts[0]) and outs[1].dtype == torch.float32
+        assert torch.equal(outs[1].bfloat16(), eouts[1])  # the same GEMM, rounded to bf16 once
+
+    real_stage = signal.stage
+    monkeypatch.setattr(signal, "stage", lambda x, dst, pad_table, rank, world, meta, *a, **k:
+                        real_stage(x, dst, pad_table, rank, world, meta + rank, *a, **k))
+    launches.clear()
+    with pytest.raises(ValueError, match="rank 0 and rank 1 .* passed different inputs"):
+        fusedpar.ops.all_gather_scaled_matmul_loopback(a, bs[0], a_scales, b_scales[0], 1)
+    (out, _), _ = launches
+    assert out.isnan().all()
+    monkeypatch.undo()
+    again = fusedpar.ops.all_gather_scaled_matmul_loopback(a, bs[0], a_scales, b_scales[0], 1)
+    assert same(again, expected)
+
+
+def _one_plan_per_signature():
+    """A second call of a signature runs the first one's plan (no checks, no dispatch): right
+    for new values."""
+    from fusedpar.ops import scaled_matmul as sm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    made = []
+    real = sm._ag_plan
+    sm._ag_plan = lambda *args: made.append(args[-1]) or real(*args)
+    try:
+        for salt in (0, 1):
+            a, bs, a_scale, b_scales = cases.scaled_inputs(AG, (5, 16), (8,), ROWWISE_SHARD, 0, rank, world,
+                                                           salt, "cpu")
+            gathered, (out,) = fusedpar.ops.all_gather_scaled_matmul(a, bs, a_scale, b_scales, 0,
+                                                                     backend="triton")
+            _, (expected,) = fusedpar.ops.all_gather_scaled_matmul(a, bs, a_scale, b_scales, 0,
+                                                                   backend="reference")
+            assert torch.equal(out, expected)
+    finally:
+        sm._ag_plan = real
+    return made
+
+
+def test_the_triton_backend_plans_once_per_signature(pools):
+    assert pools(2).run(_one_plan_per_signature) == [["triton", "reference"]] * 2
