@@ -169,11 +169,11 @@ def test_grouped_mm_masked(benchmark, gpu, gpu_times, record_row, synced, backen
 # The same up-projection in fp8 e4m3 with rowwise scales (torch._scaled_grouped_mm's layout:
 # a row-major, b column-major per expert, scale_a [T], scale_b [E, N]), bf16 out, next to
 # torch._scaled_grouped_mm; the bf16 rows above are the ones to read the fp8 gain against
-# (same shape and routing). Target (issue 44, recorded, never asserted): fusedpar.triton
-# >= 1.0x torch._scaled_grouped_mm. targets.py holds no scaled_grouped_mm row yet.
+# (same shape and routing). Target (issue 44, targets.py; recorded, never asserted):
+# fusedpar.triton >= 1.0x torch._scaled_grouped_mm.
 FP8_OP = "scaled_grouped_mm"
 FP8_BACKENDS = ["torch._scaled_grouped_mm", "fusedpar.triton", "fusedpar.torch", AUTO]
-FP8_TARGET = ("torch._scaled_grouped_mm", 1.0)
+FP8_TARGET = ("torch._scaled_grouped_mm", BASELINES[FP8_OP]["torch._scaled_grouped_mm"])
 
 
 def _fp8_case(routing, device):

@@ -27,7 +27,10 @@ GEMM starts on the rows already there and applies SwiGLU in its epilogue.
 ``test_train_step_one_rank``: forward + backward on a one-rank group (4096 tokens, 8 experts
 of the same size, top-2): each backend's compute in training, no communication; recorded
 in ``moe_experts_train.csv`` without a target, and ``auto`` (what a user gets,
-``backend=None``; target: the reference, the case's baseline, in targets.py). The loopback
+``backend=None``; target: the reference, the case's baseline, in targets.py). Then the same
+rows with ``float8="rowwise"`` (fp8 dispatch and expert GEMMs, op ``moe_experts_train_float8``,
+dtype float8_e4m3fn) for each backend that takes it (the others skip, saying why), each
+noting ``x_bf16``: the same backend's bf16 row of this run over it. The loopback
 rows have no auto row: ``moe_experts_loopback`` has no choice to make (without a backend it
 runs ``fused``, the fused row).
 
@@ -211,8 +214,9 @@ TRAIN_BACKENDS = [_SPEC.oracle, *(n for n in _SPEC.backends if n != _SPEC.oracle
 
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS)
+@pytest.mark.parametrize("float8", [None, "rowwise"], ids=["bf16", "float8"])  # bf16 first: fp8's baseline
 def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, record_row,
-                             record_profile, backend):
+                             record_profile, float8, backend):
     """Forward + backward of ``moe_experts`` on a one-rank group (ep=1): nothing crosses
     ranks, so the rows price each backend's compute in training, the part the loopback rows
     (forward only) leave out: the fused backend's SwiGLU epilogues (the forward keeping the
@@ -226,7 +230,7 @@ def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, recor
     dy = torch.randn_like(x)
 
     def step():
-        y = fusedpar.ops.moe_experts(x, idx, w, w13, w2, one_rank_group,
+        y = fusedpar.ops.moe_experts(x, idx, w, w13, w2, one_rank_group, float8=float8,
                                      backend=None if backend == AUTO else backend)
         return y, torch.autograd.grad(y, (x, w, w13, w2), dy)
 
@@ -235,23 +239,27 @@ def test_train_step_one_rank(benchmark, one_rank_group, gpu_times, synced, recor
     ref_y = experts_dense(ref[0], idx, *ref[1:])
     (ref_dx,) = torch.autograd.grad(ref_y, ref[0], dy.float())
     errors = rel_err(y, ref_y.detach()), rel_err(dx, ref_dx)
-    assert max(errors) < 2e-2, f"{backend}: relative errors of y and dx {errors}"
+    # fp8: the recipe's casts (e4m3, 3 mantissa bits) on top of bf16's rounding
+    assert max(errors) < (2e-2 if float8 is None else 1e-1), f"{backend}: relative errors of y and dx {errors}"
     median, p20, p80 = gpu_times(step)
     copies = TRAIN_TOKENS * TOP_K
     tflops = 3 * 2 * 3 * HIDDEN * INTERMEDIATE * copies / (median * 1e-3) / 1e12
-    _medians[f"train {backend}"] = median
+    op, key = (f"{OP}_train", "train") if float8 is None else (f"{OP}_train_float8", "train float8")
+    _medians[f"{key} {backend}"] = median
     busy, kernels = gpu_profile(step)
     notes = {"mode": "train_one_rank", "tflops": f"{tflops:.1f}", "top_k": TOP_K,
              "experts": TRAIN_EXPERTS, "gpu_busy_ms": f"{busy:.2f}", "host_ms": f"{host_ms(step):.2f}"}
-    if backend != "reference" and "train reference" in _medians:
-        notes["x_reference"] = f"{_medians['train reference'] / median:.2f}"
+    if backend != "reference" and f"{key} reference" in _medians:
+        notes["x_reference"] = f"{_medians[f'{key} reference'] / median:.2f}"
+    if float8 is not None and f"train {backend}" in _medians:  # the bf16 row of this run
+        notes["x_bf16"] = f"{_medians[f'train {backend}'] / median:.2f}"
     if backend == AUTO:
-        notes["chose"] = auto_choice(OP, ExpertsCall(x, idx, w, w13, w2, one_rank_group, None))
+        notes["chose"] = auto_choice(OP, ExpertsCall(x, idx, w, w13, w2, one_rank_group, None, float8))
     shape = (1, TRAIN_TOKENS, HIDDEN, INTERMEDIATE)
-    record_row(f"{OP}_train", backend, shape, DTYPE, 1, median, p20, p80,
+    record_row(op, backend, shape, DTYPE if float8 is None else torch.float8_e4m3fn, 1, median, p20, p80,
                algo_bytes=2 * copies * HIDDEN * x.element_size(), **notes)
-    record_profile(f"{OP}_train", backend, shape, median, busy, kernels)
-    benchmark.group = f"{OP} train one rank {name(shape)}"
+    record_profile(op, backend, shape, median, busy, kernels)
+    benchmark.group = f"{OP} {key} one rank {name(shape)}"
     benchmark.extra_info.update(tflops=tflops)
     benchmark.pedantic(synced(step), rounds=10, warmup_rounds=2, iterations=1)
 

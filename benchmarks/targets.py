@@ -26,6 +26,11 @@ BASELINES: dict[str, dict[str, float | None]] = {
     "moe_dispatch": {"unpadded": None, "padded": None},
     "moe_experts": {"unfused": 1.15},
     "moe_experts_train": {"reference": None},
+    # moe_experts(..., float8="rowwise") in training: each backend that takes it against the
+    # reference; each row also notes its speed-up over the same backend's bf16 row (x_bf16)
+    "moe_experts_train_float8": {"reference": None},
+    # the fp8 grouped GEMM (issue 44): fusedpar's against torch's
+    "scaled_grouped_mm": {"torch._scaled_grouped_mm": 1.0},
     # the fused matmuls' GEMMs alone, per tile candidate and the tile choice (auto):
     # cuBLAS on the same product (bench_gemm_tiles.py)
     "gemm_tiles": {"torch.matmul": 0.95},
@@ -61,14 +66,15 @@ AUTO_TARGET = 1.0
 # the ops whose suites time an auto row; the loopback-only suites of moe_dispatch,
 # moe_experts and ring_attention call loopback functions that make no choice
 AUTO_OPS = ["all_gather", "reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter",
-            "flash_attention", "grouped_mm", "moe_experts_train"]
+            "flash_attention", "grouped_mm", "moe_experts_train", "moe_experts_train_float8"]
 
 # the op families drawn together (one plot each)
 FAMILIES: dict[str, list[str]] = {
     "collectives": ["all_gather", "reduce_scatter"],
     "fused_matmul": ["all_gather_matmul", "matmul_reduce_scatter"],
     "attention": ["flash_attention", "ring_attention"],
-    "moe": ["grouped_mm", "moe_dispatch", "moe_experts", "moe_experts_train"],
+    "moe": ["grouped_mm", "scaled_grouped_mm", "moe_dispatch", "moe_experts", "moe_experts_train",
+            "moe_experts_train_float8"],
 }
 
 

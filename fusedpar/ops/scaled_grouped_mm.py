@@ -317,27 +317,40 @@ class _Float8GroupedMM(torch.autograd.Function):
         a, b, offs = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[:2]
         acc = torch.float32 if torch.float32 in (a.dtype, b.dtype) else torch.bfloat16
-        (T, N), (E, K, _) = grad.shape, b.shape
+        T, (E, K, _) = grad.shape[0], b.shape
         grad_a = grad_b = None
         if need_a:  # grad @ b[g]ᵀ: b's rows (K) scaled per expert over N where rowwise
             gq, sg = _cast(grad, r.dy, r.round_pow2, T)
             bq, sbt = _cast(b, r.w_for_dx, r.round_pow2, E, K)
             grad_a = scaled_grouped_mm(gq, bq.transpose(1, 2), sg, sbt, offs, out_dtype=acc,
                                        backend=backend).to(a.dtype)
-        if need_b and r.dy_for_dw.dtype is None:  # in high precision
-            grad_b = plain.grouped_mm(a.t(), grad.to(a.dtype), offs,
-                                      backend=plain.DISPATCHER.carry(backend)).to(b.dtype)
-        elif need_b:  # gradᵀ @ a per group of rows (groups along K)
-            if r.dy_for_dw.rowwise:  # each operand scaled per column of each group
-                gq, sg = quantize_per_group(grad, r.dy_for_dw.dtype, offs, r.round_pow2)
-                aq, sa = quantize_per_group(a, r.x_for_dw.dtype, offs, r.round_pow2)
-                sg, sa = sg.reshape(-1), sa.reshape(-1)
-            else:
-                gq, sg = _cast(grad, r.dy_for_dw, r.round_pow2, E * N)
-                aq, sa = _cast(a, r.x_for_dw, r.round_pow2, E * K)
-            grad_b = scaled_grouped_mm(gq.t(), aq, sg, sa, offs, out_dtype=acc, backend=_k_backend(backend))
-            grad_b = grad_b.transpose(1, 2).to(b.dtype)
+        if need_b:
+            grad_b = float8_weight_grad(r, a, grad, offs, b.dtype, backend)
         return grad_a, grad_b, None, None, None, None, None
+
+
+def float8_weight_grad(r: float8_scales.Recipe, a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor,
+                       b_dtype: torch.dtype, backend: str = "") -> torch.Tensor:
+    """b's gradient in ``float8_grouped_mm(a, b, offs)``'s backward at the output gradient
+    ``grad [T, N]``, cast as recipe ``r`` says: ``[E, K, N]`` in ``b_dtype``, the same as::
+
+        grouped_mm(a.t(), grad, offs)   # per group of rows (groups along K), through fp8 casts
+    """
+    E, K, N = offs.shape[0], a.shape[1], grad.shape[1]
+    if r.dy_for_dw.dtype is None:  # in high precision
+        return plain.grouped_mm(a.t(), grad.to(a.dtype), offs,
+                                backend=plain.DISPATCHER.carry(backend)).to(b_dtype)
+    acc = torch.float32 if torch.float32 in (a.dtype, b_dtype) else torch.bfloat16
+    # gradᵀ @ a per group of rows (groups along K)
+    if r.dy_for_dw.rowwise:  # each operand scaled per column of each group
+        gq, sg = quantize_per_group(grad, r.dy_for_dw.dtype, offs, r.round_pow2)
+        aq, sa = quantize_per_group(a, r.x_for_dw.dtype, offs, r.round_pow2)
+        sg, sa = sg.reshape(-1), sa.reshape(-1)
+    else:
+        gq, sg = _cast(grad, r.dy_for_dw, r.round_pow2, E * N)
+        aq, sa = _cast(a, r.x_for_dw, r.round_pow2, E * K)
+    grad_b = scaled_grouped_mm(gq.t(), aq, sg, sa, offs, out_dtype=acc, backend=_k_backend(backend))
+    return grad_b.transpose(1, 2).to(b_dtype)
 
 
 def _k_backend(backend: str) -> str:

@@ -607,7 +607,7 @@ def _check_float8_experts(T, H, I, k, E_local, recipe):
     w = ws[rank].clone().requires_grad_()
     my_w13, my_w2 = w13[sl].clone().requires_grad_(), w2[sl].clone().requires_grad_()
     with fusedpar.comm.count_bytes() as counter:
-        y = moe_experts(x, idxs[rank], w, my_w13, my_w2, float8=recipe)
+        y = moe_experts(x, idxs[rank], w, my_w13, my_w2, float8=recipe, backend="reference")
     y.backward(grads[rank])
     # forward: each copy through the recipe's casts in plain torch, weighted and summed
     want = torch.stack([sum(ws[rank][t, j] * _float8_copy(xs[rank][t], w13[e], w2[e])
@@ -647,6 +647,70 @@ def test_float8_experts_match_the_recipe(pools, world, cases):
     assert pools(world).run(_float8_cases, cases) == [True] * world
 
 
+def _float8_run(backend, recipe, E_local, w13, w2, x, idx, w, grad):
+    """This rank's y and the gradients of x, w, w13 and w2 from ``moe_experts(...,
+    float8=recipe, backend=backend)``."""
+    rank = dist.get_rank()
+    sl = slice(rank * E_local, (rank + 1) * E_local)
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13[sl], w2[sl])]
+    y = moe_experts(leaves[0], idx, leaves[1], *leaves[2:], float8=recipe, backend=backend)
+    y.backward(grad)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def _check_float8_pipelined(T, H, I, k, E_local, recipe):
+    """The pipelined backend's fp8 path against the reference backend's, bitwise: y and the
+    gradients of x, the routing weights, w13 and w2, on ``_float8_world``'s data
+    (rank-dependent tokens; each row is cast and multiplied as the reference does, the
+    weight gradients run over every source's rows in the reference's order, and each
+    token's sums of its copies are exact)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w13, w2, xs, idxs, ws, grads = _float8_world(T, H, I, k, E_local * world, world)
+    case = (recipe, E_local, w13, w2, xs[rank], idxs[rank], ws[rank], grads[rank])
+    ours, want = _float8_run("pipelined", *case), _float8_run("reference", *case)
+    for name, got, ref in zip(["y", "x.grad", "w.grad", "w13.grad", "w2.grad"], ours, want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+    return True
+
+
+def _check_float8_pipelined_bytes(T, H, k, E_local):
+    """bf16 tokens, forward only: the pipelined backend moves each (token, rank) row there
+    as fp8 bytes and its scale, its result back in bf16 and the routing (2k fp32 a row) as
+    the bf16 op does: the lower bound; the rows there at most 0.55x the bf16 op's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w13, w2, xs, idxs, ws, _ = _float8_world(T, H, 8, k, E_local * world, world, seed=1)
+    sl = slice(rank * E_local, (rank + 1) * E_local)
+    args = (xs[rank].bfloat16(), idxs[rank], ws[rank], w13[sl].bfloat16(), w2[sl].bfloat16())
+    moved = {}
+    for float8 in (None, "rowwise"):
+        with torch.no_grad(), fusedpar.comm.count_bytes() as counter:
+            moe_experts(*args, float8=float8, backend="pipelined")
+        moved[float8] = counter.total()
+    held = [torch.stack([(i // E_local == d).any(1) for d in range(world)]).sum(1) for i in idxs]
+    rows_in = sum(int(held[r][rank]) for r in range(world) if r != rank)
+    rows_out = sum(int(held[rank][d]) for d in range(world) if d != rank)
+    there, back, routing = rows_in * (H + 4), rows_out * H * 2, rows_in * 2 * k * 4
+    assert moved["rowwise"] == there + back + routing, (moved, there, back, routing)
+    # the same rows back and routing; only the rows there shrink, to at most 0.55x
+    assert moved[None] - moved["rowwise"] == rows_in * 2 * H - there, moved
+    assert there <= 0.55 * rows_in * 2 * H
+    return moved
+
+
+def _float8_pipelined_cases(cases):
+    for case in cases:
+        _check_float8_pipelined(*case)
+    return _check_float8_pipelined_bytes(9, 64, 2, 1)
+
+
+# (T, H, I, k, E_local, recipe); odd T; the tokens carry their rank
+@pytest.mark.parametrize("world, cases", [(2, [(7, 16, 8, 2, 2, "rowwise"), (5, 16, 8, 2, 1, "rowwise_with_gw_hp")]),
+                                          (4, [(5, 16, 8, 2, 1, "rowwise")])])
+def test_float8_pipelined_matches_the_reference_backend(pools, world, cases):
+    moved = pools(world).run(_float8_pipelined_cases, cases)
+    assert all(m["rowwise"] < m[None] for m in moved), moved
+
+
 def _float8_errors():
     x, idx, w = torch.zeros(4, 16), torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
     w13, w2 = torch.zeros(1, 16, 16), torch.zeros(1, 16, 8)
@@ -662,5 +726,6 @@ def test_float8_experts_errors(pools):
     errors = pools(2).run(_float8_errors)[0]
     assert "float8='tensorwise' casts the input with one scale per tensor" in errors["tensorwise"][1]
     assert "takes bf16 or fp32" in errors["fp16"][1]
-    assert "float8='rowwise': this backend's exchange and GEMMs are not fp8 yet" in errors["fused"][1]
+    assert "float8='rowwise': the fused kernels stage and multiply x's dtype" in errors["fused"][1]
+    assert "use backend='pipelined' or 'reference'" in errors["fused"][1]
     assert "float8 experts take no max_tokens_per_rank" in errors["padded"][1]

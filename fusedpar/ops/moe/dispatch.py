@@ -19,8 +19,8 @@ from .. import protocol
 from ..backend import Backend, Dispatcher
 from ..registry import register
 from .exchange import (SCALE_BYTES, Permute, Unpermute, all_to_all_rows, check_routing, check_same_everywhere,
-                       checked_counts, eager_under_compile, exchange_counts, float8_cast, host_to_device,
-                       invalid_ids_error, permute_float8, sort_by_expert, unpack_float8, unpermute)
+                       checked_counts, dequantize_float8, eager_under_compile, exchange_counts, float8_cast,
+                       host_to_device, invalid_ids_error, permute_float8, sort_by_expert, unpack_float8, unpermute)
 from .routing import topk_route
 
 OP = "moe_dispatch"
@@ -439,7 +439,7 @@ class _Float8Dispatch(torch.autograd.Function):
                                                          float8=recipe, backend=backend)
         ctx.adjoint = replace(handle, weights=torch.ones_like(topk_weights))
         ctx.mark_non_differentiable(data, scale, per_expert)
-        return (data.float() * scale[:, None]).to(x.dtype), data, scale, per_expert, handle
+        return dequantize_float8(data, scale, x.dtype), data, scale, per_expert, handle
 
     @staticmethod
     def backward(ctx, grad, *_):

@@ -141,6 +141,12 @@ def unpack_float8(rows: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.
     return data, rows[..., H:].contiguous().view(torch.float32).squeeze(-1)
 
 
+def dequantize_float8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale`` per row (``unpack_float8``'s pair) in ``dtype``: the values the fp8
+    rows stand for (exact: fp8 times a power of 2, in fp32, then ``dtype``)."""
+    return (data.float() * scale[:, None]).to(dtype)
+
+
 def permute_float8(x, pos, k, rows, recipe: str) -> torch.Tensor:
     """``permute`` of ``pack_float8(x, recipe)``'s rows: ``[rows, H + 4]`` uint8. Where the
     kernels run, each copy is cast as it is gathered (one pass over x's copies; on CUDA from

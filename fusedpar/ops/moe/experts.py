@@ -4,9 +4,10 @@ SwiGLU -> grouped GEMM -> combine, and ``moe_experts_loopback`` (every rank in o
 Backends, in priority order (on a GPU the tuning tables choose among the ones that can take
 a call, by ``ExpertsCall.bucket()``: ``fusedpar.ops.tuning``):
 - ``pipelined`` (``experts_pipelined``): the exchange split by source rank with async P2P,
-  overlapping the expert GEMMs; a row per token and rank holding its experts.
+  overlapping the expert GEMMs; a row per token and rank holding its experts. Takes
+  ``float8``: the rows travel as fp8 bytes and a scale each.
 - ``fused`` (``experts_fused``): symmetric memory, both grouped GEMMs fused with the
-  exchange.
+  exchange. Not ``float8`` (its kernels stage and multiply x's dtype).
 - ``reference`` (``Reference`` here): the unfused ops, ``moe_dispatch`` -> ``grouped_mm``
   -> ``swiglu`` -> ``grouped_mm`` -> ``moe_combine``. The only backend that takes
   ``max_tokens_per_rank``: the padded dispatch and ``grouped_mm(..., masked_m=)``, no host
@@ -18,8 +19,6 @@ its experts (``pipelined``), or a row per routed copy (``fused``, ``reference``)
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 
@@ -28,13 +27,12 @@ from ...errors import BackendNotSupportedError
 from ..backend import Backend, Dispatcher, autocast_inputs, autocast_off
 from ..grouped_mm import grouped_mm
 from ..registry import register
-from ..scaled_grouped_mm import float8_grouped_mm
 from .dispatch import float8_dispatch, moe_combine, moe_combine_loopback, moe_dispatch, moe_dispatch_loopback
 from .exchange import check_routing, eager_under_compile, float8_cast
 from .experts_call import OP, ExpertsCall, check_expert_weights
 from .experts_fused import Fused, fused_loopback
 from .experts_pipelined import Pipelined
-from .mlp import swiglu
+from .mlp import float8_swiglu_mlp, swiglu
 
 
 class Reference(Backend):
@@ -73,9 +71,8 @@ def _run_float8(call: ExpertsCall) -> torch.Tensor:
     recv, cast, tokens_per_expert, handle = float8_dispatch(call.x, call.topk_idx, call.topk_weights,
                                                             num_experts, call.group, call.float8)
     offs = tokens_per_expert.cumsum(0).to(torch.int32)
-    gemm = partial(float8_grouped_mm, offs=offs, recipe=call.float8, out_dtype=call.x.dtype)
-    h = swiglu(gemm(recv, call.w13.transpose(1, 2), a_cast=cast))
-    return moe_combine(gemm(h, call.w2.transpose(1, 2)), handle)
+    *_, y = float8_swiglu_mlp(recv, cast, call.w13, call.w2, offs, call.float8)
+    return moe_combine(y, handle)
 
 
 DISPATCHER = Dispatcher(OP, [Pipelined(), Fused(), Reference()])
@@ -123,8 +120,12 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
         h = swiglu(float8_grouped_mm(recv, w13.transpose(1, 2), offs, recipe=float8, a_cast=(data, scale)))
         return moe_combine(float8_grouped_mm(h, w2.transpose(1, 2), offs, recipe=float8), handle)
 
-    Only the ``reference`` backend takes it so far (the fused backend's dispatch kernel does
-    not quantise yet; the pipelined one's exchange is bf16).
+    The ``pipelined`` and ``reference`` backends take it: the pipelined one sends each
+    (token, rank) row as fp8 bytes and its scale (cast as the rows are gathered), runs the
+    same ``float8_swiglu_mlp`` on each source's rows as they arrive, and the weights'
+    gradients over every source's rows in expert order (the same numbers). The ``fused`` backend
+    refuses it (its kernels stage and multiply x's dtype; the fp8 cast belongs in its
+    dispatch kernel, not written yet).
     """
     x, w13, w2 = autocast_inputs(x, w13, w2)
     group = resolve_group(group)

@@ -83,16 +83,11 @@ class ExpertsCall:
 
 
 def host_read_reasons(call: ExpertsCall) -> list[str]:
-    """Why a backend whose exchange is sized on the host cannot take ``max_tokens_per_rank``,
-    and (these backends move and multiply x's dtype) ``float8``."""
-    reasons = []
+    """Why a backend whose exchange is sized on the host cannot take ``max_tokens_per_rank``."""
     if call.max_tokens_per_rank is not None:
-        reasons.append("max_tokens_per_rank asks for no host read, and this backend reads the "
-                       "routing counts on the host (the reference backend keeps them on the device)")
-    if call.float8 is not None:
-        reasons.append(f"float8={call.float8!r}: this backend's exchange and GEMMs are not fp8 yet "
-                       "(the reference backend runs fp8 dispatch and scaled_grouped_mm)")
-    return reasons
+        return ["max_tokens_per_rank asks for no host read, and this backend reads the routing "
+                "counts on the host (the reference backend keeps them on the device)"]
+    return []
 
 
 @dataclass

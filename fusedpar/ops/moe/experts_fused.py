@@ -233,6 +233,11 @@ class Fused(Backend):
         reasons = protocol.triton_reasons(CollectiveCall(OP, call.x, 0, world, call.group))
         if call.x.dtype not in REDUCE_DTYPES:
             reasons.append(f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}")
+        if call.float8 is not None:
+            reasons.append(f"float8={call.float8!r}: the fused kernels stage and multiply x's dtype (the "
+                           "fp8 rows are to be cast in its dispatch kernel, and its first GEMM to read "
+                           "fp8 rows with their scales: not written yet); use backend='pipelined' or "
+                           "'reference'")
         return reasons + host_read_reasons(call)
 
     def run(self, call: ExpertsCall) -> torch.Tensor:

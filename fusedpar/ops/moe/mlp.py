@@ -5,11 +5,15 @@ the weight gradients)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from ...kernels import grouped_mm as gemm_kernels
+from .. import float8_scales
 from ..grouped_mm import grouped_mm, runs_triton
+from ..scaled_grouped_mm import float8_grouped_mm, float8_weight_grad
 from .experts_call import ExchangePlan
 
 
@@ -41,6 +45,24 @@ def experts_dense(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         out = swiglu(x[token] @ w13[e].t()) @ w2[e].t()
         y = y.index_add(0, token, (out * topk_weights[token, slot, None]).to(x.dtype))
     return y
+
+
+def float8_swiglu_mlp(a, a_cast, w13, w2, offs, recipe: str) -> tuple:
+    """The expert MLP of expert-sorted rows through fp8 casts, with autograd: ``(h13, act,
+    y)``, the same as::
+
+        gemm = partial(float8_grouped_mm, offs=offs, recipe=recipe, out_dtype=a.dtype)
+        h13 = gemm(a, w13.transpose(1, 2), a_cast=a_cast)
+        act = swiglu(h13)
+        y = gemm(act, w2.transpose(1, 2))
+
+    ``a_cast``: ``(data, scale)``, the rows as an fp8 exchange brought them (the first GEMM
+    multiplies them as they are); ``a`` their values (``dequantize_float8``), which the
+    backward casts as the recipe says."""
+    gemm = partial(float8_grouped_mm, offs=offs, recipe=recipe, out_dtype=a.dtype)
+    h13 = gemm(a, w13.transpose(1, 2), a_cast=a_cast)
+    act = swiglu(h13)
+    return h13, act, gemm(act, w2.transpose(1, 2))
 
 
 def grouped_swiglu(x_rows, w13, offs, act, h13=None, backend: str = "") -> None:
@@ -89,3 +111,25 @@ def weight_grads(needs: tuple, w13, w2, plan: ExchangePlan, x_rows, act, dy, dh1
                 if rows.stop > rows.start:
                     grads[-1] += grouped_mm(left[rows].t(), right[rows], plan.offs[src])
     return tuple(grads)
+
+
+def expert_major(plan: ExchangePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, offs)``: the received copies (source-major, expert-sorted within) in expert
+    order, each expert's copies in source order (``moe_dispatch``'s recv_x order), and the
+    int32 cumulative ends of the experts' rows there. On the device, no host read."""
+    ends = plan.segment_ends  # (source, expert) segments, source-major
+    world, local = plan.offs.shape
+    rows = torch.arange(sum(plan.copies), device=ends.device, dtype=ends.dtype)
+    segment = torch.searchsorted(ends, rows, right=True)
+    order = torch.argsort(segment % local * world + segment // local, stable=True)
+    per_segment = torch.diff(ends, prepend=ends.new_zeros(1))
+    return order, per_segment.view(world, local).sum(0).cumsum(0).to(torch.int32)
+
+
+def float8_weight_grads(needs: tuple, w13, w2, plan: ExchangePlan, x_rows, act, dy, dh13, recipe: str) -> tuple:
+    """``weight_grads`` as ``float8_swiglu_mlp``'s backward computes them (``recipe``'s casts,
+    ``float8_weight_grad``) over every source's rows in expert order (``expert_major``): the
+    same groups, casts and sums as the unfused ops over ``moe_dispatch``'s recv_x."""
+    r, (order, offs) = float8_scales.recipe(recipe), expert_major(plan)
+    return tuple(float8_weight_grad(r, right[order], left[order], offs, w.dtype).transpose(1, 2) if need
+                 else None for need, left, right, w in ((needs[0], dh13, x_rows, w13), (needs[1], dy, act, w2)))
