@@ -157,11 +157,11 @@ class Triton(Backend):
             return lambda A, Bs: _gather_k_then_matmul(make(A, Bs), self.name)
         a, world, dim = call.rows(), call.world_size, call.dim
         buf = get_buffer(call.group, world * a.numel() * a.element_size(), a.device)
-        views = _Gather(call, [buf], copy_engine=a.is_cuda and world > 1)  # a group of one copies nothing
-        unflatten = _unflattener(call)
+        views = Gather(call, [buf], copy_engine=a.is_cuda and world > 1)  # a group of one copies nothing
+        unflatten = unflattener(call)
 
         def run(A, Bs):
-            gathered, outs = views.run_one(_rows(A, dim), Bs)
+            gathered, outs = views.run_one(shard_rows(A, dim), Bs)
             return (None if gathered is None else unflatten(gathered)), [unflatten(o) for o in outs]
 
         return run
@@ -170,16 +170,16 @@ class Triton(Backend):
         """``[(gathered or None, [outs])]`` per rank view, rows in gathered order (not
         unflattened); gathered None without ``call.return_a``. ``delays``: see
         ``all_gather_matmul_loopback``."""
-        return _Gather(call, bufs, copy_engine).run(a_rows, [call.bs] * len(bufs), delays)
+        return Gather(call, bufs, copy_engine).run(a_rows, [call.bs] * len(bufs), delays)
 
 
-def _rows(a: torch.Tensor, dim: int) -> torch.Tensor:
+def shard_rows(a: torch.Tensor, dim: int) -> torch.Tensor:
     """``MatmulCall.rows`` of ``a``, contiguous: the rows with ``dim`` first, ``[rows, K]``."""
     rows = a if dim == 0 and a.dim() == 2 else a.movedim(dim, 0).flatten(0, -2)
     return rows if rows.is_contiguous() else rows.contiguous()
 
 
-def _unflattener(call: MatmulCall):
+def unflattener(call: MatmulCall):
     """``call.unflatten(t, W)`` for every call of ``call``'s signature (none of its
     tensors kept): the identity for a 2-D A gathered along dim 0."""
     if call.dim == 0 and call.x.dim() == 2:
@@ -189,7 +189,7 @@ def _unflattener(call: MatmulCall):
 
 
 class _View:
-    """One rank view's part of ``_Gather``: its buffer, its data region as the gathered
+    """One rank view's part of ``Gather``: its buffer, its data region as the gathered
     staged rows (``[W * m, k]``: A, or what the GEMM's A is a view of), its own slot of it,
     its peers' slots, its block tables."""
 
@@ -204,7 +204,7 @@ class _View:
                       for src in sources if src != buf.rank]
 
 
-class _Gather:
+class Gather:
     """The triton backend's calls of one signature on one set of rank views (one, or W in a
     loopback): the views (``_View``), the fingerprint and the GEMM's launch, made once.
 
@@ -456,11 +456,11 @@ def all_gather_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[torch.Tens
         raise ValueError(f"fusedpar.{OP}_loopback: gather_dim={gather_dim} is A's last dim; the "
                          "loopback runs the fused row gather only (gather a leading dim)")
     backend = DISPATCHER.select(call, "triton")
-    rows = [_rows(a, call.dim) for a in a_shards]
+    rows = [shard_rows(a, call.dim) for a in a_shards]
     bufs = get_loopback_buffers(world, world * rows[0].numel() * rows[0].element_size(), first.device)
     results = backend.run_views(bufs, rows, call, copy_engine=copy_engine or bool(copy_delays),
                                 delays=copy_delays)
-    unflatten = _unflattener(call)
+    unflatten = unflattener(call)
     return [((unflatten(g) if return_A else None), [unflatten(o) for o in outs]) for g, outs in results]
 
 

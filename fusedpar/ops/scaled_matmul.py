@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..comm import counters, get_buffer, get_loopback_buffers, group_name, resolve_group, symmetric
 from ..kernels import gemm_peers
 from . import protocol
-from .all_gather_matmul import _Gather, _rows, _unflattener, symm_mem_reasons
+from .all_gather_matmul import Gather, shard_rows, symm_mem_reasons, unflattener
 from .backend import Backend, Dispatcher, Plans
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .float8_scales import FP8_DTYPES, check_fp8
@@ -348,7 +348,7 @@ def _staged_bytes(call: ScaledCall) -> int:
 
 
 def _staged_rows(rows: torch.Tensor, shard_scale: torch.Tensor | None) -> torch.Tensor:
-    """What a rank stages (``_ScaledGather``): its A rows' fp8 bytes, each row followed by its
+    """What a rank stages (``ScaledGather``): its A rows' fp8 bytes, each row followed by its
     float32 scale's 4 bytes when the scales travel (``shard_scale``: the shard's, one per
     row), as int32 words ``[m, (K + 4) / 4]`` (``[m, K / 4]`` without)."""
     rows = rows.view(torch.uint8)
@@ -362,8 +362,8 @@ def _stride(scale: torch.Tensor) -> int:
     return scale.stride(0) if scale.numel() > 1 else 0
 
 
-class _ScaledGather(_Gather):
-    """all_gather_matmul's gather (``_Gather``: stage, per-source copies and flags, the peers
+class ScaledGather(Gather):
+    """all_gather_matmul's gather (``Gather``: stage, per-source copies and flags, the peers
     kernel multiplying each shard's rows as they land) of fp8 rows: the staged rows are int32
     words of the fp8 bytes and, ``rowwise_shard``, each row's float32 scale after them
     (``_staged_rows``), so a scale lands with its row; the peers kernel reads A from those
@@ -415,7 +415,7 @@ class _ScaledGather(_Gather):
 
 
 class AgTriton(Backend):
-    """The bf16 all_gather_matmul's overlapped gather (``_ScaledGather``): every rank stages
+    """The bf16 all_gather_matmul's overlapped gather (``ScaledGather``): every rank stages
     its shard's fp8 rows (with their float32 scales when they are the shard's, as extra bytes
     of each row) in its symmetric buffer and raises READY; each peer's rows are copied into
     the local gathered rows (copy engine on a GPU in a group), raising a per-source flag,
@@ -440,8 +440,8 @@ class AgTriton(Backend):
     def plan(self, call: ScaledCall):
         a, world, dim, mode = call.rows(), call.world_size, call.dim, call.a_mode
         buf = get_buffer(call.group, world * a.shape[0] * _staged_bytes(call), a.device)
-        gather = _ScaledGather(call, [buf], copy_engine=a.is_cuda and world > 1)
-        unflatten = _unflattener(call)
+        gather = ScaledGather(call, [buf], copy_engine=a.is_cuda and world > 1)
+        unflatten = unflattener(call)
 
         def run(A, Bs, A_scale, B_scales):
             staged, a_scale = _ag_staged(A, A_scale, dim, mode)
@@ -454,10 +454,10 @@ class AgTriton(Backend):
 def _ag_staged(A, A_scale, dim: int, mode: str):
     """A rank's staged rows (``_staged_rows``) and A's scale for the GEMM's epilogue (None
     when it travels with the rows)."""
-    rows = _rows(A, dim)
+    rows = shard_rows(A, dim)
     if mode == ROWWISE_SHARD:
-        return _staged_rows(rows, _rows(A_scale, dim)), None
-    return _staged_rows(rows, None), (_rows(A_scale, dim) if mode == ROWWISE_GATHERED else A_scale)
+        return _staged_rows(rows, shard_rows(A_scale, dim)), None
+    return _staged_rows(rows, None), (shard_rows(A_scale, dim) if mode == ROWWISE_GATHERED else A_scale)
 
 
 AG_DISPATCHER = Dispatcher(AG, [AgTriton(), AgPipelined(), AgReference(), AgSymmMem()])  # vendor's last
@@ -781,11 +781,11 @@ def all_gather_scaled_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[tor
     AG_DISPATCHER.select(first, "triton")  # raises why not
     rows = first.rows()
     bufs = get_loopback_buffers(world, world * rows.shape[0] * _staged_bytes(first), rows.device)
-    gather = _ScaledGather(first, bufs, copy_engine=False)
+    gather = ScaledGather(first, bufs, copy_engine=False)
     staged = [_ag_staged(call.x, call.a_scale, call.dim, call.a_mode) for call in calls]
     results = gather.run([rows for rows, _ in staged],
                          [(call.bs, a_scale, call.b_scales) for call, (_, a_scale) in zip(calls, staged)])
-    unflatten = _unflattener(first)
+    unflatten = unflattener(first)
     return [((unflatten(gather.gathered(g)) if return_A else None), [unflatten(o) for o in outs])
             for g, outs in results]
 
