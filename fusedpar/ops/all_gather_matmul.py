@@ -220,7 +220,7 @@ class Gather:
         self.device = a.device
         self.copy_engine, self.return_a = copy_engine, call.return_a
         self.meta, self.desc, self.op = call.fingerprint(), call.description(), call.op
-        self.widths = [b.shape[1] for b in call.bs]
+        self.width = call.bs[0].shape[1]  # the first B's: the peers kernel's output
         self.out_dtypes = [a.dtype] * len(call.bs)
         self.views = [_View(buf, self.dtype, world, self.m, self.k) for buf in bufs]
         self.gemm = self._launch(call)
@@ -268,34 +268,32 @@ class Gather:
         """Gather the peers' rows into the view's gathered rows and multiply them by every B."""
         a_all = view.region if g is None else g
         rows = self.world * self.m
-        outs = [torch.empty(rows, width, dtype=dtype, device=self.device)
-                for width, dtype in zip(self.widths, self.out_dtypes)]
+        out = torch.empty(rows, self.width, dtype=self.out_dtypes[0], device=self.device)
         if self.copy_engine:
             blocks = [(src, a_all[src * self.m:(src + 1) * self.m], staged) for src, staged in view.peers]
             with protocol.gathering(view.buf, blocks, 0, self.meta, True, delays, signal_done=True):
-                self._gemm(view, a_all, g, operands, outs)
+                self._gemm(view, a_all, g, operands, out)
         else:
             if view.peers:
                 all_gather_kernels.all_gather_pull(a_all, a_all, view.pad_table, view.rank, self.world, 0,
                                                    self.meta, 1, self.m * self.k, self.timeout_ns,
                                                    protocol.stats_tensor(self.device), slots=True)
-            self._gemm(view, a_all, g, operands, outs)
+            self._gemm(view, a_all, g, operands, out)
         counters.record(self.op, "triton", self.moved)
-        for out in self._rest(a_all, operands, outs):
-            if g is None:  # the GEMM NaN-filled what it read from: the gathered A
-                signal_kernels.poison_if_failed(view.buf.pad(), out)
-        return g, outs
+        rest = self._rest(a_all, operands) if len(self.out_dtypes) > 1 else []  # most calls: one B
+        if g is None:  # the GEMM NaN-filled what it read from: the gathered A
+            for further in rest:
+                signal_kernels.poison_if_failed(view.buf.pad(), further)
+        return g, [out, *rest]
 
-    def _gemm(self, view: _View, a_all, g, bs, outs) -> None:
-        """The peers kernel's launch: ``outs[0] = a_all @ bs[0]`` as the rows land."""
-        self.gemm(a_all, bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
+    def _gemm(self, view: _View, a_all, g, bs, out) -> None:
+        """The peers kernel's launch: ``out = a_all @ bs[0]`` as the rows land."""
+        self.gemm(a_all, bs[0], out, view.blocks, view.runs, view.run_rows, view.pad_table,
                   view.rank, self.world, self.timeout_ns, gathered=g)
 
-    def _rest(self, a_all, bs, outs) -> list:
-        """The further Bs' products on the gathered A, once it is all here: the outputs written."""
-        for b, out in zip(bs[1:], outs[1:]):
-            torch.matmul(a_all, b, out=out)
-        return outs[1:]
+    def _rest(self, a_all, bs) -> list:
+        """The further Bs' products on the gathered A, once it is all here."""
+        return [torch.matmul(a_all, b) for b in bs[1:]]
 
 
 @functools.lru_cache(maxsize=64)

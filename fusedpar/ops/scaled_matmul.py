@@ -398,20 +398,17 @@ class ScaledGather(Gather):
         return gemm_peers.GatherLaunch(self.a(self.views[0].region), call.bs[0], self.views[0].run_rows,
                                        scaled=True)
 
-    def _gemm(self, view, a_all, g, operands, outs) -> None:
+    def _gemm(self, view, a_all, g, operands, out) -> None:
         bs, a_scale, b_scales = operands
         sa, sb = self._row_scales(a_all, a_scale), b_scales[0].reshape(-1)
-        self.gemm(self.a(a_all), bs[0], outs[0], view.blocks, view.runs, view.run_rows, view.pad_table,
+        self.gemm(self.a(a_all), bs[0], out, view.blocks, view.runs, view.run_rows, view.pad_table,
                   view.rank, self.world, self.timeout_ns, gathered=None if g is None else g.view(self.fp8),
                   scales=(sa, _stride(sa), sb, _stride(sb)))
 
-    def _rest(self, a_all, operands, outs) -> list:
+    def _rest(self, a_all, operands) -> list:
         bs, a_scale, b_scales = operands
-        if len(bs) > 1:
-            a, sa = self.a(a_all).contiguous(), self._row_scales(a_all, a_scale)
-            for i in range(1, len(bs)):
-                outs[i] = triton_gemm(a, bs[i], sa, b_scales[i], self.out_dtypes[i])
-        return outs[1:]
+        a, sa = self.a(a_all).contiguous(), self._row_scales(a_all, a_scale)
+        return [triton_gemm(a, b, sa, s, d) for b, s, d in zip(bs[1:], b_scales[1:], self.out_dtypes[1:])]
 
 
 class AgTriton(Backend):
