@@ -921,7 +921,7 @@ def _aot_examples():
                 "row_lo": i32, "row_hi": i32, "segments": i32, "seqlen": i32, "row_elems": i32}
     out = []
     for arch in (90, 80):
-        def options(kernel: str, d: int, softcap: bool = False, end: bool = False) -> dict:
+        def options(kernel: str, d: int, softcap: bool = False, end: bool = False, arch: int = arch) -> dict:
             cfg = gpu_config(kernel, arch == 90, d, softcap)
             mma_sync_ok = _MMA_SYNC_OK.get(kernel, "") if d == 256 else ""
             return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
