@@ -18,6 +18,11 @@ partial into a local staging buffer once that flag is up (the copy engine, overl
 GEMM) and ``reduce_chunks`` sums them with its own; in a loopback or on CPU
 ``reduce_scatter.reduce_scatter_pull`` reads them where they are. Either closes the call
 (``signal.end_call``).
+
+``SCALED`` (scaled_matmul_reduce_scatter): fp8 ``A`` and ``B``, each tile multiplied by A's
+row scales and B's column scales in the epilogue (``gemm.scale_tile``; a stride 0 repeats a
+tensorwise scale) and stored as float32 partials, which the same reduction sums in float32
+and rounds once to the output dtype (``reduce_chunks`` writes it; after the pull, a cast).
 """
 
 import torch
@@ -29,12 +34,22 @@ from .gemm import (B_UNIT, SM_COUNT, aot_example, aot_variants, fp8_example, gem
                    grouped_tile, persistent_grid, scale_tile, scaled_options, store_tile,
                    tile_candidate_examples, tile_product, tile_product_tma)
 from .gemm_peers import Descriptors, tma_addressable
+from .interpreter import interpreting
 from .reduce_scatter import BLOCK, NUM_WARPS, reduce_scatter_grid
 from .signal import (DONE, META, PER_CALL_ARGS, TIMEOUT_DONE, call_epoch, cdiv, end_call, pad_ptr,
                      sm_count, wait_peers)
 
 READY = tl.constexpr(layout.READY)
 CHUNK_TILES = tl.constexpr(layout.CHUNK_TILES)
+# fp8 (SCALED) on a GPU: 128x128 tiles. The TMA default's 128x256 float32 accumulator with
+# the scales' epilogue spills 240-320 B (ptxas, sm_90a, triton 3.6 and 3.8); 128x128x64 (the
+# pointer loads' tiles too) spills none. Which fp8 tile runs fastest is for GPU rows to say.
+SCALED_CONFIG = dict(BLOCK_N=128)
+
+
+def _config(config: dict | None, scaled: bool) -> dict | None:
+    """The launch config's overrides: ``SCALED_CONFIG`` under ``config`` for fp8 on a GPU."""
+    return dict(SCALED_CONFIG, **(config or {})) if scaled and not interpreting() else config
 
 
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
@@ -141,7 +156,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad
     ``gemm.choose_tile``), with a program per SM of them. ``scales`` (fp8 ``a`` and ``b``,
     a float32 ``p``): ``(sa, stride_sa, sb, stride_sb)``, float32 row scales of ``a`` and
     column scales of ``b`` (stride 0: tensorwise), applied in the epilogue: ``p = (a @ b) *
-    sa[:, None] * sb[None, :]`` (the default tiles: those ``AOT_EXAMPLES`` compiles in fp8).
+    sa[:, None] * sb[None, :]`` (on ``SCALED_CONFIG``'s tiles, which ``AOT_EXAMPLES`` compiles in fp8).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -154,7 +169,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad
     if m_chunk == 0 or N == 0:
         raise ValueError("matmul_reduce_scatter: empty output: no tile would raise the chunks' READY flags")
     scaled = scales is not None
-    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), config,
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), _config(config, scaled),
                                               shape=None if scaled else ([m_chunk] * world_size, N), sms=sms)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_tiles = world_size * cdiv(m_chunk, bm) * cdiv(N, bn)
@@ -176,9 +191,10 @@ class ScatterLaunch:
         M, K = a.shape
         N = b.shape[1]
         self.sms, self.world = sms, world_size
-        # fp8 takes the default tiles (the variants AOT_EXAMPLES compiles)
+        # fp8 takes SCALED_CONFIG's tiles (the variants AOT_EXAMPLES compiles)
         self.cfg, _, _, self.kmajor = gemm_operands(
-            a, b.unsqueeze(0), shape=None if scaled else ([M // world_size] * world_size, N), sms=sms)
+            a, b.unsqueeze(0), _config(None, scaled), shape=None if scaled else ([M // world_size] * world_size, N),
+            sms=sms)
         cfg = self.cfg
         self.m_chunk, self.N, self.K = M // world_size, N, K
         self.strides = (*a.stride(), *b.stride())
@@ -225,20 +241,20 @@ AOT_EXAMPLES = (
                    dict(gpu_config(9, True), **_PERSISTENT), 90, kmajor)
        for kmajor in (False, True)]
     # scaled_matmul_reduce_scatter's (fp8 with float32 partials, sm_90 only: sm_80 has no fp8
-    # tensor cores and the op refuses it): TMA on the default tiles with B row-major or K-major
+    # tensor cores and the op refuses it): TMA on SCALED_CONFIG's tiles with B row-major or K-major
     # (torch._scaled_mm's layout; the scattered output columns' Aᵀ), e5m2 x e4m3; pointer loads
     # (K not a multiple of 16)
     + [fp8_example(matmul_reduce_scatter_kernel, _SIG16,
                    {B_UNIT[kmajor][0]: 1, **({} if tma else {"stride_ak": 1})},
-                   dict(gpu_config(9, tma), **_PERSISTENT), kmajor, a, p_ptr="fp32")
+                   dict(gpu_config(9, tma), **_PERSISTENT, **SCALED_CONFIG), kmajor, a, p_ptr="fp32")
        for tma, kmajor, a in ((True, False, "fp8e4nv"), (True, True, "fp8e4nv"), (True, True, "fp8e5"),
                               (False, False, "fp8e4nv"), (False, True, "fp8e5"))]
     + [(reduce_chunks_kernel,
         {"out_ptr": f"*{out}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "pad_table": "*i64",
          "rank": "i32", "world_size": "i32", "epoch": "i32", "n": "i32", "divisor": "fp32"},
         {"BLOCK": BLOCK}, {"num_warps": NUM_WARPS})
-       # the scaled op's float32 partials summed into a bfloat16 output
-       for t, out in (("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16"))]
+       # the scaled op's float32 partials summed into a 16-bit output
+       for t, out in (("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"))]
     # the other sm_90 tiles the GEMM may choose (``gemm.choose_tile``)
     + tile_candidate_examples(matmul_reduce_scatter_kernel, _SIG16, {"SCALED": False},
                               num_programs=SM_COUNT[90] - REDUCER_SMS))

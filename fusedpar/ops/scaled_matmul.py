@@ -330,14 +330,15 @@ def triton_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale
 def _triton_reasons(call: ScaledCall) -> list[str]:
     """Why the triton backends cannot run ``call``: no Triton here or no symmetric memory for
     its group, a GPU without fp8 tensor cores (sm_80: refused rather than emulated), an fp16
-    output (the GEMM stores bf16 or fp32)."""
+    output of the all-gather (its GEMM stores bf16 or fp32; the reduce-scatter's stores float32
+    partials and rounds their sums to any output dtype)."""
     reasons = protocol.triton_reasons(call)  # Triton here; symmetric memory for the group's collective
     if not reasons and call.x.is_cuda:
         capability = torch.cuda.get_device_capability(call.x.device)
         if capability < (8, 9):
             reasons.append(f"fp8 tensor cores need compute capability 8.9+ (Ada, Hopper); this GPU has "
                            f"{capability[0]}.{capability[1]}: use the pipelined or reference backend")
-    if torch.float16 in call.out_dtypes:
+    if call.op == AG and torch.float16 in call.out_dtypes:
         reasons.append("the Triton fp8 GEMM stores bfloat16 or float32, not float16")
     return reasons
 
@@ -805,8 +806,10 @@ def scaled_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, A_scale: torc
     partial to ``out_dtype`` before reducing; this op does not). ``A`` 2-D or 3-D fp8,
     ``A_scale`` one element or ``A.shape[:-1] + (1,)``; ``B`` ``[K, N]`` fp8, ``B_scale`` one
     element or ``[1, N]``; ``out_dtype`` None: bfloat16. ``scatter_dim``: a leading dim of A
-    or the last (N's columns, on every backend but ``symm_mem``). Backends: ``triton`` (a Triton fp8 GEMM
-    into float32, then the symmetric-memory reduce-scatter), ``pipelined``, ``reference``,
+    or the last (N's columns, on every backend but ``symm_mem``). Backends: ``triton``
+    (matmul_reduce_scatter's overlapped protocol: one persistent Triton fp8 GEMM, scales in its
+    epilogue, writes float32 partials chunk by chunk while each chunk's owner pulls and sums
+    them; GPUs with fp8 tensor cores, sm_89+), ``pipelined``, ``reference``,
     ``symm_mem`` (torch's op, CUDA groups, 2-D A along dim 0). Not differentiable (fp8
     inputs): see ``fusedpar.nn.float8_linear``."""
     return _rs_op(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name(group),
