@@ -623,22 +623,23 @@ class RsTriton(Backend):
 def _fused_operands(call: ScaledCall):
     """For every call of ``call``'s signature: ``(A, B, A_scale, B_scale) -> (a, b, scales)``,
     the fused GEMM's operands (``ScatterViews``): ``a [rows, K]`` with the scattered dim
-    first, ``b = B`` and ``scales = (sa, stride_sa, sb, stride_sb)`` (A's row scales, B's
-    column scales; stride 0: tensorwise); scattering the output's columns, ``a = Bᵀ`` (a
-    row-major copy: TMA's layout), ``b = Aᵀ`` (a view) and the scales swapped."""
-    dim = call.dim
-
-    def scale(s: torch.Tensor):
-        flat = s.reshape(-1)
-        return flat, _stride(flat)
-
+    first, ``b = B`` and ``scales = (sa, stride_sa, sb, stride_sb)``: A's row scales (one a
+    row, contiguous) and B's column scales (``[1, N]``) as they are, their strides fixed by
+    the signature (0: tensorwise); scattering the output's columns, ``a = Bᵀ`` (a row-major
+    copy: TMA's layout), ``b = Aᵀ`` (a view) and the scales swapped."""
+    dim, a_rowwise = call.dim, call.a_scale.numel() > 1
+    stride_a = 1 if a_rowwise else 0
+    stride_b = call.b_scales[0].stride(-1) if call.b_scales[0].numel() > 1 else 0
     if call.last_dim:
+        dense = call.a_scale.is_contiguous()  # A's row scales in row order
+
         def operands(A, B, A_scale, B_scale):
-            return B.t().contiguous(), A.flatten(0, -2).t(), (*scale(B_scale), *scale(A_scale))
+            return (B.t().contiguous(), A.flatten(0, -2).t(),
+                    (B_scale, stride_b, A_scale if dense else A_scale.contiguous(), stride_a))
     else:
         def operands(A, B, A_scale, B_scale):
-            sa = shard_rows(A_scale, dim) if A_scale.numel() > 1 else A_scale
-            return shard_rows(A, dim), B, (*scale(sa), *scale(B_scale))
+            return (shard_rows(A, dim), B,
+                    (shard_rows(A_scale, dim) if a_rowwise else A_scale, stride_a, B_scale, stride_b))
     return operands
 
 

@@ -412,10 +412,12 @@ def test_triton_reduce_scatter_overlaps_and_nans_a_failed_call(monkeypatch, colu
     assert p_dtype == torch.float32 and a.is_contiguous() and kmajor == columns
     if columns:  # Bᵀ @ Aᵀ: B's scales on the rows, A's on the columns
         assert torch.equal(a, inputs[1][1][0].t()) and b.shape == (16, 6)
-        assert torch.equal(sa, inputs[1][3][0].reshape(-1)) and torch.equal(sb, inputs[1][2].reshape(-1))
+        assert torch.equal(sa.reshape(-1), inputs[1][3][0].reshape(-1))
+        assert torch.equal(sb.reshape(-1), inputs[1][2].reshape(-1))
     else:  # dim 1 first
         assert torch.equal(a.float(), inputs[1][0].movedim(1, 0).reshape(-1, 16).float())
-        assert torch.equal(sa, inputs[1][2].movedim(1, 0).reshape(-1)) and torch.equal(sb, inputs[1][3][0].reshape(-1))
+        assert torch.equal(sa.reshape(-1), inputs[1][2].movedim(1, 0).reshape(-1))
+        assert torch.equal(sb.reshape(-1), inputs[1][3][0].reshape(-1))
     assert stride_sa == stride_sb == 1
 
     monkeypatch.setattr(kernels.ScatterLaunch, "__call__",
