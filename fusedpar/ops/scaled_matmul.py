@@ -852,13 +852,19 @@ def all_gather_scaled_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[tor
 def scaled_matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor],
                                           A_scales: list[torch.Tensor], B_scales: list[torch.Tensor],
                                           reduce_op: str = "sum", scatter_dim: int = 0, *,
-                                          out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                                          out_dtype: torch.dtype | None = None,
+                                          side_stream: bool = False) -> list[torch.Tensor]:
     """Every rank's part of ``scaled_matmul_reduce_scatter`` in this process (rank r
     multiplies ``As[r]`` by ``Bs[r]`` with their scales) with the ``triton`` backend over a
-    loopback buffer: each rank's output. For single-device benchmarks and tests."""
+    loopback buffer: each rank's output. For single-device benchmarks and tests.
+    ``side_stream`` (CUDA): the peers' partials copied on a side stream while the GEMMs run
+    and summed by ``reduce_chunks``, as a group call does (``matmul_reduce_scatter_loopback``)."""
     if not As or not len(As) == len(Bs) == len(A_scales) == len(B_scales):
         raise ValueError(f"fusedpar.{RS}_loopback: As, Bs, A_scales and B_scales must hold one tensor "
                          "per simulated rank")
+    if side_stream and not As[0].is_cuda:
+        raise ValueError(f"fusedpar.{RS}_loopback: side_stream=True needs CUDA tensors (the copy "
+                         f"engine); As are on {As[0].device}")
     world = len(As)
     calls = [_rs_call(a, b, sa, sb, reduce_op, scatter_dim, world, None, out_dtype or DEFAULT_OUT_DTYPE,
                       False) for a, b, sa, sb in zip(As, Bs, A_scales, B_scales)]
@@ -874,7 +880,7 @@ def scaled_matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch
     fused = [operands(c.x, c.bs[0], c.a_scale, c.b_scales[0]) for c in calls]
     a, b, _ = fused[0]
     bufs = get_loopback_buffers(world, a.shape[0] * b.shape[1] * 4, a.device)
-    views = ScatterViews(first, a, b, bufs, side_stream=False, scaled=True, out_dtype=first.out_dtypes[0])
+    views = ScatterViews(first, a, b, bufs, side_stream, scaled=True, out_dtype=first.out_dtypes[0])
     finish = _fused_finish(first)
     return [finish(out) for out in views.run(*(list(x) for x in zip(*fused)))]
 
