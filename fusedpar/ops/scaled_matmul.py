@@ -649,7 +649,7 @@ def _fused_finish(call: ScaledCall):
     in the caller's layout."""
     if call.last_dim:
         lead = tuple(call.x.shape[:-1])
-        return lambda out: out.t().reshape(*lead, -1).contiguous()
+        return lambda out: out.t().reshape(*lead, out.shape[0]).contiguous()
     return chunk_layout(call)
 
 
