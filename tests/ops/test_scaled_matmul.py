@@ -429,3 +429,16 @@ def test_triton_reduce_scatter_overlaps_and_nans_a_failed_call(monkeypatch, colu
     assert pulled[0].isnan().all()
     monkeypatch.undo()
     assert same(_rs_loopback(inputs, dim), expected)
+
+
+def test_triton_reduce_scatter_empty_shapes():
+    """Zero rows, zero K or zero columns, scattering rows or the output's columns: the
+    loopback's triton backend gives the zero (or empty) result in the caller's layout."""
+    world = 2
+    for m, k, n, dim in ((0, 16, 8, 0), (0, 16, 8, 1), (4, 0, 8, 0), (4, 0, 8, 1), (4, 16, 0, 0)):
+        a = [torch.ones(m, k).to(E4M3)] * world
+        b = [torch.ones(k, n).to(E4M3)] * world
+        one = [torch.ones(())] * world
+        outs = fusedpar.ops.scaled_matmul_reduce_scatter_loopback(a, b, one, one, "sum", dim)
+        shape = (m // world, n) if dim == 0 else (m, n // world)
+        assert all(o.shape == shape and o.dtype == torch.bfloat16 and not o.any() for o in outs), (m, k, n, dim)
