@@ -18,6 +18,11 @@ partial into a local staging buffer once that flag is up (the copy engine, overl
 GEMM) and ``reduce_chunks`` sums them with its own; in a loopback or on CPU
 ``reduce_scatter.reduce_scatter_pull`` reads them where they are. Either closes the call
 (``signal.end_call``).
+
+``SCALED`` (scaled_matmul_reduce_scatter): fp8 ``A`` and ``B``, each tile multiplied by A's
+row scales and B's column scales in the epilogue (``gemm.scale_tile``; a stride 0 repeats a
+tensorwise scale) and stored as float32 partials, which the same reduction sums in float32
+and rounds once to the output dtype (``reduce_chunks`` writes it; after the pull, a cast).
 """
 
 import torch
@@ -25,27 +30,42 @@ import triton
 import triton.language as tl
 
 from ..comm import layout
-from .gemm import (B_UNIT, SM_COUNT, aot_example, aot_variants, gemm_operands, gpu_config, grouped_tile,
-                   launch_options, persistent_grid, store_tile, tile_candidate_examples, tile_product,
-                   tile_product_tma)
+from .gemm import (B_UNIT, SM_COUNT, aot_example, aot_variants, fp8_example, gemm_operands, gpu_config,
+                   grouped_tile, persistent_grid, scale_tile, scaled_options, store_tile,
+                   tile_candidate_examples, tile_product, tile_product_tma)
 from .gemm_peers import Descriptors, tma_addressable
+from .interpreter import interpreting
 from .reduce_scatter import BLOCK, NUM_WARPS, reduce_scatter_grid
 from .signal import (DONE, META, PER_CALL_ARGS, TIMEOUT_DONE, call_epoch, cdiv, end_call, pad_ptr,
                      sm_count, wait_peers)
 
 READY = tl.constexpr(layout.READY)
 CHUNK_TILES = tl.constexpr(layout.CHUNK_TILES)
+# fp8 (SCALED) on a GPU: 128x128 tiles. The TMA default's 128x256 float32 accumulator with
+# the scales' epilogue spills 240-320 B (ptxas, sm_90a, triton 3.6 and 3.8); 128x128x64 (the
+# pointer loads' tiles too) spills none. Which fp8 tile runs fastest is for GPU rows to say.
+SCALED_CONFIG = dict(BLOCK_N=128)
+
+
+def _config(config: dict | None, scaled: bool) -> dict | None:
+    """The launch config's overrides: ``SCALED_CONFIG`` under ``config`` for fp8 on a GPU."""
+    return dict(SCALED_CONFIG, **(config or {})) if scaled and not interpreting() else config
 
 
 @triton.jit(do_not_specialize=PER_CALL_ARGS)
 def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch, meta, timeout_ns,
-                   m_chunk, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   m_chunk, N, K, stride_am, stride_ak, stride_bk, stride_bn, sa_ptr, stride_sa,
+                   sb_ptr, stride_sb,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
-                   B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr):
+                   B_KMAJOR: tl.constexpr, SCALED: tl.constexpr, UPCAST: tl.constexpr):
     """``a``, ``b``: pointers, or TMA descriptors over ``a [M, K]`` and ``b`` as ``[1, K, N]``
     (``B_KMAJOR``: its transpose ``[1, N, K]``; the strides are then unused). A TMA tile's
-    rows past its chunk read the next chunk's rows: computed, never stored."""
+    rows past its chunk read the next chunk's rows: computed, never stored. ``SCALED``
+    (fp8 ``a`` and ``b``: scaled_matmul_reduce_scatter): a tile is the product times
+    ``sa[row] * sb[col]`` (``gemm.scale_tile``: element i of ``sa`` at ``sa_ptr + i *
+    stride_sa``, a stride 0 repeats a tensorwise scale; of ``sb`` likewise), stored to a
+    float32 ``p``; the scale pointers are unused otherwise."""
     m_tiles = tl.cdiv(m_chunk, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     chunk_tiles = m_tiles * n_tiles
@@ -65,6 +85,9 @@ def matmul_reduce_scatter_kernel(a, b, p_ptr, pad_table, rank, world_size, epoch
         else:
             acc = tile_product(a, b, m0, n0, chunk_end, N, 0, K, stride_am, stride_ak, stride_bk,
                                stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        if SCALED:
+            acc = scale_tile(acc, sa_ptr, stride_sa, sb_ptr, stride_sb, m0, n0, chunk_end, N, True,
+                             BLOCK_M, BLOCK_N)
         store_tile(p_ptr, acc, m0, n0, chunk_end, N, N, 1, BLOCK_M, BLOCK_N)
         # every thread's stores of this tile happen before the count (and, through the
         # acq_rel chain on the counter, before the release of the chunk's flag)
@@ -120,7 +143,7 @@ def reduce_chunks(out: torch.Tensor, own: torch.Tensor, stage: torch.Tensor, pad
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad_table: torch.Tensor, rank: int,
             world_size: int, epoch: int, meta: int, timeout_ns: int, *,
-            config: dict | None = None, sms: int | None = None) -> None:
+            config: dict | None = None, sms: int | None = None, scales: tuple | None = None) -> None:
     """Fill ``p`` (contiguous ``[M, N]``, a view of this rank's symmetric data region) with
     ``a @ b`` (``a``: ``[M, K]``, ``b``: ``[K, N]``, any strides; ``M = W * m_chunk``), raising
     ``READY + rank = epoch`` in rank ``c``'s pad (after publishing ``meta``) as soon as chunk
@@ -130,7 +153,10 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad
     on its flags from another stream leaves ``REDUCER_SMS`` free. It loads through TMA
     descriptors where the GPU has them and the layouts allow (as the grouped GEMM does), on
     the tiles that fill the waves of ``sms`` SMs best (default: the device's;
-    ``gemm.choose_tile``), with a program per SM of them.
+    ``gemm.choose_tile``), with a program per SM of them. ``scales`` (fp8 ``a`` and ``b``,
+    a float32 ``p``): ``(sa, stride_sa, sb, stride_sb)``, float32 row scales of ``a`` and
+    column scales of ``b`` (stride 0: tensorwise), applied in the epilogue: ``p = (a @ b) *
+    sa[:, None] * sb[None, :]`` (on ``SCALED_CONFIG``'s tiles, which ``AOT_EXAMPLES`` compiles in fp8).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -142,47 +168,54 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, pad
     m_chunk = M // world_size
     if m_chunk == 0 or N == 0:
         raise ValueError("matmul_reduce_scatter: empty output: no tile would raise the chunks' READY flags")
-    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), config, shape=([m_chunk] * world_size, N),
-                                              sms=sms)
+    scaled = scales is not None
+    cfg, a_arg, b_arg, kmajor = gemm_operands(a, b.unsqueeze(0), _config(config, scaled),
+                                              shape=None if scaled else ([m_chunk] * world_size, N), sms=sms)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_tiles = world_size * cdiv(m_chunk, bm) * cdiv(N, bn)
+    sa, stride_sa, sb, stride_sb = scales or (p, 0, p, 0)
     matmul_reduce_scatter_kernel[persistent_grid(num_tiles, cfg)](
         a_arg, b_arg, p, pad_table, rank, world_size, epoch, meta, timeout_ns, m_chunk, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"], B_KMAJOR=kmajor, **launch_options(cfg))
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), sa, stride_sa, sb, stride_sb,
+        NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"], B_KMAJOR=kmajor, **scaled_options(cfg, scaled))
 
 
 class ScatterLaunch:
     """``matmul_reduce_scatter`` for every call of one signature (shapes, strides, dtype,
     SMs): the config, grid and launch options made once, TMA descriptors kept
-    (``gemm_peers.Descriptors``)."""
+    (``gemm_peers.Descriptors``). ``scaled``: scaled_matmul_reduce_scatter's (fp8, every call
+    passes ``scales``)."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, world_size: int, sms: int | None = None):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, world_size: int, sms: int | None = None,
+                 scaled: bool = False):
         M, K = a.shape
         N = b.shape[1]
         self.sms, self.world = sms, world_size
-        self.cfg, _, _, self.kmajor = gemm_operands(a, b.unsqueeze(0), shape=([M // world_size] * world_size, N),
-                                                    sms=sms)
+        # fp8 takes SCALED_CONFIG's tiles (the variants AOT_EXAMPLES compiles)
+        self.cfg, _, _, self.kmajor = gemm_operands(
+            a, b.unsqueeze(0), _config(None, scaled), shape=None if scaled else ([M // world_size] * world_size, N),
+            sms=sms)
         cfg = self.cfg
         self.m_chunk, self.N, self.K = M // world_size, N, K
         self.strides = (*a.stride(), *b.stride())
         self.grid = persistent_grid(world_size * cdiv(self.m_chunk, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), cfg)
-        self.options = dict(launch_options(cfg), NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"],
+        self.options = dict(scaled_options(cfg, scaled), NUM_PROGRAMS=cfg["NUM_PROGRAMS"], TMA=cfg["TMA"],
                             B_KMAJOR=self.kmajor)
         self.descriptors = Descriptors(cfg, self.kmajor)
 
-    def __call__(self, a, b, p, pad_table, rank, epoch, meta, timeout_ns) -> None:
+    def __call__(self, a, b, p, pad_table, rank, epoch, meta, timeout_ns, scales=None) -> None:
         if self.cfg["TMA"]:
             if not tma_addressable(a, b):  # the general launcher decides
                 matmul_reduce_scatter(a, b, p, pad_table, rank, self.world, epoch, meta, timeout_ns,
-                                      sms=self.sms)
+                                      sms=self.sms, scales=scales)
                 return
             a_arg, b_arg = self.descriptors.a(a), self.descriptors.b(b)
         else:
             a_arg, b_arg = a, b
+        sa, stride_sa, sb, stride_sb = scales or (p, 0, p, 0)
         matmul_reduce_scatter_kernel[self.grid](
             a_arg, b_arg, p, pad_table, rank, self.world, epoch, meta, timeout_ns, self.m_chunk,
-            self.N, self.K, *self.strides, **self.options)
+            self.N, self.K, *self.strides, sa, stride_sa, sb, stride_sb, **self.options)
 
 
 # SMs a GEMM of a group call leaves to the kernel that waits for the peers' flags on the
@@ -192,24 +225,36 @@ REDUCER_SMS = 1
 _SIG = {"a": "*T", "b": "*T", "p_ptr": "*T", "pad_table": "*i64", "rank": "i32",
         "world_size": "i32", "epoch": "i32", "meta": "i32", "timeout_ns": "i64", "m_chunk": "i32",
         "N": "i32", "K": "i32",
-        "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
+        "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
+        "sa_ptr": "*fp32", "stride_sa": "i32", "sb_ptr": "*fp32", "stride_sb": "i32"}
+_SIG16 = {k: v.replace("*T", "*bf16") for k, v in _SIG.items()}
+_PERSISTENT = dict(NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS)  # a group call's GEMM on sm_90
 # triton 3.6, sm_90, fp32 pointer loads: the DONE wait's values cross the tile loop on the stack
 FP32_SPILLS = "fp32 FMA tiles on sm_90 under triton 3.6, 16 B (tests and fp32 training only)"
 AOT_EXAMPLES = (
     # pointer loads: sm_80, and sm_90 where TMA cannot cover the operands
     [(kernel, sig, consts, dict(options, spills_ok=FP32_SPILLS) if sig["a"] == "*fp32" else options)
      for kernel, sig, consts, options in aot_variants(matmul_reduce_scatter_kernel, _SIG, TMA=False,
-                                                      B_KMAJOR=False)]
+                                                      B_KMAJOR=False, SCALED=False)]
     # sm_90 with TMA loads: B row-major, or a Linear's weightᵀ
-    + [aot_example(matmul_reduce_scatter_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
-                   {B_UNIT[kmajor][0]: 1},
-                   dict(gpu_config(9, True), NUM_PROGRAMS=SM_COUNT[90] - REDUCER_SMS), 90, kmajor)
+    + [aot_example(matmul_reduce_scatter_kernel, _SIG16, {B_UNIT[kmajor][0]: 1, "SCALED": False},
+                   dict(gpu_config(9, True), **_PERSISTENT), 90, kmajor)
        for kmajor in (False, True)]
+    # scaled_matmul_reduce_scatter's (fp8 with float32 partials, sm_90 only: sm_80 has no fp8
+    # tensor cores and the op refuses it): TMA on SCALED_CONFIG's tiles with B row-major or K-major
+    # (torch._scaled_mm's layout; the scattered output columns' Aᵀ), e5m2 x e4m3; pointer loads
+    # (K not a multiple of 16)
+    + [fp8_example(matmul_reduce_scatter_kernel, _SIG16,
+                   {B_UNIT[kmajor][0]: 1, **({} if tma else {"stride_ak": 1})},
+                   dict(gpu_config(9, tma), **_PERSISTENT, **SCALED_CONFIG), kmajor, a, p_ptr="fp32")
+       for tma, kmajor, a in ((True, False, "fp8e4nv"), (True, True, "fp8e4nv"), (True, True, "fp8e5"),
+                              (False, False, "fp8e4nv"), (False, True, "fp8e5"))]
     + [(reduce_chunks_kernel,
-        {"out_ptr": f"*{t}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "pad_table": "*i64",
+        {"out_ptr": f"*{out}", "own_ptr": f"*{t}", "stage_ptr": f"*{t}", "pad_table": "*i64",
          "rank": "i32", "world_size": "i32", "epoch": "i32", "n": "i32", "divisor": "fp32"},
         {"BLOCK": BLOCK}, {"num_warps": NUM_WARPS})
-       for t in ("bf16", "fp32")]
+       # the scaled op's float32 partials summed into a 16-bit output
+       for t, out in (("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp16"))]
     # the other sm_90 tiles the GEMM may choose (``gemm.choose_tile``)
-    + tile_candidate_examples(matmul_reduce_scatter_kernel, {k: v.replace("*T", "*bf16") for k, v in _SIG.items()},
-                              {}, num_programs=SM_COUNT[90] - REDUCER_SMS))
+    + tile_candidate_examples(matmul_reduce_scatter_kernel, _SIG16, {"SCALED": False},
+                              num_programs=SM_COUNT[90] - REDUCER_SMS))

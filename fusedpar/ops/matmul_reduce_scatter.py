@@ -48,10 +48,10 @@ def _out_shape(call: MatmulCall) -> list[int]:
 
 def _chunk_out(call: MatmulCall, rows: torch.Tensor) -> torch.Tensor:
     """This rank's ``[rows, N]`` block (scattered dim first) in the caller's layout."""
-    return _chunk_layout(call)(rows)
+    return chunk_layout(call)(rows)
 
 
-def _chunk_layout(call: MatmulCall):
+def chunk_layout(call: MatmulCall):
     """``_chunk_out`` for every call of ``call``'s signature (keeping none of its tensors):
     the identity for a 2-D A scattered along dim 0."""
     if call.dim == 0 and call.x.dim() == 2:
@@ -137,10 +137,10 @@ class Triton(Backend):
     def plan(self, call: MatmulCall):
         """Every call of ``call``'s signature: the buffer, its views, the fingerprint and (a
         group on a GPU) the staging buffer made once."""
-        a = call.rows()
-        views = _Views.make(call, [get_buffer(call.group, _nbytes(a, call.bs[0]), a.device)],
-                            side_stream=a.is_cuda and call.world_size > 1)  # a group of one copies nothing
-        dim, chunk_out = call.dim, _chunk_layout(call)
+        a, b = call.rows(), call.bs[0]
+        views = ScatterViews(call, a, b, [get_buffer(call.group, _nbytes(a, b), a.device)],
+                             side_stream=a.is_cuda and call.world_size > 1)  # a group of one copies nothing
+        dim, chunk_out = call.dim, chunk_layout(call)
 
         def run(A, Bs):
             return chunk_out(views.run([_rows(A, dim)], Bs)[0])
@@ -150,7 +150,7 @@ class Triton(Backend):
     def run_views(self, bufs, a_rows, bs, call: MatmulCall, side_stream: bool) -> list[torch.Tensor]:
         """Each rank view's ``[rows / W, N]`` chunk of the reduced product; ``side_stream``
         (CUDA): the copies on the side stream, overlapping the GEMMs."""
-        return _Views.make(call, bufs, side_stream).run(a_rows, bs)
+        return ScatterViews(call, a_rows[0], bs[0], bufs, side_stream).run(a_rows, bs)
 
 
 def _nbytes(a_rows: torch.Tensor, b: torch.Tensor) -> int:
@@ -162,19 +162,26 @@ def _rows(a: torch.Tensor, dim: int) -> torch.Tensor:
     return a if dim == 0 and a.dim() == 2 else a.movedim(dim, 0).flatten(0, -2)
 
 
-class _Views:
+class ScatterViews:
     """The triton backend's calls of one signature on one set of rank views (one, or W in a
     loopback): the views of each rank's partials, the fingerprint, the GEMM's config and, with
-    a side stream, the staging buffers, made once."""
+    a side stream, the staging buffers, made once. ``a`` ``[rows, K]`` and ``b`` ``[K, N]``:
+    a call's GEMM operands (rows in chunk order), which ``run`` takes per rank view.
 
-    @classmethod
-    def make(cls, call: MatmulCall, bufs, side_stream: bool) -> "_Views":
-        self = cls()
-        a, n = call.rows(), call.bs[0].shape[1]
-        world = call.world_size
-        self.world, self.n = world, n
+    ``scaled`` (scaled_matmul_reduce_scatter): fp8 operands whose scales the GEMM applies in
+    its epilogue (``run``'s ``scales``), float32 partials (the lower bound of what moves is
+    then W-1 float32 chunks) summed in float32 and rounded once to ``out_dtype``: by
+    ``reduce_chunks`` itself, or after the pull (which reads and writes the partials'
+    dtype) by one cast."""
+
+    def __init__(self, call: MatmulCall, a: torch.Tensor, b: torch.Tensor, bufs, side_stream: bool, *,
+                 scaled: bool = False, out_dtype: torch.dtype | None = None):
+        n, world = b.shape[1], call.world_size
+        self.op, self.world, self.n = call.op, world, n
         self.m_chunk = a.shape[0] // world
-        self.dtype, self.device = a.dtype, a.device
+        self.dtype = torch.float32 if scaled else a.dtype  # the partials'
+        self.out_dtype = out_dtype or self.dtype
+        self.device = a.device
         self.meta, self.desc = call.fingerprint(), call.description()
         self.divisor = float(world) if call.reduce_op == "avg" else 1.0
         self.rows = a.shape[0]
@@ -182,21 +189,22 @@ class _Views:
         self.side = protocol.side_stream(a.device) if side_stream else None
         # the GEMM leaves the side stream's flag waits an SM (DESIGN: grid <= SMs - k)
         sms = sm_count(a.device) - kernels.REDUCER_SMS if side_stream else None
-        self.stages = [torch.empty(world - 1, self.m_chunk * n, dtype=a.dtype, device=a.device)
+        self.stages = [torch.empty(world - 1, self.m_chunk * n, dtype=self.dtype, device=a.device)
                        for _ in bufs] if side_stream else None
-        self.gemm = kernels.ScatterLaunch(a, call.bs[0], world, sms)
+        self.gemm = kernels.ScatterLaunch(a, b, world, sms, scaled)
         self.timeout_ns = bufs[0].timeout_ns  # a plan lives until the settings change
-        return self
 
     def bind(self, bufs) -> None:
         """Use ``bufs``: each rank's partials are its data region's first rows x N."""
         self.bufs = bufs
         self.partials = [buf.data(self.dtype, self.rows * self.n).view(self.rows, self.n) for buf in bufs]
 
-    def run(self, a_rows, bs) -> list[torch.Tensor]:
+    def run(self, a_rows, bs, scales=None) -> list[torch.Tensor]:
+        """Each rank view's ``[rows / W, N]`` chunk of the reduced product, in ``out_dtype``;
+        ``scales``: per rank view, the GEMM's ``(sa, stride_sa, sb, stride_sb)`` (scaled)."""
         world, n, m_chunk = self.world, self.n, self.m_chunk
         if m_chunk == 0 or n == 0:  # an empty result (every rank's: shapes agree), no exchange
-            return [torch.empty(m_chunk, n, dtype=self.dtype, device=self.device) for _ in self.bufs]
+            return [torch.empty(m_chunk, n, dtype=self.out_dtype, device=self.device) for _ in self.bufs]
         if not self.bufs[0].live:  # a group's buffer grown since: its successor
             self.bind([symmetric.follow(self.bufs[0])])
         side = self.side
@@ -206,7 +214,8 @@ class _Views:
             buf.publish(self.desc)  # the GEMM publishes the fingerprint
             if side is not None:
                 side.wait_stream(main)  # before the GEMM launch: the copies overlap it
-            self.gemm(a, b, self.partials[i], buf.pad_table, buf.rank, epoch, self.meta, self.timeout_ns)
+            self.gemm(a, b, self.partials[i], buf.pad_table, buf.rank, epoch, self.meta, self.timeout_ns,
+                      None if scales is None else scales[i])
             if side is not None:
                 with torch.cuda.stream(side):
                     _fetch_partials(buf, self.stages[i], epoch, self.meta, self.partials[i])
@@ -214,21 +223,24 @@ class _Views:
             main.wait_stream(side)
         outs = []
         for i, (buf, epoch) in enumerate(zip(self.bufs, epochs)):
-            out = torch.empty(m_chunk, n, dtype=self.dtype, device=self.device)
-            stats = protocol.stats_tensor(self.device)
             if side is not None:
+                out = torch.empty(m_chunk, n, dtype=self.out_dtype, device=self.device)
                 own = self.partials[i].view(world, -1)[buf.rank]
                 kernels.reduce_chunks(out, own, self.stages[i], buf.pad_table, buf.rank, world,
                                       epoch, self.divisor)
-                counters.record(OP, "triton", (world - 1) * out.numel() * out.element_size())
+                counters.record(self.op, "triton", (world - 1) * own.numel() * own.element_size())
             else:
+                out = torch.empty(m_chunk, n, dtype=self.dtype, device=self.device)
+                stats = protocol.stats_tensor(self.device)
                 reduce_scatter_kernels.reduce_scatter_pull(
                     out, buf.pad_table, buf.rank, world, epoch, self.meta, 1, m_chunk * n,
                     self.timeout_ns, stats, self.divisor, ends_call=True)
-                counters.record(OP, "triton", stats)
+                counters.record(self.op, "triton", stats)
+                if self.out_dtype != self.dtype:  # the float32 sums, rounded once
+                    out = out.to(self.out_dtype)
             outs.append(out)
         for buf in self.bufs:
-            buf.finish(OP)
+            buf.finish(self.op)
         return outs
 
 

@@ -25,8 +25,8 @@ from . import protocol
 from .all_gather_matmul import Gather, shard_rows, symm_mem_reasons, unflattener
 from .backend import Backend, Dispatcher, Plans
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
+from .matmul_reduce_scatter import ScatterViews, chunk_layout
 from .float8_scales import FP8_DTYPES, check_fp8
-from .reduce_scatter import reduce_scatter, reduce_scatter_loopback
 from .registry import register
 from .scaled_grouped_mm import scaled_grouped_mm
 
@@ -330,14 +330,15 @@ def triton_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale
 def _triton_reasons(call: ScaledCall) -> list[str]:
     """Why the triton backends cannot run ``call``: no Triton here or no symmetric memory for
     its group, a GPU without fp8 tensor cores (sm_80: refused rather than emulated), an fp16
-    output (the GEMM stores bf16 or fp32)."""
+    output of the all-gather (its GEMM stores bf16 or fp32; the reduce-scatter's stores float32
+    partials and rounds their sums to any output dtype)."""
     reasons = protocol.triton_reasons(call)  # Triton here; symmetric memory for the group's collective
     if not reasons and call.x.is_cuda:
         capability = torch.cuda.get_device_capability(call.x.device)
         if capability < (8, 9):
             reasons.append(f"fp8 tensor cores need compute capability 8.9+ (Ada, Hopper); this GPU has "
                            f"{capability[0]}.{capability[1]}: use the pipelined or reference backend")
-    if torch.float16 in call.out_dtypes:
+    if call.op == AG and torch.float16 in call.out_dtypes:
         reasons.append("the Triton fp8 GEMM stores bfloat16 or float32, not float16")
     return reasons
 
@@ -586,26 +587,70 @@ class RsSymmMem(Backend):
 
 
 class RsTriton(Backend):
-    """The Triton fp8 GEMM (``triton_gemm``) into float32 partials, then fusedpar's
-    symmetric-memory ``reduce_scatter`` (``triton``: float32 sums in rank order) of their
-    rows (scattering the output's last dim: of their columns), rounded once. Not yet
-    overlapped: the reduction starts after the GEMM."""
+    """The bf16 matmul_reduce_scatter's overlapped protocol (``ScatterViews``, ``SCALED``):
+    one persistent Triton fp8 GEMM (fp8 ``tl.dot``, fp32 accumulation, ``acc * a_scale[row]
+    * b_scale[col]`` in its epilogue) writes float32 partials into this rank's symmetric
+    buffer, chunks in rank-rotated order (own chunk last), and the tile that completes a
+    chunk raises READY in that chunk owner's pad; each rank sums its chunk's W partials in
+    float32, in rank order, as they arrive (in a group on a GPU: copied on a side stream
+    while the GEMMs run, then ``reduce_chunks``), and rounds once to the output dtype.
+    Scattering the output's last dim (N's columns): the same on ``Bᵀ @ Aᵀ`` scattered along
+    its rows (B's column scales become the row scales), transposed back. One plan per
+    signature (``RS_PLANS``); a call can be captured in a CUDA graph as the bf16 op's can."""
 
     name = "triton"
 
     def not_supported_reasons(self, call):
         return _triton_reasons(call)
 
-    def partial(self, call: ScaledCall) -> torch.Tensor:
-        rows, scale = _rs_rows(call)
-        return triton_gemm(rows, call.bs[0], scale, call.b_scales[0], torch.float32)
-
     def run(self, call: ScaledCall):
-        partial = self.partial(call)
-        if call.last_dim:
-            total = reduce_scatter(partial.t().contiguous(), "sum", 0, call.group, backend=self.name)
-            return _rs_finish(call, total.t())
-        return _rs_finish(call, reduce_scatter(partial, "sum", 0, call.group, backend=self.name))
+        return self.plan(call)(call.x, call.bs, call.a_scale, call.b_scales)
+
+    def plan(self, call: ScaledCall):
+        operands, finish = _fused_operands(call), _fused_finish(call)
+        a, b, _ = operands(call.x, call.bs[0], call.a_scale, call.b_scales[0])
+        buf = get_buffer(call.group, a.shape[0] * b.shape[1] * 4, a.device)
+        views = ScatterViews(call, a, b, [buf], side_stream=a.is_cuda and call.world_size > 1,  # W=1 copies nothing
+                             scaled=True, out_dtype=call.out_dtypes[0])
+
+        def run(A, Bs, A_scale, B_scales):
+            a, b, scales = operands(A, Bs[0], A_scale, B_scales[0])
+            return finish(views.run([a], [b], [scales])[0])
+
+        return run
+
+
+def _fused_operands(call: ScaledCall):
+    """For every call of ``call``'s signature: ``(A, B, A_scale, B_scale) -> (a, b, scales)``,
+    the fused GEMM's operands (``ScatterViews``): ``a [rows, K]`` with the scattered dim
+    first, ``b = B`` and ``scales = (sa, stride_sa, sb, stride_sb)``: A's row scales (one a
+    row, contiguous) and B's column scales (``[1, N]``) as they are, their strides fixed by
+    the signature (0: tensorwise); scattering the output's columns, ``a = Bᵀ`` (a row-major
+    copy: TMA's layout), ``b = Aᵀ`` (a view) and the scales swapped."""
+    dim, a_rowwise = call.dim, call.a_scale.numel() > 1
+    stride_a = 1 if a_rowwise else 0
+    stride_b = call.b_scales[0].stride(-1) if call.b_scales[0].numel() > 1 else 0
+    if call.last_dim:
+        dense = call.a_scale.is_contiguous()  # A's row scales in row order
+
+        def operands(A, B, A_scale, B_scale):
+            return (B.t().contiguous(), A.flatten(0, -2).t(),
+                    (B_scale, stride_b, A_scale if dense else A_scale.contiguous(), stride_a))
+    else:
+        def operands(A, B, A_scale, B_scale):
+            return (shard_rows(A, dim), B,
+                    (shard_rows(A_scale, dim) if a_rowwise else A_scale, stride_a, B_scale, stride_b))
+    return operands
+
+
+def _fused_finish(call: ScaledCall):
+    """For every call of ``call``'s signature: this rank's reduced chunk as ``ScatterViews``
+    gives it (the output dtype, ``[rows / W, N]``; scattering the columns ``[N / W, rows]``)
+    in the caller's layout."""
+    if call.last_dim:
+        lead = tuple(call.x.shape[:-1])
+        return lambda out: out.t().reshape(*lead, out.shape[0]).contiguous()
+    return chunk_layout(call)
 
 
 RS_DISPATCHER = Dispatcher(RS, [RsTriton(), RsPipelined(), RsReference(), RsSymmMem()])  # vendor's last
@@ -680,13 +725,28 @@ def _rs_call(A, B, A_scale, B_scale, reduce_op, scatter_dim, world, group, out_d
                       use_fast_accum, reduce_op=reduce_op, a_mode=mode)
 
 
+RS_PLANS = Plans(RS)
+
+
 @torch.library.custom_op(f"fusedpar::{RS}", mutates_args=(), schema=RS_SCHEMA)
 def _rs_op(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name, *, out_dtype,
            use_fast_accum=False, backend=""):
+    key = (_signature(A, B, A_scale, B_scale), reduce_op, scatter_dim, group_name, out_dtype,
+           use_fast_accum, backend)
+    plan = RS_PLANS.get(key)
+    if plan is None:
+        plan = RS_PLANS.make(key, A.device,
+                             lambda: _rs_plan(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name,
+                                              out_dtype, use_fast_accum, backend))
+    return plan(A, [B], A_scale, [B_scale])
+
+
+def _rs_plan(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name, out_dtype, use_fast_accum,
+             backend):
     group = resolve_group(group_name)
     call = _rs_call(A, B, A_scale, B_scale, reduce_op, scatter_dim, dist.get_world_size(group), group,
                     out_dtype, use_fast_accum)
-    return RS_DISPATCHER.select(call, backend).run(call)
+    return RS_DISPATCHER.select(call, backend).plan(call)
 
 
 @_rs_op.register_fake
@@ -747,8 +807,10 @@ def scaled_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, A_scale: torc
     partial to ``out_dtype`` before reducing; this op does not). ``A`` 2-D or 3-D fp8,
     ``A_scale`` one element or ``A.shape[:-1] + (1,)``; ``B`` ``[K, N]`` fp8, ``B_scale`` one
     element or ``[1, N]``; ``out_dtype`` None: bfloat16. ``scatter_dim``: a leading dim of A
-    or the last (N's columns, on every backend but ``symm_mem``). Backends: ``triton`` (a Triton fp8 GEMM
-    into float32, then the symmetric-memory reduce-scatter), ``pipelined``, ``reference``,
+    or the last (N's columns, on every backend but ``symm_mem``). Backends: ``triton``
+    (matmul_reduce_scatter's overlapped protocol: one persistent Triton fp8 GEMM, scales in its
+    epilogue, writes float32 partials chunk by chunk while each chunk's owner pulls and sums
+    them; GPUs with fp8 tensor cores, sm_89+), ``pipelined``, ``reference``,
     ``symm_mem`` (torch's op, CUDA groups, 2-D A along dim 0). Not differentiable (fp8
     inputs): see ``fusedpar.nn.float8_linear``."""
     return _rs_op(A, B, A_scale, B_scale, reduce_op, scatter_dim, group_name(group),
@@ -790,19 +852,37 @@ def all_gather_scaled_matmul_loopback(a_shards: list[torch.Tensor], Bs: list[tor
 def scaled_matmul_reduce_scatter_loopback(As: list[torch.Tensor], Bs: list[torch.Tensor],
                                           A_scales: list[torch.Tensor], B_scales: list[torch.Tensor],
                                           reduce_op: str = "sum", scatter_dim: int = 0, *,
-                                          out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                                          out_dtype: torch.dtype | None = None,
+                                          side_stream: bool = False) -> list[torch.Tensor]:
     """Every rank's part of ``scaled_matmul_reduce_scatter`` in this process (rank r
     multiplies ``As[r]`` by ``Bs[r]`` with their scales) with the ``triton`` backend over a
-    loopback buffer: each rank's output. For single-device benchmarks and tests."""
+    loopback buffer: each rank's output. For single-device benchmarks and tests.
+    ``side_stream`` (CUDA): the peers' partials copied on a side stream while the GEMMs run
+    and summed by ``reduce_chunks``, as a group call does (``matmul_reduce_scatter_loopback``)."""
     if not As or not len(As) == len(Bs) == len(A_scales) == len(B_scales):
         raise ValueError(f"fusedpar.{RS}_loopback: As, Bs, A_scales and B_scales must hold one tensor "
                          "per simulated rank")
+    if side_stream and not As[0].is_cuda:
+        raise ValueError(f"fusedpar.{RS}_loopback: side_stream=True needs CUDA tensors (the copy "
+                         f"engine); As are on {As[0].device}")
     world = len(As)
     calls = [_rs_call(a, b, sa, sb, reduce_op, scatter_dim, world, None, out_dtype or DEFAULT_OUT_DTYPE,
                       False) for a, b, sa, sb in zip(As, Bs, A_scales, B_scales)]
-    backend = RS_DISPATCHER.select(calls[0], "triton")
-    sums = reduce_scatter_loopback([backend.partial(call) for call in calls], "sum", 0)
-    return [_rs_finish(call, total) for call, total in zip(calls, sums)]
+    first = calls[0]
+    for r, call in enumerate(calls):
+        if (call.x.shape, call.x.dtype, call.bs[0].shape, call.bs[0].dtype, call.a_mode,
+                call.b_scales[0].shape) != (first.x.shape, first.x.dtype, first.bs[0].shape,
+                                            first.bs[0].dtype, first.a_mode, first.b_scales[0].shape):
+            raise ValueError(f"fusedpar.{RS}_loopback: As[{r}], Bs[{r}] or their scales differ from rank "
+                             "0's in shape, dtype or scale layout")
+    RS_DISPATCHER.select(first, "triton")  # raises why not
+    operands = _fused_operands(first)
+    fused = [operands(c.x, c.bs[0], c.a_scale, c.b_scales[0]) for c in calls]
+    a, b, _ = fused[0]
+    bufs = get_loopback_buffers(world, a.shape[0] * b.shape[1] * 4, a.device)
+    views = ScatterViews(first, a, b, bufs, side_stream, scaled=True, out_dtype=first.out_dtypes[0])
+    finish = _fused_finish(first)
+    return [finish(out) for out in views.run(*(list(x) for x in zip(*fused)))]
 
 
 def _example(op: str):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.ops.scaled_matmul import AG
+from fusedpar.ops.scaled_matmul import AG, ROWWISE, RS
 from fusedpar.testing import scaled_matmul as cases
 from fusedpar.testing.cases import same
 
@@ -28,14 +28,24 @@ def _fp8_gpu() -> torch.device:
 @pytest.mark.parametrize("world", [2, 4])
 def test_loopback_triton_is_exact_on_a_gpu(world):
     """The check cases (exact fp8 data, power-of-2 scales, K = 32: the Triton GEMM's masked
-    tiles) bit for bit against float64 torch, outputs in bf16 and fp32."""
+    tiles) bit for bit against float64 torch, outputs in bf16 and fp32; the reduce-scatter
+    also as a group call runs it (``side_stream``: the partials copied while the GEMMs run,
+    ``reduce_chunks`` rounding the float32 sums) and scattering the output's columns."""
     device = _fp8_gpu()
-    for case in cases.cases(world):
+    extra = [cases.ScaledCase(RS, "columns rowwise", (2, 3, 32), 2, (16 * world,), ROWWISE, "avg", 9)]
+    for case in cases.cases(world) + extra:
         for dtype in (torch.bfloat16, torch.float32):
             inputs = case.inputs(dtype, world, device)
             expected = case.expected(inputs, dtype)
             outs = case.loopback(inputs, "triton")
             assert same(outs, expected), (case.label, dtype)
+            if case.op == RS:
+                a, bs, a_scales, b_scales, _ = (list(x) for x in zip(*inputs))
+                outs = fusedpar.ops.scaled_matmul_reduce_scatter_loopback(
+                    a, [b[0] for b in bs], a_scales, [s[0] for s in b_scales], case.reduce_op, case.dim,
+                    out_dtype=dtype, side_stream=True)
+                torch.cuda.synchronize()
+                assert same(outs, expected), (case.label, dtype, "side stream")
 
 
 def test_triton_gemm_within_scaled_mm_error_at_a_real_shape():

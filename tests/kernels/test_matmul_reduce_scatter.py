@@ -42,27 +42,29 @@ def status(buf):
     return buf.pad()[layout.STATUS : layout.STATUS + 3].tolist()
 
 
-def run_gemm(buf, a, b, epoch, config=None):
-    """One rank's producer: poison its data region, launch. Returns P."""
+def run_gemm(buf, a, b, epoch, config=None, scales=None):
+    """One rank's producer: poison its data region, launch. Returns P (float32 with
+    ``scales``: the fp8 GEMM's)."""
     world = buf.world_size
     m, n = a.shape[0], b.shape[1]
-    p = buf.data(a.dtype, m * n).view(m, n)
+    p = buf.data(torch.float32 if scales else a.dtype, m * n).view(m, n)
     p.fill_(float("nan"))
     matmul_reduce_scatter(a, b, p, buf.pad_table, buf.rank, world, epoch, META, buf.timeout_ns,
-                          config=config)
+                          config=config, scales=scales)
     return p
 
 
-def run_reduce(buf, m_chunk, n, dtype, divisor=1.0, epoch=1):
+def run_reduce(buf, m_chunk, n, dtype, divisor=1.0, epoch=1, out_dtype=None):
     """One rank's consumer: each peer's partial of its chunk into a NaN-poisoned staging
     buffer, row j from rank (rank - 1 - j) % W (the order the op copies them in), then
-    ``reduce_chunks`` (which raises DONE of ``epoch``)."""
+    ``reduce_chunks`` (which raises DONE of ``epoch``) into ``out_dtype`` (default: the
+    partials' ``dtype``)."""
     world, rank = buf.world_size, buf.rank
     partial = lambda src: buf.data(dtype, world * m_chunk * n, rank=src).view(world, -1)[rank]  # noqa: E731
     stage = torch.full((world - 1, m_chunk * n), float("nan"), dtype=dtype)
     for j in range(world - 1):
         stage[j] = partial((rank - 1 - j) % world)
-    out = torch.full((m_chunk, n), float("nan"), dtype=dtype)
+    out = torch.full((m_chunk, n), float("nan"), dtype=out_dtype or dtype)
     reduce_chunks(out, partial(rank), stage, buf.pad_table, rank, world, epoch, divisor)
     return out
 
@@ -152,6 +154,35 @@ def test_random_bf16_within_twice_torch_error(loopback):
         out = run_reduce(buf, m, n, torch.bfloat16)
         ours_err = (out.double() - exact[r * m : (r + 1) * m]).abs().max()
         assert ours_err <= 2 * torch_err + slack, (ours_err, torch_err)
+
+
+@pytest.mark.parametrize("tensorwise", [False, True])
+def test_scaled_gemm_then_reduce_scatter_exact(loopback, tensorwise):
+    """``SCALED``: fp8 operands (e4m3 A, e5m2 B), the GEMM multiplies each tile by A's row
+    scales and B's column scales (stride 0: one tensorwise scale) and stores float32
+    partials; ``reduce_chunks`` sums them in float32 into a bf16 output (the GPU group
+    path's chunk sum), exact on small integers with power-of-2 scales. K = 40: pointer
+    loads (no TMA: 40 bytes a row)."""
+    world, m, n, k = 2, 5, 24, 40
+    bufs = loopback(world)
+    a = [int_activation(r, world * m, k, torch.float32, False).remainder(5).sub(2).to(torch.float8_e4m3fn)
+         for r in range(world)]
+    b = [int_weight(r, k, n, torch.float32, True).to(torch.float8_e5m2) for r in range(world)]
+    sa = [torch.full((1,), 2.0 ** r) if tensorwise else torch.exp2(torch.arange(world * m) % 3 - 1.0 + r)
+          for r in range(world)]
+    sb = [torch.full((1,), 0.5) if tensorwise else torch.exp2(torch.arange(n) % 2 - r * 1.0) for r in range(world)]
+    stride = 0 if tensorwise else 1
+    partial = [(a[r].double() * sa[r].double()[:, None]) @ (b[r].double() * sb[r].double()[None, :])
+               for r in range(world)]
+    for buf in bufs:
+        r = buf.rank
+        p = run_gemm(buf, a[r], b[r], 1, scales=(sa[r], stride, sb[r], stride))
+        assert p.dtype == torch.float32 and torch.equal(p, partial[r].float()), r
+    for buf in bufs:
+        r = buf.rank
+        out = run_reduce(buf, m, n, torch.float32, out_dtype=torch.bfloat16)
+        expected = sum(partial)[r * m:(r + 1) * m].to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected), r
 
 
 def test_reduce_chunks_rejects_a_misshaped_stage():

@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.timeout(300)]
 
 # where a host read would be a device-to-host sync (illegal while a CUDA graph is captured)
 CAPTURED_FILES = tuple(f"fusedpar/ops/{name}.py" for name in (
-    "all_gather", "reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter", "protocol",
-    "backend", "calls")) + tuple(f"fusedpar/kernels/{name}.py" for name in (
+    "all_gather", "reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter", "scaled_matmul",
+    "protocol", "backend", "calls")) + tuple(f"fusedpar/kernels/{name}.py" for name in (
         "signal", "all_gather", "reduce_scatter", "gemm_peers", "matmul_reduce_scatter", "gemm")) + (
     "fusedpar/comm/symmetric.py",)
 
@@ -104,6 +104,15 @@ def _loopback_call(op: str, salt: int) -> None:
             assert torch.equal(gathered.float(), torch.cat(shards).float()), salt
             assert all(torch.equal(out, a @ (b.float() * c))
                        for out, b, c in zip(outs, bs, b_scales)), salt
+    elif op == "scaled_matmul_reduce_scatter":  # fp8, A's row scales, B's column scales
+        As = [(rank_data((W * 3, 8), torch.float32, r, salt) % 9 - 4).to(torch.float8_e4m3fn) for r in range(W)]
+        scales = [torch.full((W * 3, 1), 2.0 ** (r - salt)) for r in range(W)]
+        Bs = [_b(8, 6, salt, r).to(torch.float8_e4m3fn) for r in range(W)]
+        b_scales = [torch.full((1, 6), 0.5 * (r + 1)) for r in range(W)]
+        total = sum((a.float() * s) @ (b.float() * c) for a, s, b, c in zip(As, scales, Bs, b_scales))
+        for r, out in enumerate(fusedpar.ops.scaled_matmul_reduce_scatter_loopback(
+                As, Bs, scales, b_scales, "sum", 0, out_dtype=torch.float32)):
+            assert torch.equal(out, total.chunk(W, 0)[r]), salt
     else:
         As = [rank_data((W * 3, 8), torch.float32, r, salt) for r in range(W)]
         Bs = [_b(8, 6, salt, r) for r in range(W)]
@@ -119,7 +128,7 @@ def fresh_loopback_buffers():
     fusedpar.comm.release_buffers()
 
 
-@pytest.mark.parametrize("op", OPS + ["all_gather_scaled_matmul"])
+@pytest.mark.parametrize("op", OPS + ["all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"])
 def test_loopback_launches_freeze_the_same_arguments_under_capture(fresh_loopback_buffers, op):
     """One eager call, then two under a faked capture with new inputs: every call launches the
     same kernels with the same non-tensor arguments, so a graph captured at the second would

@@ -30,6 +30,7 @@ def _exact_cases(world):
         cases.ScaledCase(AG, "3-D dim=0 gathered rows", (2, 3, 8), 0, (3,), ROWWISE_GATHERED, "", 6),
         cases.ScaledCase(AG, "3-D dim=1 tensorwise", (1, 1, 8), 1, (1,), TENSORWISE, "", 7),
         cases.ScaledCase(RS, "3-D dim=1 rowwise", (2, world, 24), 1, (5,), ROWWISE, "sum", 8),
+        cases.ScaledCase(RS, "odd e5m2 rowwise avg", (3 * world, 40), 0, (7,), ROWWISE, "avg", 12),
         cases.ScaledCase(RS, "columns", (5, 24), 1, (3 * world,), TENSORWISE, "sum", 9),
         cases.ScaledCase(RS, "3-D columns rowwise avg", (2, 3, 16), 2, (16 * world,), ROWWISE, "avg", 11),
         cases.ScaledCase(RS, "3-D dim=0 tensorwise avg", (world, 3, 8), 0, (7,), TENSORWISE, "avg", 10),
@@ -228,15 +229,22 @@ def test_registry_example_and_fake():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_loopback_matches_float64_torch_bit_for_bit(world):
-    """Every rank in one process through the ``*_loopback`` variants (triton: the loopback
-    symmetric-memory collective and the Triton fp8 GEMM, interpreted here)."""
-    for case in cases.cases(world):
-        inputs = case.inputs(torch.bfloat16, world, "cpu")
-        expected = case.expected(inputs, torch.bfloat16)
-        with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
-            outs = case.loopback(inputs, "triton")
-        assert same(outs, expected), case.label  # dtypes, shapes and bits (fp8 A_gathered too)
-        assert counter.total() == world * case.lower_bound(inputs[0], world), case.label
+    """Every rank in one process through the ``*_loopback`` variants (triton: the overlapped
+    protocols on loopback buffers and the Triton fp8 GEMMs, interpreted here); the
+    reduce-scatter also on the extra shapes (3-D, the output's columns, e5m2) and in every
+    output dtype (float32 sums rounded once)."""
+    extra = [case for case in _exact_cases(world)[len(cases.cases(world)):] if case.op == RS]
+    dtypes = [(torch.bfloat16,)] * len(cases.cases(world)) + [(torch.float32,), (torch.float16,)] * len(extra)
+    for case, case_dtypes in zip(cases.cases(world) + extra, dtypes):
+        fp8 = E5M2 if "e5m2" in case.label else E4M3
+        for dtype in case_dtypes:
+            inputs = [(*cases.scaled_inputs(case.op, case.a_shape, case.ns, case.a_mode, case.dim, r, world,
+                                            case.salt, "cpu", fp8), dtype) for r in range(world)]
+            expected = case.expected(inputs, dtype)
+            with poisoned_allocations(), fusedpar.comm.count_bytes() as counter:
+                outs = case.loopback(inputs, "triton")
+            assert same(outs, expected), (case.label, dtype)  # dtypes, shapes and bits (fp8 A_gathered too)
+            assert counter.total() == world * case.lower_bound(inputs[0], world), case.label
 
 
 def test_triton_refuses_gpus_without_fp8_tensor_cores(monkeypatch):
@@ -330,13 +338,14 @@ def test_triton_multiplies_the_rows_as_they_land_and_nans_a_failed_call(monkeypa
 
 def _one_plan_per_signature():
     """A second call of a signature runs the first one's plan (no checks, no dispatch): right
-    for new values."""
+    for new values (the reduce-scatter: of rows and of the output's columns)."""
     from fusedpar.ops import scaled_matmul as sm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     made = []
-    real = sm._ag_plan
-    sm._ag_plan = lambda *args: made.append(args[-1]) or real(*args)
+    real_ag, real_rs = sm._ag_plan, sm._rs_plan
+    sm._ag_plan = lambda *args: made.append(args[-1]) or real_ag(*args)
+    sm._rs_plan = lambda *args: made.append(f"{args[5]} {args[-1]}") or real_rs(*args)
     try:
         for salt in (0, 1):
             a, bs, a_scale, b_scales = cases.scaled_inputs(AG, (5, 16), (8,), ROWWISE_SHARD, 0, rank, world,
@@ -346,10 +355,90 @@ def _one_plan_per_signature():
             _, (expected,) = fusedpar.ops.all_gather_scaled_matmul(a, bs, a_scale, b_scales, 0,
                                                                    backend="reference")
             assert torch.equal(out, expected)
+            a, bs, a_scale, b_scales = cases.scaled_inputs(RS, (2 * world, 16), (8,), ROWWISE, 0, rank, world,
+                                                           salt, "cpu")
+            for dim in (0, 1):
+                out, expected = (fusedpar.ops.scaled_matmul_reduce_scatter(a, bs[0], a_scale, b_scales[0], "avg",
+                                                                           dim, backend=backend)
+                                 for backend in ("triton", "reference"))
+                assert torch.equal(out, expected), dim
     finally:
-        sm._ag_plan = real
+        sm._ag_plan, sm._rs_plan = real_ag, real_rs
     return made
 
 
 def test_the_triton_backend_plans_once_per_signature(pools):
-    assert pools(2).run(_one_plan_per_signature) == [["triton", "reference"]] * 2
+    made = ["triton", "reference", "0 triton", "0 reference", "1 triton", "1 reference"]
+    assert pools(2).run(_one_plan_per_signature) == [made] * 2
+
+
+def _rs_loopback(inputs, dim, **kwargs):
+    a, b, sa, sb = (list(x) for x in zip(*inputs))
+    return fusedpar.ops.scaled_matmul_reduce_scatter_loopback(a, [x[0] for x in b], sa, [x[0] for x in sb], "sum",
+                                                              dim, **kwargs)
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_triton_reduce_scatter_overlaps_and_nans_a_failed_call(monkeypatch, columns):
+    """The triton backend runs the bf16 op's protocol: per rank one ``ScatterLaunch`` (the
+    SCALED GEMM into the float32 partials, READY per chunk) with A's row scales and B's
+    column scales (stride 0: tensorwise) for its epilogue, then the pull, and no other GEMM
+    or collective; scattering the output's columns, the GEMM's A is a row-major Bᵀ (B's
+    column scales its row scales) and its B is Aᵀ (K-major). Rank 1 publishing another
+    fingerprint: rank 0's output is NaN and the call raises; the next call is right."""
+    from fusedpar.kernels import matmul_reduce_scatter as kernels
+    from fusedpar.kernels import reduce_scatter as rs_kernels
+    from fusedpar.ops import scaled_matmul as sm
+
+    world, dim, ns = 2, (2 if columns else 1), ((4 * 2,) if columns else (12,))
+    inputs = [cases.scaled_inputs(RS, (3, 2, 16), ns, ROWWISE, dim, r, world, 5, "cpu") for r in range(world)]
+    for r in range(world):  # B's column scales
+        inputs[r][3][0] = cases.pow2_scale((1, ns[0]), r, 1, "cpu")
+    expected = cases.ScaledCase(RS, "", (3, 2, 16), dim, ns, ROWWISE, "sum", 5).expected(
+        [(*x, torch.bfloat16) for x in inputs], torch.bfloat16)
+    launches, pulled = [], []
+    real_launch, real_pull = kernels.ScatterLaunch.__call__, rs_kernels.reduce_scatter_pull
+    monkeypatch.setattr(kernels.ScatterLaunch, "__call__",
+                        lambda self, a, b, p, pad_table, rank, epoch, meta, timeout_ns, scales=None:
+                        launches.append((a, b, p.dtype, scales, self.kmajor))
+                        or real_launch(self, a, b, p, pad_table, rank, epoch, meta, timeout_ns, scales))
+    monkeypatch.setattr(rs_kernels, "reduce_scatter_pull",
+                        lambda out, *args, **kwargs: pulled.append(out) or real_pull(out, *args, **kwargs))
+    monkeypatch.setattr(sm, "triton_gemm", None)  # not called
+    outs = _rs_loopback(inputs, dim)
+    assert same(outs, expected)
+    assert len(launches) == len(pulled) == world and all(p.dtype == torch.float32 for p in pulled)
+    a, b, p_dtype, (sa, stride_sa, sb, stride_sb), kmajor = launches[1]
+    assert p_dtype == torch.float32 and a.is_contiguous() and kmajor == columns
+    if columns:  # Bᵀ @ Aᵀ: B's scales on the rows, A's on the columns
+        assert torch.equal(a, inputs[1][1][0].t()) and b.shape == (16, 6)
+        assert torch.equal(sa.reshape(-1), inputs[1][3][0].reshape(-1))
+        assert torch.equal(sb.reshape(-1), inputs[1][2].reshape(-1))
+    else:  # dim 1 first
+        assert torch.equal(a.float(), inputs[1][0].movedim(1, 0).reshape(-1, 16).float())
+        assert torch.equal(sa.reshape(-1), inputs[1][2].movedim(1, 0).reshape(-1))
+        assert torch.equal(sb.reshape(-1), inputs[1][3][0].reshape(-1))
+    assert stride_sa == stride_sb == 1
+
+    monkeypatch.setattr(kernels.ScatterLaunch, "__call__",
+                        lambda self, a, b, p, pad_table, rank, epoch, meta, *args:
+                        real_launch(self, a, b, p, pad_table, rank, epoch, meta + rank, *args))
+    pulled.clear()
+    with pytest.raises(ValueError, match="passed different inputs"):
+        _rs_loopback(inputs, dim)
+    assert pulled[0].isnan().all()
+    monkeypatch.undo()
+    assert same(_rs_loopback(inputs, dim), expected)
+
+
+def test_triton_reduce_scatter_empty_shapes():
+    """Zero rows, zero K or zero columns, scattering rows or the output's columns: the
+    loopback's triton backend gives the zero (or empty) result in the caller's layout."""
+    world = 2
+    for m, k, n, dim in ((0, 16, 8, 0), (0, 16, 8, 1), (4, 0, 8, 0), (4, 0, 8, 1), (4, 16, 0, 0)):
+        a = [torch.ones(m, k).to(E4M3)] * world
+        b = [torch.ones(k, n).to(E4M3)] * world
+        one = [torch.ones(())] * world
+        outs = fusedpar.ops.scaled_matmul_reduce_scatter_loopback(a, b, one, one, "sum", dim)
+        shape = (m // world, n) if dim == 0 else (m, n // world)
+        assert all(o.shape == shape and o.dtype == torch.bfloat16 and not o.any() for o in outs), (m, k, n, dim)
