@@ -111,7 +111,9 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
     MLP's SwiGLU gather and push): the products times ``sa[row] * sb[expert][col]``
     (``gemm.scale_tile``: element i of ``sa`` at ``sa_ptr + i * stride_sa``, a stride 0
     repeats a tensorwise scale; expert e's column j of ``sb`` at ``sb_ptr + e * stride_sbe +
-    j * stride_sb``), before the epilogue: with ``SWIGLU`` the gate and up products are
+    j * stride_sb``, in the SwiGLU gather and the push: the plain gather has one B and takes
+    no expert offset, which costs its fp32-output variant 20 B more spills), before the
+    epilogue: with ``SWIGLU`` the gate and up products are
     scaled (their columns j and N + j of ``sb``), rounded to c's dtype and SwiGLU'd as
     torch does in that dtype (``gemm.swiglu_tile``'s ROUND: the fp8 recipe's numbers); the
     scale pointers are unused otherwise. ``stride_am``: a's row stride on pointer loads
@@ -164,7 +166,9 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
                 if SCALED:
                     sa_rows = sa_ptr + local_row.to(tl.int64) * stride_sa
-                    sb_expert = sb_ptr + tl.cast(expert, tl.int64) * stride_sbe
+                    sb_expert = sb_ptr
+                    if SWIGLU or PUSH:  # the expert MLP's (the plain gather has one B)
+                        sb_expert += tl.cast(expert, tl.int64) * stride_sbe
                     if SWIGLU:
                         gate = scale_tile(gate, sa_rows, stride_sa, sb_expert, stride_sb, m0, n0, rows,
                                           N, True, BLOCK_M, BLOCK_N)

@@ -126,7 +126,7 @@ def test_groups_match_a_loop_and_join_one_experts_sources(world, local):
         table = torch.randint(0, 3, (world, world * local), generator=g)
         blocks, runs, per_view, runs_per_view = first_gemm_blocks(table, list(range(world)), local)
         first_block = 0
-        for rank, (n, r) in enumerate(zip(per_view, runs_per_view)):
+        for rank, (n, _) in enumerate(zip(per_view, runs_per_view)):
             assert blocks[first_block:first_block + n].tolist() == _blocks_by_loop(table, rank, local)
             first_block += n
         views = np.split(runs, np.cumsum(runs_per_view)[:-1])
@@ -473,7 +473,7 @@ def _group_forward_syncs() -> dict:
     w13 = torch.randn(E, 2 * I, H, generator=g, device="cuda").bfloat16()
     w2 = torch.randn(E, H, I, generator=g, device="cuda").bfloat16()
     idx, w, _ = topk_route(torch.randn(T, E, generator=g, device="cuda"), k)
-    return {backend: _syncs(lambda: moe_experts(x, idx, w.bfloat16(), w13, w2, group, backend=backend))
+    return {backend: _syncs(lambda backend=backend: moe_experts(x, idx, w.bfloat16(), w13, w2, group, backend=backend))
             for backend in ("pipelined", "fused")}
 
 

@@ -14,6 +14,25 @@ splitting the rows by source costs no partial tile per source. The backward pass
 same exchange over the output gradients (gather GEMM with w2 whose epilogue applies the
 SwiGLU vector-Jacobian product to its fp32 tiles, push GEMM with w13); the weight
 gradients are computed where the experts live, one launch each over every source's rows.
+
+``float8`` (a rowwise recipe, ``float8_swiglu_mlp``'s numbers): each token copy is cast to
+fp8 as the permute kernel gathers it (``permute_float8``: a row of H fp8 bytes and its fp32
+scale, H + 4 bytes, staged and gathered as above); the gather GEMM multiplies those rows
+by w13 cast per expert and column (``float8_grouped_mm``'s cast) in fp8, reading each row's
+scale in place (a row stride of H + 4 bytes: pointer loads, H a multiple of 4), and applies
+the row and column scales in its epilogue, rounds the products to x's dtype and SwiGLUs
+them as torch does in that dtype (``grouped_mm_peers``' ``scales``). The push GEMM's rows
+``act`` are cast per row first, in a separate pass (a row's amax spans all of I, which the
+gather GEMM's tiles split), and multiplied by w2's cast in fp8, scales in the epilogue.
+The backward exchanges the output gradients in x's dtype (the weight gradients need them
+in high precision where the experts live): once they are in, the down GEMM's input
+gradient runs as the recipe's (``float8_grad_input``, per source) and SwiGLU's
+vector-Jacobian product in torch, then the push GEMM multiplies ``dh13``'s rowwise cast by
+w13's cast for the input gradient, in fp8; the weight gradients are
+``float8_weight_grads``, as the other backends'. Every result equals the reference
+backend's bitwise where the arithmetic is the same: in fp32 the epilogue's SwiGLU (Triton's
+sigmoid) may differ from torch's silu by ulps, which reach ``rowwise_with_gw_hp``'s
+high-precision w2 gradient (and the casts only where a value sits on a rounding edge).
 """
 
 from __future__ import annotations
