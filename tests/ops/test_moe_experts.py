@@ -746,6 +746,33 @@ def test_float8_backend_matches_the_reference_backend(pools, world, cases, backe
     assert all(m["rowwise"] < m[None] for m in moved), moved
 
 
+def _gpu_float8_backends(recipe):
+    """One rank on a GPU, bf16, through the compiled kernels (the fused backend's fp8 SwiGLU
+    gather of rows that carry their scales, its fp8 push GEMMs): each backend's y and
+    gradients relative to the reference backend's (the same casts; the GEMMs' fp32 sums
+    may run in other orders)."""
+    torch.manual_seed(0)
+    T, H, I, E, k = 301, 256, 192, 4, 2
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, device="cuda") * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda") * I ** -0.5).bfloat16()
+    idx, w, _ = topk_route(torch.randn(T, E, device="cuda"), k)
+    grad = torch.randn(T, H, device="cuda").bfloat16()
+    runs = {backend: _float8_run(backend, recipe, E, w13, w2, x, idx, w.bfloat16(), grad)
+            for backend in ("reference", "pipelined", "fused")}
+    return {backend: [float((o.double() - r.double()).norm() / r.double().norm())
+                      for o, r in zip(results, runs["reference"])] for backend, results in runs.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_gpu_float8_backends_match_the_reference(pools, recipe):
+    """y, dx, dweights, dw13, dw2 of the pipelined and fused fp8 paths within bf16 and fp8
+    rounding of the reference backend's."""
+    (errors,) = pools(1).run(_gpu_float8_backends, recipe)
+    assert all(e < 1e-2 for e in errors["fused"] + errors["pipelined"]), errors
+
+
 def _float8_errors():
     x, idx, w = torch.zeros(4, 16), torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
     w13, w2 = torch.zeros(1, 16, 16), torch.zeros(1, 16, 8)
