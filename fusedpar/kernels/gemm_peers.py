@@ -111,12 +111,12 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
     MLP's SwiGLU gather and push): the products times ``sa[row] * sb[expert][col]``
     (``gemm.scale_tile``: element i of ``sa`` at ``sa_ptr + i * stride_sa``, a stride 0
     repeats a tensorwise scale; expert e's column j of ``sb`` at ``sb_ptr + e * stride_sbe +
-    j * stride_sb``, in the SwiGLU gather and the push: the plain gather has one B and takes
-    no expert offset, which costs its fp32-output variant 20 B more spills), before the
-    epilogue: with ``SWIGLU`` the gate and up products are
-    scaled (their columns j and N + j of ``sb``), rounded to c's dtype and SwiGLU'd as
-    torch does in that dtype (``gemm.swiglu_tile``'s ROUND: the fp8 recipe's numbers); the
-    scale pointers are unused otherwise. ``stride_am``: a's row stride on pointer loads
+    j * stride_sb`` in the SwiGLU gather and the push; the plain gather has one B and adds
+    no expert offset, which would cost its fp32-output sm_90 variant 20 B more spills),
+    before the epilogue: with ``SWIGLU`` the gate and up products are scaled (their columns j
+    and N + j of ``sb``), rounded to c's dtype and SwiGLU'd as torch does in that dtype
+    (``gemm.swiglu_tile``'s ROUND: the fp8 recipe's numbers); the scale pointers are unused
+    otherwise. ``stride_am``: a's row stride on pointer loads
     (K, or more where each row of the staged rows carries its scale after its K elements).
     ``END``: the kernel ends the call: its last program NaN-fills ``c`` (``c_numel``
     elements) and ``g`` (``g_numel``, maybe 0) if this rank recorded a failure."""

@@ -325,7 +325,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         return grad_a, grad_b, None, None, None, None, None
 
 
-def float8_out_dtype(a_dtype: torch.dtype, b_dtype: torch.dtype) -> torch.dtype:
+def _backward_dtype(a_dtype: torch.dtype, b_dtype: torch.dtype) -> torch.dtype:
     """The dtype the scaled GEMMs of ``float8_grouped_mm``'s backward write (then cast to
     the gradient's)."""
     return torch.float32 if torch.float32 in (a_dtype, b_dtype) else torch.bfloat16
@@ -342,7 +342,7 @@ def float8_grad_input(r: float8_scales.Recipe, grad: torch.Tensor, b: torch.Tens
     rowwise (``r.w_for_dx``)."""
     gq, sg = cast_operand(grad, r.dy, r.round_pow2, grad.shape[0])
     bq, sbt = cast_operand(b, r.w_for_dx, r.round_pow2, b.shape[0], b.shape[1])
-    return scaled_grouped_mm(gq, bq.transpose(1, 2), sg, sbt, offs, out_dtype=float8_out_dtype(a_dtype, b.dtype),
+    return scaled_grouped_mm(gq, bq.transpose(1, 2), sg, sbt, offs, out_dtype=_backward_dtype(a_dtype, b.dtype),
                              backend=backend).to(a_dtype)
 
 
@@ -357,7 +357,7 @@ def float8_weight_grad(r: float8_scales.Recipe, a: torch.Tensor, grad: torch.Ten
     if r.dy_for_dw.dtype is None:  # in high precision
         return plain.grouped_mm(a.t(), grad.to(a.dtype), offs,
                                 backend=plain.DISPATCHER.carry(backend)).to(b_dtype)
-    acc = float8_out_dtype(a.dtype, b_dtype)
+    acc = _backward_dtype(a.dtype, b_dtype)
     # gradᵀ @ a per group of rows (groups along K)
     if r.dy_for_dw.rowwise:  # each operand scaled per column of each group
         gq, sg = quantize_per_group(grad, r.dy_for_dw.dtype, offs, r.round_pow2)

@@ -45,10 +45,9 @@ import torch.distributed as dist
 
 from ...comm import counters, get_buffer, get_loopback_buffers, layout, symmetric
 from ...kernels import gemm_peers
-from .. import protocol
+from .. import float8_scales, protocol
 from ..backend import Backend
 from ..calls import CollectiveCall, REDUCE_DTYPES
-from .. import float8_scales
 from ..scaled_grouped_mm import cast_operand, float8_grad_input
 from .exchange import (SCALE_BYTES, Unpermute, checked_counts, dequantize_float8, host_to_device, permute,
                        permute_float8, sort_by_expert, unpack_float8, unpermute)
