@@ -363,14 +363,22 @@ def column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def swiglu_tile(c_ptr, h_ptr, gate, up, m0, n0, m_end, N, KEEP_H: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr):
     """SwiGLU on one tile of the fp32 ``gate`` and ``up`` products at columns
     ``n0:n0+BLOCK_N``: ``c [T, N]`` gets ``silu(gate) * up``, and with KEEP_H ``h [T,
-    2N]`` gets ``[gate | up]``."""
+    2N]`` gets ``[gate | up]``. ``ROUND`` (the fp8 recipe's numerics: its GEMM writes the
+    products in c's dtype, then torch's ``silu(gate) * up`` in that dtype): the products,
+    then ``silu(gate)``, are rounded to c's dtype before the next step."""
+    if ROUND:
+        gate = gate.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(c_ptr.dtype.element_ty).to(tl.float32)
     if KEEP_H:
         store_tile(h_ptr, gate, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
         store_tile(h_ptr + N, up, m0, n0, m_end, N, 2 * N, 1, BLOCK_M, BLOCK_N)
-    store_tile(c_ptr, gate * tl.sigmoid(gate) * up, m0, n0, m_end, N, N, 1, BLOCK_M, BLOCK_N)
+    silu = gate * tl.sigmoid(gate)
+    if ROUND:
+        silu = silu.to(c_ptr.dtype.element_ty).to(tl.float32)
+    store_tile(c_ptr, silu * up, m0, n0, m_end, N, N, 1, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -402,14 +410,14 @@ def tile_pair(a_ptr, b_ptr, m0, n0, n1, m_end, N, k_hi, stride_am, stride_ak, st
 
 @triton.jit
 def swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, m_end, N, KEEP_H: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr):
     """``swiglu_tile`` on the two column halves of a tile (whole tiles of both products
     spill)."""
     gate0, gate1 = column_halves(gate, BLOCK_M, BLOCK_N)
     up0, up1 = column_halves(up, BLOCK_M, BLOCK_N)
-    swiglu_tile(c_ptr, h_ptr, gate0, up0, m0, n0, m_end, N, KEEP_H, BLOCK_M, BLOCK_N // 2)
+    swiglu_tile(c_ptr, h_ptr, gate0, up0, m0, n0, m_end, N, KEEP_H, BLOCK_M, BLOCK_N // 2, ROUND)
     swiglu_tile(c_ptr, h_ptr, gate1, up1, m0, n0 + BLOCK_N // 2, m_end, N, KEEP_H, BLOCK_M,
-                BLOCK_N // 2)
+                BLOCK_N // 2, ROUND)
 
 
 @triton.jit

@@ -93,7 +93,7 @@ def push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, run_row, acc, m0, n0, rows, 
 def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table, rank,
                             world_size, epoch, timeout_ns, num_runs, N, K, c_row, stride_be,
                             stride_bk, stride_bn, g_ptr, c_numel, g_numel, stride_am, sa_ptr,
-                            stride_sa, sb_ptr, stride_sb,
+                            stride_sa, sb_ptr, stride_sb, stride_sbe,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PUSH: tl.constexpr, TMA: tl.constexpr,
                             B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, KEEP_H: tl.constexpr,
@@ -107,10 +107,16 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
     gate) * (a @ up)`` from the fp32 products, and with ``KEEP_H`` both products also go to
     ``h``. ``SWIGLU_VJP``: the product P = a @ b is the gradient of SwiGLU's output; C
     (``[rows, 2N]``) gets the gradients of the gate and up products, read from ``h``.
-    ``SCALED`` (the plain gather of fp8 ``a`` and ``b``: all_gather_scaled_matmul): C tiles
-    are the products times ``sa[row] * sb[col]`` (``gemm.scale_tile``: element i of ``sa`` at
-    ``sa_ptr + i * stride_sa``, a stride 0 repeats a tensorwise scale; of ``sb`` likewise);
-    the scale pointers are unused otherwise. ``stride_am``: a's row stride on pointer loads
+    ``SCALED`` (fp8 ``a`` and ``b``: all_gather_scaled_matmul's plain gather, the fp8 expert
+    MLP's SwiGLU gather and push): the products times ``sa[row] * sb[expert][col]``
+    (``gemm.scale_tile``: element i of ``sa`` at ``sa_ptr + i * stride_sa``, a stride 0
+    repeats a tensorwise scale; expert e's column j of ``sb`` at ``sb_ptr + e * stride_sbe +
+    j * stride_sb`` in the SwiGLU gather and the push; the plain gather has one B and adds
+    no expert offset, which would cost its fp32-output sm_90 variant 20 B more spills),
+    before the epilogue: with ``SWIGLU`` the gate and up products are scaled (their columns j
+    and N + j of ``sb``), rounded to c's dtype and SwiGLU'd as torch does in that dtype
+    (``gemm.swiglu_tile``'s ROUND: the fp8 recipe's numbers); the scale pointers are unused
+    otherwise. ``stride_am``: a's row stride on pointer loads
     (K, or more where each row of the staged rows carries its scale after its K elements).
     ``END``: the kernel ends the call: its last program NaN-fills ``c`` (``c_numel``
     elements) and ``g`` (``g_numel``, maybe 0) if this rank recorded a failure."""
@@ -158,14 +164,25 @@ def grouped_mm_peers_kernel(a, b, c_ptr, h_ptr, blocks_ptr, runs_ptr, pad_table,
                     else:
                         acc = tile_product(a_rows, b_expert, m0, n0, rows, N, 0, K, stride_am, 1,
                                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+                if SCALED:
+                    sa_rows = sa_ptr + local_row.to(tl.int64) * stride_sa
+                    sb_expert = sb_ptr
+                    if SWIGLU or PUSH:  # the expert MLP's (the plain gather has one B)
+                        sb_expert += tl.cast(expert, tl.int64) * stride_sbe
+                    if SWIGLU:
+                        gate = scale_tile(gate, sa_rows, stride_sa, sb_expert, stride_sb, m0, n0, rows,
+                                          N, True, BLOCK_M, BLOCK_N)
+                        up = scale_tile(up, sa_rows, stride_sa, sb_expert + N * stride_sb, stride_sb, m0,
+                                        n0, rows, N, True, BLOCK_M, BLOCK_N)
+                    else:
+                        acc = scale_tile(acc, sa_rows, stride_sa, sb_expert, stride_sb, m0, n0, rows, N,
+                                         True, BLOCK_M, BLOCK_N)
                 if SWIGLU:  # gate columns past N read up columns: computed, never stored
-                    swiglu_epilogue(c_base, h_base, gate, up, m0, n0, rows, N, KEEP_H, BLOCK_M, BLOCK_N)
+                    swiglu_epilogue(c_base, h_base, gate, up, m0, n0, rows, N, KEEP_H, BLOCK_M, BLOCK_N,
+                                    SCALED)
                 elif SWIGLU_VJP:
                     swiglu_vjp_epilogue(c_base, h_base, acc, m0, n0, rows, N, BLOCK_M, BLOCK_N)
                 elif not PUSH:
-                    if SCALED:
-                        acc = scale_tile(acc, sa_ptr + local_row.to(tl.int64) * stride_sa, stride_sa,
-                                         sb_ptr, stride_sb, m0, n0, rows, N, True, BLOCK_M, BLOCK_N)
                     store_tile(c_base, acc, m0, n0, rows, N, N, 1, BLOCK_M, BLOCK_N)
                 else:
                     push_tile(pad_table, c_ptr, blocks_ptr, b0, nb, local_row, acc, m0, n0, rows,
@@ -234,20 +251,24 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     contiguous; ``b [E, K, N]`` any strides. ``config``: overrides of the launch config
     (``gemm.gemm_operands``). ``ends_call`` (the plain gather): its last program NaN-fills
     ``c`` and ``gathered`` (contiguous, optional) if this rank recorded a failure
-    (all_gather_matmul; the expert MLP's calls end in ``protocol.release``). ``scales`` (the
-    plain gather of fp8 ``a`` and ``b``): ``(sa, stride_sa, sb, stride_sb)``, fp32 row scales
-    of ``a`` and column scales of ``b`` (stride 0: tensorwise), applied in the epilogue:
-    ``c = P * sa[:, None] * sb[None, :]``. ``a``'s rows may then be strided (each staged row
+    (all_gather_matmul; the expert MLP's calls end in ``protocol.release``). ``scales`` (fp8
+    ``a`` and ``b``; the plain gather, the ``"swiglu"`` gather or the push): ``(sa, stride_sa,
+    sb, stride_sb[, stride_sbe])``, fp32 row scales of ``a`` and column scales of ``b`` (stride
+    0: tensorwise; ``stride_sbe``: between experts' column scales, default 0), applied before
+    the epilogue: ``P = (a @ b[e]) * sa[:, None] * sb[e][None, :]``, and the ``"swiglu"``
+    epilogue rounds the scaled products to c's dtype first, as the fp8 recipe's GEMM writes
+    them (``gemm.swiglu_tile``'s ROUND). ``a``'s rows may then be strided (each staged row
     carrying its scale after its K elements: pointer loads).
     Waits: the GATHERED flags it spins on are raised by the copy engine (``stream_write_value32``
     on a side stream, after a one-program READY wait there) or, without one, before this
     launch in stream order; the grid (``peers_grid``) leaves one SM free for that wait.
     """
     if epilogue not in (None, *EPILOGUES) or push and epilogue is not None or (
-            scales is not None and (push or epilogue is not None)):
+            scales is not None and epilogue not in (None, "swiglu")):
         raise ValueError(f"grouped_mm_peers: push={push} with epilogue={epilogue!r}, scales "
                          f"{'given' if scales is not None else 'none'}; the gather takes None (the "
-                         f"product, scaled or not) or one of {EPILOGUES}, the push None")
+                         f"product, scaled or not) or one of {EPILOGUES} (scaled: 'swiglu' only), "
+                         "the push None")
     swiglu = epilogue == "swiglu"
     K, N = b.shape[1], b.shape[2] // 2 if swiglu else b.shape[2]
     sms = sm_count(a.device)
@@ -260,11 +281,12 @@ def grouped_mm_peers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, blocks: 
     if tiles == 0 and not ends_call:
         return
     g = c if gathered is None else gathered
-    sa, stride_sa, sb, stride_sb = scales or (c, 0, c, 0)
+    sa, stride_sa, sb, stride_sb, stride_sbe = (*scales, 0)[:5] if scales is not None else (c, 0, c, 0, 0)
     grouped_mm_peers_kernel[peers_grid(tiles, sms, cfg)](
         a_arg, b_arg, c, c if h is None else h, blocks, runs, pad_table, rank, world_size, epoch,
         timeout_ns, runs.shape[0], N, K, c_row, b.stride(0), b.stride(1), b.stride(2),
         g, c.numel(), 0 if gathered is None else g.numel(), a.stride(0), sa, stride_sa, sb, stride_sb,
+        stride_sbe,
         PUSH=push, TMA=cfg["TMA"], B_KMAJOR=kmajor, SWIGLU=swiglu, KEEP_H=swiglu and h is not None,
         SWIGLU_VJP=epilogue == "swiglu_vjp", END=ends_call, **scaled_options(cfg, scales is not None))
 
@@ -351,7 +373,7 @@ class GatherLaunch:
         grouped_mm_peers_kernel[self.grid](
             a_arg, b_arg, c, c, blocks, runs, pad_table, rank, world_size, 0, timeout_ns,
             runs.shape[0], self.N, self.K, 0, stride_be, stride_bk, stride_bn, g, c.numel(),
-            0 if gathered is None else g.numel(), a.stride(0), sa, stride_sa, sb, stride_sb,
+            0 if gathered is None else g.numel(), a.stride(0), sa, stride_sa, sb, stride_sb, 0,
             PUSH=False, TMA=cfg["TMA"], B_KMAJOR=self.kmajor,
             SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, END=True, **self.options)
 
@@ -361,7 +383,7 @@ _PEERS_SIG = {"a": "*bf16", "b": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "b
               "epoch": "i32", "timeout_ns": "i64", "num_runs": "i32", "N": "i32", "K": "i32",
               "c_row": "i32", "stride_be": "i32", "g_ptr": "*bf16", "c_numel": "i32", "g_numel": "i32",
               "stride_am": "i32", "sa_ptr": "*fp32", "stride_sa": "i32", "sb_ptr": "*fp32",
-              "stride_sb": "i32"}
+              "stride_sb": "i32", "stride_sbe": "i32"}
 
 
 _GATHER = dict(PUSH=False, SWIGLU=False, KEEP_H=False, SWIGLU_VJP=False, SCALED=False, END=False)
@@ -411,4 +433,18 @@ AOT_EXAMPLES = (
                    spills_ok=FP8_FP32_SPILLS if out == "fp32" else None, g_ptr=a, c_ptr=out, h_ptr=out)
        for tma, kmajor, a, out in ((True, True, "fp8e4nv", "bf16"), (True, False, "fp8e4nv", "bf16"),
                                    (True, True, "fp8e5", "bf16"), (True, True, "fp8e4nv", "fp32"),
-                                   (False, True, "fp8e4nv", "bf16"), (False, False, "fp8e5", "bf16"))])
+                                   (False, True, "fp8e4nv", "bf16"), (False, False, "fp8e5", "bf16"))]
+    # the fp8 expert MLP's (moe_experts' fused backend with float8, sm_90; e4m3, bf16 out): the
+    # SwiGLU gather of rows that carry their scales (pointer loads: a row stride of H + 4 bytes),
+    # the products kept or not, b the cast w13ᵀ (K-major); the push of the rowwise-cast rows
+    # (TMA, or pointer loads where they are not 16-byte aligned) with the cast w2ᵀ (K-major,
+    # the forward) or the cast w13 for the input gradient (row-major, the backward). sm_80
+    # has no fp8 tensor cores: no variant there, as for all_gather_scaled_matmul
+    + [fp8_example(grouped_mm_peers_kernel, dict(_PEERS_SIG, **{B_UNIT[kmajor][1]: "i32"}),
+                   dict(mode, **{B_UNIT[kmajor][0]: 1}), gpu_config(9, tma, epilogue), kmajor)
+       for mode, epilogue, tma, kmajor in ((dict(_GATHER, SWIGLU=True), "swiglu", False, True),
+                                           (dict(_GATHER, SWIGLU=True, KEEP_H=True), "swiglu", False, True),
+                                           (dict(_GATHER, PUSH=True), None, True, True),
+                                           (dict(_GATHER, PUSH=True), None, False, True),
+                                           (dict(_GATHER, PUSH=True), None, True, False),
+                                           (dict(_GATHER, PUSH=True), None, False, False))])

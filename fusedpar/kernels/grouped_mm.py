@@ -94,7 +94,7 @@ def grouped_mm_rows_kernel(a, b, c_ptr, h_ptr, offs_ptr, sa_ptr, sb_ptr, T, N, K
                     acc = tile_product(a, b_group, m0, n0, end, N, 0, k_hi, stride_am, stride_ak,
                                        stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
             if SWIGLU:
-                swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, end, N, KEEP_H, BLOCK_M, BLOCK_N)
+                swiglu_epilogue(c_ptr, h_ptr, gate, up, m0, n0, end, N, KEEP_H, BLOCK_M, BLOCK_N, False)
             elif SWIGLU_VJP:
                 swiglu_vjp_epilogue(c_ptr, h_ptr, acc, m0, n0, end, N, BLOCK_M, BLOCK_N)
             else:

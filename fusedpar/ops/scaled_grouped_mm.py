@@ -287,10 +287,11 @@ def quantize_per_group(x: torch.Tensor, dtype: torch.dtype, offs: torch.Tensor, 
     return data, s[:E].reciprocal()
 
 
-def _cast(x: torch.Tensor, cast: float8_scales.Cast, round_pow2: bool, *shape: int):
+def cast_operand(x: torch.Tensor, cast: float8_scales.Cast, round_pow2: bool, *shape: int):
     """``x`` cast per ``cast`` along its last dim (rowwise) or whole (tensorwise), with the
     scales as ``scaled_grouped_mm`` takes them (``shape``: reshaped, or the tensorwise one
-    expanded)."""
+    expanded): how the recipes cast each GEMM operand (the fused expert MLP casts its
+    weights and rows with it too)."""
     data, scale = float8_scales.quantize(x, cast.dtype, -1 if cast.rowwise else None, round_pow2)
     return data, scale.reshape(shape) if cast.rowwise else scale.expand(shape).contiguous()
 
@@ -304,9 +305,9 @@ class _Float8GroupedMM(torch.autograd.Function):
         r = float8_scales.recipe(recipe)
         T, (E, _, N) = a.shape[0], b.shape
         # a_cast: a's cast, already made (an fp8 dispatch's rows; ``a`` their dequantised values)
-        aq, sa = a_cast or _cast(a, r.x, r.round_pow2, T)
+        aq, sa = a_cast or cast_operand(a, r.x, r.round_pow2, T)
         # b's columns per expert, column-major as torch._scaled_grouped_mm takes it
-        bq_t, sb = _cast(b.transpose(1, 2), r.w, r.round_pow2, E, N)
+        bq_t, sb = cast_operand(b.transpose(1, 2), r.w, r.round_pow2, E, N)
         ctx.recipe, ctx.backend = r, backend
         ctx.save_for_backward(a, b, offs)
         return scaled_grouped_mm(aq, bq_t.transpose(1, 2), sa, sb, offs, out_dtype=out_dtype, backend=backend)
@@ -316,17 +317,33 @@ class _Float8GroupedMM(torch.autograd.Function):
         r, backend = ctx.recipe, ctx.backend
         a, b, offs = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[:2]
-        acc = torch.float32 if torch.float32 in (a.dtype, b.dtype) else torch.bfloat16
-        T, (E, K, _) = grad.shape[0], b.shape
         grad_a = grad_b = None
-        if need_a:  # grad @ b[g]ᵀ: b's rows (K) scaled per expert over N where rowwise
-            gq, sg = _cast(grad, r.dy, r.round_pow2, T)
-            bq, sbt = _cast(b, r.w_for_dx, r.round_pow2, E, K)
-            grad_a = scaled_grouped_mm(gq, bq.transpose(1, 2), sg, sbt, offs, out_dtype=acc,
-                                       backend=backend).to(a.dtype)
+        if need_a:
+            grad_a = float8_grad_input(r, grad, b, offs, a.dtype, backend)
         if need_b:
             grad_b = float8_weight_grad(r, a, grad, offs, b.dtype, backend)
         return grad_a, grad_b, None, None, None, None, None
+
+
+def _backward_dtype(a_dtype: torch.dtype, b_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scaled GEMMs of ``float8_grouped_mm``'s backward write (then cast to
+    the gradient's)."""
+    return torch.float32 if torch.float32 in (a_dtype, b_dtype) else torch.bfloat16
+
+
+def float8_grad_input(r: float8_scales.Recipe, grad: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                      a_dtype: torch.dtype, backend: str = "") -> torch.Tensor:
+    """a's gradient in ``float8_grouped_mm(a, b, offs)``'s backward at the output gradient
+    ``grad [T, N]``, cast as recipe ``r`` says: ``[T, K]`` in ``a_dtype``, the same as::
+
+        grouped_mm(grad, b.transpose(1, 2), offs)   # through fp8 casts
+
+    ``grad`` per row (``r.dy``), ``b [E, K, N]`` per expert and row of K, over N, where
+    rowwise (``r.w_for_dx``)."""
+    gq, sg = cast_operand(grad, r.dy, r.round_pow2, grad.shape[0])
+    bq, sbt = cast_operand(b, r.w_for_dx, r.round_pow2, b.shape[0], b.shape[1])
+    return scaled_grouped_mm(gq, bq.transpose(1, 2), sg, sbt, offs, out_dtype=_backward_dtype(a_dtype, b.dtype),
+                             backend=backend).to(a_dtype)
 
 
 def float8_weight_grad(r: float8_scales.Recipe, a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor,
@@ -340,15 +357,15 @@ def float8_weight_grad(r: float8_scales.Recipe, a: torch.Tensor, grad: torch.Ten
     if r.dy_for_dw.dtype is None:  # in high precision
         return plain.grouped_mm(a.t(), grad.to(a.dtype), offs,
                                 backend=plain.DISPATCHER.carry(backend)).to(b_dtype)
-    acc = torch.float32 if torch.float32 in (a.dtype, b_dtype) else torch.bfloat16
+    acc = _backward_dtype(a.dtype, b_dtype)
     # gradᵀ @ a per group of rows (groups along K)
     if r.dy_for_dw.rowwise:  # each operand scaled per column of each group
         gq, sg = quantize_per_group(grad, r.dy_for_dw.dtype, offs, r.round_pow2)
         aq, sa = quantize_per_group(a, r.x_for_dw.dtype, offs, r.round_pow2)
         sg, sa = sg.reshape(-1), sa.reshape(-1)
     else:
-        gq, sg = _cast(grad, r.dy_for_dw, r.round_pow2, E * N)
-        aq, sa = _cast(a, r.x_for_dw, r.round_pow2, E * K)
+        gq, sg = cast_operand(grad, r.dy_for_dw, r.round_pow2, E * N)
+        aq, sa = cast_operand(a, r.x_for_dw, r.round_pow2, E * K)
     grad_b = scaled_grouped_mm(gq.t(), aq, sg, sa, offs, out_dtype=acc, backend=_k_backend(backend))
     return grad_b.transpose(1, 2).to(b_dtype)
 

@@ -7,7 +7,9 @@ a call, by ``ExpertsCall.bucket()``: ``fusedpar.ops.tuning``):
   overlapping the expert GEMMs; a row per token and rank holding its experts. Takes
   ``float8``: the rows travel as fp8 bytes and a scale each.
 - ``fused`` (``experts_fused``): symmetric memory, both grouped GEMMs fused with the
-  exchange. Not ``float8`` (its kernels stage and multiply x's dtype).
+  exchange. Takes ``float8``: each copy is cast as the permute kernel gathers it and
+  travels as fp8 bytes and a scale; the GEMMs multiply in fp8 with the scales in their
+  epilogues.
 - ``reference`` (``Reference`` here): the unfused ops, ``moe_dispatch`` -> ``grouped_mm``
   -> ``swiglu`` -> ``grouped_mm`` -> ``moe_combine``. The only backend that takes
   ``max_tokens_per_rank``: the padded dispatch and ``grouped_mm(..., masked_m=)``, no host
@@ -120,12 +122,15 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
         h = swiglu(float8_grouped_mm(recv, w13.transpose(1, 2), offs, recipe=float8, a_cast=(data, scale)))
         return moe_combine(float8_grouped_mm(h, w2.transpose(1, 2), offs, recipe=float8), handle)
 
-    The ``pipelined`` and ``reference`` backends take it: the pipelined one sends each
-    (token, rank) row as fp8 bytes and its scale (cast as the rows are gathered), runs the
-    same ``float8_swiglu_mlp`` on each source's rows as they arrive, and the weights'
-    gradients over every source's rows in expert order (the same numbers). The ``fused`` backend
-    refuses it (its kernels stage and multiply x's dtype; the fp8 cast belongs in its
-    dispatch kernel, not written yet).
+    Every backend takes it: the pipelined one sends each (token, rank) row as fp8 bytes
+    and its scale (cast as the rows are gathered), runs the same ``float8_swiglu_mlp`` on
+    each source's rows as they arrive, and the weights' gradients over every source's rows
+    in expert order (the same numbers). The ``fused`` one casts each copy in its permute
+    kernel and stages it as fp8 bytes and a scale (H + 4 bytes; H a multiple of 4), its
+    first GEMM multiplies the gathered rows in fp8 with the scales and SwiGLU in its
+    epilogue, its push GEMM the rowwise-cast activations (cast in a separate pass); its
+    backward runs the recipe's steps on the exchanged output gradients (``experts_fused``);
+    the same numbers, but for the epilogue's SwiGLU in fp32 (ulps from torch's silu).
     """
     x, w13, w2 = autocast_inputs(x, w13, w2)
     group = resolve_group(group)

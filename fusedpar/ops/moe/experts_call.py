@@ -53,8 +53,9 @@ class ExpertsCall:
     float8: str | None = None  # a float8 recipe: fp8 dispatch and expert GEMMs
 
     def cache_key(self) -> tuple:
+        # H % 4: the fused backend's fp8 rows carry their scales after H bytes
         return (self.group.group_name, self.x.device.type, self.x.dtype,
-                self.max_tokens_per_rank is None, self.float8)
+                self.max_tokens_per_rank is None, self.float8, self.x.shape[1] % 4 == 0)
 
     @property
     def world_size(self) -> int:

@@ -14,9 +14,30 @@ splitting the rows by source costs no partial tile per source. The backward pass
 same exchange over the output gradients (gather GEMM with w2 whose epilogue applies the
 SwiGLU vector-Jacobian product to its fp32 tiles, push GEMM with w13); the weight
 gradients are computed where the experts live, one launch each over every source's rows.
+
+``float8`` (a rowwise recipe, ``float8_swiglu_mlp``'s numbers): each token copy is cast to
+fp8 as the permute kernel gathers it (``permute_float8``: a row of H fp8 bytes and its fp32
+scale, H + 4 bytes, staged and gathered as above); the gather GEMM multiplies those rows
+by w13 cast per expert and column (``float8_grouped_mm``'s cast) in fp8, reading each row's
+scale in place (a row stride of H + 4 bytes: pointer loads, H a multiple of 4), and applies
+the row and column scales in its epilogue, rounds the products to x's dtype and SwiGLUs
+them as torch does in that dtype (``grouped_mm_peers``' ``scales``). The push GEMM's rows
+``act`` are cast per row first, in a separate pass (a row's amax spans all of I, which the
+gather GEMM's tiles split), and multiplied by w2's cast in fp8, scales in the epilogue.
+The backward exchanges the output gradients in x's dtype (the weight gradients need them
+in high precision where the experts live): once they are in, the down GEMM's input
+gradient runs as the recipe's (``float8_grad_input``, per source) and SwiGLU's
+vector-Jacobian product in torch, then the push GEMM multiplies ``dh13``'s rowwise cast by
+w13's cast for the input gradient, in fp8; the weight gradients are
+``float8_weight_grads``, as the other backends'. Every result equals the reference
+backend's bitwise where the arithmetic is the same: in fp32 the epilogue's SwiGLU (Triton's
+sigmoid) may differ from torch's silu by ulps, which reach ``rowwise_with_gw_hp``'s
+high-precision w2 gradient (and the casts only where a value sits on a rounding edge).
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -24,13 +45,14 @@ import torch.distributed as dist
 
 from ...comm import counters, get_buffer, get_loopback_buffers, layout, symmetric
 from ...kernels import gemm_peers
-from .. import protocol
+from .. import float8_scales, protocol
 from ..backend import Backend
 from ..calls import CollectiveCall, REDUCE_DTYPES
-from .exchange import (Permute, Unpermute, checked_counts, host_to_device, permute, sort_by_expert,
-                       unpermute)
+from ..scaled_grouped_mm import cast_operand, float8_grad_input
+from .exchange import (SCALE_BYTES, Unpermute, checked_counts, dequantize_float8, host_to_device, permute,
+                       permute_float8, sort_by_expert, unpack_float8, unpermute)
 from .experts_call import OP, ExchangePlan, ExpertsCall, host_read_reasons
-from .mlp import weight_grads
+from .mlp import float8_weight_grads, swiglu, weight_grads
 
 
 def _by_owner(table: torch.Tensor, local: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,21 +91,62 @@ def first_gemm_blocks(table: torch.Tensor, ranks: list[int], local: int) -> tupl
             np.bincount(view_of_run, minlength=len(ranks)).tolist())
 
 
+class Float8B(NamedTuple):
+    """An expert GEMM's B in fp8, as the recipe casts it: ``b [E, K, N]`` fp8, ``sb [E, N]``
+    fp32 its column scales per expert, and ``cast_rows``: how the recipe casts the GEMM's A
+    rows (rows -> (fp8 rows, fp32 scales ``[rows]``): a separate pass), None where the rows
+    come cast (``permute_float8``'s packed rows: H fp8 bytes, then the fp32 scale, read in
+    place)."""
+
+    b: torch.Tensor
+    sb: torch.Tensor
+    cast_rows: Callable | None = None
+
+
+def _weights(b) -> torch.Tensor:
+    return b.b if isinstance(b, Float8B) else b
+
+
+def _gemm_operands(rows: torch.Tensor, b) -> tuple:
+    """``(a, b, scales)`` of a peers GEMM of ``rows`` by ``b`` (x's dtype, or a ``Float8B``:
+    the fp8 rows and their scales, ``grouped_mm_peers``' ``scales``)."""
+    if not isinstance(b, Float8B):
+        return rows, b, None
+    if b.cast_rows is None:  # packed rows: each row's scale after its H bytes (H % 4 == 0)
+        H = rows.shape[1] - SCALE_BYTES
+        a, sa = rows[:, :H].view(b.b.dtype), rows[:, H:].view(torch.float32)[:, 0]
+    else:
+        a, sa = b.cast_rows(rows)
+    return a, b.b, (sa, sa.stride(0), b.sb, b.sb.stride(1), b.sb.stride(0))
+
+
+def _region2_rows(rows: int, staged_row_bytes: int, back_row_bytes: int) -> int:
+    """Where region 2 (the results, rows of ``back_row_bytes``) starts in a data region whose
+    first ``rows`` staged rows take ``staged_row_bytes`` each, in result rows."""
+    return -(-rows * staged_row_bytes // back_row_bytes)
+
+
 def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, meta: int,
                     desc: list[int], keep_h: bool = False, h13s: list | None = None,
-                    copy_back: bool = True):
+                    copy_back: bool = True, dtype: torch.dtype | None = None):
     """``outgoing`` rows (per rank view, sorted like its copies) go to the ranks owning
     their experts, which compute ``epilogue(rows @ first_b[e]) @ second_b[e]`` and write the
     results straight back; one view per process, or all W in a loopback. ``epilogue`` runs
     in the gather GEMM. The forward (no ``h13s``): ``first_b = w13ᵀ``, swiglu,
     ``second_b = w2ᵀ``, the ``[rows, 2I]`` product kept only with ``keep_h``. The backward:
     ``w2``, the SwiGLU vector-Jacobian product at the forward's products ``h13s`` (per
-    view), ``w13``. Returns per view ``(back, received, first product (None when not
-    kept), the epilogue's output, bytes from peers)``: the results of its own rows in their
-    order, the rows it received (source-major) and what the epilogue made of them.
-    ``copy_back=False``: ``back`` is a view of this rank's region 2, valid until this rank's
-    next exchange on the group's buffer (a peer writes there only after our next stage); for
-    a caller that consumes it at once, not for one that autograd saves.
+    view), ``w13``. fp8 (``Float8B`` b's, ``dtype`` the results'): the forward's rows are
+    ``permute_float8``'s packed rows, multiplied with their scales in place
+    (``grouped_mm_peers``' ``scales``) before the SwiGLU epilogue; the push casts its rows
+    as the recipe does first. A first step that is a function (the fp8 backward) is not a
+    GEMM: it runs in torch on the received rows once they are all in and returns the push's
+    rows. Returns per view ``(back, received, first product (None when not kept), the
+    epilogue's output, bytes from peers)``: the results of its own rows in their order (in
+    ``dtype``, default outgoing's), the rows it received (source-major) and what the
+    epilogue made of them. ``copy_back=False``: ``back`` is a view of this rank's region 2,
+    valid until this rank's next exchange on the group's buffer (a peer writes there only
+    after our next stage); for a caller that consumes it at once, not for one that autograd
+    saves.
 
     Two epochs per call. Epoch 1: stage the rows (after DONE of the last call), READY;
     ``protocol.gathering`` copies each source's block of rows for this rank's experts (one
@@ -94,11 +157,13 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
     for every peer's DONE of the last call), READY; each rank waits for every owner's READY
     and reads its region 2; DONE. Each routed row crosses once each way.
     """
-    world, local = table.shape[0], first_bs[0].shape[0]
-    hidden, dtype = outgoing[0].shape[1], outgoing[0].dtype
+    world, local = table.shape[0], _weights(second_bs[0]).shape[0]
+    hidden, dtype = outgoing[0].shape[1], dtype or outgoing[0].dtype
+    staged_row_bytes = hidden * outgoing[0].element_size()
+    width = _weights(second_bs[0]).shape[2]  # of the results
     counts, staged = _by_owner(table, local)
-    region2_rows = int(counts.sum((1, 2)).max())  # where region 2 starts in every rank's data
-    region2 = region2_rows * hidden
+    # where region 2 starts in every rank's data, in result rows
+    region2_rows = _region2_rows(int(counts.sum((1, 2)).max()), staged_row_bytes, width * dtype.itemsize)
     # per owner: the rows each source sends it, and where that block starts in the source's
     # sorted copies
     per_sources = counts.sum(2).T.tolist()
@@ -123,104 +188,177 @@ def _fused_exchange(bufs, outgoing, first_bs, second_bs, table: torch.Tensor, me
         rank, rows = buf.rank, rows.tolist()
         per_source = per_sources[rank]
         received = x.new_empty(sum(rows), hidden)
-        width = first_b.shape[2]
-        # forward: swiglu of the [gate | up] products; backward: their gradients
-        product = x.new_empty(sum(rows), width) if h13 is None and keep_h else None
-        mid = x.new_empty(sum(rows), width // 2 if h13 is None else 2 * width)
+        product = mid = None
+        if not callable(first_b):
+            n = _weights(first_b).shape[2]
+            # forward: swiglu of the [gate | up] products; backward: their gradients
+            product = x.new_empty(sum(rows), n, dtype=dtype) if h13 is None and keep_h else None
+            mid = x.new_empty(sum(rows), n // 2 if h13 is None else 2 * n, dtype=dtype)
         blocks = []
         for src in ((rank + step) % world for step in range(world)):
             n, first = per_source[src], firsts[rank][src]
             at = sum(per_source[:src])
-            staged = buf.data(dtype, (first + n) * hidden, rank=src)[first * hidden:]
+            staged = buf.data(x.dtype, (first + n) * hidden, rank=src)[first * hidden:]
             if n:
                 blocks.append((src, received[at:at + n], staged.view(n, hidden)))
         with protocol.gathering(buf, blocks, epoch, meta, copy_engine=x.is_cuda):
-            gemm_peers.grouped_mm_peers(received, first_b, mid, *group_table, rows, buf.pad_table,
-                                        rank, world, epoch, buf.timeout_ns, push=False,
-                                        epilogue="swiglu" if h13 is None else "swiglu_vjp",
-                                        h=product if h13 is None else h13)
+            if mid is not None:
+                a, b, scales = _gemm_operands(received, first_b)
+                gemm_peers.grouped_mm_peers(a, b, mid, *group_table, rows, buf.pad_table, rank, world,
+                                            epoch, buf.timeout_ns, push=False,
+                                            epilogue="swiglu" if h13 is None else "swiglu_vjp",
+                                            h=product if h13 is None else h13, scales=scales)
+        if mid is None:  # every source's rows are in (in stream order)
+            mid = first_b(received)
         peer_rows = sum(per_source) - per_source[rank]
         states.append((received, product, mid, group_table, rows, peer_rows))
     protocol.release(launchers, bufs, epochs, OP, [state[:3] for state in states])  # Nones skipped
     epochs = [buf.next_epoch() for buf in bufs]
-    for buf, x, second_b, epoch, (_, _, mid, group_table, rows, _) in zip(
-            bufs, outgoing, second_bs, epochs, states):
-        gemm_peers.grouped_mm_peers(mid, second_b, x, *group_table, rows, buf.pad_table, buf.rank,
-                                    world, epoch, buf.timeout_ns, push=True, c_row=region2_rows)
+    for buf, second_b, epoch, (_, _, mid, group_table, rows, _) in zip(bufs, second_bs, epochs, states):
+        a, b, scales = _gemm_operands(mid, second_b)
+        gemm_peers.grouped_mm_peers(a, b, mid, *group_table, rows, buf.pad_table, buf.rank, world,
+                                    epoch, buf.timeout_ns, push=True, c_row=region2_rows, scales=scales)
         launchers.signal_peers(buf.pad_table, layout.READY, buf.rank, world, epoch, -1)
     outs = []
     for buf, x, epoch, (received, product, mid, *_, peer_rows) in zip(bufs, outgoing, epochs,
                                                                        states):
         launchers.wait_flags(buf.pad_table, layout.READY, buf.rank, world, epoch, buf.timeout_ns,
                              layout.TIMEOUT_READY, meta)
-        back = buf.data(dtype, region2 + x.numel())[region2:].view(x.shape)
+        back = buf.data(dtype, (region2_rows + x.shape[0]) * width)[region2_rows * width:]
+        back = back.view(x.shape[0], width)
         back = back.clone() if copy_back else back
         pushed_here = x.shape[0] - per_sources[buf.rank][buf.rank]
         outs.append((back, received, product, mid,
-                     (peer_rows + pushed_here) * hidden * x.element_size()))
+                     peer_rows * staged_row_bytes + pushed_here * width * dtype.itemsize))
     protocol.release(launchers, bufs, epochs, OP, [out[0] for out in outs])  # NaN where a wait failed
     return outs
 
 
+def _float8_forward_bs(w13: torch.Tensor, w2: torch.Tensor, recipe: str) -> tuple[Float8B, Float8B]:
+    """The forward's B operands as ``float8_swiglu_mlp`` casts them (per expert and column:
+    ``float8_grouped_mm``'s forward), the push's rows ``act`` cast per row (a separate pass:
+    a row's amax spans all of I, which the gather GEMM's tiles split)."""
+    r, E = float8_scales.recipe(recipe), w13.shape[0]
+    w13q, s13 = cast_operand(w13, r.w, r.round_pow2, E, w13.shape[1])
+    w2q, s2 = cast_operand(w2, r.w, r.round_pow2, E, w2.shape[1])
+    return (Float8B(w13q.transpose(1, 2), s13),
+            Float8B(w2q.transpose(1, 2), s2, lambda act: cast_operand(act, r.x, r.round_pow2, act.shape[0])))
+
+
+def _float8_backward_bs(w13: torch.Tensor, w2: torch.Tensor, h13: torch.Tensor, plan: ExchangePlan,
+                        recipe: str) -> tuple:
+    """The backward's steps as ``float8_swiglu_mlp``'s autograd runs them: the first (in
+    torch, on the received output gradients ``dy``): the down GEMM's input gradient
+    (``float8_grad_input``, per source: its rows' expert groups) and SwiGLU's vector-Jacobian
+    product at ``h13``; the push: the first GEMM's input gradient, ``dh13`` cast per row and
+    w13 per expert and column of H (``float8_grad_input``'s casts, in the push GEMM)."""
+    r, E, H = float8_scales.recipe(recipe), w13.shape[0], w13.shape[2]
+
+    def first(dy):
+        d_act = dy.new_empty(dy.shape[0], w2.shape[2])
+        for src in range(plan.world):
+            rows = plan.copy_rows(src)
+            if rows.stop > rows.start:
+                d_act[rows] = float8_grad_input(r, dy[rows], w2.transpose(1, 2), plan.offs[src], dy.dtype)
+        return torch.func.vjp(swiglu, h13)[1](d_act)[0]
+
+    bq, sbt = cast_operand(w13.transpose(1, 2), r.w_for_dx, r.round_pow2, E, H)
+    # float8_grad_input writes x's dtype here (x, w13 and w2 share it, bf16 or fp32)
+    return first, Float8B(bq.transpose(1, 2), sbt, lambda dh13: cast_operand(dh13, r.dy, r.round_pow2, dh13.shape[0]))
+
+
 def _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, keep_h: bool = False,
-                   copy_back: bool = True):
-    """The forward exchange: ``swiglu(rows @ w13[e]ᵀ) @ w2[e]ᵀ`` of each view's rows."""
-    return _fused_exchange(bufs, sorted_xs, [w.transpose(1, 2) for w in w13s],
-                           [w.transpose(1, 2) for w in w2s], table, meta, desc, keep_h=keep_h,
-                           copy_back=copy_back)
+                   copy_back: bool = True, float8: str | None = None):
+    """The forward exchange: ``swiglu(rows @ w13[e]ᵀ) @ w2[e]ᵀ`` of each view's rows
+    (``float8``: ``permute_float8``'s packed rows, through the recipe's casts)."""
+    if float8 is None:
+        firsts, seconds = [w.transpose(1, 2) for w in w13s], [w.transpose(1, 2) for w in w2s]
+    else:
+        firsts, seconds = zip(*(_float8_forward_bs(w13, w2, float8) for w13, w2 in zip(w13s, w2s)))
+    return _fused_exchange(bufs, sorted_xs, firsts, seconds, table, meta, desc, keep_h=keep_h,
+                           copy_back=copy_back, dtype=w13s[0].dtype)
 
 
-def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype) -> tuple[int, list[int]]:
+def _fused_meta(hidden: int, w13: torch.Tensor, num_experts: int, k: int, dtype,
+                float8: str | None = None) -> tuple[int, list[int]]:
     """``(meta, desc)``: the fingerprint the ranks' flags compare and the ``layout.DESC``
     words that describe a mismatch."""
-    return (symmetric.fingerprint(OP, dtype, hidden, tuple(w13.shape[1:]), num_experts, k),
+    return (symmetric.fingerprint(OP, dtype, hidden, tuple(w13.shape[1:]), num_experts, k, float8),
             symmetric.describe_words(0, dtype, (hidden, w13.shape[1], num_experts, k), 0))
 
 
-def _fused_nbytes(table: torch.Tensor, hidden: int, dtype: torch.dtype) -> int:
-    """Every rank's data region: its staged copies, then region 2 (the same size)."""
-    return 2 * int(table.sum(1).max()) * hidden * dtype.itemsize
+def _fused_nbytes(table: torch.Tensor, staged_row_bytes: int, back_row_bytes: int) -> int:
+    """Every rank's data region: its staged copies, then region 2 (its copies' results)."""
+    rows = int(table.sum(1).max())
+    return (_region2_rows(rows, staged_row_bytes, back_row_bytes) + rows) * back_row_bytes
 
 
-def _fused_buffer(plan: ExchangePlan, rows: torch.Tensor):
-    """The group's symmetric buffer, large enough for an exchange of ``rows``."""
-    return get_buffer(plan.group, _fused_nbytes(plan.table, rows.shape[1], rows.dtype), rows.device)
+def _fused_buffer(plan: ExchangePlan, rows: torch.Tensor, dtype: torch.dtype, hidden: int):
+    """The group's symmetric buffer, large enough for an exchange of ``rows`` whose results
+    are ``hidden`` wide in ``dtype``."""
+    return get_buffer(plan.group, _fused_nbytes(plan.table, rows.shape[1] * rows.element_size(),
+                                                hidden * dtype.itemsize), rows.device)
 
 
 class _FusedExperts(torch.autograd.Function):
-    """The fused expert MLP; its backward is the same exchange over the output gradients
-    (``_fused_exchange`` with w2, the SwiGLU vector-Jacobian product in the gather GEMM's
-    epilogue, and w13), the weight gradients computed where the experts live."""
+    """The fused expert MLP of x's copies (``pos``: each copy's row, sorted by owner and
+    expert; ``permute_float8``'s packed rows with ``float8``); its backward is the same
+    exchange over the output gradients (``_fused_exchange`` with w2, the SwiGLU
+    vector-Jacobian product in the gather GEMM's epilogue, and w13; with ``float8``, the
+    recipe's steps: ``_float8_backward_bs``), the weight gradients computed where the
+    experts live."""
 
     @staticmethod
-    def forward(ctx, sorted_x, w13, w2, plan: ExchangePlan):
-        table, k = plan.table, plan.k
-        buf = _fused_buffer(plan, sorted_x)
-        meta, desc = _fused_meta(sorted_x.shape[1], w13, table.shape[1], k, sorted_x.dtype)
-        (back, received, h13, act, nbytes), = _fused_forward([buf], [sorted_x.contiguous()], [w13],
-                                                             [w2], table, meta, desc,
+    def forward(ctx, x, w13, w2, plan: ExchangePlan, pos, float8):
+        table, k, sent = plan.table, plan.k, sum(plan.send)
+        rows = permute(x, pos, k, sent) if float8 is None else permute_float8(x, pos, k, sent, float8)
+        buf = _fused_buffer(plan, rows, x.dtype, x.shape[1])
+        meta, desc = _fused_meta(x.shape[1], w13, table.shape[1], k, x.dtype, float8)
+        (back, received, h13, act, nbytes), = _fused_forward([buf], [rows], [w13], [w2], table, meta, desc,
                                                              keep_h=any(ctx.needs_input_grad[:3]),
-                                                             copy_back=plan.keep_back)
+                                                             copy_back=plan.keep_back, float8=float8)
         counters.record(OP, "fused", nbytes)
         # act (the push GEMM's input) for w2's gradient: kept, as autograd keeps silu's output
-        ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2)
-        ctx.plan, ctx.meta, ctx.desc = plan, meta, desc
+        ctx.save_for_backward(received, h13, act if ctx.needs_input_grad[2] else None, w13, w2, pos)
+        ctx.plan, ctx.meta, ctx.desc, ctx.float8, ctx.tokens = plan, meta, desc, float8, x.shape[0]
         return back
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_back):
-        received, h13, act, w13, w2 = ctx.saved_tensors
-        plan = ctx.plan
+        received, h13, act, w13, w2, pos = ctx.saved_tensors
+        plan, float8 = ctx.plan, ctx.float8
         # a fingerprint of its own: a rank still in the forward pass cannot pass for one here
         meta = symmetric.fingerprint("backward", ctx.meta)
-        buf = _fused_buffer(plan, grad_back)
+        grad_back = grad_back.contiguous()
+        buf = _fused_buffer(plan, grad_back, grad_back.dtype, grad_back.shape[1])
+        first, second = (w2, w13) if float8 is None else _float8_backward_bs(w13, w2, h13, plan, float8)
         (grad_sorted, grad_received, _, dh13, nbytes), = _fused_exchange(
-            [buf], [grad_back.contiguous()], [w2], [w13], plan.table, meta, ctx.desc, h13s=[h13])
+            [buf], [grad_back], [first], [second], plan.table, meta, ctx.desc, h13s=[h13])
         counters.record(OP, "fused", nbytes)
-        return (grad_sorted, *weight_grads(ctx.needs_input_grad[1:3], w13, w2, plan, received, act,
-                                           grad_received, dh13),
-                None)
+        needs = ctx.needs_input_grad
+        if float8 is None:
+            dws = weight_grads(needs[1:3], w13, w2, plan, received, act, grad_received, dh13)
+        else:
+            x_rows = dequantize_float8(*unpack_float8(received, float8), grad_back.dtype)
+            dws = float8_weight_grads(needs[1:3], w13, w2, plan, x_rows, act, grad_received, dh13, float8)
+        return (unpermute(grad_sorted, pos, plan.k, ctx.tokens) if needs[0] else None, *dws,
+                None, None, None)
+
+
+def _float8_reasons(call: ExpertsCall) -> list[str]:
+    """What the fused fp8 path cannot take (the recipe's own checks come before:
+    ``moe_experts``)."""
+    reasons, H = [], call.x.shape[1]
+    if H % 4:
+        reasons.append(f"float8={call.float8!r}: the first GEMM reads each staged row's fp32 scale in "
+                       f"place after its H fp8 bytes, which needs H a multiple of 4, got H={H}; use "
+                       "backend='pipelined' or 'reference'")
+    if call.x.is_cuda and torch.cuda.get_device_capability(call.x.device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(call.x.device)
+        reasons.append(f"float8={call.float8!r}: fp8 tensor cores need compute capability 8.9+ (Ada, "
+                       f"Hopper), this GPU has {major}.{minor}")
+    return reasons
 
 
 class Fused(Backend):
@@ -234,10 +372,7 @@ class Fused(Backend):
         if call.x.dtype not in REDUCE_DTYPES:
             reasons.append(f"the fused kernels take float32, float16 or bfloat16, not {call.x.dtype}")
         if call.float8 is not None:
-            reasons.append(f"float8={call.float8!r}: the fused kernels stage and multiply x's dtype (the "
-                           "fp8 rows are to be cast in its dispatch kernel, and its first GEMM to read "
-                           "fp8 rows with their scales: not written yet); use backend='pipelined' or "
-                           "'reference'")
+            reasons += _float8_reasons(call)
         return reasons + host_read_reasons(call)
 
     def run(self, call: ExpertsCall) -> torch.Tensor:
@@ -253,8 +388,7 @@ class Fused(Backend):
         plan.table, plan.k = table, k
         # the results are weighted and summed at once; kept only for topk_weights' gradient
         plan.keep_back = torch.is_grad_enabled() and call.topk_weights.requires_grad
-        sorted_x = Permute.apply(x, pos, k, sum(plan.send))
-        back = _FusedExperts.apply(sorted_x, w13, call.w2, plan)
+        back = _FusedExperts.apply(x, w13, call.w2, plan, pos, call.float8)
         return Unpermute.apply(back, call.topk_weights, pos, k)
 
 
@@ -268,7 +402,8 @@ def fused_loopback(xs, topk_idxs, topk_weights, w13s, w2s) -> list:
                            dict(enumerate(topk_idxs)))  # one host read
     sorted_xs = [permute(x.contiguous(), pos, k, int(table[r].sum()))
                  for r, (x, (pos, _)) in enumerate(zip(xs, sorts))]
-    bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden, dtype), xs[0].device)
+    bufs = get_loopback_buffers(world, _fused_nbytes(table, hidden * dtype.itemsize, hidden * dtype.itemsize),
+                                xs[0].device)
     meta, desc = _fused_meta(hidden, w13s[0], local * world, k, dtype)
     outs = _fused_forward(bufs, sorted_xs, w13s, w2s, table, meta, desc, copy_back=False)
     for *_, nbytes in outs:
