@@ -13,7 +13,7 @@ from fusedpar.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, Mixtra
 from fusedpar.models.llama import IGNORE_INDEX
 from tests.ops.collective_cases import env
 
-SEQ, GLOBAL_BATCH, STEPS, LR = 16, 4, 5, 1e-2
+SEQ, GLOBAL_BATCH, STEPS, LR = 16, 4, 3, 1e-2
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
             intermediate_size=64)
 

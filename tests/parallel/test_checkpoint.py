@@ -17,7 +17,7 @@ from tests.parallel.parallel_cases import (LR, TINY, batches, full, make_model, 
 
 pytest.importorskip("transformers")
 
-SAVE_AT = 2  # steps before the checkpoint
+SAVE_AT = 2  # steps before the checkpoint; two after it (the second reads AdamW's restored state)
 
 
 def _save_then_continue(path: str) -> list[float]:
@@ -27,7 +27,7 @@ def _save_then_continue(path: str) -> list[float]:
 
 
 def _save_then_continue_steps(path: str) -> list[float]:
-    data = batches()
+    data = batches(steps=SAVE_AT + 2)
     base = make_model("llama")
     model = fusedpar.parallelize(copy.deepcopy(base), {"tp": 2, "dp_shard": 2}, backend="reference")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -99,7 +99,7 @@ def _load_resharded(path: str) -> list[float]:
 
 
 def _load_resharded_steps(path: str) -> list[float]:
-    data = batches()
+    data = batches(steps=SAVE_AT + 2)
     model = fusedpar.parallelize(make_model("llama", seed=7), {"dp_shard": 2})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     checkpoint.load(path, model, opt)

@@ -1,5 +1,5 @@
 """``fusedpar.parallelize`` on 4 CPU ranks against the single-process model: the loss and
-every gradient after one step and the loss after 5 AdamW steps (fp32: rtol 1e-5, atol
+every gradient after one step and the loss after 3 AdamW steps (fp32: rtol 1e-5, atol
 1e-6), for fusedpar's own Llama and tiny Hugging Face models built from a config.
 One pool run checks several configs (spawn and warm-up are paid once). fusedpar's ops run
 their reference backends (the fused ones are tested op by op in tests/ops) except in the
