@@ -191,7 +191,8 @@ def test_candidate_aot_examples():
     peers = gemm.tile_candidate_examples(gemm_peers.grouped_mm_peers_kernel, gemm_peers._PEERS_SIG,
                                          dict(gemm_peers._GATHER, END=True))
     sig = {k: v.replace("*T", "*bf16") for k, v in mrs._SIG.items()}
-    scatter = gemm.tile_candidate_examples(mrs.matmul_reduce_scatter_kernel, sig, {}, num_programs=131)
+    scatter = gemm.tile_candidate_examples(mrs.matmul_reduce_scatter_kernel, sig, {"SCALED": False},
+                                           num_programs=131)
     others = len(TILE_CANDIDATES_SM90) - 1
     assert len(peers) == len(scatter) == 2 * others
     for kernel, sig, consts, options in peers + scatter:
