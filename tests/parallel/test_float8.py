@@ -318,7 +318,7 @@ def test_float8_under_context_parallel_matches_torchao(pools):
     over those 4 ranks), each rank casts its zigzag tokens (the reference: zigzag_casts, without
     which rowwise's losses differ by 4e-4 and tensorwise's gradients by 0.16); tp=2 x cp=2:
     the TP layers' fp8 ops on the cp rank's tokens, FSDP2 over cp; HSDP (dp_replicate=2) x cp=2
-    and pp=2 x cp=2: the scales over each replica's cp ranks, each stage's."""
+    and pp=2 x cp=2 too."""
     cases = [("rowwise", dict(cp=2, dp_shard=2)), ("tensorwise", dict(cp=2, dp_shard=2)),
              ("tensorwise", dict(tp=2, cp=2, dp_shard=1)), ("rowwise", dict(dp_replicate=2, cp=2, dp_shard=1)),
              ("tensorwise", dict(pp=2, cp=2, dp_shard=1))]
