@@ -95,6 +95,7 @@ HEADLINE = [
     "bench_scaled_matmul.py::test_loopback[8192x8192x1280-torch.matmul.bf16-tensorwise]",
     "bench_scaled_matmul.py::test_loopback[8192x8192x1280-torch._scaled_mm-tensorwise]",
     "bench_scaled_matmul.py::test_loopback[8192x8192x1280-triton-tensorwise]",
+    "bench_scaled_matmul.py::test_loopback[8192x8192x1280-triton.rs-tensorwise]",
     "bench_grouped_mm.py::test_scaled_grouped_mm[torch._scaled_grouped_mm-skewed]",
     "bench_grouped_mm.py::test_scaled_grouped_mm[fusedpar.triton-skewed]",
     # a ~1B Llama's training step, ~6-10 s a case, bf16 and float8 (its torch.compile row: the

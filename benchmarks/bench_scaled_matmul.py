@@ -6,7 +6,10 @@ to the bf16 op they replace and the fp8 paths a user would pick instead (docs/de
   next to the bf16 ``torch.matmul`` of the bf16 op (what fp8 buys in compute alone), and
   ``triton``: ``all_gather_scaled_matmul_loopback`` (every rank's staged fp8 rows, and row
   scales, copied from the loopback buffer before that rank's peers-kernel fp8 GEMM: one GPU
-  has no link to overlap them with, as in ``all_gather_matmul_loopback``).
+  has no link to overlap them with, as in ``all_gather_matmul_loopback``); ``triton.rs``:
+  ``scaled_matmul_reduce_scatter_loopback`` (each rank's fp8 GEMM into float32 partials, each
+  chunk's sum pulled on a side stream while the GEMMs run: the group path on one GPU), recorded
+  as scaled_matmul_reduce_scatter's ``triton`` row.
 * ``test_torchrun`` (``torchrun --nproc-per-node N -m pytest benchmarks``): each fusedpar
   backend of the fp8 ops against torch's ``symm_mem.fused_all_gather_scaled_matmul`` /
   ``fused_scaled_matmul_reduce_scatter`` and the unfused NCCL collective + ``_scaled_mm``,
@@ -36,7 +39,7 @@ AG, RS = "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"
 FP8 = torch.float8_e4m3fn
 SHAPES = [(8192, 8192, 1280), (8192, 8192, 7168)]  # M, K, N
 SCALINGS = ("tensorwise", "rowwise")
-LOOPBACK = ("torch.matmul.bf16", "torch._scaled_mm", "triton")
+LOOPBACK = ("torch.matmul.bf16", "torch._scaled_mm", "triton", "triton.rs")
 AG_ROWS = ("nccl+_scaled_mm", "symm_mem.fused_all_gather_scaled_matmul", "all_gather_matmul.bf16",
            "pipelined", "reference", "symm_mem", AUTO)
 RS_ROWS = ("_scaled_mm+nccl", "symm_mem.fused_scaled_matmul_reduce_scatter", "matmul_reduce_scatter.bf16",
@@ -83,6 +86,21 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend,
 
         def fn():
             return [a_hp @ b_hp for _ in range(W_LOOPBACK)]
+    elif backend == "triton.rs":  # every rank the same A: its GEMM's fp32 partials, then the reduction
+        if m % W_LOOPBACK:
+            pytest.skip(f"M={m} does not split over W={W_LOOPBACK}")
+
+        def fn():
+            return fusedpar.ops.scaled_matmul_reduce_scatter_loopback(
+                [a] * W_LOOPBACK, [b] * W_LOOPBACK, [a_scale] * W_LOOPBACK, [b_scale] * W_LOOPBACK,
+                side_stream=True)
+        outs = fn()
+        for r, out in enumerate(outs):
+            want = W_LOOPBACK * exact.chunk(W_LOOPBACK)[r]
+            assert rel_err(out, want) <= 1e-2, (r, rel_err(out, want))
+        _record(benchmark, gpu_times, record_row, synced, RS, "triton", shape, W_LOOPBACK, "loopback",
+                scaling, fn)
+        return
     elif backend == "triton":  # every rank: the loopback gather, then the Triton fp8 peers GEMM
         rows = m // W_LOOPBACK
         shards = [a[r * rows:(r + 1) * rows] for r in range(W_LOOPBACK)]
