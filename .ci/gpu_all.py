@@ -126,10 +126,10 @@ BENCH = f"{PYTEST} --benchmark-only --max-timeout=45"
 # them and lose this order); the AOT compiles stay in CI (collecting test_aot.py starts them)
 TEST_PATHS = ("tests/test_build.py tests/gpu $(ls -d tests/*/ | grep -v -e '^tests/gpu/$' "
               "-e __pycache__) tests/test_*.py --ignore=tests/kernels/test_aot.py")
-# spawned ranks: the rows against symm_mem.fused_* and the graph replays first (the stage is
+# spawned ranks: the rows against symm_mem.fused_*, the graph replays, then the fp8 rows first (the stage is
 # slow and is often cut), then tests/gpu's other files and the other directories
 FIRST_SHARED = ("tests/gpu/test_gpu_shared_rows.py", "tests/gpu/test_gpu_graphs.py",
-                "tests/gpu/test_gpu_ring_graphs.py")
+                "tests/gpu/test_gpu_ring_graphs.py", "tests/gpu/test_gpu_shared_fp8_rows.py")
 SHARED_PATHS = (f"tests/test_build.py {' '.join(FIRST_SHARED)} $(ls tests/gpu/test_*.py | grep -v "
                 + " ".join(f"-e {p.split('/')[-1]}" for p in FIRST_SHARED)
                 + ") " + TEST_PATHS.split(" tests/gpu ", 1)[1])

@@ -125,7 +125,7 @@ def test_loopback(benchmark, gpu, gpu_times, record_row, synced, shape, backend,
 
 def _ag_case(backend, a, a_scale, b, b_scale, a_hp, b_hp, group):
     world = dist.get_world_size(group)
-    if backend in ("pipelined", "reference", "symm_mem", AUTO):
+    if backend in ("triton", "pipelined", "reference", "symm_mem", AUTO):
         chosen = None if backend == AUTO else backend
         return (lambda: fusedpar.ops.all_gather_scaled_matmul(a, [b], a_scale, [b_scale], 0, group,
                                                               backend=chosen)), "fusedpar"
@@ -150,7 +150,7 @@ def _ag_case(backend, a, a_scale, b, b_scale, a_hp, b_hp, group):
 
 
 def _rs_case(backend, a, a_scale, b, b_scale, a_hp, b_hp, group):
-    if backend in ("pipelined", "reference", "symm_mem", AUTO):
+    if backend in ("triton", "pipelined", "reference", "symm_mem", AUTO):
         chosen = None if backend == AUTO else backend
         return (lambda: fusedpar.ops.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, "sum", 0,
                                                                   group, backend=chosen)), "fusedpar"
@@ -172,6 +172,8 @@ def _rs_case(backend, a, a_scale, b, b_scale, a_hp, b_hp, group):
 
 
 def _dist_measure(op, backend, shape, scaling, group, device, agree):
+    """``(fn, bytes moved, note)`` of ``backend``'s case of ``op`` on ``group``, checked once
+    against float64 of the dequantized operands (also tests/gpu/test_gpu_shared_rows.py's)."""
     m, k, n = shape
     world, rank = split_rows(m, group, agree)
     if op == AG:

@@ -130,6 +130,11 @@ BASELINES["all_gather_matmul_shared_gpu"] = {
 BASELINES["matmul_reduce_scatter_shared_gpu"] = {
     "matmul+gloo": None, "matmul+triton reduce_scatter": None,
     "symm_mem.fused_matmul_reduce_scatter": None}
+BASELINES["all_gather_scaled_matmul_shared_gpu"] = {
+    "symm_mem.fused_all_gather_scaled_matmul": None, "all_gather_matmul.bf16": None, "reference": None}
+BASELINES["scaled_matmul_reduce_scatter_shared_gpu"] = {
+    "symm_mem.fused_scaled_matmul_reduce_scatter": None, "matmul_reduce_scatter.bf16": None,
+    "reference": None}
 
 # One training step of a ~1B Llama on one GPU (bench_train.py): fusedpar.parallelize's model is
 # the ``auto`` row (what a user gets; its target: AUTO_TARGET x plain torch's eager FSDP2 step,

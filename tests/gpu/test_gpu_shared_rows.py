@@ -52,7 +52,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multirank, pytest.mark.timeout(600)]
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 WORLD = 2
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+AG8, RS8 = "all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"  # fp8, rowwise scales
 SHAPES = {AG: (8192, 8192, 1280), RS: (8192, 3584, 8192)}  # M x K x N: the headline shapes
+SHAPES.update({AG8: SHAPES[AG], RS8: SHAPES[RS]})
 BUDGET_S, MIN_CALLS, MAX_CALLS = 1.0, 3, 20  # timed calls per case
 
 
@@ -206,15 +208,21 @@ def _row(op: str, shape, label: str) -> dict:
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
     group = subgroup()  # a fresh group: its symmetric buffer starts clean
-    make = _all_gather_matmul_cases if op == AG else _matmul_reduce_scatter_cases
-    cases, check = make(shape, rank, world, group, device)
     try:
-        fn, note, result, moved = run_case(label, cases[label], lambda ok: _agree(ok, group))
+        if op in (AG8, RS8):  # bench_scaled_matmul's case, checked there against float64
+            from bench_scaled_matmul import _dist_measure
+
+            fn, moved, _ = _dist_measure(op, label, shape, "rowwise", group, device,
+                                         lambda ok: _agree(ok, group))
+        else:
+            make = _all_gather_matmul_cases if op == AG else _matmul_reduce_scatter_cases
+            cases, check = make(shape, rank, world, group, device)
+            fn, note, result, moved = run_case(label, cases[label], lambda ok: _agree(ok, group))
+            ok, what = check(result, torch_op=note == "torch")
+            assert _agree(ok, group), f"{op} {label} on the shared GPU: {what} (rank {rank})"
+            del result
     except Unavailable as e:
         return {"backend": label, "reason": str(e)}
-    ok, what = check(result, torch_op=note == "torch")
-    assert _agree(ok, group), f"{op} {label} on the shared GPU: {what} (rank {rank})"
-    del result
     row = {"backend": label, "times": _times(fn, group), "bytes_moved": moved}
     _sync()
     dist.barrier(group)
@@ -235,6 +243,18 @@ IMPL = {
     (AG, "triton"): "fusedpar triton: copy-engine shards, the GEMM spinning on their flags",
     (RS, "triton"): "fusedpar triton: the GEMM's partials in symmetric memory, each peer's "
                     "copied on the copy engine once flagged, one summing pass",
+    (AG8, "triton"): "fusedpar triton: fp8 rows and row scales on the copy engine, the fp8 GEMM "
+                     "spinning on their flags, scales in its epilogue",
+    (RS8, "triton"): "fusedpar triton: the fp8 GEMM's float32 partials in symmetric memory, summed "
+                     "as they are flagged, rounded once",
+    (AG8, "reference"): "fusedpar reference: the fp8 bytes and row scales all-gathered by gloo via host "
+                        "copies, then torch._scaled_mm (NCCL refuses ranks sharing a GPU)",
+    (RS8, "reference"): "fusedpar reference: torch._scaled_mm into float32, then gloo's reduce-scatter via "
+                        "host copies (NCCL refuses ranks sharing a GPU)",
+    "symm_mem.fused_all_gather_scaled_matmul": "torch async-TP, fp8: copy-engine shards + _scaled_mm",
+    "symm_mem.fused_scaled_matmul_reduce_scatter": "torch async-TP, fp8: per-chunk _scaled_mm + P2P + reduce",
+    "all_gather_matmul.bf16": "fusedpar all_gather_matmul (auto backend) on the bf16 operands",
+    "matmul_reduce_scatter.bf16": "fusedpar matmul_reduce_scatter (auto backend) on the bf16 operands",
 }
 
 
@@ -243,18 +263,29 @@ IMPL = {
 CASES = {AG: ["triton", "triton all_gather+matmul", "symm_mem.fused_all_gather_matmul",
               "gloo+matmul"],
          RS: ["triton", "matmul+triton reduce_scatter", "symm_mem.fused_matmul_reduce_scatter",
-              "matmul+gloo"]}
+              "matmul+gloo"],
+         # fp8 (bench_scaled_matmul's cases, rowwise scales): the bf16 op beside, in the same group
+         AG8: ["triton", "symm_mem.fused_all_gather_scaled_matmul", "all_gather_matmul.bf16", "reference"],
+         RS8: ["triton", "symm_mem.fused_scaled_matmul_reduce_scatter", "matmul_reduce_scatter.bf16",
+               "reference"]}
 
 
 @pytest.mark.parametrize("op", [AG, RS])
 def test_gpu_shared_fused_matmul_rows(gpu_pools, op):
+    shared_rows(gpu_pools, op)
+
+
+def shared_rows(gpu_pools, op: str) -> None:
     """Each case of ``op`` runs on the ranks (one pool task each) and its row is written at
-    once; a case torch cannot run here is left out with a warning saying why."""
+    once; a case torch cannot run here is left out with a warning saying why. The fp8 ops'
+    rows (test_gpu_shared_fp8_rows.py) have dtype float8_e4m3fn; what crosses ranks is A's
+    fp8 rows and their scales (the all-gather) or float32 partials (the reduce-scatter)."""
     shape = SHAPES[op]
     record_row = _row_writer()
     m, k, n = shape
-    cols = k if op == AG else n  # the [M, cols] tensor that crosses ranks
-    item = torch.bfloat16.itemsize
+    # the bytes of a row of the [M, ...] tensor that crosses ranks
+    row_bytes = {AG: k * 2, RS: n * 2, AG8: k + 4, RS8: n * 4}[op]
+    dtype = torch.float8_e4m3fn if op in (AG8, RS8) else torch.bfloat16
     missing, measured = [], []
     for label in CASES[op]:
         row = gpu_pools(WORLD).run(_row, op, shape, label, timeout=300)[0]  # times: agreed
@@ -263,9 +294,9 @@ def test_gpu_shared_fused_matmul_rows(gpu_pools, op):
             continue
         median = row["times"][0]
         moved = None if row["bytes_moved"] is None else WORLD * row["bytes_moved"]
-        record_row(f"{op}_shared_gpu", row["backend"], shape, torch.bfloat16, WORLD, *row["times"],
-                   algo_bytes=WORLD * m * cols * item, bytes_moved=moved,
-                   lower_bound=WORLD * (WORLD - 1) * (m // WORLD) * cols * item,
+        record_row(f"{op}_shared_gpu", row["backend"], shape, dtype, WORLD, *row["times"],
+                   algo_bytes=WORLD * m * row_bytes, bytes_moved=moved,
+                   lower_bound=WORLD * (WORLD - 1) * (m // WORLD) * row_bytes,
                    mode="shared_gpu", impl=IMPL.get((op, row["backend"])) or IMPL[row["backend"]],
                    ranks_per_gpu=WORLD,
                    tflops=f"{2 * m * k * n * WORLD / (median * 1e-3) / 1e12:.1f}")
