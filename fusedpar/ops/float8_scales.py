@@ -38,6 +38,17 @@ def check_fp8(op: str, name: str, t) -> None:
                         f"torch.float8_e5m2 (quantize it first: fusedpar.ops.float8_scales.quantize)")
 
 
+def fp8_tensor_core_reasons(t: torch.Tensor, fix: str = "") -> list[str]:
+    """Why ``t``'s GPU cannot multiply fp8 (compute capability below 8.9: sm_80 is refused
+    rather than emulated); [] off CUDA. ``fix``: what to use instead, appended."""
+    if not t.is_cuda:
+        return []
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if (major, minor) >= (8, 9):
+        return []
+    return [f"fp8 tensor cores need compute capability 8.9+ (Ada, Hopper); this GPU has {major}.{minor}{fix}"]
+
+
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, round_pow2: bool = False) -> torch.Tensor:
     """torchao's ``amax_to_scale``: ``finfo(dtype).max / amax`` in float64, as float32,
     rounded down to a power of 2 if ``round_pow2`` (torchao's multiplier, not ``_scaled_mm``'s)."""

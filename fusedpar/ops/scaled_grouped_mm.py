@@ -149,13 +149,7 @@ class Triton(Backend):
     name = "triton"
 
     def not_supported_reasons(self, call: ScaledCall) -> list[str]:
-        reasons = triton_device_reasons(call.a.device)
-        if not reasons and call.a.device.type == "cuda":
-            capability = torch.cuda.get_device_capability(call.a.device)
-            if capability < (8, 9):
-                reasons.append(f"fp8 tensor cores need compute capability 8.9+ (Ada, Hopper); "
-                               f"this GPU has {capability[0]}.{capability[1]}")
-        return reasons
+        return triton_device_reasons(call.a.device) or float8_scales.fp8_tensor_core_reasons(call.a)
 
     def run(self, call: ScaledCall) -> torch.Tensor:
         out = torch.empty(call.out_shape(), dtype=call.out_dtype, device=call.a.device)

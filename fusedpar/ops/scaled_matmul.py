@@ -26,7 +26,7 @@ from .all_gather_matmul import Gather, shard_rows, symm_mem_reasons, unflattener
 from .backend import Backend, Dispatcher, Plans
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .matmul_reduce_scatter import ScatterViews, chunk_layout
-from .float8_scales import FP8_DTYPES, check_fp8
+from .float8_scales import FP8_DTYPES, check_fp8, fp8_tensor_core_reasons
 from .registry import register
 from .scaled_grouped_mm import scaled_grouped_mm
 
@@ -333,11 +333,8 @@ def _triton_reasons(call: ScaledCall) -> list[str]:
     output of the all-gather (its GEMM stores bf16 or fp32; the reduce-scatter's stores float32
     partials and rounds their sums to any output dtype)."""
     reasons = protocol.triton_reasons(call)  # Triton here; symmetric memory for the group's collective
-    if not reasons and call.x.is_cuda:
-        capability = torch.cuda.get_device_capability(call.x.device)
-        if capability < (8, 9):
-            reasons.append(f"fp8 tensor cores need compute capability 8.9+ (Ada, Hopper); this GPU has "
-                           f"{capability[0]}.{capability[1]}: use the pipelined or reference backend")
+    if not reasons:
+        reasons = fp8_tensor_core_reasons(call.x, ": use the pipelined or reference backend")
     if call.op == AG and torch.float16 in call.out_dtypes:
         reasons.append("the Triton fp8 GEMM stores bfloat16 or float32, not float16")
     return reasons

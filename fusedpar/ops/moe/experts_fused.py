@@ -354,11 +354,7 @@ def _float8_reasons(call: ExpertsCall) -> list[str]:
         reasons.append(f"float8={call.float8!r}: the first GEMM reads each staged row's fp32 scale in "
                        f"place after its H fp8 bytes, which needs H a multiple of 4, got H={H}; use "
                        "backend='pipelined' or 'reference'")
-    if call.x.is_cuda and torch.cuda.get_device_capability(call.x.device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(call.x.device)
-        reasons.append(f"float8={call.float8!r}: fp8 tensor cores need compute capability 8.9+ (Ada, "
-                       f"Hopper), this GPU has {major}.{minor}")
-    return reasons
+    return reasons + [f"float8={call.float8!r}: {r}" for r in float8_scales.fp8_tensor_core_reasons(call.x)]
 
 
 class Fused(Backend):
