@@ -110,9 +110,20 @@ def all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
 
 
 def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """``dist.reduce_scatter_single(out, x, group)`` (sum), bounded."""
-    _collective(lambda o, i: _reduce_scatter_single(o, i, group=group, async_op=True),
-                "a reduce-scatter", group, out, x)
+    """``dist.reduce_scatter_single(out, x, group)`` (sum), bounded. Where gloo carries it
+    (CPU tensors, host-staged ones): ``all_to_all_single`` (the same bytes), then a sum in
+    fp32 in rank order, rounded once, as the symmetric backends sum; gloo's own ring sums in
+    x's dtype, each chunk from another rank, which no single process reproduces."""
+    if x.is_cuda and not host_staged(group, x):
+        _collective(lambda o, i: _reduce_scatter_single(o, i, group=group, async_op=True),
+                    "a reduce-scatter", group, out, x)
+        return
+    parts = x.new_empty((dist.get_world_size(group), out.numel()))
+    all_to_all_single(parts, x, group)
+    total = parts[0].to(torch.float32, copy=True)
+    for part in parts[1:]:
+        total += part
+    out.copy_(total.view(out.shape))
 
 
 def all_to_all_single(out: torch.Tensor, x: torch.Tensor, group, out_splits=None, in_splits=None) -> None:

@@ -28,7 +28,8 @@ def _check(x, reduce_op: str, dim: int, world: int) -> int:
 
 
 class Reference(Backend):
-    """``dist.reduce_scatter_single`` over ``[W, outer, inner]`` (W moved to the front)."""
+    """``dist.reduce_scatter_single`` over ``[W, outer, inner]`` (W moved to the front; on
+    gloo, ``protocol.reduce_scatter_single``'s all-to-all and rank-order sum)."""
 
     name = "reference"
 
@@ -111,8 +112,9 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", dim: int = 0, group=None, *
         total = x.clone(); dist.all_reduce(total, group=group)      # "sum"
         out = total.chunk(world, dim=dim)[rank]                     # "avg": / world
 
-    ``x.shape[dim]`` must be divisible by the world size. Symmetric-memory backends sum in
-    fp32 in rank order and round once. ``group`` and ``backend`` as in ``all_gather``.
+    ``x.shape[dim]`` must be divisible by the world size. Symmetric-memory backends, and every
+    backend where gloo carries the data, sum in fp32 in rank order and round once (NCCL in
+    its own order). ``group`` and ``backend`` as in ``all_gather``.
     Differentiable: the gradient is ``all_gather(grad, dim, group)`` (``/ W`` for "avg").
     """
     return _reduce_scatter_op(x, op, dim, group_name(group), backend or "")

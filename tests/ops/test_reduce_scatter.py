@@ -67,6 +67,26 @@ def test_random_bf16_within_twice_torch_error(pools):
     assert pools(4).run(_random_bf16, "triton") == [True] * 4
 
 
+def _rank_order(backends):
+    """fp32 data over six orders of magnitude, where every order of the sum rounds otherwise:
+    each backend's result equals the fp32 sum in rank order (gloo's own ring does not)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    xs = [torch.randn(world * 300, generator=torch.Generator().manual_seed(r)) * torch.logspace(-3, 3, world * 300)
+          for r in range(world)]
+    want = xs[0].clone()
+    for x in xs[1:]:
+        want += x
+    want = want.chunk(world)[rank]
+    for backend in backends:
+        got = fusedpar.ops.reduce_scatter(xs[rank], "sum", 0, backend=backend)
+        assert torch.equal(got, want), (backend, (got - want).abs().max())
+    return True
+
+
+def test_every_cpu_backend_sums_in_rank_order(pools):
+    assert pools(4).run(_rank_order, cpu_backends("reduce_scatter")) == [True] * 4
+
+
 def _bad_inputs():
     return capture_errors({
         "divisible": lambda: fusedpar.ops.reduce_scatter(torch.ones(5, 3), "sum", 0),

@@ -128,13 +128,15 @@ def reference_run(model, data, loss=_whole_batch_loss):
     """The single process: loss and gradients of step 0, and the loss after every AdamW
     step, on the whole global batch (MoE models: the load-balancing loss of the whole batch
     too, which the parallelized model reproduces by summing the routing statistics).
-    ``loss(model, batch)``: a step's loss, where it is not the model's own on the batch."""
+    ``loss(model, batch)``: a step's loss, where it is not the model's own on the batch (or,
+    detached, after its own backward)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads0 = [], None
     for step, batch in enumerate(data):
         step_loss = loss(model, batch)
-        step_loss.backward()
+        if step_loss.requires_grad:  # else ``loss`` ran its own backward
+            step_loss.backward()
         if step == 0:
             grads0 = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
         losses.append(step_loss.detach())
