@@ -40,6 +40,13 @@ RS_SCHEMA = ("(Tensor A, Tensor B, Tensor A_scale, Tensor B_scale, str reduce_op
              "str backend=\"\") -> Tensor")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_OUT_DTYPE = torch.bfloat16
+#: torch 2.11 (the GPU image's; not 2.14) hands a custom op's ``ScalarType[]`` argument over as
+#: c10::ScalarType codes (ints, those ``prim::dtype`` returns), not as dtypes
+_SCALAR_TYPE_CODES = {torch.ops.prim.dtype(torch.empty(0, dtype=d)): d for d in OUT_DTYPES}
+
+
+def _as_dtypes(out_dtypes) -> list:
+    return [_SCALAR_TYPE_CODES.get(d, d) if isinstance(d, int) else d for d in out_dtypes]
 
 # A's scale layouts
 TENSORWISE, ROWWISE, ROWWISE_SHARD, ROWWISE_GATHERED = "tensorwise", "rowwise", "rowwise_shard", \
@@ -679,6 +686,7 @@ def _signature(*tensors) -> tuple:
 @torch.library.custom_op(f"fusedpar::{AG}", mutates_args=(), schema=AG_SCHEMA)
 def _ag_op(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
            use_fast_accum=False, backend=""):
+    out_dtypes = _as_dtypes(out_dtypes)
     key = (_signature(A_shard, A_scale, *Bs, *B_scales), len(Bs), gather_dim, group_name,
            tuple(out_dtypes), return_A, use_fast_accum, backend)
     plan = AG_PLANS.get(key)
@@ -700,6 +708,7 @@ def _ag_plan(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, out_dtypes,
 @_ag_op.register_fake
 def _(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
       use_fast_accum=False, backend=""):
+    out_dtypes = _as_dtypes(out_dtypes)
     world = dist.get_world_size(resolve_group(group_name))
     call = _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, world, None, out_dtypes, return_A,
                     use_fast_accum)
