@@ -35,7 +35,8 @@ def _receive_buffers(pipeline) -> int:
     tracker's view but part of every moment's memory."""
     stage = pipeline.schedule._stage
     infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-    return _bytes(info.buffer for chunk in infos for info in chunk if info.buffer is not None)
+    # getattr: the first stage's inputs are placeholders without one (torch 2.11)
+    return _bytes(info.buffer for chunk in infos for info in chunk if getattr(info, "buffer", None) is not None)
 
 
 def measure(kind: str, parallel: dict, activation_checkpointing: bool) -> dict:
