@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar
-from fusedpar.ops import registry
+from fusedpar.ops import registry, scaled_matmul
 from fusedpar.ops.scaled_matmul import AG, ROWWISE, ROWWISE_GATHERED, ROWWISE_SHARD, RS, TENSORWISE
 from fusedpar.testing import scaled_matmul as cases
 from fusedpar.testing.cases import same
@@ -218,7 +218,7 @@ def test_scales_are_torchaos():
 
 
 def test_registry_example_and_fake():
-    from fusedpar.ops import registry
+    from fusedpar.ops import registry, scaled_matmul
 
     for op in (AG, RS):
         spec = registry.get(op)
@@ -282,7 +282,16 @@ def _fake_shapes():
     real = calls(*tensors)
     with FakeTensorMode() as mode:
         fake = calls(*[mode.from_tensor(t) for t in tensors])
-    return real == fake
+    # torch 2.11 hands the kernel and the fake ScalarType[] as c10 codes, not dtypes
+    codes = [torch.ops.prim.dtype(torch.empty(0, dtype=d)) for d in (torch.bfloat16, torch.float32)]
+    op = scaled_matmul._ag_op
+    kernel = op._init_fn(a, bs, a_scale, b_scales, 1, name, out_dtypes=codes)
+    with FakeTensorMode() as mode:
+        f = mode.from_tensor
+        faked = op._abstract_fn(f(a), [f(b) for b in bs], f(a_scale), [f(s) for s in b_scales], 1, name,
+                                out_dtypes=codes)
+    from_codes = [[(tuple(t.shape), t.dtype) for t in (out[0], *out[1])] for out in (kernel, faked)]
+    return real == fake and from_codes == [real[:3]] * 2
 
 
 def test_fake_impls_match_the_real_calls(pools):
