@@ -218,8 +218,6 @@ def test_scales_are_torchaos():
 
 
 def test_registry_example_and_fake():
-    from fusedpar.ops import registry, scaled_matmul
-
     for op in (AG, RS):
         spec = registry.get(op)
         call = spec.example("cpu")
