@@ -48,6 +48,7 @@ _SCALAR_TYPE_CODES = {torch.ops.prim.dtype(torch.empty(0, dtype=d)): d for d in 
 def _as_dtypes(out_dtypes) -> list:
     return [_SCALAR_TYPE_CODES.get(d, d) if isinstance(d, int) else d for d in out_dtypes]
 
+
 # A's scale layouts
 TENSORWISE, ROWWISE, ROWWISE_SHARD, ROWWISE_GATHERED = "tensorwise", "rowwise", "rowwise_shard", \
     "rowwise_gathered"
@@ -665,6 +666,7 @@ RS_DISPATCHER = Dispatcher(RS, [RsTriton(), RsPipelined(), RsReference(), RsSymm
 
 def _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, world, group, out_dtypes, return_A,
              use_fast_accum) -> ScaledCall:
+    out_dtypes = _as_dtypes(out_dtypes)
     if isinstance(A_shard, torch.Tensor) and A_shard.dim() > 0 and gather_dim in (-1, A_shard.dim() - 1):
         raise ValueError(f"fusedpar.{AG}: gather_dim={gather_dim} is A's last dim (K): each shard's "
                          "scales cover its own K only; gather a leading dim (or all-gather A and "
@@ -686,7 +688,6 @@ def _signature(*tensors) -> tuple:
 @torch.library.custom_op(f"fusedpar::{AG}", mutates_args=(), schema=AG_SCHEMA)
 def _ag_op(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
            use_fast_accum=False, backend=""):
-    out_dtypes = _as_dtypes(out_dtypes)
     key = (_signature(A_shard, A_scale, *Bs, *B_scales), len(Bs), gather_dim, group_name,
            tuple(out_dtypes), return_A, use_fast_accum, backend)
     plan = AG_PLANS.get(key)
@@ -708,7 +709,6 @@ def _ag_plan(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, out_dtypes,
 @_ag_op.register_fake
 def _(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, return_A=True,
       use_fast_accum=False, backend=""):
-    out_dtypes = _as_dtypes(out_dtypes)
     world = dist.get_world_size(resolve_group(group_name))
     call = _ag_call(A_shard, Bs, A_scale, B_scales, gather_dim, world, None, out_dtypes, return_A,
                     use_fast_accum)
@@ -716,7 +716,7 @@ def _(A_shard, Bs, A_scale, B_scales, gather_dim, group_name, *, out_dtypes, ret
     shape[call.dim] *= world
     gathered = A_shard.new_empty(shape) if return_A else None
     return gathered, [A_shard.new_empty(shape[:-1] + [b.shape[1]], dtype=d)
-                      for b, d in zip(Bs, out_dtypes)]
+                      for b, d in zip(Bs, call.out_dtypes)]
 
 
 def _rs_call(A, B, A_scale, B_scale, reduce_op, scatter_dim, world, group, out_dtype,

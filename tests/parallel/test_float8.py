@@ -57,9 +57,14 @@ def zigzag_casts(model, cp: int):
     weight gradient by each feature's over the tokens): the sequence (dim -2) cut into
     ``2 cp`` chunks, rank r's chunks r and 2 cp - 1 - r (the zigzag) through the layer
     together, the outputs put back in order. Linears are per token: nothing else changes."""
+    return _wrap_float8_linears(model, _zigzag_forward, cp)
+
+
+def _wrap_float8_linears(model, forward, *args):
+    """``model`` whose float8 linears run ``forward(their forward, *args, x)``."""
     for linear in model.modules():
         if isinstance(linear, Float8Linear):
-            linear.forward = functools.partial(_zigzag_forward, linear.forward, cp)
+            linear.forward = functools.partial(forward, linear.forward, *args)
     return model
 
 
@@ -147,10 +152,7 @@ def rank_casts(model, ranks: int):
     gradient scales each feature over the tokens it sees), while the rest of the model sees
     the rows together: with the MoE model under ep, an expert's weight gradient spans the
     tokens of the ep group's ``ranks``."""
-    for linear in model.modules():
-        if isinstance(linear, Float8Linear):
-            linear.forward = functools.partial(_rank_forward, linear.forward, ranks)
-    return model
+    return _wrap_float8_linears(model, _rank_forward, ranks)
 
 
 def _rank_forward(forward, ranks: int, x):
