@@ -17,6 +17,12 @@ from fusedpar.comm.symmetric import shm_job_prefix  # noqa: E402
 from tests.dist_pool import PoolRegistry  # noqa: E402
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """test_aot.py's tests last: its compiles use only the cores the other tests leave idle
+    (test_aot.start_compiles), so the later its tests wait for them, the less is left."""
+    items.sort(key=lambda item: item.path.name == "test_aot.py")  # stable: the rest keep their order
+
+
 def pytest_collection_finish(session):
     """The ahead-of-time compiles take minutes of CPU: when the session runs them, start
     them now, in the background at the lowest priority (tests/kernels/test_aot.py)."""
