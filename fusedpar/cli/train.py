@@ -287,7 +287,7 @@ def single_process_model(tcfg: TrainConfig, pcfg: fusedpar.ParallelConfig, devic
                                       float8_exclude=pcfg.float8_exclude).validate(1)
         adapter = find_adapter(model)
         float8.convert(model, adapter.head(model), adapter.layout(model).layers, one,
-                       activation_checkpointing=False)
+                       activation_checkpointing=False, device_type=torch.device(device).type)
     return model
 
 

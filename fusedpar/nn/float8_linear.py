@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..comm import group_name, resolve_group
 from ..ops import all_gather, all_gather_scaled_matmul, scaled_matmul_reduce_scatter
-from ..ops.float8_scales import Cast, Recipe, quantize, recipe as get_recipe
-from ..ops.scaled_matmul import gather_rows, scaled_mm
+from ..ops.float8_scales import Cast, Recipe, quantize, recipe as get_recipe, scaled_mm
+from ..ops.scaled_matmul import gather_rows
 
 
 def _out_dtype(rowwise: bool, orig: torch.dtype) -> torch.dtype:

@@ -74,6 +74,49 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, round_
     return data, s.reciprocal()
 
 
+def _cpu_scaled_mm_takes_rows() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes rowwise scales (torch 2.11's
+    asserts tensorwise ones). Asked once, at import: a traced call must not run it."""
+    x = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(x, x.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+CPU_SCALED_MM_TAKES_ROWS = _cpu_scaled_mm_takes_rows()
+
+
+def col_major(b: torch.Tensor) -> torch.Tensor:
+    """``b`` column-major, as cuBLAS's fp8 GEMM takes it (a copy only if needed)."""
+    return b if b.stride(0) == 1 else b.t().contiguous().t()
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """``torch._scaled_mm`` of a ``[M, K]`` A and ``[K, N]`` B, any mix of scale layouts
+    (``_scaled_mm`` wants both tensorwise or both rowwise: a tensorwise scale meeting a
+    rowwise one is expanded, as torchao does), B column-major on CUDA. On CPU where torch's
+    op takes no rowwise scales: ``((a.float() * a_scale) @ (b.float() * b_scale)).to(out_dtype)``,
+    what torch 2.14's CPU op computes."""
+    a_rowwise, b_rowwise = a_scale.numel() > 1, b_scale.numel() > 1
+    if a_rowwise != b_rowwise:
+        if b_rowwise:
+            a_scale = a_scale.reshape(1, 1).expand(a.shape[0], 1).contiguous()
+        else:
+            b_scale = b_scale.reshape(1, 1).expand(1, b.shape[1]).contiguous()
+    elif not a_rowwise:
+        a_scale, b_scale = a_scale.reshape(()), b_scale.reshape(())
+    rowwise = a_rowwise or b_rowwise
+    a_scale = a_scale.reshape(a.shape[0], 1) if rowwise else a_scale
+    if a.is_cuda:
+        b = col_major(b)
+    elif rowwise and not CPU_SCALED_MM_TAKES_ROWS:
+        return ((a.float() * a_scale) @ (b.float() * b_scale.reshape(1, -1))).to(out_dtype)
+    return torch._scaled_mm(a.contiguous(), b, a_scale, b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
 @dataclass(frozen=True)
 class Cast:
     """How one GEMM operand is cast: its fp8 dtype, and whether its scale is per row of the

@@ -26,7 +26,7 @@ from .all_gather_matmul import Gather, shard_rows, symm_mem_reasons, unflattener
 from .backend import Backend, Dispatcher, Plans
 from .calls import MatmulCall, check_matmul_inputs, check_scatter
 from .matmul_reduce_scatter import ScatterViews, chunk_layout
-from .float8_scales import FP8_DTYPES, check_fp8, fp8_tensor_core_reasons
+from .float8_scales import FP8_DTYPES, check_fp8, col_major, fp8_tensor_core_reasons, scaled_mm
 from .registry import register
 from .scaled_grouped_mm import scaled_grouped_mm
 
@@ -166,26 +166,7 @@ def _a_mode_rows(op: str, a, s) -> str:
                      " (one per row)")
 
 
-# ---- the GEMM -----------------------------------------------------------------------------
-
-
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
-    """``torch._scaled_mm`` of a ``[M, K]`` A and ``[K, N]`` B, any mix of scale layouts
-    (``_scaled_mm`` wants both tensorwise or both rowwise: a tensorwise scale meeting a
-    rowwise one is expanded, as torchao does), B column-major on CUDA."""
-    a_rowwise, b_rowwise = a_scale.numel() > 1, b_scale.numel() > 1
-    if a_rowwise != b_rowwise:
-        if b_rowwise:
-            a_scale = a_scale.reshape(1, 1).expand(a.shape[0], 1).contiguous()
-        else:
-            b_scale = b_scale.reshape(1, 1).expand(1, b.shape[1]).contiguous()
-    elif not a_rowwise:
-        a_scale, b_scale = a_scale.reshape(()), b_scale.reshape(())
-    if a.is_cuda:
-        b = _col_major(b)
-    return torch._scaled_mm(a.contiguous(), b, a_scale.reshape(a.shape[0], 1) if a_rowwise else a_scale,
-                            b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+# ---- the backends ---------------------------------------------------------------------
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -300,11 +281,6 @@ def _one_granularity(call: ScaledCall) -> list[str]:
     return []
 
 
-def _col_major(b: torch.Tensor) -> torch.Tensor:
-    """``b`` column-major, as cuBLAS's fp8 GEMM takes it (a copy only if needed)."""
-    return b if b.stride(0) == 1 else b.t().contiguous().t()
-
-
 class AgSymmMem(Backend):
     """torch's ``torch.ops.symm_mem.fused_all_gather_scaled_matmul`` (forward only)."""
 
@@ -316,7 +292,7 @@ class AgSymmMem(Backend):
     def run(self, call: ScaledCall):
         n = len(call.bs)
         gathered, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
-            call.x, [_col_major(b) for b in call.bs], call.a_scale, call.b_scales, call.dim,
+            call.x, [col_major(b) for b in call.bs], call.a_scale, call.b_scales, call.dim,
             call.group.group_name,
             [None] * n, [None] * n, call.out_dtypes, [call.use_fast_accum] * n)
         return gathered.contiguous() if call.return_a else None, [o.contiguous() for o in outs]
@@ -584,7 +560,7 @@ class RsSymmMem(Backend):
         return reasons
 
     def run(self, call: ScaledCall):
-        a, b = call.x, _col_major(call.bs[0])
+        a, b = call.x, col_major(call.bs[0])
         total = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
             a, b, call.a_scale, call.b_scales[0], call.reduce_op, 0, 0, call.group.group_name,
             [a.shape[0], b.shape[1]], out_dtype=torch.float32, use_fast_accum=call.use_fast_accum)

@@ -5,6 +5,11 @@ Plain-torchao equivalent (torchtitan's float8 converter), RECIPE one of torchao'
 
     config = Float8LinearConfig.from_recipe_name(RECIPE)      # tensorwise: and
     config = replace(config, enable_fsdp_float8_all_gather=True)  # fp8 all-gather
+    if not tensorwise and device_type == "cpu" and not CPU_SCALED_MM_TAKES_ROWS:
+        raise ParallelConfigError(
+            f"float8={cfg.float8!r} on CPU: torchao's rowwise GEMMs call torch._scaled_mm with "
+            f"rowwise scales, which torch {torch.__version__} takes on CUDA only; use "
+            "float8='tensorwise' on CPU, or a torch whose CPU _scaled_mm takes them (2.14 does)")
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     ... fully_shard ...
     for step in ...:                                          # tensorwise: each step
@@ -69,6 +74,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..errors import ParallelConfigError
+from ..ops.float8_scales import CPU_SCALED_MM_TAKES_ROWS
 
 INSTALL_HINT = "pip install fusedpar[fp8]"
 
@@ -89,13 +95,14 @@ aten = torch.ops.aten
 
 
 def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], cfg,
-            *, activation_checkpointing: bool) -> None:
+            *, activation_checkpointing: bool, device_type: str) -> None:
     """``convert_to_float8_training`` on ``model`` with ``cfg.float8``'s recipe (see the
     module docstring), before TP/FSDP; rowwise weights in ``layers`` get
     :class:`RowwiseFloat8Weight` when they can be all-gathered in fp8 (not under activation
     checkpointing; rows divisible by FSDP's shard degree). ``cfg``: resolved. Raises
-    ``ParallelConfigError`` for a compute dtype ``_scaled_mm`` cannot output, a forced
-    layer whose dims are not multiples of 16 and when nothing would be converted."""
+    ``ParallelConfigError`` for a compute dtype ``_scaled_mm`` cannot output, a rowwise
+    recipe on ``device_type`` "cpu" where torch's CPU ``_scaled_mm`` takes no rowwise scales,
+    a forced layer whose dims are not multiples of 16 and when nothing would be converted."""
     config = Float8LinearConfig.from_recipe_name(cfg.float8)
     tensorwise = cfg.float8 == "tensorwise"
     fsdp_fp8 = cfg.float8_all_gather and cfg.tp == 1  # under tp the TP ops move the fp8
@@ -124,6 +131,11 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
             f"float8={cfg.float8!r}: the linear layers compute in {sorted(map(str, computes))}, "
             "and torch._scaled_mm outputs float32, bfloat16 or float16 only; cast the model "
             "(model.float()) or set param_dtype='bfloat16'")
+    if not tensorwise and device_type == "cpu" and not CPU_SCALED_MM_TAKES_ROWS:
+        raise ParallelConfigError(
+            f"float8={cfg.float8!r} on CPU: torchao's rowwise GEMMs call torch._scaled_mm with "
+            f"rowwise scales, which torch {torch.__version__} takes on CUDA only; use "
+            "float8='tensorwise' on CPU, or a torch whose CPU _scaled_mm takes them (2.14 does)")
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     if problems:
         raise ParallelConfigError(

@@ -114,7 +114,7 @@ def parallelize(model: nn.Module, config: ParallelConfig | Mapping | None = None
     tp_group = mesh["tp"].get_group().group_name if cfg.tp > 1 else None
     if float8 is not None:
         float8.convert(model, adapter.head(model), layout.layers, cfg,
-                       activation_checkpointing=activation_checkpointing)
+                       activation_checkpointing=activation_checkpointing, device_type=mesh.device_type)
     if cfg.pp > 1:
         pipeline_stages(model, adapter, layout, cfg, mesh, ep_mesh,
                         activation_checkpointing=activation_checkpointing, backend=backend,

@@ -15,6 +15,7 @@ from fusedpar.models import LlamaConfig, LlamaForCausalLM
 from fusedpar.parallel import ParallelConfig
 from fusedpar.plan import Candidate, Training, model_spec
 from fusedpar.plan.float8 import fsdp_all_gather_bytes
+from tests.ops.collective_cases import cpu_row_scales
 from tests.parallel.parallel_cases import SEQ, TINY, batches, reference_backends
 
 pytest.importorskip("torchao.float8")
@@ -52,6 +53,7 @@ def _counted_and_bounds(cases) -> list:
     return out if dist.get_rank() == 0 else None
 
 
+@cpu_row_scales
 @pytest.mark.timeout(300)
 def test_bounds_per_dtype_and_planned_all_gather_match_counted_bytes(pools):
     """bf16 and float8 FSDP: every op moves exactly its bound, and the planner's all-gather

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers", reason="fusedpar[hf] extra: transformers not installed")
 pytest.importorskip("accelerate", reason="fusedpar[hf] extra: accelerate not installed")
 
-from tests.ops.collective_cases import env  # noqa: E402
+from tests.ops.collective_cases import cpu_row_scales, env  # noqa: E402
 from tests.parallel.parallel_cases import make_model, reference_backends  # noqa: E402
 
 pytestmark = pytest.mark.multirank
@@ -202,6 +202,7 @@ def _hf_cases(out: str):
     return results
 
 
+@cpu_row_scales
 def test_trainer_and_accelerate_match_one_process_and_resume(pools, tmp_path):
     run, resumed, acc_run, acc_resumed, bf16, bf16_refusal, generated, fp8 = pools(4).run(
         _hf_cases, str(tmp_path / "parallel"), timeout=500)[0]

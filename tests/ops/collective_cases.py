@@ -9,11 +9,15 @@ import torch.distributed as dist
 import fusedpar
 from fusedpar.comm import get_buffer, settings
 from fusedpar.ops import registry
+from fusedpar.ops.float8_scales import CPU_SCALED_MM_TAKES_ROWS
 from fusedpar.testing.collectives import demo_input
 
 import pytest
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: torchao's rowwise recipes and torch's rowwise ``_scaled_mm`` (an oracle) on CPU
+cpu_row_scales = pytest.mark.skipif(not CPU_SCALED_MM_TAKES_ROWS, reason=f"torch {torch.__version__}'s CPU "
+                                    "_scaled_mm takes no rowwise scales (2.14's does)")
 
 
 def rank_data(shape, dtype, rank, salt=0, transposed=False):

@@ -10,7 +10,7 @@ import torch
 import fusedpar
 from fusedpar.ops import float8_scales, grouped_mm
 from fusedpar.ops.scaled_grouped_mm import float8_grouped_mm, scaled_grouped_mm
-from tests.ops.collective_cases import cpu_backends
+from tests.ops.collective_cases import cpu_backends, cpu_row_scales
 
 sgm = importlib.import_module("fusedpar.ops.scaled_grouped_mm")  # the module (fusedpar.ops exports the function)
 BACKENDS = cpu_backends("scaled_grouped_mm")
@@ -166,6 +166,7 @@ def test_per_group_cast_is_torchaos():
         assert torch.equal(scale[[0, 2]], want_s.reciprocal().view(2, 9))
 
 
+@cpu_row_scales
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float8_grouped_mm_rowwise_is_torchaos_moe_recipe(backend):
     """``recipe="rowwise"``: output, input and weight gradients equal torchao's FP8_ROWWISE

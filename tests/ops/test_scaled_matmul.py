@@ -13,7 +13,8 @@ from fusedpar.ops import registry, scaled_matmul
 from fusedpar.ops.scaled_matmul import AG, ROWWISE, ROWWISE_GATHERED, ROWWISE_SHARD, RS, TENSORWISE
 from fusedpar.testing import scaled_matmul as cases
 from fusedpar.testing.cases import same
-from tests.ops.collective_cases import capture_errors, cpu_backends, interpreter_cast_slack, poisoned_allocations
+from tests.ops.collective_cases import (capture_errors, cpu_backends, cpu_row_scales, interpreter_cast_slack,
+                                       poisoned_allocations)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -124,6 +125,7 @@ def _check_random():
     return True
 
 
+@cpu_row_scales
 def test_random_data_within_fp8_rounding_of_scaled_mm(pools):
     assert pools(2).run(_check_random) == [True, True]
 
@@ -215,6 +217,25 @@ def test_scales_are_torchaos():
                 assert torch.equal(scale, ao_scale.reciprocal())
                 assert torch.equal(data.view(torch.uint8),
                                    ao.to_fp8_saturated(x * ao_scale, dtype).view(torch.uint8))
+
+
+def test_scaled_mm_where_cpu_takes_no_row_scales(monkeypatch):
+    """Where torch's CPU ``_scaled_mm`` asserts tensorwise scales (torch 2.11), ``scaled_mm``
+    multiplies the scaled operands in fp32: within fp32 rounding of float64, and of torch's
+    own op where it takes rowwise scales, for every mix of scale layouts."""
+    f8 = fusedpar.ops.float8_scales
+    torch.manual_seed(0)
+    a, b = (torch.randn(7, 64) * 8).to(E4M3), (torch.randn(33, 64) * 8).to(E4M3).t()
+    rows, cols, one = torch.rand(7, 1) + 0.5, torch.rand(1, 33) + 0.5, torch.tensor(0.75)
+    for sa, sb in ((rows, cols), (one, cols), (rows, one)):
+        want = (a.double() * sa.double()) @ (b.double() * sb.double())
+        torch_op = f8.scaled_mm(a, b, sa, sb, torch.float32) if f8.CPU_SCALED_MM_TAKES_ROWS else want
+        monkeypatch.setattr(f8, "CPU_SCALED_MM_TAKES_ROWS", False)
+        got = f8.scaled_mm(a, b, sa, sb, torch.float32)
+        for other in (want, torch_op):
+            torch.testing.assert_close(got.double(), other.double(), rtol=1e-6, atol=1e-6 * want.abs().max().item())
+        assert torch.equal(f8.scaled_mm(a, b, sa, sb, torch.bfloat16), got.to(torch.bfloat16))
+        monkeypatch.undo()
 
 
 def test_registry_example_and_fake():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.nn.float8_linear import column_parallel_float8, row_parallel_float8
-from tests.ops.collective_cases import cpu_backends
+from tests.ops.collective_cases import cpu_backends, cpu_row_scales
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -65,6 +65,7 @@ def _check(runs):
     return worst
 
 
+@cpu_row_scales
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_float8_mlp_matches_torchao_float8_linear(pools, world):
     pytest.importorskip("torchao.float8")

@@ -27,6 +27,7 @@ from fusedpar.ops import topk_route
 from fusedpar.ops.moe.exchange import pack_float8, unpack_float8
 from fusedpar.ops.moe.mlp import swiglu
 from fusedpar.ops.scaled_grouped_mm import float8_grouped_mm
+from tests.ops.collective_cases import cpu_row_scales
 from tests.parallel.parallel_cases import (LR, TINY, assert_matches, batches, make_model, parallel_run,
                                            reference_backends, reference_run, train_curve)
 
@@ -354,6 +355,7 @@ def _check_float8_compiled_layers() -> dict:
     return out
 
 
+@cpu_row_scales
 @pytest.mark.timeout(600)
 def test_float8_matches_torchao_single_process(pools):
     """dp_shard=4, pp=2 x dp_shard=2, tp=2 x dp_shard=2 and the MoE model at ep=2."""
@@ -367,6 +369,7 @@ def test_float8_matches_torchao_single_process(pools):
     assert pools(4).run(_check_float8_matches_torchao, cases, MATCH_STEPS, timeout=500) == [True] * 4
 
 
+@cpu_row_scales
 @pytest.mark.timeout(300)
 def test_float8_under_context_parallel_matches_torchao(pools):
     """cp=2 x dp_shard=2: FSDP2 shards over dp_shard x cp (the fp8 all-gather's scales agree
@@ -380,12 +383,14 @@ def test_float8_under_context_parallel_matches_torchao(pools):
     assert pools(4).run(_check_float8_matches_torchao, cases, CP_STEPS, timeout=250) == [True] * 4
 
 
+@cpu_row_scales
 @pytest.mark.timeout(600)
 def test_float8_loss_and_all_gather_bytes_against_bf16(pools):
     results = pools(4).run(_check_float8_against_bf16, ("tensorwise", "rowwise"), BF16_STEPS, timeout=500)
     print(results[0])
 
 
+@cpu_row_scales
 @pytest.mark.timeout(300)
 def test_float8_layers_compile_fullgraph(pools):
     print(pools(4).run(_check_float8_compiled_layers, timeout=250)[0])
@@ -412,6 +417,7 @@ def test_fsdp_all_gather_moves_bytes(pools):
     assert pools(4).run(_check_byte_all_gather, timeout=60) == [True] * 4
 
 
+@cpu_row_scales
 @pytest.mark.timeout(600)
 def test_float8_checkpoint_resumes_and_loads_into_bf16(pools, tmp_path):
     for recipe in ("tensorwise", "rowwise"):
@@ -420,12 +426,14 @@ def test_float8_checkpoint_resumes_and_loads_into_bf16(pools, tmp_path):
 
 def test_float8_layer_choice_and_errors():
     """Default: every linear but the head; float8_include forces the head; a forced layer
-    whose dims are not multiples of 16 and a config that converts nothing are refused."""
+    whose dims are not multiples of 16, a config that converts nothing and a rowwise recipe
+    on CPU where torch's CPU _scaled_mm takes no rowwise scales are refused."""
     from fusedpar.parallel import float8
 
-    def converted(model, recipe="rowwise", checkpointing=False, **options):
-        float8.convert(model, model.lm_head, list(model.model.layers),
-                       ParallelConfig(float8=recipe, **options), activation_checkpointing=checkpointing)
+    # converting touches no device: device_type matters only to the CPU check at the end
+    def converted(model, recipe="rowwise", checkpointing=False, device_type="cuda", **options):
+        float8.convert(model, model.lm_head, list(model.model.layers), ParallelConfig(float8=recipe, **options),
+                       activation_checkpointing=checkpointing, device_type=device_type)
         return sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
 
     def gathered_as(model):
@@ -460,6 +468,12 @@ def test_float8_layer_choice_and_errors():
         converted(odd, float8_include=("lm_head",))
     with pytest.raises(ParallelConfigError, match="no linear layer to convert"):
         converted(make_model("llama"), float8_exclude=("proj",))
+    with pytest.MonkeyPatch.context() as patch:  # torch 2.11's CPU _scaled_mm: tensorwise scales only
+        patch.setattr(float8, "CPU_SCALED_MM_TAKES_ROWS", False)
+        for recipe in ("rowwise", "rowwise_with_gw_hp"):
+            with pytest.raises(ParallelConfigError, match=f"float8='{recipe}' on CPU: .* use float8='tensorwise'"):
+                converted(make_model("llama"), recipe, device_type="cpu")
+        assert len(converted(make_model("llama"), "tensorwise", device_type="cpu")) == 14
 
 
 def test_fusedpar_imports_without_torchao_and_float8_names_the_extra():
