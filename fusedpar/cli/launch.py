@@ -29,6 +29,7 @@ import time
 import torch
 
 import fusedpar
+from fusedpar.comm.groups import settle_gloo_workers
 
 
 def under_torchrun() -> bool:
@@ -226,6 +227,7 @@ def _spawned_rank(rank: int, world: int, target, spec: dict, how: dict) -> None:
     finally:
         fusedpar.comm.release_buffers()
         dist.destroy_process_group()
+        settle_gloo_workers()
 
 
 def spawn(target, spec: dict, world: int, device: str, timeout: float, name: str,
