@@ -114,7 +114,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: 
         b = col_major(b)
     elif rowwise and not CPU_SCALED_MM_TAKES_ROWS:
         return ((a.float() * a_scale) @ (b.float() * b_scale.reshape(1, -1))).to(out_dtype)
-    return torch._scaled_mm(a.contiguous(), b, a_scale, b_scale, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return torch._scaled_mm(a.contiguous(), b, a_scale.contiguous(), b_scale.contiguous(), out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
 
 
 @dataclass(frozen=True)
