@@ -139,7 +139,8 @@ BASELINES["scaled_matmul_reduce_scatter_shared_gpu"] = {
 # One training step of a ~1B Llama on one GPU (bench_train.py): fusedpar.parallelize's model is
 # the ``auto`` row (what a user gets; its target: AUTO_TARGET x plain torch's eager FSDP2 step,
 # within noise); the plain model under torch.compile is a row of its own, not a baseline (the
-# target is against eager plain torch), shown with its speed-up over it. No LABELS entry: the
+# target is against eager plain torch), shown with its speed-up over it (the compiled float8 rows'
+# target is against it: bench_train's FLOAT8_TARGET). No LABELS entry: the
 # rows time no single op's choice, so benchmarks/defaults.py leaves them out
 BASELINES["train_step"] = {"torch": None}
 AUTO_OPS.append("train_step")
