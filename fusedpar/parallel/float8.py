@@ -5,11 +5,6 @@ Plain-torchao equivalent (torchtitan's float8 converter), RECIPE one of torchao'
 
     config = Float8LinearConfig.from_recipe_name(RECIPE)      # tensorwise: and
     config = replace(config, enable_fsdp_float8_all_gather=True)  # fp8 all-gather
-    if not tensorwise and device_type == "cpu" and not CPU_SCALED_MM_TAKES_ROWS:
-        raise ParallelConfigError(
-            f"float8={cfg.float8!r} on CPU: torchao's rowwise GEMMs call torch._scaled_mm with "
-            f"rowwise scales, which torch {torch.__version__} takes on CUDA only; use "
-            "float8='tensorwise' on CPU, or a torch whose CPU _scaled_mm takes them (2.14 does)")
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     ... fully_shard ...
     for step in ...:                                          # tensorwise: each step
@@ -71,6 +66,7 @@ import functools
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map_only
 
 from ..errors import ParallelConfigError
@@ -101,7 +97,8 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
     :class:`RowwiseFloat8Weight` when they can be all-gathered in fp8 (not under activation
     checkpointing; rows divisible by FSDP's shard degree). ``cfg``: resolved. Raises
     ``ParallelConfigError`` for a compute dtype ``_scaled_mm`` cannot output, a rowwise
-    recipe on ``device_type`` "cpu" where torch's CPU ``_scaled_mm`` takes no rowwise scales,
+    recipe on ``device_type`` "cpu" where torch's CPU ``_scaled_mm`` takes no rowwise scales
+    (but for fake parameters: ``fusedpar plan --dry-run`` computes nothing),
     a forced layer whose dims are not multiples of 16 and when nothing would be converted."""
     config = Float8LinearConfig.from_recipe_name(cfg.float8)
     tensorwise = cfg.float8 == "tensorwise"
@@ -131,7 +128,8 @@ def convert(model: nn.Module, head: nn.Module | None, layers: list[nn.Module], c
             f"float8={cfg.float8!r}: the linear layers compute in {sorted(map(str, computes))}, "
             "and torch._scaled_mm outputs float32, bfloat16 or float16 only; cast the model "
             "(model.float()) or set param_dtype='bfloat16'")
-    if not tensorwise and device_type == "cpu" and not CPU_SCALED_MM_TAKES_ROWS:
+    dry_run = isinstance(next(model.parameters(), None), FakeTensor)  # computes nothing
+    if not tensorwise and device_type == "cpu" and not CPU_SCALED_MM_TAKES_ROWS and not dry_run:
         raise ParallelConfigError(
             f"float8={cfg.float8!r} on CPU: torchao's rowwise GEMMs call torch._scaled_mm with "
             f"rowwise scales, which torch {torch.__version__} takes on CUDA only; use "

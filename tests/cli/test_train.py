@@ -13,6 +13,7 @@ import fusedpar
 import fusedpar.models
 from fusedpar.cli import build_parser, train
 from tests.cli.common import run_cli
+from tests.ops.collective_cases import cpu_row_scales
 
 
 def _resolve(argv, world=4):
@@ -264,6 +265,7 @@ def test_float8_flag_picks_fsdp_unless_degrees_are_given(tmp_path):
     assert pcfg.float8 is not None and (pcfg.tp, pcfg.dp_shard) == (1, 4)
 
 
+@cpu_row_scales
 def test_the_single_process_run_converts_as_the_parallel_run(tmp_path):
     """Under ``--float8`` the comparison's one process is torchao's float8 model (the same
     recipe and layers ``parallelize`` converts), not the plain fp32 one."""
