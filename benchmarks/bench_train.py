@@ -96,6 +96,8 @@ BASELINE, COMPILED = "torch", "torch.compile"
 # Inductor fuses the amax and cast kernels that eager runs one by one)
 FLOAT8 = {"float8.tensorwise": "tensorwise", "float8.rowwise": "rowwise"}
 FLOAT8_COMPILED = {"float8.tensorwise.compile": "tensorwise", "float8.rowwise.compile": "rowwise"}
+RECIPES = {**FLOAT8, **FLOAT8_COMPILED}  # every float8 row's recipe
+COMPILES = {COMPILED, *FLOAT8_COMPILED}  # the rows whose layers are compiled
 FLOAT8_TARGET = 1.2  # issue 45: float8 at least 1.2x bf16 tokens/s at 1B+ parameters
 # the baselines first: the others' ratios are to them (compiled float8's to torch.compile's)
 BACKENDS = [BASELINE, AUTO, *FLOAT8, COMPILED, *FLOAT8_COMPILED]
@@ -161,9 +163,8 @@ def build(backend: str, config: LlamaConfig, device: torch.device, *, compiler: 
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, INIT_STD)
-    if backend == AUTO or backend in FLOAT8 or backend in FLOAT8_COMPILED:
-        recipe = {**FLOAT8, **FLOAT8_COMPILED}.get(backend)
-        model = fusedpar.parallelize(model, {"dp_shard_size": -1, **MIXED, "float8": recipe},
+    if backend == AUTO or backend in RECIPES:
+        model = fusedpar.parallelize(model, {"dp_shard_size": -1, **MIXED, "float8": RECIPES.get(backend)},
                                      device_type=device.type)
         if backend in FLOAT8_COMPILED:  # after parallelize: a user's order (test_float8's too)
             for layer in model.model.layers:
@@ -220,7 +221,7 @@ def release() -> None:
 def test_step(benchmark, one_rank_group, gpu_times, record_row, record_profile, report_target, synced,
               matmul_roofline, backend):
     device = torch.device("cuda", torch.cuda.current_device())
-    if backend in FLOAT8 or backend in FLOAT8_COMPILED:
+    if backend in RECIPES:
         pytest.importorskip("torchao", reason="float8 training needs torchao (the fp8 extra)")
     release()
     torch.cuda.reset_peak_memory_stats(device)
@@ -239,7 +240,7 @@ def test_step(benchmark, one_rank_group, gpu_times, record_row, record_profile, 
         benchmark.pedantic(synced(step), rounds=3, warmup_rounds=0, iterations=1)
     finally:
         model = optimizer = step = None
-        if backend == COMPILED or backend in FLOAT8_COMPILED:
+        if backend in COMPILES:
             torch._dynamo.reset()
         release()
     _medians[backend] = median
@@ -253,14 +254,14 @@ def test_step(benchmark, one_rank_group, gpu_times, record_row, record_profile, 
              "gpu_busy_ms": f"{busy:.2f}", "host_ms": f"{host:.2f}", "peak_mem_gib": f"{peak_mem:.1f}",
              "loss": f"{losses[0]:.3f}"}
     bf16 = COMPILED if backend in FLOAT8_COMPILED else BASELINE  # float8 against bf16, compiled or not
-    if (backend in FLOAT8 or backend in FLOAT8_COMPILED) and bf16 in _medians:
+    if backend in RECIPES and bf16 in _medians:
         key = "x_compiled" if bf16 == COMPILED else "x_torch"
         notes[key] = f"{_medians[bf16] / median:.3f}"
         met = "MET" if _medians[bf16] / median >= FLOAT8_TARGET else "MISSED"
         report_target(f"{OP} {name(SHAPE)} {backend}: {notes[key]}x {bf16} (target {FLOAT8_TARGET}x: {met})")
     if backend == AUTO:
         notes["fusedpar_ops"] = " ".join(f"{op}:{b}" for op, b in sorted(counter.by_op())) or "none"
-    if backend == COMPILED or backend in FLOAT8_COMPILED:
+    if backend in COMPILES:
         notes["graphs"] = graphs  # Dynamo's: one serves every layer
         if BASELINE in _medians:
             notes["x_torch"] = f"{_medians[BASELINE] / median:.3f}"
@@ -307,7 +308,7 @@ def test_steps_on_cpu():
     ids = tokens(TINY, 2, 32, device)
     losses, ops = {}, {}
     # torch 2.11's CPU _scaled_mm takes no rowwise scales: parallelize refuses rowwise there
-    cases = [b for b in BACKENDS if CPU_SCALED_MM_TAKES_ROWS or {**FLOAT8, **FLOAT8_COMPILED}.get(b) != "rowwise"]
+    cases = [b for b in BACKENDS if CPU_SCALED_MM_TAKES_ROWS or RECIPES.get(b) != "rowwise"]
     try:
         with one_rank_cpu_group():
             for backend in cases:
@@ -317,7 +318,7 @@ def test_steps_on_cpu():
                 with fusedpar.comm.count_bytes() as counter:
                     losses[backend] = [step().item() for _ in range(3)]
                 ops[backend] = counter.by_op()
-                if backend == COMPILED or backend in FLOAT8_COMPILED:
+                if backend in COMPILES:
                     assert compiled_graphs() - graphs == 1, f"{backend}: the layers do not share a graph"
                 model = optimizer = step = None
     finally:
@@ -325,11 +326,10 @@ def test_steps_on_cpu():
     for backend, values in losses.items():
         assert all(map(math.isfinite, values)) and values[-1] < values[0], (backend, values)
         # float8 rounds every linear's operands to 3 mantissa bits: close, not equal
-        float8 = backend in FLOAT8 or backend in FLOAT8_COMPILED
-        assert values == pytest.approx(losses[BASELINE], rel=3e-2 if float8 else 1e-3), losses
+        assert values == pytest.approx(losses[BASELINE], rel=3e-2 if backend in RECIPES else 1e-3), losses
     for backend in FLOAT8_COMPILED.keys() & losses.keys():  # compiling changes no number
         assert losses[backend] == pytest.approx(losses[backend.removesuffix(".compile")], rel=1e-5), losses
-    for backend in (FLOAT8.keys() | FLOAT8_COMPILED.keys()) & ops.keys():
+    for backend in RECIPES.keys() & ops.keys():
         assert ops[backend] == {}, f"fusedpar ops ran in the one-rank float8 step: {ops[backend]}"
     assert ops[AUTO] == {}, f"fusedpar ops ran in the one-rank step: {ops[AUTO]}"
     for config in (TINY, dataclasses.replace(TINY, tie_embeddings=False)):
